@@ -1,0 +1,84 @@
+"""The `InferenceEngine` contract shared by the embedded engine and the HTTP adapters."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
+    ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    multimodal_inputs: dict[str, Any] | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """``output_ids`` are the generated ids (a matched stop string or stop token is kept, EOS too);
+    ``output_log_probs[i]`` is log p(output_ids[i]) under the sampling distribution after
+    temperature scaling and before top-p/top-k filtering; ``weight_version`` is the version of the
+    weights that produced every token of this output."""
+
+    request_id: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    text: str = ""
+
+
+class InferenceEngine(abc.ABC):
+    """Async engine API. All methods are coroutines so that local and remote engines are
+    called the same way."""
+
+    @abc.abstractmethod
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Generate every request; outputs come back in request order."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop the named in-flight requests; they finish with ``finish_reason == "abort"``."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop admitting new work and let in-flight work reach a safe point."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Undo `pause`."""
+
+    @abc.abstractmethod
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load tensors in Hugging Face naming and start serving ``version``."""
+
+    @abc.abstractmethod
+    async def health(self) -> dict[str, Any]:
+        """A small status dict; raises if the engine cannot serve."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights currently served."""
