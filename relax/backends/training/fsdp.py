@@ -1,0 +1,279 @@
+"""Training backend on FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Every rank receives the whole global batch and trains on its strided share; loss denominators
+count the whole batch, so the gradient equals the single-process one at any world size. The
+model's response logits are computed only at response positions, which keeps the fp32 logits of
+long prompts out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from relax.algorithms.loss import LossFn, MicroBatchTensors
+from relax.backends.training.base import TrainBackend, TrainBatch
+from relax.distributed.process_group import ensure_process_group
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    device: torch.device
+    compute_dtype: torch.dtype  # dtype of the forward; master weights stay float32
+    micro_batch_size: int
+    temperature: float  # logits are divided by it so log-probs match the sampling distribution
+    pad_token_id: int
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    total_optimizer_steps: int = 1
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    gradient_checkpointing: bool = False
+
+
+class ResponseLogitsModel(nn.Module):
+    """A causal LM that returns logits only at the positions that predict response tokens."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor):
+        """``input_ids``/``attention_mask`` ``[B, T]``; ``predict_positions`` ``[B, R]`` indexes the
+        positions whose next-token logits are wanted. Returns logits ``[B, R, V]``."""
+        hidden = self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        index = predict_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+        return self.hf_model.get_output_embeddings()(hidden.gather(1, index))
+
+
+def lr_lambda(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if style == "constant":
+        return 1.0
+    progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _shard_model(model: ResponseLogitsModel, compute_dtype: torch.dtype) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
+    for module in model.hf_model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+class FSDPTrainBackend(TrainBackend):
+    """Policy (``trainable=True``) or frozen reference model (``trainable=False``)."""
+
+    def __init__(self, model_path: str | Path, settings: TrainSettings, trainable: bool = True):
+        ensure_process_group(settings.device)
+        self.settings = settings
+        self.trainable = trainable
+        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if settings.gradient_checkpointing and trainable:
+            hf_model.gradient_checkpointing_enable()
+        hf_model.to(settings.device)
+        self.model = ResponseLogitsModel(hf_model)
+        _shard_model(self.model, settings.compute_dtype)
+        self.model.train(trainable)
+        self.model.requires_grad_(trainable)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=settings.lr, betas=settings.adam_betas, eps=settings.adam_eps,
+                weight_decay=settings.weight_decay, foreach=True,
+            )
+            min_ratio = settings.min_lr / settings.lr
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer,
+                lambda step: lr_lambda(
+                    step, settings.lr_warmup_steps, settings.total_optimizer_steps, settings.lr_decay_style, min_ratio
+                ),
+            )
+
+    @property
+    def hf_config(self):
+        return self.model.hf_model.config
+
+    # ---- forward -------------------------------------------------------------------------
+    def _pack(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ``input_ids``/``attention_mask`` ``[B, T]``, ``predict_positions`` and
+        ``targets`` ``[B, R]``, and ``response_mask`` ``[B, R]`` (1 on real response tokens)."""
+        device = self.settings.device
+        lengths = [len(t) for t in batch.tokens]
+        max_len, max_resp = max(lengths), max(max(batch.response_lengths), 1)
+        input_ids = torch.full((len(batch), max_len), self.settings.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
+        positions = torch.zeros((len(batch), max_resp), dtype=torch.long)
+        response_mask = torch.zeros((len(batch), max_resp))
+        for row, (tokens, resp_len) in enumerate(zip(batch.tokens, batch.response_lengths)):
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            attention_mask[row, : len(tokens)] = 1
+            prompt_len = len(tokens) - resp_len
+            positions[row, :resp_len] = torch.arange(prompt_len - 1, len(tokens) - 1)
+            response_mask[row, :resp_len] = 1
+        targets = input_ids.gather(1, (positions + 1).clamp(max=max_len - 1))
+        return (input_ids.to(device), attention_mask.to(device), positions.to(device), targets.to(device),
+                response_mask.to(device))
+
+    def _log_probs_and_entropy(self, batch: TrainBatch, entropy_grad: bool):
+        input_ids, attention_mask, positions, targets, response_mask = self._pack(batch)
+        logits = self.model(input_ids, attention_mask, positions).float() / self.settings.temperature
+        log_norm = logits.logsumexp(dim=-1)
+        log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(logits, dim=-1)
+            entropy = log_norm - (probs * logits).sum(dim=-1)
+        return log_probs, entropy, response_mask
+
+    def _rank_share(self, batch: TrainBatch) -> TrainBatch:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return batch
+        return batch.select(range(dist.get_rank(), len(batch), dist.get_world_size()))
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+        size = self.settings.micro_batch_size
+        for start in range(0, len(batch), size):
+            yield batch.select(range(start, min(start + size, len(batch))))
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-sample log-probs and entropies; every rank computes the whole batch so that all
+        ranks hold the same values without a gather."""
+        was_training = self.model.training
+        self.model.eval()
+        log_probs_out: list[torch.Tensor] = []
+        entropy_out: list[torch.Tensor] = []
+        try:
+            for mb in self._micro_batches(batch):
+                log_probs, entropy, _ = self._log_probs_and_entropy(mb, entropy_grad=False)
+                for row, resp_len in enumerate(mb.response_lengths):
+                    log_probs_out.append(log_probs[row, :resp_len].cpu())
+                    entropy_out.append(entropy[row, :resp_len].cpu())
+        finally:
+            self.model.train(was_training)
+        return log_probs_out, entropy_out
+
+    # ---- training ------------------------------------------------------------------------
+    def _micro_batch_tensors(self, mb: TrainBatch, response_mask: torch.Tensor, num_samples: int, num_tokens: int):
+        device = self.settings.device
+        mask = torch.zeros_like(response_mask)
+        for row, loss_mask in enumerate(mb.loss_masks):
+            mask[row, : len(loss_mask)] = torch.tensor(loss_mask, dtype=mask.dtype, device=device)
+        fields = {}
+        for name, values in mb.fields.items():
+            padded = torch.zeros_like(response_mask)
+            for row, value in enumerate(values):
+                padded[row, : value.numel()] = value.to(device=device, dtype=padded.dtype)
+            fields[name] = padded
+        return MicroBatchTensors(mask=mask, fields=fields, global_num_samples=num_samples, global_num_tokens=num_tokens)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        assert self.optimizer is not None and self.scheduler is not None, "a frozen backend cannot train"
+        num_samples, num_tokens = len(batch), batch.num_loss_tokens()
+        micro_batches = list(self._micro_batches(self._rank_share(batch)))
+        entropy_grad = True
+        totals: dict[str, torch.Tensor] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, mb in enumerate(micro_batches):
+            # Reduce gradients across ranks once, on the last micro-batch.
+            self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            log_probs, entropy, response_mask = self._log_probs_and_entropy(mb, entropy_grad)
+            tensors = self._micro_batch_tensors(mb, response_mask, num_samples, num_tokens)
+            loss, metrics = loss_fn(tensors, log_probs, entropy)
+            loss.backward()
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + value.detach().float()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        result = self._all_reduce_sum(totals)
+        result["grad_norm"] = grad_norm
+        result["lr"] = self.scheduler.get_last_lr()[0]
+        return result
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        if not totals:
+            return {}
+        names = sorted(totals)
+        stacked = torch.stack([torch.as_tensor(totals[n], dtype=torch.float32) for n in names]).to(self.settings.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stacked)
+        return dict(zip(names, stacked.tolist()))
+
+    # ---- weights -------------------------------------------------------------------------
+    def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, param in self.model.hf_model.named_parameters():
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            tensor = tensor.detach().to(dtype)
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded HF state dict on CPU (every rank gets it)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        prefix = "hf_model."
+        return {k.removeprefix(prefix): v for k, v in state.items()}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, directory: Path, include_optimizer: bool = True) -> None:
+        directory = Path(directory)
+        if include_optimizer and self.optimizer is not None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
+            if dist.get_rank() == 0:
+                torch.save(self.scheduler.state_dict(), directory / "lr_scheduler.pt")
+        else:
+            dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=directory / "model_optim")
+
+    def load(self, directory: Path, include_optimizer: bool = True) -> None:
+        directory = Path(directory)
+        if include_optimizer and self.optimizer is not None:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=directory / "model_optim")
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            self.scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=directory / "model_optim")
+            set_model_state_dict(self.model, state["model"])

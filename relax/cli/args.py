@@ -1,0 +1,134 @@
+"""Build `RelaxConfig` from a YAML file and command-line flags (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from relax.config import SECTIONS, ConfigError, RelaxConfig, fields_by_section, flag
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg}): {text!r}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expects a JSON object, got {text!r}")
+    return value
+
+
+def _add_field_argument(group: argparse._ArgumentGroup, name: str) -> None:
+    info = RelaxConfig.model_fields[name]
+    annotation = _unwrap_optional(info.annotation)
+    origin = typing.get_origin(annotation)
+    kwargs: dict[str, Any] = {"dest": name, "help": f"{info.description} (default: {info.default!r})"}
+    if annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is typing.Literal:
+        kwargs["choices"] = typing.get_args(annotation)
+    elif origin is list:
+        kwargs["nargs"] = "*"
+        kwargs["type"] = typing.get_args(annotation)[0]
+    elif origin is dict and name == "eval_prompt_data":
+        kwargs["nargs"] = "+"
+        kwargs["metavar"] = "NAME PATH"
+    elif origin is dict:
+        kwargs["type"] = _json_object
+        kwargs["metavar"] = "JSON"
+    elif annotation in (int, float, str):
+        kwargs["type"] = annotation
+    else:  # pragma: no cover - guards new field types
+        raise TypeError(f"no command-line form for field {name!r} of type {annotation!r}")
+    group.add_argument(flag(name), **kwargs)
+
+
+def build_parser(prog: str = "relax train", description: str | None = None) -> argparse.ArgumentParser:
+    """A parser whose flags are exactly the config fields; unset flags stay absent."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", dest="config_file", help="YAML file of settings; flags override it.")
+    for section, names in fields_by_section().items():
+        group = parser.add_argument_group(f"{section} settings")
+        for name in names:
+            _add_field_argument(group, name)
+    return parser
+
+
+def read_yaml_settings(path: str | Path) -> dict[str, Any]:
+    """Settings from a YAML file, keys normalised to field names; unknown keys are errors."""
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as err:
+        raise ConfigError(f"--config: file not found: {path}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config: {path} is not valid YAML: {err}") from err
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
+    settings = {str(key).replace("-", "_"): value for key, value in loaded.items()}
+    known = set(RelaxConfig.model_fields)
+    for key in settings:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(f"--config: {path}: unknown setting {key!r}{suggestion}")
+    return settings
+
+
+def config_from_settings(settings: dict[str, Any]) -> RelaxConfig:
+    """Validate settings; every problem is reported with the flag it concerns."""
+    try:
+        return RelaxConfig(**settings)
+    except ValidationError as err:
+        lines = []
+        for problem in err.errors():
+            field_name = problem["loc"][0] if problem["loc"] else None
+            message = problem["msg"].removeprefix("Value error, ")
+            lines.append(f"{flag(str(field_name))}: {message}" if field_name else message)
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "relax train") -> RelaxConfig:
+    """Defaults, then the YAML file of --config, then flags."""
+    parser = build_parser(prog)
+    namespace = vars(parser.parse_args(argv))
+    config_file = namespace.pop("config_file", None)
+    settings = read_yaml_settings(config_file) if config_file else {}
+    settings.update(namespace)
+    return config_from_settings(settings)
+
+
+def render_config_reference() -> str:
+    """docs/config.md: every setting, its flag, default and description."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `relax/config.py` by `relax config-docs`; do not edit by hand.",
+        "Every setting can be given in the YAML file of `--config` (as `name: value`) or as a flag;",
+        "flags override the file.",
+        "",
+    ]
+    for section in SECTIONS:
+        lines += [f"## {section.capitalize()}", "", "| flag | default | description |", "|---|---|---|"]
+        for name in fields_by_section()[section]:
+            info = RelaxConfig.model_fields[name]
+            description = (info.description or "").replace("|", "\\|")
+            lines.append(f"| `{flag(name)}` | `{info.default!r}` | {description} |")
+        lines.append("")
+    return "\n".join(lines)

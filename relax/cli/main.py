@@ -1,0 +1,172 @@
+"""`relax` command: train, eval, export, config-docs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+USAGE = """usage: relax <command> [options]
+
+commands:
+  train        train a model with RL (relax train --help lists every setting)
+  eval         measure a model or checkpoint on held-out prompt sets
+  export       turn a checkpoint into a Hugging Face model folder
+  config-docs  print the configuration reference (docs/config.md)
+"""
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def setup_logging(run_dir: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(run_dir / "run.log"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=handlers, force=True)
+    # The console shows warnings and the progress bar; run.log keeps the per-step lines.
+    handlers[0].setLevel(logging.WARNING)
+
+
+def write_resolved_config(cfg, run_dir: Path) -> None:
+    from relax.utils.tracking import redact_secrets
+
+    text = yaml.safe_dump(redact_secrets(cfg.model_dump()), sort_keys=False)
+    (run_dir / "config.yaml").write_text(text)
+    print(f"resolved config ({run_dir / 'config.yaml'}):\n{text}", file=sys.stderr)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from relax.cli.args import parse_config
+
+    cfg = parse_config(argv, prog="relax train")
+    run_dir = Path(cfg.output_dir)
+    setup_logging(run_dir)
+    _quiet_libraries()
+    from relax.core.build import build_roles
+    from relax.core.controller import SyncController
+    from relax.utils.tracking import Tracker, redact_secrets
+
+    write_resolved_config(cfg, run_dir)
+    roles = build_roles(cfg)
+    with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
+                 wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
+        controller = SyncController(cfg, roles, tracker)
+        last = asyncio.run(controller.run())
+    first = _first_eval_accuracy(run_dir)
+    if "eval/accuracy" in last and first is not None:
+        print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
+              f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
+    print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/, checkpoints/)")
+    return 0
+
+
+def _first_eval_accuracy(run_dir: Path) -> float | None:
+    from relax.utils.tracking import read_metrics
+
+    for row in read_metrics(run_dir / "metrics.jsonl"):
+        if row.get("eval/accuracy") is not None:
+            return row["eval/accuracy"]
+    return None
+
+
+def cmd_eval(argv: list[str]) -> int:
+    """Evaluate --hf-checkpoint (a model folder) or --load (a checkpoint) on --eval-prompt-data."""
+    from relax.cli.args import parse_config
+    from relax.config import ConfigError, flag
+
+    cfg = parse_config(argv, prog="relax eval")
+    setup_logging(None)
+    _quiet_libraries()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.components.rollout import Rollout
+    from relax.core.build import build_reward_computer, eval_sampling, load_eval_sets, resolve_device, resolve_dtype
+    from relax.core.checkpoint import load_hf_model_from_checkpoint
+
+    if not cfg.eval_prompt_data:
+        raise ConfigError(f"{flag('eval_prompt_data')} is required")
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    if cfg.load:
+        model, tokenizer_path = load_hf_model_from_checkpoint(cfg.load, dtype=dtype)
+    elif cfg.hf_checkpoint:
+        model, tokenizer_path = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=dtype), cfg.hf_checkpoint
+    else:
+        raise ConfigError(f"set {flag('hf_checkpoint')} (a model folder) or {flag('load')} (a checkpoint)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size)
+    rollout = Rollout(engine=engine, data_source=None, rewards=build_reward_computer(cfg), sampling=eval_sampling(cfg, tokenizer),
+                      n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer),
+                      n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt)
+    with torch.inference_mode():
+        metrics, _ = asyncio.run(rollout.evaluate(step=0))
+    for name in cfg.eval_prompt_data:
+        print(f"{name}: accuracy {metrics[f'eval/{name}/accuracy']:.4f}  reward {metrics[f'eval/{name}/reward_mean']:.4f}  "
+              f"({int(metrics[f'eval/{name}/num_samples'])} samples)")
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="relax export", description="Write a checkpoint as a Hugging Face folder.")
+    parser.add_argument("checkpoint", help="checkpoint directory or run directory")
+    parser.add_argument("output", help="folder to write (config, safetensors weights, tokenizer)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    import torch
+    from transformers import AutoTokenizer
+
+    from relax.core.checkpoint import load_hf_model_from_checkpoint
+
+    model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.output)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(args.output)
+    print(f"exported to {args.output}")
+    return 0
+
+
+def cmd_config_docs(argv: list[str]) -> int:
+    from relax.cli.args import render_config_reference
+
+    print(render_config_reference())
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "config-docs": cmd_config_docs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax.config import ConfigError
+    from relax.core.checkpoint import CheckpointError
+    from relax.data.dataset import DatasetError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ConfigError, DatasetError, CheckpointError) as err:
+        print(f"relax {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

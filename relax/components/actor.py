@@ -1,0 +1,63 @@
+"""The Actor role: the policy being trained."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from relax.algorithms.loss import LossFn
+from relax.backends.training.base import TrainBackend, TrainBatch
+from relax.data.sample import Sample
+
+
+def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] | None = None) -> TrainBatch:
+    return TrainBatch(
+        tokens=[s.tokens for s in samples],
+        response_lengths=[s.response_length for s in samples],
+        loss_masks=[s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in samples],
+        fields=dict(fields or {}),
+    )
+
+
+class Actor:
+    """Trains on each rollout batch in ``len(samples) / train_batch_size`` optimizer steps.
+
+    With a single optimizer step per rollout the policy has not moved when the loss is computed,
+    so the old log-probs equal the current ones: they are not recomputed (upstream's true
+    on-policy mode). With several steps they are computed once, before the first step.
+    """
+
+    def __init__(self, backend: TrainBackend, loss_fn: LossFn, train_batch_size: int):
+        self.backend = backend
+        self.loss_fn = loss_fn
+        self.train_batch_size = train_batch_size
+
+    def needs_old_log_probs(self, num_samples: int) -> bool:
+        return num_samples > self.train_batch_size
+
+    async def compute_log_probs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        log_probs, _ = self.backend.compute_log_probs(to_train_batch(samples))
+        return log_probs
+
+    async def train(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        """Train on the rollout batch; returns ``train/*`` metrics averaged over optimizer steps."""
+        batch = to_train_batch(samples, fields)
+        per_step: list[dict[str, float]] = []
+        for start in range(0, len(batch), self.train_batch_size):
+            step_batch = batch.select(range(start, min(start + self.train_batch_size, len(batch))))
+            per_step.append(self.backend.train_step(step_batch, self.loss_fn))
+        metrics = {f"train/{name}": statistics.fmean(m[name] for m in per_step) for name in per_step[0]}
+        metrics["train/optimizer_steps"] = float(len(per_step))
+        return metrics
+
+    def weight_buckets(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return self.backend.named_parameters_for_sync(dtype, bucket_bytes)
+
+    def save(self, directory: Path, include_optimizer: bool = True) -> None:
+        self.backend.save(directory, include_optimizer=include_optimizer)
+
+    def load(self, directory: Path) -> None:
+        self.backend.load(directory)

@@ -1,0 +1,268 @@
+"""The typed run configuration.
+
+One pydantic model holds every setting. YAML files (`--config`) and command-line flags both
+fill it; `relax train --help` and `docs/config.md` are generated from the field descriptions
+below, so the reference cannot drift from the code. Field names follow upstream Relax
+(`--rollout-batch-size` is `rollout_batch_size`) wherever the concept is the same.
+
+This module sits beside the layers (like `relax.data`): every layer reads the config, so it
+may not live in the entrypoint layer that fills it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from relax.algorithms import ALGORITHM_SPECS
+
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag and the rule it broke."""
+
+
+def flag(field_name: str) -> str:
+    """The command-line spelling of a config field: ``rollout_batch_size`` → ``--rollout-batch-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+# Sections group the fields in --help and docs/config.md; the order here is the order shown.
+SECTIONS = ("model", "data", "batch", "rollout", "algorithm", "optimizer", "reward", "eval", "run")
+
+
+def _field(default: Any, help: str, section: str, **kwargs: Any) -> Any:
+    return Field(default, description=help, json_schema_extra={"section": section}, **kwargs)
+
+
+class RelaxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    # --- model ---------------------------------------------------------------------------
+    hf_checkpoint: str | None = _field(
+        None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from.", "model"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = _field(
+        "auto",
+        "Parameter dtype for inference and the training forward. `auto`: bfloat16 on CUDA, float32 on CPU. "
+        "Training keeps float32 master weights and optimizer state in every case.",
+        "model",
+    )
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "Where to run. `auto`: CUDA when available.", "model")
+    gradient_checkpointing: bool = _field(
+        False, "Recompute activations in the backward pass to save memory.", "model"
+    )
+
+    # --- data ----------------------------------------------------------------------------
+    prompt_data: str | None = _field(
+        None,
+        "Training prompts: a .jsonl or .parquet file, optionally sliced as `file.jsonl@[0:100]`.",
+        "data",
+    )
+    input_key: str = _field("input", "Row field holding the prompt (a string or a list of chat messages).", "data")
+    label_key: str | None = _field("label", "Row field holding the reference answer given to the reward.", "data")
+    metadata_key: str = _field("metadata", "Row field holding a dict copied into `Sample.metadata`.", "data")
+    apply_chat_template: bool = _field(
+        False, "Render prompts with the tokenizer's chat template (a string prompt becomes one user message).", "data"
+    )
+    apply_chat_template_kwargs: dict[str, Any] = _field(
+        {}, "Extra keyword arguments for `apply_chat_template` (JSON), e.g. `{\"enable_thinking\": false}`.", "data"
+    )
+    system_prompt: str | None = _field(None, "A system message put before every prompt (needs the chat template).", "data")
+    rollout_shuffle: bool = _field(False, "Shuffle the prompts, with a new order each epoch.", "data")
+    rollout_seed: int = _field(42, "Seed of the prompt order and of rollout sampling.", "data")
+
+    # --- batch ---------------------------------------------------------------------------
+    rollout_batch_size: int = _field(8, "Prompts per rollout step.", "batch", ge=1)
+    n_samples_per_prompt: int = _field(1, "Responses sampled per prompt (the GRPO group size).", "batch", ge=1)
+    global_batch_size: int | None = _field(
+        None,
+        "Samples per optimizer step. Default: all samples of a rollout step (one update per step). "
+        "Must divide rollout_batch_size * n_samples_per_prompt.",
+        "batch",
+        ge=1,
+    )
+    micro_batch_size: int = _field(1, "Samples per forward/backward pass (gradients accumulate).", "batch", ge=1)
+    num_rollout: int | None = _field(None, "Rollout steps to train for.", "batch", ge=1)
+    num_epoch: int | None = _field(
+        None, "Passes over the prompt data; with --num-rollout too, the smaller wins.", "batch", ge=1
+    )
+
+    # --- rollout -------------------------------------------------------------------------
+    rollout_max_prompt_len: int | None = _field(
+        None, "Prompts longer than this many tokens are dropped at load time (and counted).", "rollout", ge=1
+    )
+    rollout_max_response_len: int = _field(1024, "Maximum new tokens per response.", "rollout", ge=1)
+    rollout_temperature: float = _field(1.0, "Sampling temperature for training rollouts.", "rollout", gt=0)
+    rollout_top_p: float = _field(1.0, "Nucleus sampling threshold (1.0 disables it).", "rollout", gt=0, le=1)
+    rollout_top_k: int = _field(-1, "Sample among the k most likely tokens (-1 disables it).", "rollout")
+    rollout_stop: list[str] = _field([], "Stop strings; the match is kept in the response.", "rollout")
+    rollout_stop_token_ids: list[int] = _field([], "Token ids that end a response besides EOS.", "rollout")
+    rollout_max_batch_size: int | None = _field(
+        None, "Most sequences the embedded engine decodes at once (default: all requests of a step).", "rollout", ge=1
+    )
+
+    # --- algorithm -----------------------------------------------------------------------
+    advantage_estimator: str = _field("grpo", "RL algorithm (see docs/algorithms.md).", "algorithm")
+    eps_clip: float = _field(0.2, "PPO clip range below 1: ratio ≥ 1 - eps_clip.", "algorithm", gt=0, lt=1)
+    eps_clip_high: float | None = _field(
+        None, "PPO clip range above 1 (DAPO clip-higher); default eps_clip.", "algorithm", gt=0
+    )
+    eps_clip_c: float | None = _field(
+        None, "Dual-clip constant (> 1): bounds the loss of negative-advantage tokens at -eps_clip_c * A.", "algorithm", gt=1
+    )
+    use_kl_loss: bool = _field(False, "Add a KL penalty against the frozen initial model to the loss.", "algorithm")
+    kl_loss_coef: float = _field(0.0, "Weight of the KL loss.", "algorithm", ge=0)
+    kl_loss_type: KLType = _field("k1", "KL estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).", "algorithm")
+    entropy_coef: float = _field(0.0, "Weight of the entropy bonus (subtracted from the loss).", "algorithm", ge=0)
+    calculate_per_token_loss: bool = _field(
+        False,
+        "Average the loss over all tokens of the batch (token-mean) instead of per sample first "
+        "(seq-mean-token-mean, the default).",
+        "algorithm",
+    )
+    disable_grpo_std_normalization: bool = _field(
+        False, "Dr.GRPO: subtract the group mean but do not divide by the group std.", "algorithm"
+    )
+
+    # --- optimizer -----------------------------------------------------------------------
+    lr: float = _field(1e-6, "Peak learning rate (AdamW).", "optimizer", gt=0)
+    min_lr: float = _field(0.0, "Final learning rate of the cosine schedule.", "optimizer", ge=0)
+    lr_warmup_steps: int = _field(0, "Optimizer steps of linear warmup from 0 to --lr.", "optimizer", ge=0)
+    lr_decay_style: Literal["constant", "cosine"] = _field(
+        "constant", "Schedule after warmup: constant, or cosine decay to --min-lr at the last step.", "optimizer"
+    )
+    weight_decay: float = _field(0.0, "AdamW weight decay.", "optimizer", ge=0)
+    adam_beta1: float = _field(0.9, "AdamW beta1.", "optimizer", ge=0, lt=1)
+    adam_beta2: float = _field(0.999, "AdamW beta2.", "optimizer", ge=0, lt=1)
+    adam_eps: float = _field(1e-8, "AdamW epsilon.", "optimizer", gt=0)
+    clip_grad: float = _field(1.0, "Clip the global gradient norm to this (0 disables clipping).", "optimizer", ge=0)
+    seed: int = _field(1234, "Seed of model-side randomness (dropout, initialisation of new heads).", "optimizer")
+
+    # --- reward --------------------------------------------------------------------------
+    rm_type: str | None = _field(
+        None,
+        "Built-in reward: math, gsm8k, dapo, multiple_choice, f1, exact_match; prefix `boxed_` to grade the "
+        "last \\boxed{} answer. A sample's metadata.rm_type overrides it.",
+        "reward",
+    )
+    custom_rm_path: str | None = _field(
+        None, "Dotted path `module:function` of a custom reward `fn(args, sample)` (sync or async).", "reward"
+    )
+    group_rm: bool = _field(
+        False, "Call the custom reward once per prompt group: `fn(args, samples) -> list`.", "reward"
+    )
+
+    # --- eval ----------------------------------------------------------------------------
+    eval_prompt_data: dict[str, str] = _field(
+        {},
+        "Held-out sets, as `name path` pairs on the command line or a name: path mapping in YAML.",
+        "eval",
+    )
+    eval_interval: int | None = _field(None, "Evaluate every this many rollout steps (and after the last).", "eval", ge=1)
+    eval_temperature: float = _field(
+        0.0, "Sampling temperature for evaluation (0: greedy, a stable accuracy measure).", "eval", ge=0
+    )
+    eval_max_response_len: int | None = _field(
+        None, "Maximum new tokens in evaluation (default --rollout-max-response-len).", "eval", ge=1
+    )
+    n_samples_per_eval_prompt: int = _field(1, "Responses per evaluation prompt.", "eval", ge=1)
+    skip_eval_before_train: bool = _field(False, "Do not evaluate before the first training step.", "eval")
+
+    # --- run -----------------------------------------------------------------------------
+    output_dir: str = _field(
+        "runs/latest", "Run directory: resolved config, metrics.jsonl, TensorBoard, plots, samples, run.log.", "run"
+    )
+    save: str | None = _field(None, "Checkpoint directory (default: <output-dir>/checkpoints).", "run")
+    load: str | None = _field(
+        None, "Resume from the newest checkpoint in this checkpoint directory or run directory.", "run"
+    )
+    save_interval: int | None = _field(None, "Save a checkpoint every this many rollout steps (and after the last).", "run", ge=1)
+    no_save_optim: bool = _field(False, "Save model weights only (such a checkpoint cannot resume training).", "run")
+    use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
+    use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
+    wandb_project: str | None = _field(None, "W&B project name.", "run")
+    dump_samples: int = _field(8, "Samples per rollout step written to <output-dir>/samples (0: none).", "run", ge=0)
+
+    # --------------------------------------------------------------------------------------
+    @field_validator("eval_prompt_data", mode="before")
+    @classmethod
+    def _pairs_to_mapping(cls, value: Any) -> Any:
+        """Accept upstream's `--eval-prompt-data name path [name path ...]` list form."""
+        if isinstance(value, (list, tuple)):
+            if len(value) % 2:
+                raise ValueError("expects `name path` pairs, got an odd number of values")
+            return {value[i]: value[i + 1] for i in range(0, len(value), 2)}
+        return value
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        if value not in ALGORITHM_SPECS:
+            raise ValueError(f"unknown estimator {value!r}; choose one of {sorted(ALGORITHM_SPECS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RelaxConfig:
+        spec = ALGORITHM_SPECS[self.advantage_estimator]
+        if self.n_samples_per_prompt < spec.min_group_size:
+            raise ValueError(
+                f"{flag('advantage_estimator')} {spec.name} needs {flag('n_samples_per_prompt')} >= "
+                f"{spec.min_group_size}, got {self.n_samples_per_prompt}"
+            )
+        samples_per_step = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.global_batch_size is not None and samples_per_step % self.global_batch_size:
+            raise ValueError(
+                f"{flag('global_batch_size')} ({self.global_batch_size}) must divide {flag('rollout_batch_size')} x "
+                f"{flag('n_samples_per_prompt')} ({samples_per_step})"
+            )
+        if self.train_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"{flag('micro_batch_size')} ({self.micro_batch_size}) must divide the global batch size "
+                f"({self.train_batch_size})"
+            )
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            raise ValueError(f"{flag('kl_loss_coef')} > 0 has no effect without {flag('use_kl_loss')}")
+        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
+            raise ValueError(f"{flag('rollout_top_k')} must be -1 (off) or a positive number, got {self.rollout_top_k}")
+        if self.eval_interval is not None and not self.eval_prompt_data:
+            raise ValueError(f"{flag('eval_interval')} needs {flag('eval_prompt_data')}")
+        if self.system_prompt and not self.apply_chat_template:
+            raise ValueError(f"{flag('system_prompt')} needs {flag('apply_chat_template')}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
+        return self
+
+    # Derived values ------------------------------------------------------------------------
+    @property
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.global_batch_size or self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps taken on each rollout batch."""
+        return self.rollout_batch_size * self.n_samples_per_prompt // self.train_batch_size
+
+    @property
+    def save_dir(self) -> Path:
+        return Path(self.save) if self.save else Path(self.output_dir) / "checkpoints"
+
+    def total_rollout_steps(self, num_prompts: int) -> int:
+        """Rollout steps of the run: --num-rollout, --num-epoch over `num_prompts`, or the smaller of both."""
+        steps_per_epoch = max(num_prompts // self.rollout_batch_size, 1)
+        candidates = [n for n in (self.num_rollout, self.num_epoch and self.num_epoch * steps_per_epoch) if n]
+        if not candidates:
+            raise ConfigError(f"set {flag('num_rollout')} or {flag('num_epoch')}")
+        return min(candidates)
+
+
+def fields_by_section() -> dict[str, list[str]]:
+    """Field names grouped by the section shown in --help and docs/config.md."""
+    grouped: dict[str, list[str]] = {section: [] for section in SECTIONS}
+    for name, info in RelaxConfig.model_fields.items():
+        grouped[info.json_schema_extra["section"]].append(name)  # type: ignore[index]
+    return grouped

@@ -1,0 +1,144 @@
+"""Build the roles of a run from its configuration (in-process placement)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn
+from relax.algorithms.spec import get_algorithm
+from relax.backends.inference.base import SamplingParams
+from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
+from relax.components.actor import Actor
+from relax.components.actor_fwd import ActorFwd
+from relax.components.advantages import Advantages
+from relax.components.rollout import Rollout
+from relax.config import ConfigError, RelaxConfig, flag
+from relax.data.dataset import PromptFormat, load_prompt_samples
+from relax.engine.rewards.compute import RewardComputer
+from relax.engine.rollout.data_source import PromptDataSource
+
+logger = logging.getLogger("relax")
+
+
+def resolve_device(cfg: RelaxConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{flag('device')} cuda: no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: RelaxConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def check_model_path(cfg: RelaxConfig) -> Path:
+    if not cfg.hf_checkpoint:
+        raise ConfigError(f"{flag('hf_checkpoint')} is required")
+    path = Path(cfg.hf_checkpoint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag('hf_checkpoint')} {path}: not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def prompt_format(cfg: RelaxConfig) -> PromptFormat:
+    return PromptFormat(
+        input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+        apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
+        system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
+    )
+
+
+def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.device, dtype: torch.dtype):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size)
+
+
+def eval_sampling(cfg: RelaxConfig, tokenizer) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cfg.eval_max_response_len or cfg.rollout_max_response_len,
+        temperature=cfg.eval_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+        stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
+    )
+
+
+def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
+    try:
+        return RewardComputer(cfg.rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def load_eval_sets(cfg: RelaxConfig, tokenizer) -> dict:
+    return {name: load_prompt_samples(spec, tokenizer, prompt_format(cfg)) for name, spec in cfg.eval_prompt_data.items()}
+
+
+@dataclass
+class Roles:
+    tokenizer: object
+    rollout: Rollout
+    actor: Actor
+    advantages: Advantages
+    reference: ActorFwd | None
+    total_steps: int
+    device: torch.device
+    inference_dtype: torch.dtype
+
+
+def build_roles(cfg: RelaxConfig) -> Roles:
+    """Everything a colocated run needs, validated before any training work starts."""
+    model_path = check_model_path(cfg)
+    if not cfg.prompt_data:
+        raise ConfigError(f"{flag('prompt_data')} is required for training")
+    rewards = build_reward_computer(cfg)
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = load_prompt_samples(cfg.prompt_data, tokenizer, prompt_format(cfg))
+    eval_sets = load_eval_sets(cfg, tokenizer)
+    total_steps = cfg.total_rollout_steps(len(prompts))
+    spec = get_algorithm(cfg.advantage_estimator)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    settings = TrainSettings(
+        device=device, compute_dtype=dtype, micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.rollout_temperature, pad_token_id=pad_id, lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style,
+        total_optimizer_steps=total_steps * cfg.steps_per_rollout, weight_decay=cfg.weight_decay,
+        adam_betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+    torch.manual_seed(cfg.seed)
+    loss_fn = build_policy_loss_fn(
+        PolicyLossSettings(
+            policy_loss=spec.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or cfg.eps_clip,
+            eps_clip_c=cfg.eps_clip_c,
+            aggregation="token-mean" if cfg.calculate_per_token_loss else "seq-mean-token-mean",
+            kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type, entropy_coef=cfg.entropy_coef,
+            use_kl_loss=cfg.use_kl_loss,
+        )
+    )
+    actor = Actor(FSDPTrainBackend(model_path, settings), loss_fn, cfg.train_batch_size)
+    reference = ActorFwd(FSDPTrainBackend(model_path, settings, trainable=False)) if cfg.use_kl_loss else None
+    sampling = SamplingParams(
+        max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+        top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
+    )
+    rollout = Rollout(
+        engine=build_engine(model_path, tokenizer, cfg, device, dtype),
+        data_source=PromptDataSource(prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
+        rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
+        eval_sets=eval_sets, eval_sampling=eval_sampling(cfg, tokenizer),
+        n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
+    )
+    advantages = Advantages(spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization)
+    logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
+    return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype)

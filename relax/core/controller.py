@@ -1,0 +1,131 @@
+"""The colocated (sync) training loop.
+
+Each step: the rollout role samples and scores responses; the reference (with a KL loss) and,
+when the batch is split into several optimizer steps, the actor compute log-probs; advantages
+are computed; the actor trains; the new weights are pushed to the engine as the next version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from relax.config import RelaxConfig
+from relax.core import checkpoint
+from relax.core.build import Roles
+from relax.distributed.process_group import rank
+from relax.distributed.weight_sync import sync_weights_in_process
+from relax.utils.tracking import Tracker
+
+logger = logging.getLogger("relax")
+
+WEIGHT_SYNC_BUCKET_BYTES = 512 * 1024 * 1024  # upstream's --update-weight-buffer-size default
+
+
+class SyncController:
+    def __init__(self, cfg: RelaxConfig, roles: Roles, tracker: Tracker):
+        self.cfg = cfg
+        self.roles = roles
+        self.tracker = tracker
+        self.save_root = cfg.save_dir
+
+    # ---- one step ------------------------------------------------------------------------
+    async def train_step(self, rollout_id: int) -> dict[str, float]:
+        roles = self.roles
+        started = time.perf_counter()
+        samples, metrics = await roles.rollout.generate(rollout_id)
+        metrics["perf/rollout_s"] = time.perf_counter() - started
+
+        fields = {}
+        if roles.reference is not None:
+            fields["ref_log_probs"] = await roles.reference.compute_log_probs(samples)
+        if roles.actor.needs_old_log_probs(len(samples)):
+            fields["old_log_probs"] = await roles.actor.compute_log_probs(samples)
+        fields["advantages"], advantage_metrics = await roles.advantages.compute(samples)
+        metrics.update(advantage_metrics)
+
+        train_started = time.perf_counter()
+        metrics.update(await roles.actor.train(samples, fields))
+        metrics["perf/train_s"] = time.perf_counter() - train_started
+        metrics.update(await self.sync_weights(version=rollout_id + 1))
+        metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
+        if self.cfg.dump_samples:
+            self.tracker.dump_samples(rollout_id + 1, samples, self.cfg.dump_samples)
+        return metrics
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        return await sync_weights_in_process(
+            self.roles.actor, self.roles.rollout, version, self.roles.inference_dtype, WEIGHT_SYNC_BUCKET_BYTES
+        )
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics, _ = await self.roles.rollout.evaluate(step)
+        metrics["perf/eval_s"] = time.perf_counter() - started
+        return metrics
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def run(self) -> dict[str, float]:
+        """Train from the start or the loaded checkpoint to the last step; returns the last metrics."""
+        cfg, total = self.cfg, self.roles.total_steps
+        start = await self.resume() if cfg.load else 0
+        last: dict[str, float] = {}
+        if start == 0 and self.roles.rollout.eval_sets and not cfg.skip_eval_before_train:
+            last = await self.evaluate(step=0)
+            self.tracker.log(0, last)
+            logger.info("step 0: eval accuracy %.3f", last.get("eval/accuracy", float("nan")))
+        progress = tqdm(range(start, total), initial=start, total=total, desc="relax train", unit="step",
+                        disable=rank() != 0, dynamic_ncols=True)
+        for rollout_id in progress:
+            step = rollout_id + 1
+            metrics = await self.train_step(rollout_id)
+            if self._due(step, cfg.eval_interval) and self.roles.rollout.eval_sets:
+                metrics.update(await self.evaluate(step))
+            self.tracker.log(step, metrics)
+            progress.set_postfix(self._postfix(metrics), refresh=False)
+            logger.info("step %d: %s", step, self._postfix(metrics))
+            if self._due(step, cfg.save_interval):
+                self.save(step)
+            last = metrics
+        return last
+
+    def _due(self, step: int, interval: int | None) -> bool:
+        return interval is not None and (step % interval == 0 or step == self.roles.total_steps)
+
+    @staticmethod
+    def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+        shown = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "eval_acc": "eval/accuracy",
+                 "loss": "train/loss"}
+        return {short: f"{metrics[key]:.3f}" for short, key in shown.items() if key in metrics}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        directory = checkpoint.iteration_dir(self.save_root, step)
+        self.roles.actor.save(directory, include_optimizer=not self.cfg.no_save_optim)
+        if rank() == 0:
+            checkpoint.save_hf_metadata(self.save_root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+            checkpoint.save_trainer_state(directory, {"step": step, "weight_version": step,
+                                                      "consumed_prompts": step * self.cfg.rollout_batch_size})
+            checkpoint.mark_latest(self.save_root, step)
+        logger.info("saved checkpoint %s", directory)
+
+    async def resume(self) -> int:
+        root = checkpoint.resolve_checkpoint_root(self.cfg.load)
+        step = checkpoint.latest_step(root)
+        directory = checkpoint.iteration_dir(root, step)
+        if not (directory / "lr_scheduler.pt").is_file():
+            raise checkpoint.CheckpointError(f"{directory} holds no optimizer state (saved with --no-save-optim)")
+        self.roles.actor.load(directory)
+        checkpoint.load_trainer_state(directory)
+        await self.sync_weights(version=step)
+        self.tracker.truncate_after(step)
+        logger.info("resumed from %s at step %d", directory, step)
+        return step
+
+
+def checkpoint_root_of(cfg: RelaxConfig) -> Path:
+    return cfg.save_dir

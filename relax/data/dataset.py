@@ -1,0 +1,122 @@
+"""Prompt datasets: read jsonl/parquet rows and turn them into prompt `Sample`s.
+
+Errors name the file, the row and the field, so a bad row is found without guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax.data.chat_template import render_prompt
+from relax.data.sample import Sample
+
+logger = logging.getLogger("relax.data")
+
+_SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+class DatasetError(ValueError):
+    """The data is unusable; the message names the file and, where known, the row and field."""
+
+
+def parse_data_spec(spec: str) -> tuple[Path, slice]:
+    """``file.jsonl@[10:20]`` → (path, slice(10, 20)); a plain path selects every row."""
+    match = _SLICE.match(spec)
+    if not match:
+        return Path(spec), slice(None)
+    to_int = lambda text: int(text) if text else None  # noqa: E731
+    return Path(match["path"]), slice(to_int(match["start"]), to_int(match["stop"]))
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """All rows of a .jsonl or .parquet file, each a dict."""
+    if not path.is_file():
+        raise DatasetError(f"{path}: file not found")
+    if path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    elif path.suffix in (".jsonl", ".json"):
+        rows = _read_jsonl(path)
+    else:
+        raise DatasetError(f"{path}: unsupported format {path.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise DatasetError(f"{path}: the file holds no rows")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}: line {line_number}: invalid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}: line {line_number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # pyarrow raises several error types for damaged files
+        raise DatasetError(f"{path}: unreadable parquet file ({err})") from None
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How rows become prompts (the data settings of `RelaxConfig`)."""
+
+    input_key: str = "input"
+    label_key: str | None = "label"
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = False
+    apply_chat_template_kwargs: dict[str, Any] | None = None
+    system_prompt: str | None = None
+    max_prompt_len: int | None = None
+
+
+def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
+    """Prompt samples of a data spec. ``Sample.index`` is the row number in the file; prompts
+    longer than ``fmt.max_prompt_len`` tokens are dropped (and the count is logged)."""
+    path, row_slice = parse_data_spec(spec)
+    rows = read_rows(path)
+    indexed = list(enumerate(rows))[row_slice]
+    if not indexed:
+        raise DatasetError(f"{spec}: the slice selects no rows (the file has {len(rows)})")
+    samples, too_long = [], 0
+    for row_index, row in indexed:
+        where = f"{path}: row {row_index}"
+        if fmt.input_key not in row:
+            raise DatasetError(f"{where}: missing prompt field {fmt.input_key!r} (set --input-key); row has {sorted(row)}")
+        label = row.get(fmt.label_key) if fmt.label_key else None
+        metadata = row.get(fmt.metadata_key) or {}
+        if not isinstance(metadata, dict):
+            raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
+        try:
+            text = render_prompt(
+                row[fmt.input_key], tokenizer, fmt.apply_chat_template, fmt.system_prompt,
+                {**(fmt.apply_chat_template_kwargs or {}), **metadata.get("apply_chat_template_kwargs", {})},
+            )
+        except ValueError as err:
+            raise DatasetError(f"{where}: field {fmt.input_key!r}: {err}") from None
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
+            too_long += 1
+            continue
+        samples.append(Sample(index=row_index, prompt=text, label=label, metadata=dict(metadata), tokens=list(tokens)))
+    if too_long:
+        logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, fmt.max_prompt_len)
+    if not samples:
+        raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
+    return samples

@@ -1,0 +1,136 @@
+"""Rule rewards for math answers: ``math`` (symbolic), ``gsm8k`` (numeric) and ``dapo`` (string match).
+
+They differ in how much they forgive: ``math`` asks math-verify whether two expressions are
+equal (``1/2`` matches ``0.5``), ``gsm8k`` compares plain numbers, and ``dapo`` reproduces
+DAPO's normalized string match (and its -1 penalty) so results are comparable with DAPO runs.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal
+from typing import Any
+
+from math_verify import parse, verify
+
+from relax.engine.rewards.boxed import last_boxed_content
+from relax.engine.rewards.registry import register_reward
+
+# math-verify's default limit for parsing and for comparing one pair of answers.
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def _math_verify_timeout_s() -> int | None:
+    """math-verify enforces its timeout with SIGALRM, which only the main thread may set (in any
+    other thread the call fails and math-verify reports "no answer"). Off the main thread the
+    check runs without a time limit."""
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+@register_reward("math")
+def score_math(response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the final answer equals the label symbolically, else 0.0.
+
+    The final answer is the last ``\\boxed{}`` if there is one; otherwise math-verify extracts
+    it from the whole response. A label math-verify cannot read raises: that is a data error,
+    not a wrong answer.
+    """
+    timeout_s = _math_verify_timeout_s()
+    gold_text = str(label)
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold_text = f"${gold_text}$"  # math-verify reads bare LaTeX such as x^2+1 only inside math delimiters
+    gold = parse(gold_text, parsing_timeout=timeout_s)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the label {str(label)!r}")
+    boxed = last_boxed_content(response)
+    answer = parse(f"\\boxed{{{boxed}}}" if boxed is not None else response, parsing_timeout=timeout_s)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout_s) else 0.0
+
+
+GSM8K_ANSWER_MARKER = "####"
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _numbers(text: str) -> list[Decimal]:
+    """Numbers in ``text``, thousands separators removed ("$1,200.50" gives 1200.50)."""
+    return [Decimal(match.replace(",", "")) for match in _NUMBER.findall(text)]
+
+
+def _gsm8k_answer(text: str) -> Decimal | None:
+    """The first number after the last ``####`` (GSM8K's answer line), else the last number."""
+    if GSM8K_ANSWER_MARKER in text:
+        after_marker = _numbers(text.rsplit(GSM8K_ANSWER_MARKER, 1)[1])
+        return after_marker[0] if after_marker else None
+    numbers = _numbers(text)
+    return numbers[-1] if numbers else None
+
+
+@register_reward("gsm8k")
+def score_gsm8k(response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the response's answer equals the label's number exactly, else 0.0.
+
+    The label may be the bare answer or a full GSM8K solution ending in ``#### N``. Decimal
+    comparison makes "18" equal "18.00" without float rounding.
+    """
+    expected = _gsm8k_answer(str(label))
+    if expected is None:
+        raise ValueError(f"the gsm8k label has no number: {str(label)!r}")
+    return 1.0 if _gsm8k_answer(response) == expected else 0.0
+
+
+# DAPO grades only the tail of a response: the longest MATH-500 answer is 159 characters.
+DAPO_RESPONSE_TAIL_CHARS = 300
+_DAPO_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+# Minerva's answer normalization, with the lists as DAPO's math_dapo reward uses them.
+_DAPO_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)  # fmt: skip
+_DAPO_REMOVED_EXPRESSIONS = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+    ",\\!", "{,}", '"', "\\dots",
+)  # fmt: skip
+_DAPO_UNWRAPPINGS = (
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),  # keep only the first $...$ span
+    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),
+    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),  # \fracab -> \frac{a}{b}
+    (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),  # \sqrta -> \sqrt{a}
+)
+
+
+def normalize_dapo_answer(answer: str) -> str:
+    """Minerva/DAPO normalization: keep the right-hand side of an equation, drop spaces, units
+    and text wrappers, expand shorthand TeX and thousands separators ("1,000" becomes "1000")."""
+    answer = answer.split("=")[-1]
+    for before, after in _DAPO_SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expression in _DAPO_REMOVED_EXPRESSIONS:
+        answer = answer.replace(expression, "")
+    for pattern, replacement in _DAPO_UNWRAPPINGS:
+        answer = pattern.sub(replacement, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+@register_reward("dapo")
+def score_dapo(response: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the normalized text after the last ``Answer:`` equals the normalized label, else -1.0.
+
+    A response without an ``Answer:`` line is wrong (-1.0), as in DAPO.
+    """
+    answer_lines = _DAPO_ANSWER_LINE.findall(response[-DAPO_RESPONSE_TAIL_CHARS:])
+    if not answer_lines:
+        return -1.0
+    return 1.0 if normalize_dapo_answer(answer_lines[-1]) == normalize_dapo_answer(str(label)) else -1.0

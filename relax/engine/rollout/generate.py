@@ -1,0 +1,51 @@
+"""The default generate function: sample ``n`` responses per prompt from an inference engine."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
+from relax.data.sample import Sample, SampleStatus
+
+_STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+def expand_groups(prompts: list[Sample], n_samples_per_prompt: int, first_group_index: int = 0) -> list[Sample]:
+    """``n`` copies of each prompt; the copies of one prompt share a ``group_index`` and are
+    adjacent, which the group-wise advantage estimators rely on."""
+    samples = []
+    for offset, prompt in enumerate(prompts):
+        for _ in range(n_samples_per_prompt):
+            sample = copy.deepcopy(prompt)
+            sample.group_index = first_group_index + offset
+            samples.append(sample)
+    return samples
+
+
+def apply_output(sample: Sample, output: GenerationOutput) -> None:
+    """Fill a prompt sample with the engine's response."""
+    sample.tokens = sample.tokens + list(output.output_ids)
+    sample.response_length = len(output.output_ids)
+    sample.response = output.text
+    sample.rollout_log_probs = list(output.output_log_probs)
+    sample.loss_mask = [1] * sample.response_length
+    sample.status = _STATUS_OF_FINISH[output.finish_reason]
+    sample.weight_version = output.weight_version
+
+
+async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+    """Generate one response for every sample (in place) in a single engine call."""
+    requests = [
+        GenerationRequest(
+            request_id=f"g{sample.group_index}-i{sample.index}-{position}",
+            input_ids=list(sample.tokens),
+            sampling_params=replace(sampling),
+            multimodal_inputs=sample.multimodal_inputs,
+        )
+        for position, sample in enumerate(samples)
+    ]
+    outputs = await engine.generate(requests)
+    for sample, output in zip(samples, outputs):
+        apply_output(sample, output)
+    return samples
