@@ -77,7 +77,13 @@ class RelaxConfig(BaseModel):
 
     # --- batch ---------------------------------------------------------------------------
     rollout_batch_size: int = _field(8, "Prompts per rollout step.", "batch", ge=1)
-    n_samples_per_prompt: int = _field(1, "Responses sampled per prompt (the GRPO group size).", "batch", ge=1)
+    n_samples_per_prompt: int = _field(
+        8,
+        "Responses sampled per prompt (the GRPO group size). Upstream defaults to 1, which leaves group-relative "
+        "estimators without a baseline; 8 is a working default.",
+        "batch",
+        ge=1,
+    )
     global_batch_size: int | None = _field(
         None,
         "Samples per optimizer step. Default: all samples of a rollout step (one update per step). "

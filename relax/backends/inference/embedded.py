@@ -1,0 +1,449 @@
+"""The in-process inference engine: batched sampling from a Hugging Face causal LM with a KV cache.
+
+`EmbeddedEngine` runs its own decode loop instead of ``model.generate`` so that it controls
+log-probs, stop conditions, aborts and pauses at every token step.
+
+Threading model. The event loop never runs model code: each `generate` call runs its batches in
+a worker thread (``asyncio.to_thread``). A decode step (forward, sampling, reading the tokens back)
+runs under ``_step_lock``; `update_weights` takes the same lock, so a weight update never lands in
+the middle of a step. Between steps a batch waits while the engine is paused and wakes up when one
+of its requests is aborted, so ``pause(); abort(ids)`` returns the aborted outputs without a
+`resume`. Concurrent `generate` calls interleave their steps; they are not merged into one batch.
+
+Weight versions. Each token records the version that produced it, in
+`EmbeddedGenerationOutput.output_weight_versions`; ``weight_version`` is the version of the last
+step the request took part in. The two differ only when `update_weights` ran while the request was
+in flight.
+
+Reproducibility. All randomness of one `generate` call comes from one ``torch.Generator`` on the
+model's device, seeded with ``sampling_params.seed`` of the call's first request (a random seed when
+that is None), and consumed by its batches in order. The same requests with the same seed therefore
+give the same samples, provided no abort or mid-call weight update changes the decode path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from relax.backends.inference.base import (
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    SamplingParams,
+)
+from relax.backends.inference.sampling import BatchSampling, sample_next_tokens
+
+# A batch drops its finished rows (and their KV cache) once at least this fraction of its rows
+# has finished. Dropping costs one copy of the cache, about what one decode step's cache append
+# costs, so it pays off only when it removes a good share of the per-step work.
+COMPACT_WHEN_FINISHED_FRACTION = 0.25
+
+
+@dataclass
+class EmbeddedGenerationOutput(GenerationOutput):
+    """A `GenerationOutput` that also says which weight version produced each token
+    (``len(output_weight_versions) == len(output_ids)``)."""
+
+    output_weight_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _RowState:
+    """The progress of one request inside a decode batch."""
+
+    request: GenerationRequest
+    stop_token_ids: frozenset[int]
+    # Stop strings are searched in the decoded text of the last `stop_window_tokens` output ids.
+    stop_window_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    output_log_probs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+
+@dataclass
+class _DecodeBatch:
+    """The device state of a batch; row i of every tensor is batch position i."""
+
+    input_ids: torch.Tensor  # (B, S) int64: the left-padded prompts, then (B, 1) the last tokens
+    position_ids: torch.Tensor  # (B, S) int64, aligned with input_ids
+    # (B, longest prompt + longest max_new_tokens) int64, 0 on left padding; a step reads its first
+    # `sequence_length` columns, so no step reallocates it.
+    attention_mask: torch.Tensor
+    sequence_length: int  # cached tokens + input tokens of the next step, padding included
+    cache: DynamicCache
+    sampling: BatchSampling
+
+    def advance(self, next_tokens: torch.Tensor) -> None:
+        """Make the sampled tokens, (B,) int64, the next step's inputs."""
+        self.input_ids = next_tokens[:, None]
+        self.position_ids = self.position_ids[:, -1:] + 1
+        self.sequence_length += 1
+
+    def select(self, positions: list[int]) -> None:
+        """Keep only the rows at ``positions``, in that order, cache included."""
+        index = torch.tensor(positions, device=self.input_ids.device)
+        self.cache.batch_select_indices(index)
+        self.input_ids = self.input_ids[index]
+        self.position_ids = self.position_ids[index]
+        self.attention_mask = self.attention_mask[index]
+        self.sampling = self.sampling.select_rows(positions)
+
+
+class EmbeddedEngine(InferenceEngine):
+    """`InferenceEngine` over a Hugging Face causal LM held in this process.
+
+    ``model`` is put in eval mode with gradients off; it stays on its device and dtype.
+    ``max_batch_size`` caps the rows decoded together; a longer `generate` call is split into
+    consecutive batches of at most that many requests (None: one batch per call).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_batch_size: int | None = None,
+    ) -> None:
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self._eos_token_ids = _eos_token_ids(model, tokenizer)
+        self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # transformers 5.24 names the KV-cache argument `cache`; earlier 5.x releases call it
+        # `past_key_values` (5.24 still accepts that, with a deprecation warning).
+        forward_parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
+        # Tied weights appear under every name (`lm_head.weight` and `model.embed_tokens.weight`
+        # are one tensor), so an update through either name reaches both uses.
+        self._weights_by_name: dict[str, torch.Tensor] = {
+            **dict(model.named_buffers(remove_duplicate=False)),
+            **dict(model.named_parameters(remove_duplicate=False)),
+        }
+        self._weight_version = 0
+        self._decode_steps = 0
+        # Guards `_paused`, `_in_flight_ids` and `_aborted_ids`; notified when any of them changes.
+        self._state = threading.Condition()
+        self._paused = False
+        self._in_flight_ids: Counter[str] = Counter()
+        self._aborted_ids: set[str] = set()
+        self._step_lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int | None = None,
+    ) -> EmbeddedEngine:
+        """Load a model folder (or hub id) with its tokenizer onto ``device`` in ``dtype``."""
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, max_batch_size=max_batch_size)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[EmbeddedGenerationOutput]:
+        requests = list(requests)
+        for request in requests:
+            _validate_request(request)
+        if not requests:
+            return []
+        request_ids = [request.request_id for request in requests]
+        # Registered before the worker starts, so an abort issued right after this call is not lost;
+        # the worker unregisters them when it is done.
+        with self._state:
+            self._in_flight_ids.update(request_ids)
+        try:
+            return await asyncio.to_thread(self._generate_in_worker, requests)
+        except asyncio.CancelledError:
+            # The worker thread cannot be cancelled; aborting its requests makes it stop soon.
+            await self.abort(request_ids)
+            raise
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,
+        keeping the tokens generated so far. Ids that are not in flight are ignored."""
+        with self._state:
+            self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
+            self._state.notify_all()
+
+    async def pause(self) -> None:
+        """Hold new and in-flight batches at the next step boundary; returns once no step runs."""
+        with self._state:
+            self._paused = True
+        # A step that started before the flag was set finishes under the lock; later ones see it.
+        await asyncio.to_thread(self._wait_for_running_step)
+
+    async def resume(self) -> None:
+        with self._state:
+            self._paused = False
+            self._state.notify_all()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy each tensor (any dtype or device; cast to the target's) into the model parameter
+        or buffer of that Hugging Face name, between decode steps, then serve ``version``.
+
+        Raises KeyError for a name the model lacks and ValueError for a shape mismatch; tensors
+        before the bad one are already copied and the version is left unchanged.
+        """
+        await asyncio.to_thread(self._load_weights, named_tensors, version)
+
+    async def health(self) -> dict[str, Any]:
+        with self._state:
+            in_flight_requests = sum(self._in_flight_ids.values())
+            paused = self._paused
+        return {
+            "status": "ok",
+            "weight_version": self._weight_version,
+            "device": str(self.device),
+            "paused": paused,
+            "in_flight_requests": in_flight_requests,
+            # Grows by one per decode step (prefill included) of any batch: a liveness signal.
+            "decode_steps": self._decode_steps,
+        }
+
+    # ----------------------------------------------------------------------------- worker side
+
+    def _generate_in_worker(self, requests: list[GenerationRequest]) -> list[EmbeddedGenerationOutput]:
+        try:
+            generator = torch.Generator(device=self.device)
+            seed = requests[0].sampling_params.seed
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+            batch_size = self.max_batch_size or len(requests)
+            outputs: list[EmbeddedGenerationOutput] = []
+            with torch.inference_mode():
+                for start in range(0, len(requests), batch_size):
+                    outputs.extend(self._generate_batch(requests[start : start + batch_size], generator))
+            return outputs
+        finally:
+            with self._state:
+                request_ids = [request.request_id for request in requests]
+                self._in_flight_ids.subtract(request_ids)
+                for request_id in request_ids:
+                    if self._in_flight_ids[request_id] <= 0:
+                        del self._in_flight_ids[request_id]
+                        self._aborted_ids.discard(request_id)
+
+    def _generate_batch(
+        self, requests: list[GenerationRequest], generator: torch.Generator
+    ) -> list[EmbeddedGenerationOutput]:
+        """Decode one batch to completion; outputs in request order."""
+        rows = [self._new_row_state(request) for request in requests]
+        batch = self._prefill_inputs(rows)
+        # Batch position i holds rows[live_rows[i]]; finished rows stay (their tokens ignored)
+        # until enough have finished to make dropping them worth a cache copy.
+        live_rows = list(range(len(rows)))
+        while True:
+            unfinished_ids = {rows[row].request.request_id for row in live_rows if rows[row].finish_reason is None}
+            aborted_ids = self._acquire_step(unfinished_ids)
+            if aborted_ids:
+                for row in live_rows:
+                    if rows[row].finish_reason is None and rows[row].request.request_id in aborted_ids:
+                        rows[row].finish_reason = "abort"
+            else:
+                try:
+                    version = self._weight_version
+                    next_tokens, tokens_host, log_probs_host = self._decode_step(batch, generator)
+                    self._decode_steps += 1
+                finally:
+                    self._step_lock.release()
+                stepped_rows = []
+                for batch_position, row in enumerate(live_rows):
+                    if rows[row].finish_reason is None:
+                        self._append_token(
+                            rows[row], int(tokens_host[batch_position]), log_probs_host[batch_position], version
+                        )
+                        stepped_rows.append(rows[row])
+                self._check_stop_strings(stepped_rows)
+                batch.advance(next_tokens)
+
+            keep = [position for position, row in enumerate(live_rows) if rows[row].finish_reason is None]
+            if not keep:
+                return [self._to_output(row) for row in rows]
+            if len(live_rows) - len(keep) >= COMPACT_WHEN_FINISHED_FRACTION * len(live_rows):
+                batch.select(keep)
+                live_rows = [live_rows[position] for position in keep]
+
+    def _prefill_inputs(self, rows: list[_RowState]) -> _DecodeBatch:
+        """Left-pad the prompts into the first step's inputs."""
+        prompt_lengths = [len(row.request.input_ids) for row in rows]
+        longest_prompt = max(prompt_lengths)
+        longest_output = max(row.params.max_new_tokens for row in rows)
+        input_ids = torch.full((len(rows), longest_prompt), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.ones(len(rows), longest_prompt + longest_output, dtype=torch.long)
+        for row_index, (row, prompt_length) in enumerate(zip(rows, prompt_lengths)):
+            padding = longest_prompt - prompt_length
+            input_ids[row_index, padding:] = torch.tensor(row.request.input_ids)
+            attention_mask[row_index, :padding] = 0
+        attention_mask = attention_mask.to(self.device)
+        prompt_mask = attention_mask[:, :longest_prompt]
+        # Positions count real tokens only, as in `model.generate`; pad positions are masked anyway.
+        position_ids = (prompt_mask.cumsum(dim=-1) - 1).masked_fill(prompt_mask == 0, 1)
+        return _DecodeBatch(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            sequence_length=longest_prompt,
+            cache=DynamicCache(config=self.model.config),
+            sampling=BatchSampling.from_params([row.params for row in rows], self.device),
+        )
+
+    def _decode_step(
+        self, batch: _DecodeBatch, generator: torch.Generator
+    ) -> tuple[torch.Tensor, list[float], list[float]]:
+        """One forward over the batch inputs (filling the cache) and one sampled token per row.
+
+        Returns the tokens on the device, (B,) int64, and tokens and log-probs on the host.
+        """
+        logits = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask[:, : batch.sequence_length],
+            position_ids=batch.position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_argument: batch.cache},
+        ).logits[:, -1, :]
+        next_tokens, log_probs = sample_next_tokens(logits, batch.sampling, generator)
+        # The step's one host synchronization: stop checks need the tokens. Float64 holds ids exactly.
+        tokens_host, log_probs_host = torch.stack((next_tokens.to(torch.float64), log_probs.to(torch.float64))).tolist()
+        return next_tokens, tokens_host, log_probs_host
+
+    def _acquire_step(self, live_request_ids: set[str]) -> set[str]:
+        """Wait until the batch may run a step. Returns the batch's aborted request ids (lock not
+        taken), or an empty set with ``_step_lock`` held: the caller runs one step and releases it."""
+        while True:
+            with self._state:
+                self._state.wait_for(lambda: not self._paused or bool(self._aborted_ids & live_request_ids))
+                aborted_ids = self._aborted_ids & live_request_ids
+                if aborted_ids:
+                    return aborted_ids
+            self._step_lock.acquire()
+            with self._state:
+                # `pause` may have come between the two blocks; it then waits for this lock.
+                if not self._paused:
+                    return set()
+            self._step_lock.release()
+
+    def _wait_for_running_step(self) -> None:
+        with self._step_lock:
+            pass
+
+    def _append_token(self, row: _RowState, token: int, log_prob: float, version: int) -> None:
+        row.output_ids.append(token)
+        row.output_log_probs.append(log_prob)
+        row.output_weight_versions.append(version)
+        if token in row.stop_token_ids:
+            row.finish_reason = "stop"
+        elif len(row.output_ids) >= row.params.max_new_tokens:
+            row.finish_reason = "length"
+
+    def _check_stop_strings(self, rows: list[_RowState]) -> None:
+        """Finish with "stop" those of ``rows`` (rows that just got a token) whose output text now
+        contains one of their stop strings; a stop string beats "length" on the same token.
+
+        Only the tail of each output is decoded, in one batched call; a match found now ends in the
+        newest token, since the previous step's tail had none. The matching token is kept.
+        """
+        candidates = [row for row in rows if row.params.stop and row.finish_reason != "stop"]
+        if not candidates:
+            return
+        tails = self.tokenizer.batch_decode(
+            [row.output_ids[-row.stop_window_tokens :] for row in candidates], skip_special_tokens=True
+        )
+        for row, tail in zip(candidates, tails):
+            if any(stop in tail for stop in row.params.stop):
+                row.finish_reason = "stop"
+
+    def _new_row_state(self, request: GenerationRequest) -> _RowState:
+        params = request.sampling_params
+        stop_token_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_token_ids |= self._eos_token_ids
+        # A token decodes to at least one UTF-8 byte (special tokens aside), so a stop string of n
+        # bytes ends within the last n tokens; one more token covers decoders that strip the
+        # leading space of the first token, one more a partial character before the match.
+        longest_stop_bytes = max((len(stop.encode()) for stop in params.stop), default=0)
+        return _RowState(request=request, stop_token_ids=stop_token_ids, stop_window_tokens=longest_stop_bytes + 2)
+
+    def _to_output(self, row: _RowState) -> EmbeddedGenerationOutput:
+        return EmbeddedGenerationOutput(
+            request_id=row.request.request_id,
+            output_ids=row.output_ids,
+            output_log_probs=row.output_log_probs,
+            finish_reason=row.finish_reason or "abort",
+            weight_version=row.output_weight_versions[-1] if row.output_weight_versions else self._weight_version,
+            text=self.tokenizer.decode(row.output_ids, skip_special_tokens=True),
+            output_weight_versions=row.output_weight_versions,
+        )
+
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        with self._step_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._weights_by_name.get(name)
+                if target is None:
+                    raise KeyError(
+                        f"update_weights: the model has no parameter or buffer named {name!r} "
+                        f"(model class {type(self.model).__name__})"
+                    )
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+            self._weight_version = version
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """EOS ids from the tokenizer and from the model's generation config (an int or a list)."""
+    eos_ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    generation_config = getattr(model, "generation_config", None)
+    config_eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(config_eos, int):
+        eos_ids.add(config_eos)
+    elif config_eos is not None:
+        eos_ids.update(config_eos)
+    return frozenset(eos_ids)
+
+
+def _validate_request(request: GenerationRequest) -> None:
+    """Reject what the engine cannot serve before any work starts, naming the request and field."""
+    where = f"request {request.request_id!r}"
+    if request.multimodal_inputs:
+        raise NotImplementedError(
+            f"{where}: the embedded engine does not take multimodal_inputs yet; send text-only requests"
+        )
+    if not request.input_ids:
+        raise ValueError(f"{where}: input_ids is empty; the engine needs at least one prompt token")
+    params = request.sampling_params
+    if params.max_new_tokens < 1:
+        raise ValueError(f"{where}: sampling_params.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"{where}: sampling_params.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"{where}: sampling_params.top_p must be in (0, 1], got {params.top_p}")

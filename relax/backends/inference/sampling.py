@@ -1,0 +1,115 @@
+"""Vectorized next-token sampling with per-row settings (temperature, top-k, top-p, greedy).
+
+Every function works on a decode batch of ``B`` rows over a vocabulary of ``V`` ids and runs on
+the logits' device without host synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from relax.backends.inference.base import SamplingParams
+
+
+@dataclass
+class BatchSampling:
+    """The sampling settings of one decode batch, as device tensors aligned with the batch rows.
+
+    The host-side flags let `sample_next_tokens` skip work no row needs (noise when every row is
+    greedy, the vocabulary sort when no row filters) without reading the tensors back.
+    """
+
+    params: list[SamplingParams]
+    temperature: torch.Tensor  # (B, 1) float32; 1.0 on greedy rows so that dividing by it is a no-op
+    is_greedy: torch.Tensor  # (B,) bool; temperature == 0
+    top_k: torch.Tensor  # (B, 1) int64; tokens of rank >= top_k are dropped; a huge value disables it
+    top_p: torch.Tensor  # (B, 1) float32; +inf disables it (a cumulative sum never exceeds it)
+    any_greedy: bool
+    all_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str) -> BatchSampling:
+        params = list(params)
+        is_greedy = [p.temperature == 0 for p in params]
+        no_top_k = torch.iinfo(torch.int64).max
+        return cls(
+            params=params,
+            temperature=torch.tensor(
+                [[1.0 if greedy else p.temperature] for p, greedy in zip(params, is_greedy)],
+                dtype=torch.float32,
+                device=device,
+            ),
+            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor([[p.top_k if p.top_k > 0 else no_top_k] for p in params], device=device),
+            top_p=torch.tensor(
+                [[p.top_p if p.top_p < 1 else float("inf")] for p in params], dtype=torch.float32, device=device
+            ),
+            any_greedy=any(is_greedy),
+            all_greedy=all(is_greedy),
+            any_filter=any(
+                not greedy and (p.top_k > 0 or p.top_p < 1) for p, greedy in zip(params, is_greedy)
+            ),
+        )
+
+    def select_rows(self, rows: list[int]) -> BatchSampling:
+        """The settings of the batch rows at positions ``rows`` (in that order)."""
+        return BatchSampling.from_params([self.params[row] for row in rows], self.temperature.device)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, sampling: BatchSampling, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row.
+
+    ``logits`` is (B, V) in any float dtype. Returns the tokens, (B,) int64, and their log-probs,
+    (B,) float32: ``log_softmax(logits / temperature)`` at the token, computed in fp32 before
+    top-k/top-p filtering (plain ``log_softmax`` on greedy rows). ``generator`` (on the logits'
+    device) supplies all randomness, so equal inputs and an equally seeded generator give equal
+    tokens.
+    """
+    scaled_logits = logits.float() / sampling.temperature
+    log_normalizer = torch.logsumexp(scaled_logits, dim=-1, keepdim=True)
+    if sampling.all_greedy:
+        tokens = scaled_logits.argmax(dim=-1)
+    else:
+        tokens = _sample_from_scaled_logits(scaled_logits, log_normalizer, sampling, generator)
+        if sampling.any_greedy:
+            tokens = torch.where(sampling.is_greedy, scaled_logits.argmax(dim=-1), tokens)
+    log_probs = scaled_logits.gather(1, tokens[:, None]).squeeze(1) - log_normalizer.squeeze(1)
+    return tokens, log_probs
+
+
+def _sample_from_scaled_logits(
+    scaled_logits: torch.Tensor, log_normalizer: torch.Tensor, sampling: BatchSampling, generator: torch.Generator
+) -> torch.Tensor:
+    """Draw from softmax(scaled_logits) restricted by each row's top-k and top-p; (B,) int64."""
+    if not sampling.any_filter:
+        return _exponential_race((scaled_logits - log_normalizer).exp(), generator)
+    # Filter in descending order, where top-k is a rank cut and top-p a cumulative-mass cut, then
+    # sample a rank and map it back to a token id: one sort, no scatter.
+    sorted_logits, sorted_token_ids = scaled_logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= sampling.top_k, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    # The first token has zero mass before it, so every row keeps at least one token.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+    sampled_ranks = _exponential_race(sorted_probs, generator)
+    return sorted_token_ids.gather(1, sampled_ranks[:, None]).squeeze(1)
+
+
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Sample one index per row of (B, V) non-negative weights: argmax(probs / E), E ~ Exp(1).
+
+    The weights need not be normalized. This equals multinomial sampling and, unlike
+    ``torch.multinomial``, is one elementwise pass plus an argmax.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # A zero draw would turn a zero weight into 0/0 = NaN, which argmax would pick.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)

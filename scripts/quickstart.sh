@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Fresh machine -> a trained model: set up, then run the CPU quickstart (GRPO on 3-digit addition).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+relax train --config examples/quickstart/config.yaml "$@"

@@ -1,0 +1,39 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_assets import build_tiny_model_dir, write_addition_data
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_workspace(tmp_path_factory) -> Path:
+    """A tiny model folder plus train/test addition data."""
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_dir(root / "model")
+    write_addition_data(root / "train.jsonl", 64, seed=0)
+    write_addition_data(root / "test.jsonl", 16, seed=1)
+    return root
+
+
+def tiny_train_args(workspace: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--hf-checkpoint", str(workspace / "model"), "--prompt-data", str(workspace / "train.jsonl"),
+        "--eval-prompt-data", "held_out", str(workspace / "test.jsonl"),
+        "--custom-rm-path", "tests.e2e_rewards:digit_fraction",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+        "--micro-batch-size", "4", "--lr", "1e-3", "--rollout-shuffle", "--output-dir", str(output_dir),
+        *extra,
+    ]
+
+
+def run_relax(*args: str, timeout: float = 300, **popen_kwargs) -> subprocess.CompletedProcess:
+    """`relax ...` in a subprocess from the repository root (so `tests.*` reward paths import)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, **popen_kwargs)
