@@ -249,10 +249,10 @@ class FSDPTrainBackend(TrainBackend):
             yield bucket
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded HF state dict on CPU (every rank gets it)."""
+        """A copy of the unsharded HF state dict on CPU (every rank gets it)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        prefix = "hf_model."
-        return {k.removeprefix(prefix): v for k, v in state.items()}
+        # At world size 1 on CPU the "gathered" tensors can alias the live parameters: copy them.
+        return {name.removeprefix("hf_model."): tensor.clone() for name, tensor in state.items()}
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, directory: Path, include_optimizer: bool = True) -> None:
