@@ -63,7 +63,9 @@ def engine(tokenizer) -> EmbeddedEngine:
 
 def requests_for(tokenizer, prompts=PROMPTS, **params) -> list[GenerationRequest]:
     return [
-        GenerationRequest(request_id=f"r{index}", input_ids=tokenizer.encode(prompt), sampling_params=SamplingParams(**params))
+        GenerationRequest(
+            request_id=f"r{index}", input_ids=tokenizer.encode(prompt), sampling_params=SamplingParams(**params)
+        )
         for index, prompt in enumerate(prompts)
     ]
 
@@ -129,7 +131,9 @@ def test_greedy_log_probs_are_plain_log_softmax(engine, tokenizer):
 
 def test_same_seed_same_samples_different_seed_different_samples(engine, tokenizer):
     def sample(seed: int) -> list[list[int]]:
-        outputs = generate(engine, requests_for(tokenizer, max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True))
+        outputs = generate(
+            engine, requests_for(tokenizer, max_new_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        )
         return [output.output_ids for output in outputs]
 
     assert sample(seed=7) == sample(seed=7)
@@ -184,7 +188,9 @@ def test_eos_from_generation_config_stops_unless_ignored(tokenizer):
 
 
 def test_stop_token_id_and_stop_string(engine, tokenizer):
-    request = requests_for(tokenizer, prompts=["the quick brown fox"], max_new_tokens=16, temperature=0.0, ignore_eos=True)[0]
+    request = requests_for(
+        tokenizer, prompts=["the quick brown fox"], max_new_tokens=16, temperature=0.0, ignore_eos=True
+    )[0]
     reference = generate(engine, [request])[0].output_ids
 
     stop_token = reference[4]
@@ -205,7 +211,9 @@ def test_stop_token_id_and_stop_string(engine, tokenizer):
 
 def test_abort_from_another_task_mid_generation(engine, tokenizer):
     async def scenario():
-        requests = requests_for(tokenizer, prompts=["hello", "x"], max_new_tokens=20_000, temperature=1.0, ignore_eos=True)
+        requests = requests_for(
+            tokenizer, prompts=["hello", "x"], max_new_tokens=20_000, temperature=1.0, ignore_eos=True
+        )
         steps_before = (await engine.health())["decode_steps"]
         task = asyncio.create_task(engine.generate(requests))
         while (await engine.health())["decode_steps"] < steps_before + 5:

@@ -50,9 +50,7 @@ class BatchSampling:
             ),
             any_greedy=any(is_greedy),
             all_greedy=all(is_greedy),
-            any_filter=any(
-                not greedy and (p.top_k > 0 or p.top_p < 1) for p, greedy in zip(params, is_greedy)
-            ),
+            any_filter=any(not greedy and (p.top_k > 0 or p.top_p < 1) for p, greedy in zip(params, is_greedy)),
         )
 
     def select_rows(self, rows: list[int]) -> BatchSampling:

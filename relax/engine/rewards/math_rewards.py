@@ -12,8 +12,6 @@ import threading
 from decimal import Decimal
 from typing import Any
 
-from math_verify import parse, verify
-
 from relax.engine.rewards.boxed import last_boxed_content
 from relax.engine.rewards.registry import register_reward
 
@@ -36,6 +34,9 @@ def score_math(response: str, label: Any, metadata: dict[str, Any]) -> float:
     it from the whole response. A label math-verify cannot read raises: that is a data error,
     not a wrong answer.
     """
+    # Imported here: math-verify pulls in sympy (about a second), which runs without the math reward need not pay.
+    from math_verify import parse, verify
+
     timeout_s = _math_verify_timeout_s()
     gold_text = str(label)
     if "$" not in gold_text and "\\boxed" not in gold_text:

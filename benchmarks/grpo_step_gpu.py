@@ -1,0 +1,173 @@
+"""One colocated GRPO step on a GPU, in-process (no Ray), beside plain `model.generate`.
+
+A randomly initialised Qwen3-0.6B-shaped model (bf16 inference and forward, fp32 master
+weights) runs Relax's real loop (`SyncController.train_step`: embedded-engine rollout, reward,
+advantages, FSDP2 training, weight sync) on random prompts; every response is exactly
+``--new-tokens`` long (EOS ignored) so both generators do the same work. Writes
+``benchmarks/results/grpo_step_gpu.json`` with rollout tokens/s, training tokens/s, seconds per
+step and peak GPU memory, and prints the ratio of the engine's rollout throughput to
+`model.generate` on the same prompts.
+
+    python -m benchmarks.grpo_step_gpu                 # on the H200
+    python -m benchmarks.grpo_step_gpu --tiny --device cpu   # smoke test of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from relax.config import RelaxConfig
+from relax.core.build import build_roles
+from relax.core.controller import SyncController
+from relax.utils.tracking import Tracker
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                  tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def parity_reward(args, sample) -> float:
+    """A cheap dense reward: the share of even token ids in the response."""
+    response = sample.tokens[sample.prompt_length:]
+    return sum(token % 2 == 0 for token in response) / max(len(response), 1)
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A tokenizer whose token i (from 2) is the word ``t<i>``, so prompts can be written as text;
+    0 and 1 are pad and EOS (named so that no word contains them)."""
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
+
+
+def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int) -> tuple[Path, Path]:
+    model_dir, data = root / "model", root / "prompts.jsonl"
+    torch.manual_seed(0)
+    config = Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    word_tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(1)
+    with data.open("w") as handle:
+        for _ in range(num_prompts):
+            ids = torch.randint(2, shape["vocab_size"], (prompt_len,), generator=generator).tolist()
+            handle.write(json.dumps({"input": " ".join(f"t{i}" for i in ids), "label": ""}) + "\n")
+    return model_dir, data
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_plain_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype) -> float:
+    """Seconds for `model.generate` to sample ``new_tokens`` for every prompt in one batch."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    input_ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(input_ids[:2], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        synchronize(device)
+    elapsed = time.perf_counter() - started
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the Qwen3-0.6B shape")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
+    parser.add_argument("--output", type=Path, default=RESULTS / "grpo_step_gpu.json")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shape = TINY if args.tiny else QWEN3_0_6B
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len)
+        cfg = RelaxConfig(
+            hf_checkpoint=str(model_dir), prompt_data=str(data), custom_rm_path="benchmarks.grpo_step_gpu:parity_reward",
+            rollout_batch_size=args.prompts, n_samples_per_prompt=args.samples_per_prompt,
+            rollout_max_response_len=args.new_tokens, micro_batch_size=args.micro_batch_size, lr=1e-6,
+            num_rollout=args.steps, gradient_checkpointing=True, device=args.device, use_tensorboard=False,
+            dump_samples=0, output_dir=str(root / "run"),
+        )
+        roles = build_roles(cfg)
+        roles.rollout.sampling = replace(roles.rollout.sampling, ignore_eos=True)
+        controller = SyncController(cfg, roles, Tracker(root / "run", use_tensorboard=False))
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        steps = []
+        for rollout_id in range(args.steps):
+            metrics = asyncio.run(controller.train_step(rollout_id))
+            synchronize(args.device)
+            steps.append(metrics)
+            print(f"step {rollout_id + 1}: {metrics['perf/step_s']:.2f} s (rollout {metrics['perf/rollout_s']:.2f} s, "
+                  f"train {metrics['perf/train_s']:.2f} s, sync {metrics['perf/weight_sync_s']:.2f} s)", flush=True)
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        prompts = [s.tokens for s in roles.rollout.data_source.prompts_for_step(0)]
+        repeated = [p for p in prompts for _ in range(args.samples_per_prompt)]
+        del controller, roles
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        plain_s = time_plain_generate(model_dir, repeated, args.new_tokens, args.device, dtype)
+
+    timed = steps[1:] or steps
+    mean = lambda key: sum(m[key] for m in timed) / len(timed)  # noqa: E731
+    sequences = args.prompts * args.samples_per_prompt
+    generated = sequences * args.new_tokens
+    trained = sequences * (args.prompt_len + args.new_tokens)
+    result = {
+        "model": "Qwen3-0.6B shape, random init" if not args.tiny else "tiny Qwen3",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "sequences_per_step": sequences, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "micro_batch_size": args.micro_batch_size, "gradient_checkpointing": True,
+        "timed_steps": len(timed),
+        "s_per_step": mean("perf/step_s"),
+        "rollout_s": mean("perf/rollout_s"), "train_s": mean("perf/train_s"),
+        "weight_sync_s": mean("perf/weight_sync_s"),
+        "rollout_tokens_per_s": generated / mean("perf/rollout_s"),
+        "train_tokens_per_s": trained / mean("perf/train_s"),
+        "peak_gpu_memory_gib": peak_gib,
+        "baseline_generate_s": plain_s,
+        "baseline_generate_tokens_per_s": generated / plain_s,
+        "rollout_vs_generate_speedup": plain_s / mean("perf/rollout_s"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"rollout: Relax engine {result['rollout_tokens_per_s']:.0f} tok/s vs model.generate "
+          f"{result['baseline_generate_tokens_per_s']:.0f} tok/s -> ratio {result['rollout_vs_generate_speedup']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
