@@ -40,7 +40,9 @@ class GenerationOutput:
     """``output_ids`` are the generated ids (a matched stop string or stop token is kept, EOS too);
     ``output_log_probs[i]`` is log p(output_ids[i]) under the sampling distribution after
     temperature scaling and before top-p/top-k filtering; ``weight_version`` is the version of the
-    weights that produced every token of this output."""
+    weights that produced the last token, and ``output_weight_versions[i]`` (when the engine
+    reports it) the version that produced token i, which differs only if the weights were updated
+    while the request was in flight."""
 
     request_id: str
     output_ids: list[int]
@@ -48,6 +50,7 @@ class GenerationOutput:
     finish_reason: FinishReason
     weight_version: int
     text: str = ""
+    output_weight_versions: list[int] | None = None
 
 
 class InferenceEngine(abc.ABC):

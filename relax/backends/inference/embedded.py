@@ -11,7 +11,7 @@ of its requests is aborted, so ``pause(); abort(ids)`` returns the aborted outpu
 `resume`. Concurrent `generate` calls interleave their steps; they are not merged into one batch.
 
 Weight versions. Each token records the version that produced it, in
-`EmbeddedGenerationOutput.output_weight_versions`; ``weight_version`` is the version of the last
+`GenerationOutput.output_weight_versions`; ``weight_version`` is the version of the last
 step the request took part in. The per-token list holds more than one version only when
 `update_weights` ran while the request was in flight.
 
@@ -64,14 +64,6 @@ COMPACT_WHEN_FINISHED_FRACTION = 0.25
 # (the KV length grows; batches and prompt lengths vary), so the engine's forwards use the
 # backends that need no per-shape build.
 DECODE_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@dataclass
-class EmbeddedGenerationOutput(GenerationOutput):
-    """A `GenerationOutput` that also says which weight version produced each token
-    (``len(output_weight_versions) == len(output_ids)``)."""
-
-    output_weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -179,7 +171,7 @@ class EmbeddedEngine(InferenceEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[EmbeddedGenerationOutput]:
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         requests = list(requests)
         for request in requests:
             _validate_request(request)
@@ -241,7 +233,7 @@ class EmbeddedEngine(InferenceEngine):
 
     # ----------------------------------------------------------------------------- worker side
 
-    def _generate_in_worker(self, requests: list[GenerationRequest]) -> list[EmbeddedGenerationOutput]:
+    def _generate_in_worker(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run one `generate` call in the worker thread: its batches in order, one generator."""
         try:
             generator = torch.Generator(device=self.device)
@@ -251,7 +243,7 @@ class EmbeddedEngine(InferenceEngine):
             else:
                 generator.manual_seed(seed)
             batch_size = self.max_batch_size or len(requests)
-            outputs: list[EmbeddedGenerationOutput] = []
+            outputs: list[GenerationOutput] = []
             with torch.inference_mode():
                 for start in range(0, len(requests), batch_size):
                     outputs.extend(self._generate_batch(requests[start : start + batch_size], generator))
@@ -267,7 +259,7 @@ class EmbeddedEngine(InferenceEngine):
 
     def _generate_batch(
         self, requests: list[GenerationRequest], generator: torch.Generator
-    ) -> list[EmbeddedGenerationOutput]:
+    ) -> list[GenerationOutput]:
         """Decode one batch to completion; outputs in request order."""
         rows = [self._new_row_state(request) for request in requests]
         batch = self._prefill_inputs(rows)
@@ -412,8 +404,8 @@ class EmbeddedEngine(InferenceEngine):
         longest_stop_bytes = max((len(stop.encode()) for stop in params.stop), default=0)
         return _RowState(request=request, stop_token_ids=stop_token_ids, stop_window_tokens=longest_stop_bytes + 2)
 
-    def _to_output(self, row: _RowState) -> EmbeddedGenerationOutput:
-        return EmbeddedGenerationOutput(
+    def _to_output(self, row: _RowState) -> GenerationOutput:
+        return GenerationOutput(
             request_id=row.request.request_id,
             output_ids=row.output_ids,
             output_log_probs=row.output_log_probs,

@@ -31,7 +31,9 @@ def apply_output(sample: Sample, output: GenerationOutput) -> None:
     sample.rollout_log_probs = list(output.output_log_probs)
     sample.loss_mask = [1] * sample.response_length
     sample.status = _STATUS_OF_FINISH[output.finish_reason]
-    sample.weight_version = output.weight_version
+    versions = output.output_weight_versions
+    # Per-token versions only when a weight update landed mid-response; otherwise one number.
+    sample.weight_version = list(versions) if versions and len(set(versions)) > 1 else output.weight_version
 
 
 async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
