@@ -114,7 +114,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style,
         total_optimizer_steps=total_steps * cfg.steps_per_rollout, weight_decay=cfg.weight_decay,
         adam_betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing=cfg.gradient_checkpointing, entropy_grad=cfg.entropy_coef > 0,
     )
     torch.manual_seed(cfg.seed)
     loss_fn = build_policy_loss_fn(
