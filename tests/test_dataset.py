@@ -5,30 +5,13 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.engine.rollout.data_source import PromptDataSource
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
+from tests.tiny_assets import build_tokenizer
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789+= \n:?.,")
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.add_special_tokens({"additional_special_tokens": specials})
-    hf.chat_template = CHATML
-    return hf
+    return build_tokenizer()
 
 
 def write_jsonl(path, rows):

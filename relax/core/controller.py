@@ -18,6 +18,7 @@ from relax.core import checkpoint
 from relax.core.build import Roles
 from relax.distributed.process_group import rank
 from relax.distributed.weight_sync import sync_weights_in_process
+from relax.utils.plots import plot_run
 from relax.utils.tracking import Tracker
 
 logger = logging.getLogger("relax")
@@ -111,6 +112,7 @@ class SyncController:
             checkpoint.save_trainer_state(directory, {"step": step, "weight_version": step,
                                                       "consumed_prompts": step * self.cfg.rollout_batch_size})
             checkpoint.mark_latest(self.save_root, step)
+            plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
         logger.info("saved checkpoint %s", directory)
 
     async def resume(self) -> int:
@@ -125,7 +127,3 @@ class SyncController:
         self.tracker.truncate_after(step)
         logger.info("resumed from %s at step %d", directory, step)
         return step
-
-
-def checkpoint_root_of(cfg: RelaxConfig) -> Path:
-    return cfg.save_dir
