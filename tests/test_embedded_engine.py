@@ -102,6 +102,19 @@ def test_max_batch_size_splits_without_changing_greedy_outputs(engine, tokenizer
     assert [output.output_ids for output in split] == [output.output_ids for output in whole]
 
 
+def test_requests_sharing_a_prompt_share_its_prefill_but_sample_independently(engine, tokenizer):
+    grouped_prompts = [prompt for prompt in PROMPTS for _ in range(4)]  # GRPO-style groups of 4
+    greedy = generate(engine, requests_for(tokenizer, grouped_prompts, max_new_tokens=12, temperature=0.0))
+    alone = generate(engine, requests_for(tokenizer, max_new_tokens=12, temperature=0.0))
+    for index, output in enumerate(greedy):
+        reference = alone[index // 4]
+        assert output.output_ids == reference.output_ids
+        assert output.output_log_probs == pytest.approx(reference.output_log_probs, abs=1e-5)
+    sampled = generate(engine, requests_for(tokenizer, grouped_prompts, max_new_tokens=12, seed=3))
+    first_group = [tuple(output.output_ids) for output in sampled[:4]]
+    assert len(set(first_group)) > 1  # one prefill, yet four different samples
+
+
 def test_log_probs_match_teacher_forced_forward(engine, tokenizer):
     temperature = 0.7
     # Filters must not change the reported log-probs, which are taken before filtering.

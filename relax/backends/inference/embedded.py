@@ -3,12 +3,15 @@
 `EmbeddedEngine` runs its own decode loop instead of ``model.generate`` so that it controls
 log-probs, stop conditions, aborts and pauses at every token step.
 
-Threading model. The event loop never runs model code: each `generate` call runs its batches in
-a worker thread (``asyncio.to_thread``). A decode step (forward, sampling, reading the tokens back)
-runs under ``_step_lock``; `update_weights` takes the same lock, so a weight update never lands in
-the middle of a step. Between steps a batch waits while the engine is paused and wakes up when one
-of its requests is aborted, so ``pause(); abort(ids)`` returns the aborted outputs without a
-`resume`. Concurrent `generate` calls interleave their steps; they are not merged into one batch.
+Concurrency model. Everything runs on the caller's event-loop thread: `generate` runs one decode
+step, then yields to the loop, so `abort`, `pause` and `update_weights` (coroutines on the same
+loop) always act between two steps and a weight update never lands inside one. Keeping the model
+code on one thread matters on CPU: a second thread gets its own OpenMP team, which competes with
+the training thread's spinning team and measured 1.7x slower per step here. A batch waits at
+step boundaries while the engine is paused and is released by an abort of one of its requests, so
+``pause(); abort(ids)`` returns the aborted outputs without a `resume`. Concurrent `generate`
+calls interleave their steps; they are not merged into one batch. Callers on other threads use
+``asyncio.run_coroutine_threadsafe`` with the engine's loop.
 
 Weight versions. Each token records the version that produced it, in
 `GenerationOutput.output_weight_versions`; ``weight_version`` is the version of the last
@@ -32,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +60,10 @@ from relax.backends.inference.sampling import BatchSampling, sample_next_tokens
 # 3,130 at 0.25, 3,160 at 0.5, 2,940 dropping at every finish. On an H200 (Qwen3-0.6B shape, bf16)
 # decoding is bound by Python, not by batch size, and the four choices measured the same.
 COMPACT_WHEN_FINISHED_FRACTION = 0.25
+
+# How often a paused batch checks for resume or abort. An asyncio.Event would bind the engine to one
+# event loop; polling keeps it usable from successive `asyncio.run` calls.
+PAUSE_POLL_S = 0.001
 
 # On CUDA, torch's SDPA may pick cuDNN attention, which builds an execution graph per attention
 # shape, cached per thread (tens of milliseconds each on an H200). Decoding meets a new shape at every step
@@ -96,6 +102,16 @@ class _DecodeBatch:
     sequence_length: int  # cached tokens + input tokens of the next step, padding included
     cache: DynamicCache
     sampling: BatchSampling
+    # Set before the first step when requests share prompts (a GRPO group): the prompts are
+    # prefilled once each, then row i of the batch takes prompt `prefill_source[i]`, cache included.
+    prefill_source: torch.Tensor | None = None
+
+    def expand_after_prefill(self) -> None:
+        """Give every request its own copy of its prompt's prefill state."""
+        index, self.prefill_source = self.prefill_source, None
+        self.cache.batch_select_indices(index)
+        self.position_ids = self.position_ids[index]
+        self.attention_mask = self.attention_mask[index]
 
     def advance(self, next_tokens: torch.Tensor) -> None:
         """Make the sampled tokens, (B,) int64, the next step's inputs."""
@@ -147,12 +163,9 @@ class EmbeddedEngine(InferenceEngine):
         }
         self._weight_version = 0
         self._decode_steps = 0
-        # Guards `_paused`, `_in_flight_ids` and `_aborted_ids`; notified when any of them changes.
-        self._state = threading.Condition()
         self._paused = False
         self._in_flight_ids: Counter[str] = Counter()
         self._aborted_ids: set[str] = set()
-        self._step_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -172,69 +185,15 @@ class EmbeddedEngine(InferenceEngine):
         return self._weight_version
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Decode every request (in batches of at most ``max_batch_size``) with one generator,
+        seeded from the first request's seed; outputs in request order."""
         requests = list(requests)
         for request in requests:
             _validate_request(request)
         if not requests:
             return []
         request_ids = [request.request_id for request in requests]
-        # Registered before the worker starts, so an abort issued right after this call is not lost;
-        # the worker unregisters them when it is done.
-        with self._state:
-            self._in_flight_ids.update(request_ids)
-        try:
-            return await asyncio.to_thread(self._generate_in_worker, requests)
-        except asyncio.CancelledError:
-            # The worker thread cannot be cancelled; aborting its requests makes it stop soon.
-            await self.abort(request_ids)
-            raise
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,
-        keeping the tokens generated so far. Ids that are not in flight are ignored."""
-        with self._state:
-            self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
-            self._state.notify_all()
-
-    async def pause(self) -> None:
-        """Hold new and in-flight batches at the next step boundary; returns once no step runs."""
-        with self._state:
-            self._paused = True
-        # A step that started before the flag was set finishes under the lock; later ones see it.
-        await asyncio.to_thread(self._wait_for_running_step)
-
-    async def resume(self) -> None:
-        with self._state:
-            self._paused = False
-            self._state.notify_all()
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy each tensor (any dtype or device; cast to the target's) into the model parameter
-        or buffer of that Hugging Face name, between decode steps, then serve ``version``.
-
-        Raises KeyError for a name the model lacks and ValueError for a shape mismatch; tensors
-        before the bad one are already copied and the version is left unchanged.
-        """
-        await asyncio.to_thread(self._load_weights, named_tensors, version)
-
-    async def health(self) -> dict[str, Any]:
-        with self._state:
-            in_flight_requests = sum(self._in_flight_ids.values())
-            paused = self._paused
-        return {
-            "status": "ok",
-            "weight_version": self._weight_version,
-            "device": str(self.device),
-            "paused": paused,
-            "in_flight_requests": in_flight_requests,
-            # Grows by one per decode step (prefill included) of any batch: a liveness signal.
-            "decode_steps": self._decode_steps,
-        }
-
-    # ----------------------------------------------------------------------------- worker side
-
-    def _generate_in_worker(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        """Run one `generate` call in the worker thread: its batches in order, one generator."""
+        self._in_flight_ids.update(request_ids)
         try:
             generator = torch.Generator(device=self.device)
             seed = requests[0].sampling_params.seed
@@ -244,20 +203,66 @@ class EmbeddedEngine(InferenceEngine):
                 generator.manual_seed(seed)
             batch_size = self.max_batch_size or len(requests)
             outputs: list[GenerationOutput] = []
-            with torch.inference_mode():
-                for start in range(0, len(requests), batch_size):
-                    outputs.extend(self._generate_batch(requests[start : start + batch_size], generator))
+            for start in range(0, len(requests), batch_size):
+                outputs.extend(await self._generate_batch(requests[start : start + batch_size], generator))
             return outputs
         finally:
-            with self._state:
-                request_ids = [request.request_id for request in requests]
-                self._in_flight_ids.subtract(request_ids)
-                for request_id in request_ids:
-                    if self._in_flight_ids[request_id] <= 0:
-                        del self._in_flight_ids[request_id]
-                        self._aborted_ids.discard(request_id)
+            self._in_flight_ids.subtract(request_ids)
+            for request_id in request_ids:
+                if self._in_flight_ids[request_id] <= 0:
+                    del self._in_flight_ids[request_id]
+                    self._aborted_ids.discard(request_id)
 
-    def _generate_batch(
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,
+        keeping the tokens generated so far. Ids that are not in flight are ignored."""
+        self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
+
+    async def pause(self) -> None:
+        """Hold new and in-flight batches at their next step boundary. No step is running when
+        this returns: steps run on this loop, between awaits."""
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy each tensor (any dtype or device; cast to the target's) into the model parameter
+        or buffer of that Hugging Face name, between decode steps, then serve ``version``.
+
+        Raises KeyError for a name the model lacks and ValueError for a shape mismatch; tensors
+        before the bad one are already copied and the version is left unchanged.
+        """
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._weights_by_name.get(name)
+                if target is None:
+                    raise KeyError(
+                        f"update_weights: the model has no parameter or buffer named {name!r} "
+                        f"(model class {type(self.model).__name__})"
+                    )
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+        self._weight_version = version
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "weight_version": self._weight_version,
+            "device": str(self.device),
+            "paused": self._paused,
+            "in_flight_requests": sum(self._in_flight_ids.values()),
+            # Grows by one per decode step (prefill included) of any batch: a liveness signal.
+            "decode_steps": self._decode_steps,
+        }
+
+    # ----------------------------------------------------------------------------- decoding
+
+    async def _generate_batch(
         self, requests: list[GenerationRequest], generator: torch.Generator
     ) -> list[GenerationOutput]:
         """Decode one batch to completion; outputs in request order."""
@@ -268,18 +273,16 @@ class EmbeddedEngine(InferenceEngine):
         live_rows = list(range(len(rows)))
         while True:
             unfinished_ids = {rows[row].request.request_id for row in live_rows if rows[row].finish_reason is None}
-            aborted_ids = self._acquire_step(unfinished_ids)
+            aborted_ids = await self._step_boundary(unfinished_ids)
             if aborted_ids:
                 for row in live_rows:
                     if rows[row].finish_reason is None and rows[row].request.request_id in aborted_ids:
                         rows[row].finish_reason = "abort"
             else:
-                try:
-                    version = self._weight_version
+                version = self._weight_version
+                with torch.inference_mode():
                     next_tokens, tokens_host, log_probs_host = self._decode_step(batch, generator)
-                    self._decode_steps += 1
-                finally:
-                    self._step_lock.release()
+                self._decode_steps += 1
                 stepped_rows = []
                 for batch_position, row in enumerate(live_rows):
                     if rows[row].finish_reason is None:
@@ -298,20 +301,33 @@ class EmbeddedEngine(InferenceEngine):
                 live_rows = [live_rows[position] for position in keep]
 
     def _prefill_inputs(self, rows: list[_RowState]) -> _DecodeBatch:
-        """Left-pad the prompts into the first step's inputs."""
-        prompt_lengths = [len(row.request.input_ids) for row in rows]
-        longest_prompt = max(prompt_lengths)
+        """Left-pad the distinct prompts into the first step's inputs.
+
+        Requests with the same prompt (the samples of one GRPO group) share one prefill row: with
+        short answers the prefill is about half of a rollout's compute, so a group of 8 saves most
+        of it. Sampling settings cover every request; rows expand after the first forward."""
+        first_row_of_prompt: dict[tuple[int, ...], int] = {}
+        prompts: list[list[int]] = []
+        source_of_row = []
+        for row in rows:
+            key = tuple(row.request.input_ids)
+            if key not in first_row_of_prompt:
+                first_row_of_prompt[key] = len(prompts)
+                prompts.append(row.request.input_ids)
+            source_of_row.append(first_row_of_prompt[key])
+        longest_prompt = max(len(prompt) for prompt in prompts)
         longest_output = max(row.params.max_new_tokens for row in rows)
-        input_ids = torch.full((len(rows), longest_prompt), self._pad_token_id, dtype=torch.long)
-        attention_mask = torch.ones(len(rows), longest_prompt + longest_output, dtype=torch.long)
-        for row_index, (row, prompt_length) in enumerate(zip(rows, prompt_lengths)):
-            padding = longest_prompt - prompt_length
-            input_ids[row_index, padding:] = torch.tensor(row.request.input_ids)
-            attention_mask[row_index, :padding] = 0
+        input_ids = torch.full((len(prompts), longest_prompt), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.ones(len(prompts), longest_prompt + longest_output, dtype=torch.long)
+        for index, prompt in enumerate(prompts):
+            padding = longest_prompt - len(prompt)
+            input_ids[index, padding:] = torch.tensor(prompt)
+            attention_mask[index, :padding] = 0
         attention_mask = attention_mask.to(self.device)
         prompt_mask = attention_mask[:, :longest_prompt]
         # Positions count real tokens only, as in `model.generate`; pad positions are masked anyway.
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).masked_fill(prompt_mask == 0, 1)
+        shared = len(prompts) < len(rows)
         return _DecodeBatch(
             input_ids=input_ids.to(self.device),
             position_ids=position_ids,
@@ -319,6 +335,7 @@ class EmbeddedEngine(InferenceEngine):
             sequence_length=longest_prompt,
             cache=DynamicCache(config=self.model.config),
             sampling=BatchSampling.from_params([row.params for row in rows], self.device),
+            prefill_source=torch.tensor(source_of_row, device=self.device) if shared else None,
         )
 
     def _decode_step(
@@ -342,30 +359,21 @@ class EmbeddedEngine(InferenceEngine):
                 logits_to_keep=1,
                 **{self._cache_argument: batch.cache},
             ).logits[:, -1, :]
+        if batch.prefill_source is not None:
+            logits = logits[batch.prefill_source]
+            batch.expand_after_prefill()
         next_tokens, log_probs = sample_next_tokens(logits, batch.sampling, generator)
         # The step's one host synchronization: stop checks need the tokens. Float64 holds ids exactly.
         tokens_host, log_probs_host = torch.stack((next_tokens.to(torch.float64), log_probs.to(torch.float64))).tolist()
         return next_tokens, tokens_host, log_probs_host
 
-    def _acquire_step(self, live_request_ids: set[str]) -> set[str]:
-        """Wait until the batch may run a step. Returns the batch's aborted request ids (lock not
-        taken), or an empty set with ``_step_lock`` held: the caller runs one step and releases it."""
-        while True:
-            with self._state:
-                self._state.wait_for(lambda: not self._paused or bool(self._aborted_ids & live_request_ids))
-                aborted_ids = self._aborted_ids & live_request_ids
-                if aborted_ids:
-                    return aborted_ids
-            self._step_lock.acquire()
-            with self._state:
-                # `pause` may have come between the two blocks; it then waits for this lock.
-                if not self._paused:
-                    return set()
-            self._step_lock.release()
-
-    def _wait_for_running_step(self) -> None:
-        with self._step_lock:
-            pass
+    async def _step_boundary(self, live_request_ids: set[str]) -> set[str]:
+        """Let other coroutines run, wait while paused, and return the batch's aborted request ids
+        (an empty set means: run the next step)."""
+        await asyncio.sleep(0)
+        while self._paused and not self._aborted_ids & live_request_ids:
+            await asyncio.sleep(PAUSE_POLL_S)
+        return self._aborted_ids & live_request_ids
 
     def _append_token(self, row: _RowState, token: int, log_prob: float, version: int) -> None:
         row.output_ids.append(token)
@@ -414,23 +422,6 @@ class EmbeddedEngine(InferenceEngine):
             text=self.tokenizer.decode(row.output_ids, skip_special_tokens=True),
             output_weight_versions=row.output_weight_versions,
         )
-
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        with self._step_lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                target = self._weights_by_name.get(name)
-                if target is None:
-                    raise KeyError(
-                        f"update_weights: the model has no parameter or buffer named {name!r} "
-                        f"(model class {type(self.model).__name__})"
-                    )
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-            self._weight_version = version
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
