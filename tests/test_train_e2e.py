@@ -140,3 +140,17 @@ def test_a_reward_that_raises_gives_zero_is_counted_and_logged_once(tiny_workspa
     assert all(row["reward/num_errors"] > 0 for row in metrics)
     log = (run_dir / "run.log").read_text()
     assert log.count("reward failed for") == 1 and "RuntimeError: reward server said no" in log
+
+
+def test_kl_loss_against_the_frozen_reference_with_an_entropy_bonus(tiny_workspace, tmp_path):
+    run_dir = tmp_path / "kl"
+    result = run_relax("train", *tiny_train_args(
+        tiny_workspace, run_dir, "--num-rollout", "2", "--skip-eval-before-train", "--use-kl-loss",
+        "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.01",
+        "--calculate-per-token-loss", "--lr-warmup-steps", "1", "--lr-decay-style", "cosine"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = read_metrics(run_dir / "metrics.jsonl")
+    # Before the first update the policy is the reference: KL is exactly 0; after it, positive.
+    assert first["train/kl_loss"] == 0.0
+    assert second["train/kl_loss"] > 0.0
+    assert first["train/loss"] == pytest.approx(first["train/pg_loss"] - 0.01 * first["train/entropy"], abs=1e-6)
