@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from relax.algorithms import ALGORITHM_SPECS
+from relax.algorithms.aggregation import LossAggregation
 
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
@@ -127,9 +128,41 @@ class RelaxConfig(BaseModel):
     calculate_per_token_loss: bool = _field(
         False,
         "Average the loss over all tokens of the batch (token-mean) instead of per sample first "
-        "(seq-mean-token-mean, the default).",
+        "(seq-mean-token-mean, the default). Upstream's alias for `--loss-agg-mode token-mean`.",
         "algorithm",
     )
+    loss_agg_mode: LossAggregation | None = _field(
+        None,
+        "How per-token losses become one loss: seq-mean-token-mean (mean per sample, then over samples), "
+        "token-mean (over all tokens), seq-mean-token-sum (sum per sample, mean over samples) or "
+        "seq-mean-token-sum-norm (Dr.GRPO: sum per sample divided by --rollout-max-response-len). "
+        "Default: token-mean with --calculate-per-token-loss, else seq-mean-token-mean.",
+        "algorithm",
+    )
+    kl_coef: float = _field(
+        0.0,
+        "Weight of the KL penalty put in the reward (per token, -kl_coef * k1 KL against the initial model); "
+        "used by reinforce_plus_plus. Exclusive with --kl-loss-coef.",
+        "algorithm",
+        ge=0,
+    )
+    gamma: float = _field(1.0, "Discount of the REINFORCE++ return G_t = r_t + gamma * G_{t+1}.", "algorithm",
+                          ge=0, le=1)
+    sapo_tau_pos: float = _field(1.0, "SAPO gate temperature for positive-advantage tokens.", "algorithm", gt=0)
+    sapo_tau_neg: float = _field(1.05, "SAPO gate temperature for non-positive-advantage tokens.", "algorithm", gt=0)
+    m2po_kl2_budget: float = _field(
+        0.01, "M2PO budget on the mean squared log-ratio of harmful tokens.", "algorithm", gt=0
+    )
+    m2po_miniclip_low: float = _field(0.3, "M2PO: smallest clip range below 1.", "algorithm", gt=0, lt=1)
+    m2po_miniclip_high: float = _field(0.5, "M2PO: smallest clip range above 1.", "algorithm", gt=0)
+    use_tis: bool = _field(
+        False,
+        "Truncated importance sampling: weight each token's policy loss by clamp(exp(old - rollout log-prob), "
+        "--tis-clip-low, --tis-clip), correcting the inference engine / trainer mismatch.",
+        "algorithm",
+    )
+    tis_clip: float = _field(2.0, "Upper bound of the TIS weight.", "algorithm", gt=0)
+    tis_clip_low: float = _field(0.0, "Lower bound of the TIS weight.", "algorithm", ge=0)
     disable_grpo_std_normalization: bool = _field(
         False, "Dr.GRPO: subtract the group mean but do not divide by the group std.", "algorithm"
     )
@@ -230,6 +263,32 @@ class RelaxConfig(BaseModel):
                 f"{flag('micro_batch_size')} ({self.micro_batch_size}) must divide the global batch size "
                 f"({self.train_batch_size})"
             )
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            raise ValueError(
+                f"{flag('kl_coef')} (KL in the reward) and {flag('kl_loss_coef')} (KL in the loss) are exclusive; "
+                "set one of them to 0"
+            )
+        if self.kl_coef > 0 and not spec.uses_reward_kl:
+            raise ValueError(
+                f"{flag('kl_coef')} has no effect with {flag('advantage_estimator')} {spec.name}; "
+                "use reinforce_plus_plus or --use-kl-loss"
+            )
+        if spec.requires_on_policy_updates and self.steps_per_rollout != 1:
+            raise ValueError(
+                f"{flag('advantage_estimator')} {spec.name} needs one optimizer step per rollout: "
+                f"{flag('global_batch_size')} ({self.global_batch_size}) must equal {flag('rollout_batch_size')} x "
+                f"{flag('n_samples_per_prompt')} ({samples_per_step})"
+            )
+        if (self.calculate_per_token_loss and self.loss_agg_mode is not None
+                and self.loss_agg_mode != "token-mean"):
+            raise ValueError(
+                f"{flag('calculate_per_token_loss')} means {flag('loss_agg_mode')} token-mean, "
+                f"but {flag('loss_agg_mode')} is {self.loss_agg_mode}; set only one of them"
+            )
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(
+                f"{flag('tis_clip_low')} ({self.tis_clip_low}) is above {flag('tis_clip')} ({self.tis_clip})"
+            )
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
             raise ValueError(f"{flag('kl_loss_coef')} > 0 has no effect without {flag('use_kl_loss')}")
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
@@ -247,6 +306,13 @@ class RelaxConfig(BaseModel):
     def train_batch_size(self) -> int:
         """Samples per optimizer step."""
         return self.global_batch_size or self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def loss_aggregation(self) -> LossAggregation:
+        """--loss-agg-mode, or what --calculate-per-token-loss implies when it is unset."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "token-mean" if self.calculate_per_token_loss else "seq-mean-token-mean"
 
     @property
     def steps_per_rollout(self) -> int:

@@ -1,8 +1,41 @@
-"""Advantage estimators: pure functions from rewards to per-sample advantages."""
+"""Advantage estimators: pure functions from rewards to per-token advantages.
+
+An algorithm's advantages come from three stages (`AlgorithmSpec.compute_advantages`):
+a reward normalizer (per-sample, group-relative baselines), an advantage function (per-sample
+values to per-token advantages) and an optional global token-level whitening.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator may read of one rollout batch of ``N`` samples.
+
+    ``rewards`` is ``[N]`` with consecutive groups of ``group_size`` (samples of one prompt).
+    ``response_masks`` holds one ``[T_i]`` tensor per sample over its response tokens (1 = the
+    token enters the loss). ``kl`` holds per-token KL(policy || reference) of the same lengths,
+    present only when the reward carries a KL penalty (``kl_coef`` > 0).
+    """
+
+    rewards: torch.Tensor
+    group_size: int
+    response_masks: list[torch.Tensor]
+    normalize_std: bool = True
+    kl: list[torch.Tensor] | None = None
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+
+
+# (rewards [N], group_size, normalize_std) -> per-sample normalized rewards [N]
+RewardNormalizer = Callable[[torch.Tensor, int, bool], torch.Tensor]
+# inputs (with normalized rewards) -> one [T_i] advantage tensor per sample
+AdvantageFn = Callable[[AdvantageInputs], list[torch.Tensor]]
 
 
 def check_finite_rewards(rewards: torch.Tensor) -> None:
@@ -19,6 +52,14 @@ def group_rewards(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
+def _grouped(rewards: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    if group_size < 2:
+        raise ValueError(f"{name} needs at least 2 samples per prompt, got {group_size}")
+    check_finite_rewards(rewards)
+    return group_rewards(rewards.float(), group_size)
+
+
+# ---- reward normalizers -------------------------------------------------------------------
 def compute_grpo_advantages(
     rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -28,11 +69,79 @@ def compute_grpo_advantages(
     sample std, as upstream. ``normalize_std=False`` gives Dr.GRPO (Liu et al., 2025), which keeps
     only the mean baseline. Groups whose rewards are all equal get zero advantages.
     """
-    if group_size < 2:
-        raise ValueError(f"GRPO needs at least 2 samples per prompt, got {group_size}")
-    check_finite_rewards(rewards)
-    grouped = group_rewards(rewards.float(), group_size)
+    grouped = _grouped(rewards, group_size, "GRPO")
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
     return centered.flatten()
+
+
+def group_mean_baseline(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al., 2025): ``A_i = r_i - mean(group)`` (the mean includes r_i).
+
+    The scale is fixed later by global token-level whitening, so ``normalize_std`` is not used.
+    """
+    grouped = _grouped(rewards, group_size, "the group-mean baseline")
+    return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+
+
+def group_leave_one_out(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024): ``A_i = r_i - mean_{j≠i}(r_j) = G/(G-1)·(r_i - mean(r))``.
+
+    The baseline of each sample excludes its own reward, so the estimator stays unbiased;
+    ``normalize_std`` is not used.
+    """
+    grouped = _grouped(rewards, group_size, "RLOO")
+    return (group_size / (group_size - 1) * (grouped - grouped.mean(dim=1, keepdim=True))).flatten()
+
+
+def raw_rewards(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
+    """No normalization (M2PO, REINFORCE++): the reward itself, checked finite."""
+    check_finite_rewards(rewards)
+    return rewards.float()
+
+
+# ---- per-sample values -> per-token advantages ----------------------------------------------
+def broadcast_advantages(inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """GRPO family: every response token of sample ``i`` gets ``rewards[i]`` (``[T_i]`` each)."""
+    return [torch.full(mask.shape, float(r)) for r, mask in zip(inputs.rewards, inputs.response_masks)]
+
+
+def reinforce_plus_plus_returns(inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu et al., 2025) discounted returns with the KL penalty in the reward.
+
+    Token rewards ``r_t = -kl_coef·kl_t·mask_t``, plus the scalar reward on the last valid token;
+    ``G_t = r_t + γ·G_{t+1}`` (``G_T = 0``). A sample with no valid token gets zeros.
+    """
+    returns = []
+    for i, mask in enumerate(inputs.response_masks):
+        mask = mask.float()
+        token_rewards = torch.zeros_like(mask)
+        if inputs.kl is not None and inputs.kl_coef:
+            token_rewards = -inputs.kl_coef * inputs.kl[i].float() * mask
+        valid = mask.nonzero().flatten()
+        if valid.numel():
+            token_rewards[valid[-1]] += inputs.rewards[i]
+        running, out = 0.0, torch.zeros_like(mask)
+        for t in range(mask.numel() - 1, -1, -1):
+            running = token_rewards[t] + inputs.gamma * running
+            out[t] = running
+        returns.append(out)
+    return returns
+
+
+def whiten_over_valid_tokens(
+    advantages: list[torch.Tensor], masks: list[torch.Tensor], var_floor: float = 1e-8
+) -> list[torch.Tensor]:
+    """Global token-level whitening (REINFORCE++): ``(A - μ) / sqrt(max(σ², 1e-8))``.
+
+    ``μ`` and ``σ²`` (population variance) are taken over the valid tokens of the whole batch;
+    masked tokens are set to 0, so a fully masked sequence contributes nothing.
+    """
+    valid = [a[m.bool()] for a, m in zip(advantages, masks)]
+    flat = torch.cat(valid) if valid else torch.zeros(0)
+    if flat.numel() == 0:
+        return [torch.zeros_like(a) for a in advantages]
+    mean = flat.mean()
+    scale = flat.var(unbiased=False).clamp(min=var_floor).rsqrt()
+    return [torch.where(m.bool(), (a - mean) * scale, torch.zeros_like(a)) for a, m in zip(advantages, masks)]

@@ -6,11 +6,12 @@ whole optimizer step), so summing micro-batch losses gives the loss of the full 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-LossAggregation = Literal["seq-mean-token-mean", "token-mean"]
+LossAggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 def aggregate_loss(
@@ -19,6 +20,7 @@ def aggregate_loss(
     mode: LossAggregation,
     global_num_samples: int,
     global_num_tokens: int,
+    max_response_len: int | None = None,
 ) -> torch.Tensor:
     """Aggregate ``values`` ``[B, T]`` under ``mask`` ``[B, T]`` (1 = counted).
 
@@ -27,6 +29,10 @@ def aggregate_loss(
       contribute 0.
     - ``token-mean`` (``--calculate-per-token-loss``): sum over all tokens divided by the number of
       valid tokens in the optimizer step.
+    - ``seq-mean-token-sum``: sum over each sample's tokens, averaged over samples.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO, Liu et al., 2025): the token sum divided by a constant,
+      ``max_response_len``, so no sample's tokens are weighted by its own length; averaged over
+      samples.
     """
     mask = mask.to(values.dtype)
     if mode == "seq-mean-token-mean":
@@ -34,4 +40,10 @@ def aggregate_loss(
         return per_sample.sum() / max(global_num_samples, 1)
     if mode == "token-mean":
         return (values * mask).sum() / max(global_num_tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return (values * mask).sum() / max(global_num_samples, 1)
+    if mode == "seq-mean-token-sum-norm":
+        if not max_response_len:
+            raise ValueError("seq-mean-token-sum-norm needs max_response_len")
+        return (values * mask).sum() / (max(global_num_samples, 1) * max_response_len)
     raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,6 +1,7 @@
 """Assemble the training loss of an algorithm: policy loss, KL loss and entropy bonus.
 
-``loss = agg(pg_loss) + kl_loss_coef·agg(KL(π, π_ref)) − entropy_coef·agg(H(π))``
+``loss = agg(w·pg_loss) + kl_loss_coef·agg(KL(π, π_ref)) − entropy_coef·agg(H(π))``, where ``w``
+are the truncated importance weights with ``--use-tis`` (1 otherwise).
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ import torch
 
 from relax.algorithms.aggregation import LossAggregation, aggregate_loss
 from relax.algorithms.kl import compute_approx_kl
-from relax.algorithms.policy_loss import compute_ppo_clip_loss
+from relax.algorithms.policy_loss import (
+    M2POTerms,
+    PolicyLossTerms,
+    compute_cispo_loss,
+    compute_gspo_loss,
+    compute_m2po_loss,
+    compute_ppo_clip_loss,
+    compute_rloo_loss,
+    compute_sapo_loss,
+    compute_tis_weights,
+)
 
 
 @dataclass
@@ -43,9 +54,32 @@ class PolicyLossSettings:
     kl_loss_type: str = "k1"
     entropy_coef: float = 0.0
     use_kl_loss: bool = False
+    max_response_len: int | None = None  # the constant of seq-mean-token-sum-norm
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    m2po_kl2_budget: float = 0.01
+    m2po_miniclip_low: float = 0.3
+    m2po_miniclip_high: float = 0.5
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
 
 
-POLICY_LOSSES = ("ppo_clip",)
+# (settings, log_probs, old_log_probs, advantages, mask) -> per-token terms, all [B, T]
+PolicyLoss = Callable[
+    [PolicyLossSettings, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], PolicyLossTerms
+]
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": lambda s, lp, old, adv, mask: compute_ppo_clip_loss(
+        lp, old, adv, s.eps_clip, s.eps_clip_high, s.eps_clip_c),
+    "gspo": lambda s, lp, old, adv, mask: compute_gspo_loss(lp, old, adv, mask, s.eps_clip, s.eps_clip_high),
+    "sapo": lambda s, lp, old, adv, mask: compute_sapo_loss(lp, old, adv, s.sapo_tau_pos, s.sapo_tau_neg),
+    "cispo": lambda s, lp, old, adv, mask: compute_cispo_loss(lp, old, adv, s.eps_clip, s.eps_clip_high),
+    "rloo": lambda s, lp, old, adv, mask: compute_rloo_loss(lp, old, adv),
+    "m2po": lambda s, lp, old, adv, mask: compute_m2po_loss(
+        lp, old, adv, mask, s.m2po_kl2_budget, s.m2po_miniclip_low, s.m2po_miniclip_high),
+}
 
 
 def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
@@ -53,28 +87,43 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
 
     Fields read from the micro-batch: ``advantages`` (required), ``old_log_probs`` (when absent the
     update is on-policy and the detached current log-probs stand in, so the ratio is exactly 1),
-    ``ref_log_probs`` (required with the KL loss).
+    ``ref_log_probs`` (required with the KL loss), ``rollout_log_probs`` (required with TIS).
     """
     if settings.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {settings.policy_loss!r}; known: {POLICY_LOSSES}")
+        raise ValueError(f"unknown policy loss {settings.policy_loss!r}; known: {sorted(POLICY_LOSSES)}")
+    policy_loss = POLICY_LOSSES[settings.policy_loss]
 
     def loss_fn(mb: MicroBatchTensors, log_probs: torch.Tensor, entropy: torch.Tensor):
         def agg(values: torch.Tensor) -> torch.Tensor:
-            return aggregate_loss(values, mb.mask, settings.aggregation, mb.global_num_samples, mb.global_num_tokens)
+            return aggregate_loss(values, mb.mask, settings.aggregation, mb.global_num_samples, mb.global_num_tokens,
+                                  settings.max_response_len)
 
         old_log_probs = mb.fields.get("old_log_probs", log_probs.detach())
-        terms = compute_ppo_clip_loss(
-            log_probs, old_log_probs, mb.fields["advantages"],
-            settings.eps_clip, settings.eps_clip_high, settings.eps_clip_c,
-        )
-        pg_loss = agg(terms.loss)
+        terms = policy_loss(settings, log_probs, old_log_probs, mb.fields["advantages"], mb.mask)
+        token_loss = terms.loss
+        metrics = {}
+        if settings.use_tis:
+            tis = compute_tis_weights(old_log_probs, mb.fields["rollout_log_probs"], settings.tis_clip_low,
+                                      settings.tis_clip)
+            token_loss = token_loss * tis.weights
+            metrics["tis"] = agg(tis.weights).detach()
+            metrics["tis_clipfrac"] = agg(tis.clipped).detach()
+        if isinstance(terms, M2POTerms):
+            # Micro-batch scalars, weighted by the micro-batch's share of the step's samples so that
+            # their sum over micro-batches (what the trainer logs) is the step's mean.
+            share = log_probs.shape[0] / max(mb.global_num_samples, 1)
+            metrics["m2po_eps_low"] = torch.tensor(terms.eps_low * share)
+            metrics["m2po_eps_high"] = torch.tensor(terms.eps_high * share)
+            metrics["ppo_kl_m2_before"] = torch.tensor(terms.m2_before * share)
+            metrics["ppo_kl_m2_after"] = torch.tensor(terms.m2_after * share)
+        pg_loss = agg(token_loss)
         loss = pg_loss
-        metrics = {
+        metrics.update({
             "pg_loss": pg_loss.detach(),
             "clipfrac": agg(terms.clipped).detach(),
             "ppo_kl": agg(terms.ppo_kl).detach(),
             "entropy": agg(entropy.detach()),
-        }
+        })
         if settings.use_kl_loss:
             kl = compute_approx_kl(log_probs, mb.fields["ref_log_probs"], settings.kl_loss_type)
             kl_loss = agg(kl)

@@ -7,34 +7,78 @@ the loss function that `relax.algorithms.loss.build_policy_loss_fn` assembles fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from relax.algorithms.advantages import compute_grpo_advantages
-
-# (rewards [N], group_size, normalize_std) -> per-sample advantages [N]
-AdvantageFn = Callable[[torch.Tensor, int, bool], torch.Tensor]
+from relax.algorithms.advantages import (
+    AdvantageFn,
+    AdvantageInputs,
+    RewardNormalizer,
+    broadcast_advantages,
+    compute_grpo_advantages,
+    group_leave_one_out,
+    group_mean_baseline,
+    raw_rewards,
+    reinforce_plus_plus_returns,
+    whiten_over_valid_tokens,
+)
 
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
     name: str
-    advantage_fn: AdvantageFn
+    reward_normalizer: RewardNormalizer  # rewards [N] -> per-sample values [N]
+    advantage_fn: AdvantageFn  # per-sample values -> per-token advantages
     policy_loss: str  # a key of relax.algorithms.loss.POLICY_LOSSES
+    whiten_advantages: bool = False  # global token-level whitening over valid tokens (REINFORCE++)
     min_group_size: int = 1  # smallest --n-samples-per-prompt the estimator is defined for
+    uses_reward_kl: bool = False  # the reward carries -kl_coef·KL (--kl-coef)
+    requires_on_policy_updates: bool = False  # one optimizer step per rollout
     needs_critic: bool = False
     paper: str = ""
 
+    def compute_advantages(self, inputs: AdvantageInputs) -> list[torch.Tensor]:
+        """Rewards → per-token advantages: normalizer, advantage function, optional whitening."""
+        values = self.reward_normalizer(inputs.rewards, inputs.group_size, inputs.normalize_std)
+        advantages = self.advantage_fn(replace(inputs, rewards=values))
+        if self.whiten_advantages:
+            advantages = whiten_over_valid_tokens(advantages, inputs.response_masks)
+        return advantages
+
+
+def _group_relative(name: str, policy_loss: str, paper: str) -> AlgorithmSpec:
+    """GRPO's advantages (group mean/std normalization, broadcast) under another policy loss."""
+    return AlgorithmSpec(name=name, reward_normalizer=compute_grpo_advantages, advantage_fn=broadcast_advantages,
+                         policy_loss=policy_loss, min_group_size=2, paper=paper)
+
 
 ALGORITHM_SPECS: dict[str, AlgorithmSpec] = {
-    "grpo": AlgorithmSpec(
-        name="grpo",
-        advantage_fn=compute_grpo_advantages,
-        policy_loss="ppo_clip",
-        min_group_size=2,
-        paper="Shao et al. 2024, DeepSeekMath (arXiv 2402.03300); Dr.GRPO: Liu et al. 2025 (arXiv 2503.20783)",
+    "grpo": _group_relative(
+        "grpo", "ppo_clip",
+        "Shao et al. 2024, DeepSeekMath (arXiv 2402.03300); Dr.GRPO: Liu et al. 2025 (arXiv 2503.20783)",
+    ),
+    "gspo": _group_relative("gspo", "gspo", "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv 2507.18071)"),
+    "sapo": _group_relative("sapo", "sapo", "Gao et al. 2025, Soft Adaptive Policy Optimization (SAPO, Qwen team)"),
+    "cispo": _group_relative("cispo", "cispo", "MiniMax 2025, MiniMax-M1 (arXiv 2506.13585)"),
+    "m2po": AlgorithmSpec(
+        name="m2po", reward_normalizer=raw_rewards, advantage_fn=broadcast_advantages, policy_loss="m2po",
+        paper="Zheng et al. 2025, Prosperity before Collapse: off-policy RL with stale data (M2PO)",
+    ),
+    "rloo": AlgorithmSpec(
+        name="rloo", reward_normalizer=group_leave_one_out, advantage_fn=broadcast_advantages, policy_loss="rloo",
+        min_group_size=2, requires_on_policy_updates=True,
+        paper="Ahmadian et al. 2024, Back to Basics: REINFORCE-style optimization (arXiv 2402.14740)",
+    ),
+    "reinforce_plus_plus": AlgorithmSpec(
+        name="reinforce_plus_plus", reward_normalizer=raw_rewards, advantage_fn=reinforce_plus_plus_returns,
+        policy_loss="ppo_clip", whiten_advantages=True, uses_reward_kl=True,
+        paper="Hu et al. 2025, REINFORCE++ (arXiv 2501.03262)",
+    ),
+    "reinforce_plus_plus_baseline": AlgorithmSpec(
+        name="reinforce_plus_plus_baseline", reward_normalizer=group_mean_baseline,
+        advantage_fn=broadcast_advantages, policy_loss="ppo_clip", whiten_advantages=True, min_group_size=2,
+        paper="Hu et al. 2025, REINFORCE++ (arXiv 2501.03262), group-mean baseline variant",
     ),
 }
 

@@ -121,13 +121,19 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         PolicyLossSettings(
             policy_loss=spec.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or cfg.eps_clip,
             eps_clip_c=cfg.eps_clip_c,
-            aggregation="token-mean" if cfg.calculate_per_token_loss else "seq-mean-token-mean",
-            kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type, entropy_coef=cfg.entropy_coef,
-            use_kl_loss=cfg.use_kl_loss,
+            aggregation=cfg.loss_aggregation, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
+            entropy_coef=cfg.entropy_coef, use_kl_loss=cfg.use_kl_loss, max_response_len=cfg.rollout_max_response_len,
+            sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, m2po_kl2_budget=cfg.m2po_kl2_budget,
+            m2po_miniclip_low=cfg.m2po_miniclip_low, m2po_miniclip_high=cfg.m2po_miniclip_high,
+            use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
         )
     )
     actor = Actor(FSDPTrainBackend(model_path, settings), loss_fn, cfg.train_batch_size)
-    reference = ActorFwd(FSDPTrainBackend(model_path, settings, trainable=False)) if cfg.use_kl_loss else None
+    advantages = Advantages(spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization,
+                            kl_coef=cfg.kl_coef, gamma=cfg.gamma)
+    # The frozen initial model serves the KL loss and the KL in the reward alike.
+    needs_reference = cfg.use_kl_loss or advantages.needs_kl
+    reference = ActorFwd(FSDPTrainBackend(model_path, settings, trainable=False)) if needs_reference else None
     sampling = SamplingParams(
         max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
         top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
@@ -139,6 +145,5 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         eval_sets=eval_sets, eval_sampling=eval_sampling(cfg, tokenizer),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
     )
-    advantages = Advantages(spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization)
     logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
     return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype)

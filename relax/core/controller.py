@@ -11,11 +11,13 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from relax.config import RelaxConfig
 from relax.core import checkpoint
 from relax.core.build import Roles
+from relax.data.sample import Sample
 from relax.distributed.process_group import rank
 from relax.distributed.weight_sync import sync_weights_in_process
 from relax.utils.plots import plot_run
@@ -24,6 +26,14 @@ from relax.utils.tracking import Tracker
 logger = logging.getLogger("relax")
 
 WEIGHT_SYNC_BUCKET_BYTES = 512 * 1024 * 1024  # upstream's --update-weight-buffer-size default
+
+
+def rollout_log_probs(sample: Sample) -> torch.Tensor:
+    """The engine's per-token log-probs of a sample's response, ``[response_length]`` (for TIS)."""
+    if sample.rollout_log_probs is None or len(sample.rollout_log_probs) != sample.response_length:
+        raise ValueError(f"sample {sample.index} has no rollout log-probs for its {sample.response_length} "
+                         "response tokens; --use-tis needs them from the engine")
+    return torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
 
 
 class SyncController:
@@ -45,7 +55,14 @@ class SyncController:
             fields["ref_log_probs"] = await roles.reference.compute_log_probs(samples)
         if roles.actor.needs_old_log_probs(len(samples)):
             fields["old_log_probs"] = await roles.actor.compute_log_probs(samples)
-        fields["advantages"], advantage_metrics = await roles.advantages.compute(samples)
+        if self.cfg.use_tis:
+            fields["rollout_log_probs"] = [rollout_log_probs(s) for s in samples]
+        policy_log_probs = fields.get("old_log_probs")
+        if roles.advantages.needs_kl and policy_log_probs is None:  # the reward's KL needs the policy's log-probs
+            policy_log_probs = await roles.actor.compute_log_probs(samples)
+        fields["advantages"], advantage_metrics = await roles.advantages.compute(
+            samples, policy_log_probs, fields.get("ref_log_probs")
+        )
         metrics.update(advantage_metrics)
 
         train_started = time.perf_counter()
