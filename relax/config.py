@@ -111,6 +111,21 @@ class RelaxConfig(BaseModel):
     rollout_max_batch_size: int | None = _field(
         None, "Most sequences the embedded engine decodes at once (default: all requests of a step).", "rollout", ge=1
     )
+    dynamic_sampling_filter_path: str | None = _field(
+        None,
+        "DAPO dynamic sampling: dotted path `module:function` of a group filter `fn(args, samples) -> bool | "
+        "DynamicFilterOutput(keep, reason)`, called on each scored prompt group. Rejected groups are dropped "
+        "and refilled from the next prompts until --rollout-batch-size groups are kept. Built-in: "
+        "`relax.engine.filters.dynamic_sampling:check_reward_nonzero_std` (keep groups whose rewards differ).",
+        "rollout",
+    )
+    max_dynamic_sampling_rounds: int = _field(
+        8,
+        "Most generation rounds per step with dynamic sampling; past it the step trains on the groups kept "
+        "so far (a warning is logged).",
+        "rollout",
+        ge=1,
+    )
 
     # --- algorithm -----------------------------------------------------------------------
     advantage_estimator: str = _field("grpo", "RL algorithm (see docs/algorithms.md).", "algorithm")
@@ -193,6 +208,16 @@ class RelaxConfig(BaseModel):
     )
     group_rm: bool = _field(
         False, "Call the custom reward once per prompt group: `fn(args, samples) -> list`.", "reward"
+    )
+    overlong_buffer_len: int | None = _field(
+        None,
+        "DAPO soft overlong punishment: a response of l tokens longer than M - L (M = --rollout-max-response-len, "
+        "L = this) gets (M - L - l) / L * --overlong-penalty-factor added to its reward. Default: off.",
+        "reward",
+        ge=1,
+    )
+    overlong_penalty_factor: float = _field(
+        1.0, "Penalty of a response of the maximum length under --overlong-buffer-len.", "reward", ge=0
     )
 
     # --- eval ----------------------------------------------------------------------------
@@ -297,6 +322,11 @@ class RelaxConfig(BaseModel):
             raise ValueError(f"{flag('eval_interval')} needs {flag('eval_prompt_data')}")
         if self.system_prompt and not self.apply_chat_template:
             raise ValueError(f"{flag('system_prompt')} needs {flag('apply_chat_template')}")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len > self.rollout_max_response_len:
+            raise ValueError(
+                f"{flag('overlong_buffer_len')} ({self.overlong_buffer_len}) is above "
+                f"{flag('rollout_max_response_len')} ({self.rollout_max_response_len})"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         return self

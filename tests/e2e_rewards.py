@@ -11,3 +11,11 @@ def fails_on_odd_index(args, sample):
     if sample.index % 2:
         raise RuntimeError("reward server said no")
     return 1.0
+
+
+def constant_on_even_rows(args, sample):
+    """0 for prompts of even dataset rows (a zero-spread group), a token-dependent value otherwise."""
+    if sample.index % 2 == 0:
+        return 0.0
+    response_ids = sample.tokens[len(sample.tokens) - sample.response_length:]
+    return (sum(response_ids) % 5) / 4

@@ -89,7 +89,7 @@ def test_data_source_epochs_and_seeded_shuffle(tmp_path, tokenizer):
     prompts = load_prompt_samples(str(path), tokenizer, PromptFormat())
     plain = PromptDataSource(prompts, rollout_batch_size=2, shuffle=False, seed=0)
     assert [[s.index for s in plain.prompts_for_step(step)] for step in range(3)] == [[0, 1], [2, 3], [4, 0]]
-    assert plain.epoch_of_step(2) == 0 and plain.epoch_of_step(3) == 1
+    assert plain.epoch_of_position(4) == 0 and plain.epoch_of_position(6) == 1
     shuffled = PromptDataSource(prompts, rollout_batch_size=5, shuffle=True, seed=7)
     epoch0, epoch1 = (sorted(s.index for s in shuffled.prompts_for_step(e)) for e in (0, 1))
     assert epoch0 == epoch1 == [0, 1, 2, 3, 4]  # each epoch is a permutation

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from relax.backends.inference.base import InferenceEngine, SamplingParams
 from relax.data.sample import Sample, SampleStatus
+from relax.engine.filters.dynamic_sampling import apply_filter
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.generate import expand_groups, generate_samples
+
+
+logger = logging.getLogger("relax")
 
 
 def scalar_reward(sample: Sample) -> float:
@@ -44,6 +50,53 @@ def zero_std_group_ratio(samples: list[Sample]) -> float:
     return sum(len(set(rewards)) == 1 for rewards in groups.values()) / max(len(groups), 1)
 
 
+def overlong_penalty(response_length: int, max_response_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_response_len - buffer_len`` tokens, then
+    falling linearly to ``-factor`` at ``max_response_len``: ``min(0, (M - L - l) / L) * F``."""
+    return min(0.0, (max_response_len - buffer_len - response_length) / buffer_len) * factor
+
+
+def add_to_reward(sample: Sample, amount: float) -> None:
+    """Add ``amount`` to a sample's reward (to the ``score`` entry of dict rewards)."""
+    if isinstance(sample.reward, dict):
+        sample.reward = {**sample.reward, "score": float(sample.reward["score"]) + amount}
+    else:
+        sample.reward = scalar_reward(sample) + amount
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """``--overlong-buffer-len`` / ``--overlong-penalty-factor`` with the response-length cap."""
+
+    max_response_len: int
+    buffer_len: int
+    factor: float
+
+    def apply(self, samples: list[Sample]) -> list[float]:
+        """Add each sample's penalty to its reward (recorded in ``metadata["overlong_penalty"]``)."""
+        penalties = []
+        for sample in samples:
+            penalty = overlong_penalty(sample.response_length, self.max_response_len, self.buffer_len, self.factor)
+            if penalty:
+                add_to_reward(sample, penalty)
+            sample.metadata["overlong_penalty"] = penalty
+            penalties.append(penalty)
+        return penalties
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """``--dynamic-sampling-filter-path`` (the loaded filter) and ``--max-dynamic-sampling-rounds``."""
+
+    filter_fn: Callable[..., Any]
+    max_rounds: int
+    args: Any = None
+
+
+def split_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
+    return [samples[i:i + group_size] for i in range(0, len(samples), group_size)]
+
+
 class Rollout:
     def __init__(
         self,
@@ -56,6 +109,8 @@ class Rollout:
         eval_sets: dict[str, list[Sample]] | None = None,
         eval_sampling: SamplingParams | None = None,
         n_samples_per_eval_prompt: int = 1,
+        dynamic_sampling: DynamicSampling | None = None,
+        overlong: OverlongPenalty | None = None,
     ):
         self.engine = engine
         self.data_source = data_source
@@ -66,23 +121,97 @@ class Rollout:
         self.eval_sets = eval_sets or {}
         self.eval_sampling = eval_sampling or sampling
         self.n_samples_per_eval_prompt = n_samples_per_eval_prompt
+        self.dynamic_sampling = dynamic_sampling
+        self.overlong = overlong
 
     def _step_seed(self, rollout_id: int, salt: int = 0) -> int:
         # One seed per step: a resumed run samples exactly what the interrupted one would have.
         return (self.seed * 1_000_003 + rollout_id * 7919 + salt) % (2**63)
 
-    async def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
-        """Scored samples of step ``rollout_id``, grouped by prompt, and rollout metrics."""
-        prompts = self.data_source.prompts_for_step(rollout_id)
-        samples = expand_groups(prompts, self.n_samples_per_prompt, rollout_id * len(prompts))
-        sampling = replace(self.sampling, seed=self._step_seed(rollout_id))
+    async def _sample_round(self, rollout_id: int, round_index: int, count: int) -> list[Sample]:
+        """Generate and score ``count`` prompt groups taken at the data source's cursor."""
+        start, prompts = self.data_source.take(count)
+        samples = expand_groups(prompts, self.n_samples_per_prompt, start)
+        # Refill rounds get their own seeds, disjoint from the step seeds of eval (salt 1 + set position).
+        salt = 0 if round_index == 0 else 1_000_003 * round_index
+        sampling = replace(self.sampling, seed=self._step_seed(rollout_id, salt=salt))
         await generate_samples(self.engine, samples, sampling)
         await self.rewards.score(samples)
-        metrics = summarize_samples(samples, "rollout")
+        if self.overlong is not None:
+            self.overlong.apply(samples)
+        return samples
+
+    async def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Scored samples of step ``rollout_id``, grouped by prompt, and rollout metrics.
+
+        With dynamic sampling, groups the filter rejects are dropped and replaced by groups of the
+        next prompts of the data source, round after round, until ``rollout_batch_size`` groups are
+        kept or ``max_rounds`` rounds ran. A refill round over-samples the missing groups by the keep
+        rate seen so far (at most ``rollout_batch_size`` groups); groups kept beyond the batch are
+        discarded and counted in ``rollout/dropped_surplus_groups`` (their prompts count as consumed).
+        The data source's cursor records the prompts consumed, and checkpoints save it.
+        """
+        batch_size = self.data_source.rollout_batch_size
+        if self.dynamic_sampling is None:
+            # Stateless: step s takes stream positions [s·B, (s+1)·B), whatever ran before.
+            self.data_source.consumed = rollout_id * batch_size
+        epoch = self.data_source.epoch_of_position(self.data_source.consumed)
+        metrics: dict[str, float] = {}
+        if self.dynamic_sampling is None:
+            samples = await self._sample_round(rollout_id, 0, batch_size)
+        else:
+            samples, metrics = await self._generate_filtered(rollout_id, batch_size)
+        metrics.update(summarize_samples(samples, "rollout"))
         metrics["rollout/zero_std_group_ratio"] = zero_std_group_ratio(samples)
-        metrics["rollout/epoch"] = float(self.data_source.epoch_of_step(rollout_id))
+        metrics["rollout/epoch"] = float(epoch)
+        if self.overlong is not None:
+            metrics["rollout/overlong_penalty_mean"] = statistics.fmean(
+                s.metadata.get("overlong_penalty", 0.0) for s in samples
+            )
         metrics.update(self.rewards.pop_metrics())
         return samples, metrics
+
+    async def _generate_filtered(self, rollout_id: int, batch_size: int) -> tuple[list[Sample], dict[str, float]]:
+        dynamic = self.dynamic_sampling
+        kept: list[list[Sample]] = []
+        last_round: list[list[Sample]] = []
+        generated = dropped = 0
+        reasons: dict[str, int] = {}
+        rounds = 0
+        while len(kept) < batch_size and rounds < dynamic.max_rounds:
+            missing = batch_size - len(kept)
+            # Over-sample by the keep rate so far (deterministic: it depends on the scored groups only).
+            oversampled = -(-missing * generated // max(len(kept), 1))  # ceil(missing / keep rate)
+            count = batch_size if generated == 0 else min(batch_size, max(missing, oversampled))
+            samples = await self._sample_round(rollout_id, rounds, count)
+            rounds += 1
+            generated += count
+            last_round = split_groups(samples, self.n_samples_per_prompt)
+            for group in last_round:
+                verdict = apply_filter(dynamic.filter_fn, dynamic.args, group)
+                if verdict.keep:
+                    kept.append(group)
+                else:
+                    dropped += 1
+                    reasons[verdict.reason or "filtered"] = reasons.get(verdict.reason or "filtered", 0) + 1
+        surplus = max(len(kept) - batch_size, 0)
+        kept = kept[:batch_size]
+        metrics = {
+            "rollout/dynamic_filter_dropped_groups": float(dropped),
+            "rollout/dynamic_sampling_rounds": float(rounds),
+            "rollout/dropped_surplus_groups": float(surplus),
+            "rollout/generated_groups": float(generated),
+        }
+        if len(kept) < batch_size:
+            if not kept:
+                # Nothing passed: train on the last round's groups rather than on an empty batch.
+                kept = last_round
+                logger.warning("step %d: dynamic sampling kept no group in %d rounds (%s); training on the last "
+                               "round's %d unfiltered groups", rollout_id + 1, rounds, reasons, len(kept))
+            else:
+                logger.warning("step %d: dynamic sampling kept %d of %d groups in %d rounds (%s); training on "
+                               "the kept groups", rollout_id + 1, len(kept), batch_size, rounds, reasons)
+        return [sample for group in kept for sample in group], metrics
 
     async def evaluate(self, step: int) -> tuple[dict[str, float], dict[str, list[Sample]]]:
         """Metrics ``eval/<set>/...`` per held-out set, plus ``eval/accuracy`` (mean over sets)."""

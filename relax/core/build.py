@@ -17,10 +17,11 @@ from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.components.actor import Actor
 from relax.components.actor_fwd import ActorFwd
 from relax.components.advantages import Advantages
-from relax.components.rollout import Rollout
+from relax.components.rollout import DynamicSampling, OverlongPenalty, Rollout
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.data.dataset import PromptFormat, load_prompt_samples
 from relax.engine.rewards.compute import RewardComputer
+from relax.engine.rewards.custom import load_dotted_function
 from relax.engine.rollout.data_source import PromptDataSource
 
 logger = logging.getLogger("relax")
@@ -77,6 +78,22 @@ def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
         raise ConfigError(str(err)) from None
 
 
+def build_dynamic_sampling(cfg: RelaxConfig) -> DynamicSampling | None:
+    if cfg.dynamic_sampling_filter_path is None:
+        return None
+    try:
+        filter_fn = load_dotted_function(cfg.dynamic_sampling_filter_path, flag("dynamic_sampling_filter_path"))
+    except (ValueError, ImportError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+    return DynamicSampling(filter_fn, cfg.max_dynamic_sampling_rounds, args=cfg)
+
+
+def build_overlong_penalty(cfg: RelaxConfig) -> OverlongPenalty | None:
+    if cfg.overlong_buffer_len is None:
+        return None
+    return OverlongPenalty(cfg.rollout_max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+
+
 def load_eval_sets(cfg: RelaxConfig, tokenizer) -> dict:
     return {name: load_prompt_samples(spec, tokenizer, prompt_format(cfg)) for name, spec in cfg.eval_prompt_data.items()}
 
@@ -99,6 +116,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
     if not cfg.prompt_data:
         raise ConfigError(f"{flag('prompt_data')} is required for training")
     rewards = build_reward_computer(cfg)
+    dynamic_sampling = build_dynamic_sampling(cfg)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -144,6 +162,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
         eval_sets=eval_sets, eval_sampling=eval_sampling(cfg, tokenizer),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
+        dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
     )
     logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
     return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype)

@@ -127,7 +127,7 @@ class SyncController:
         if rank() == 0:
             checkpoint.save_hf_metadata(self.save_root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
             checkpoint.save_trainer_state(directory, {"step": step, "weight_version": step,
-                                                      "consumed_prompts": step * self.cfg.rollout_batch_size})
+                                                      **self.roles.rollout.data_source.state_dict()})
             checkpoint.mark_latest(self.save_root, step)
             plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
         logger.info("saved checkpoint %s", directory)
@@ -139,7 +139,11 @@ class SyncController:
         if not (directory / "lr_scheduler.pt").is_file():
             raise checkpoint.CheckpointError(f"{directory} holds no optimizer state (saved with --no-save-optim)")
         self.roles.actor.load(directory)
-        checkpoint.load_trainer_state(directory)
+        state = checkpoint.load_trainer_state(directory)
+        # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor.
+        self.roles.rollout.data_source.load_state_dict(
+            {"consumed_prompts": state.get("consumed_prompts", step * self.cfg.rollout_batch_size)}
+        )
         await self.sync_weights(version=step)
         self.tracker.truncate_after(step)
         logger.info("resumed from %s at step %d", directory, step)
