@@ -111,9 +111,9 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError(f"set {flag('hf_checkpoint')} (a model folder) or {flag('load')} (a checkpoint)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size)
-    rollout = Rollout(engine=engine, data_source=None, rewards=build_reward_computer(cfg), sampling=eval_sampling(cfg, tokenizer),
-                      n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer),
-                      n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt)
+    rollout = Rollout(engine=engine, data_source=None, rewards=build_reward_computer(cfg),
+                      sampling=eval_sampling(cfg), n_samples_per_prompt=1, seed=cfg.rollout_seed,
+                      eval_sets=load_eval_sets(cfg, tokenizer), n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt)
     with torch.inference_mode():
         metrics, _ = asyncio.run(rollout.evaluate(step=0))
     for name in cfg.eval_prompt_data:

@@ -63,7 +63,7 @@ def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.de
     return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size)
 
 
-def eval_sampling(cfg: RelaxConfig, tokenizer) -> SamplingParams:
+def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=cfg.eval_max_response_len or cfg.rollout_max_response_len,
         temperature=cfg.eval_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
@@ -160,7 +160,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         engine=build_engine(model_path, tokenizer, cfg, device, dtype),
         data_source=PromptDataSource(prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
         rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
-        eval_sets=eval_sets, eval_sampling=eval_sampling(cfg, tokenizer),
+        eval_sets=eval_sets, eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
     )
