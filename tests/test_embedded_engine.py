@@ -258,13 +258,19 @@ def test_pause_blocks_new_generate_until_resume(engine, tokenizer):
     assert all(output.finish_reason in ("stop", "length") for output in outputs)
 
 
+async def start_endless_generation(engine, tokenizer) -> asyncio.Task:
+    """A one-request generation (id "r0") that only an abort ends, once it has run three steps."""
+    task = asyncio.create_task(
+        engine.generate(requests_for(tokenizer, prompts=["hello"], max_new_tokens=20_000, ignore_eos=True))
+    )
+    while (await engine.health())["decode_steps"] < 3:
+        await asyncio.sleep(0.005)
+    return task
+
+
 def test_abort_while_paused_returns_without_resume(engine, tokenizer):
     async def scenario():
-        task = asyncio.create_task(
-            engine.generate(requests_for(tokenizer, prompts=["hello"], max_new_tokens=20_000, ignore_eos=True))
-        )
-        while (await engine.health())["decode_steps"] < 3:
-            await asyncio.sleep(0.005)
+        task = await start_endless_generation(engine, tokenizer)
         await engine.pause()
         await engine.abort(["r0"])
         return await task
@@ -278,11 +284,7 @@ def test_weight_update_while_paused_is_recorded_per_token(tokenizer):
     new_weights = list(make_model(seed=1).named_parameters())
 
     async def scenario():
-        task = asyncio.create_task(
-            engine.generate(requests_for(tokenizer, prompts=["hello"], max_new_tokens=20_000, ignore_eos=True))
-        )
-        while (await engine.health())["decode_steps"] < 3:
-            await asyncio.sleep(0.005)
+        task = await start_endless_generation(engine, tokenizer)
         await engine.pause()
         steps_at_pause = (await engine.health())["decode_steps"]
         await engine.update_weights(new_weights, version=1)
