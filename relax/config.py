@@ -32,7 +32,12 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "batch", "rollout", "algorithm", "optimizer", "reward", "eval", "run")
+SECTIONS = ("model", "data", "batch", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
+            "run")
+CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
+OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
+              "opd_log_prob_top_k", "opd_norm_mode")
+OPD_TYPE_ALIASES = {"sglang": "engine", "megatron": "trainer"}  # upstream's names for the same placements
 
 
 def _field(default: Any, help: str, section: str, **kwargs: Any) -> Any:
@@ -181,6 +186,62 @@ class RelaxConfig(BaseModel):
     disable_grpo_std_normalization: bool = _field(
         False, "Dr.GRPO: subtract the group mean but do not divide by the group std.", "algorithm"
     )
+    loss_type: Literal["policy_loss", "sft"] = _field(
+        "policy_loss",
+        "policy_loss: RL with --advantage-estimator. sft: supervised fine-tuning (negative log-likelihood of "
+        "the dataset's responses, --label-key or the assistant turns of chat rows) on the same trainer.",
+        "algorithm",
+    )
+
+    # --- critic (PPO) ---------------------------------------------------------------------
+    critic_lr: float | None = _field(None, "Learning rate of the critic (default --lr).", "critic", gt=0)
+    num_critic_only_steps: int = _field(
+        0, "Rollout steps at the start that train only the critic (the policy waits for fitted values).",
+        "critic", ge=0,
+    )
+    value_clip: float | None = _field(
+        0.2, "Clip range of the value update around the old values (PPO value clipping).", "critic", ge=0
+    )
+    lambd: float = _field(1.0, "GAE's lambda (1: Monte-Carlo returns minus the value baseline).", "critic",
+                          ge=0, le=1)
+
+    # --- on-policy distillation -------------------------------------------------------------
+    use_opd: bool = _field(
+        False,
+        "On-policy distillation: penalise the student's divergence from a teacher on the student's own "
+        "samples, in the advantage (--opd-kl-coef) or as a loss term (--opd-loss-coef).",
+        "distillation",
+    )
+    opd_type: Literal["trainer", "engine", "megatron", "sglang"] = _field(
+        "trainer",
+        "Where the teacher runs: `trainer` (a frozen forward beside the policy, sharded like it) or `engine` (an "
+        "inference engine that scores the tokens). Upstream's names `megatron` and `sglang` are accepted for them.",
+        "distillation",
+    )
+    teacher_hf_checkpoint: str | None = _field(
+        None, "Hugging Face folder of the teacher; it must share the student's tokenizer.", "distillation"
+    )
+    opd_kl_type: Literal["reverse_kl", "forward_kl", "low_var_kl"] = _field(
+        "reverse_kl",
+        "Divergence per response token: reverse_kl (log p_s - log p_t on the sampled token), low_var_kl (k3 "
+        "estimator of the reverse KL, clamped to [-10, 10]), forward_kl (KL(teacher || student) over the "
+        "teacher's top --opd-log-prob-top-k tokens).",
+        "distillation",
+    )
+    opd_kl_coef: float = _field(
+        1.0, "Advantage mode: A_t <- A_t - opd_kl_coef * KL_t (detached).", "distillation", ge=0
+    )
+    opd_loss_coef: float = _field(
+        0.0, "Loss mode: loss += opd_loss_coef * agg(KL_t). Setting it alone switches --opd-kl-coef to 0.",
+        "distillation", ge=0,
+    )
+    opd_log_prob_top_k: int = _field(20, "Teacher top-k of forward_kl.", "distillation", ge=1)
+    opd_norm_mode: Literal["tail", "norm", "trunc"] = _field(
+        "tail",
+        "forward_kl over the top-k: tail (one extra bucket holds the rest of the mass: an exact KL of the "
+        "coarsened distributions), norm (renormalise both over the top-k) or trunc (top-k terms only).",
+        "distillation",
+    )
 
     # --- optimizer -----------------------------------------------------------------------
     lr: float = _field(1e-6, "Peak learning rate (AdamW).", "optimizer", gt=0)
@@ -269,15 +330,21 @@ class RelaxConfig(BaseModel):
             raise ValueError(f"unknown estimator {value!r}; choose one of {sorted(ALGORITHM_SPECS)}")
         return value
 
+    @field_validator("opd_type", mode="before")
+    @classmethod
+    def _upstream_opd_type(cls, value: Any) -> Any:
+        return OPD_TYPE_ALIASES.get(value, value)
+
     @model_validator(mode="after")
     def _check_combinations(self) -> RelaxConfig:
         spec = ALGORITHM_SPECS[self.advantage_estimator]
-        if self.n_samples_per_prompt < spec.min_group_size:
+        self._check_critic_and_distillation(spec)
+        if self.loss_type == "policy_loss" and self.n_samples_per_prompt < spec.min_group_size:
             raise ValueError(
                 f"{flag('advantage_estimator')} {spec.name} needs {flag('n_samples_per_prompt')} >= "
                 f"{spec.min_group_size}, got {self.n_samples_per_prompt}"
             )
-        samples_per_step = self.rollout_batch_size * self.n_samples_per_prompt
+        samples_per_step = self.samples_per_step
         if self.global_batch_size is not None and samples_per_step % self.global_batch_size:
             raise ValueError(
                 f"{flag('global_batch_size')} ({self.global_batch_size}) must divide {flag('rollout_batch_size')} x "
@@ -331,11 +398,41 @@ class RelaxConfig(BaseModel):
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         return self
 
+    def _check_critic_and_distillation(self, spec) -> None:
+        set_critic = [flag(name) for name in CRITIC_FIELDS if name in self.model_fields_set]
+        if set_critic and not spec.needs_critic:
+            raise ValueError(
+                f"PPO critic options ({', '.join(set_critic)}) need {flag('advantage_estimator')} ppo, "
+                f"not {spec.name}"
+            )
+        set_opd = [flag(name) for name in OPD_FIELDS if name in self.model_fields_set]
+        if set_opd and not self.use_opd:
+            raise ValueError(f"distillation options ({', '.join(set_opd)}) need {flag('use_opd')}")
+        if self.use_opd:
+            if not self.teacher_hf_checkpoint:
+                raise ValueError(f"{flag('use_opd')} needs {flag('teacher_hf_checkpoint')}")
+            if self.opd_loss_coef > 0 and "opd_kl_coef" not in self.model_fields_set:
+                self.opd_kl_coef = 0.0  # naming only the loss coefficient selects the loss mode
+            if (self.opd_kl_coef > 0) == (self.opd_loss_coef > 0):
+                raise ValueError(
+                    f"on-policy distillation runs in one mode: set exactly one of {flag('opd_kl_coef')} (advantage "
+                    f"mode, now {self.opd_kl_coef}) and {flag('opd_loss_coef')} (loss mode, now {self.opd_loss_coef})"
+                )
+        if self.loss_type == "sft" and self.use_opd:
+            raise ValueError(f"{flag('loss_type')} sft trains on dataset responses; it cannot use {flag('use_opd')}")
+
     # Derived values ------------------------------------------------------------------------
+    @property
+    def samples_per_step(self) -> int:
+        """Samples trained on per step: every response of the step's prompts, or one per SFT row."""
+        if self.loss_type == "sft":
+            return self.rollout_batch_size
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
     @property
     def train_batch_size(self) -> int:
         """Samples per optimizer step."""
-        return self.global_batch_size or self.rollout_batch_size * self.n_samples_per_prompt
+        return self.global_batch_size or self.samples_per_step
 
     @property
     def loss_aggregation(self) -> LossAggregation:
@@ -347,7 +444,7 @@ class RelaxConfig(BaseModel):
     @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps taken on each rollout batch."""
-        return self.rollout_batch_size * self.n_samples_per_prompt // self.train_batch_size
+        return self.samples_per_step // self.train_batch_size
 
     @property
     def save_dir(self) -> Path:

@@ -329,6 +329,15 @@ SMOKE_CASES = {
     "rloo": ["--loss-agg-mode", "seq-mean-token-sum-norm"],
     "reinforce_plus_plus": ["--kl-coef", "0.01", "--gamma", "0.99"],
     "reinforce_plus_plus_baseline": ["--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "k2"],
+    "ppo": ["--lambd", "0.95", "--critic-lr", "1e-3", "--kl-coef", "0.01", "--global-batch-size", "8"],
+    "ppo-critic-only-first": ["--num-critic-only-steps", "1", "--value-clip", "0.5"],
+    "grpo-opd-reverse-kl-advantage": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}"],
+    "grpo-opd-forward-kl-loss": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}", "--opd-kl-type", "forward_kl",
+                                 "--opd-loss-coef", "0.5", "--opd-log-prob-top-k", "5", "--global-batch-size", "8"],
+    "grpo-opd-forward-kl-advantage-engine": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}", "--opd-type", "sglang",
+                                             "--opd-kl-type", "forward_kl", "--opd-norm-mode", "norm"],
+    "grpo-opd-low-var-kl-loss-engine": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}", "--opd-type", "engine",
+                                        "--opd-kl-type", "low_var_kl", "--opd-loss-coef", "1.0"],
 }
 
 
@@ -338,14 +347,27 @@ def test_two_training_steps_give_finite_losses(name, tiny_workspace, tmp_path):
     from relax.core.controller import SyncController
     from relax.utils.tracking import Tracker
 
-    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--advantage-estimator", name, "--num-rollout", "2",
-                                       "--dump-samples", "0", *SMOKE_CASES[name]))
+    estimator = name.split("-")[0]
+    # The teacher is the student's own starting point: the divergence starts at 0 and grows as the student moves.
+    extra = [arg.format(teacher=tiny_workspace / "model") for arg in SMOKE_CASES[name]]
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--advantage-estimator", estimator,
+                                       "--num-rollout", "2", "--dump-samples", "0", *extra))
     roles = build_roles(cfg)
     with Tracker(tmp_path, use_tensorboard=False) as tracker:
         controller = SyncController(cfg, roles, tracker)
+        per_step = []
         for step in range(2):
             metrics = asyncio.run(controller.train_step(step))
-            losses = {k: v for k, v in metrics.items() if k.startswith("train/")}
+            losses = {k: v for k, v in metrics.items() if k.startswith(("train/", "critic/"))}
             assert losses and all(math.isfinite(v) for v in losses.values()), losses
+            per_step.append(metrics)
     if "--use-tis" in SMOKE_CASES[name]:
-        assert "train/tis" in metrics
+        assert "train/tis" in metrics and "train/tis_mismatch_kl" in metrics
+    if estimator == "ppo":
+        assert metrics["critic/value_loss"] > 0 and math.isfinite(metrics["critic/values"])
+    if "--num-critic-only-steps" in SMOKE_CASES[name]:
+        # the first step trains the critic alone; the policy and the engine's weights wait
+        assert "train/pg_loss" not in per_step[0] and "train/pg_loss" in per_step[1]
+        assert roles.rollout.engine.weight_version == 2
+    if "--use-opd" in SMOKE_CASES[name]:
+        assert math.isfinite(metrics["train/opd_kl"]) and metrics["train/opd_kl"] >= -1e-6

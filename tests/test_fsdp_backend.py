@@ -40,7 +40,7 @@ def test_log_probs_match_a_plain_forward_with_temperature(tiny_workspace):
     model_dir = tiny_workspace / "model"
     backend = make_backend(model_dir, temperature=0.7)
     batch = make_batch()
-    log_probs, entropy = backend.compute_log_probs(batch)
+    log_probs, entropy = backend.compute_log_probs(batch)[:2]
     reference = AutoModelForCausalLM.from_pretrained(model_dir)
     for i, tokens in enumerate(batch.tokens):
         with torch.no_grad():
@@ -55,7 +55,7 @@ def test_log_probs_match_a_plain_forward_with_temperature(tiny_workspace):
 def test_first_micro_batch_has_zero_ppo_kl_and_clipfrac_then_the_policy_moves(tiny_workspace):
     backend = make_backend(tiny_workspace / "model", micro_batch_size=2)
     batch = make_batch()
-    old_log_probs, _ = backend.compute_log_probs(batch)
+    old_log_probs = backend.compute_log_probs(batch).log_probs
     batch.fields["old_log_probs"] = old_log_probs
     seen = []
 

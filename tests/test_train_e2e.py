@@ -53,10 +53,8 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("perf/")}
 
 
-def test_sigkill_then_resume_logs_the_same_metrics(tiny_workspace, finished_run, tmp_path):
-    run_dir = tmp_path / "killed"
-    args = tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "6", "--save-interval", "2",
-                           "--eval-interval", "3", "--global-batch-size", "8")
+def _kill_after_first_checkpoint_then_resume(args: list[str], run_dir: Path, total_steps: int) -> list[dict]:
+    """Start `relax train`, SIGKILL it once a checkpoint exists, resume with --load; the metrics."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -67,18 +65,46 @@ def test_sigkill_then_resume_logs_the_same_metrics(tiny_workspace, finished_run,
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     killed_at = int(latest.read_text())
-    assert killed_at < 6, "the run finished before it could be killed"
-
+    assert killed_at < total_steps, "the run finished before it could be killed"
     result = run_relax("train", *args, "--load", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
-    resumed = read_metrics(run_dir / "metrics.jsonl")
-    reference = read_metrics(finished_run / "metrics.jsonl")
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def _assert_same_metrics(resumed: list[dict], reference: list[dict]) -> None:
     assert [row["step"] for row in resumed] == [row["step"] for row in reference]  # no duplicated or lost steps
     for mine, theirs in zip(resumed, reference):
         mine, theirs = _comparable(mine), _comparable(theirs)
         assert mine.keys() == theirs.keys()
         for key in mine:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (mine["step"], key)
+
+
+def test_sigkill_then_resume_logs_the_same_metrics(tiny_workspace, finished_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "6", "--save-interval", "2",
+                           "--eval-interval", "3", "--global-batch-size", "8")
+    resumed = _kill_after_first_checkpoint_then_resume(args, run_dir, total_steps=6)
+    _assert_same_metrics(resumed, read_metrics(finished_run / "metrics.jsonl"))
+
+
+def test_sigkill_then_resume_with_critic_and_dynamic_sampling(tiny_workspace, tmp_path):
+    """The critic's weights and optimizer and the data cursor moved by dynamic sampling's refills
+    come back too: the resumed run logs exactly what an uninterrupted one does."""
+
+    def args(run_dir):
+        return tiny_train_args(
+            tiny_workspace, run_dir, "--num-rollout", "5", "--save-interval", "2", "--advantage-estimator", "ppo",
+            "--critic-lr", "1e-3", "--lambd", "0.9", "--custom-rm-path", "tests.e2e_rewards:constant_on_even_rows",
+            "--dynamic-sampling-filter-path", "relax.engine.filters.dynamic_sampling:check_reward_nonzero_std",
+        )
+
+    reference = run_relax("train", *args(tmp_path / "full"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference_metrics = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert any(row.get("rollout/dynamic_filter_dropped_groups", 0) > 0 for row in reference_metrics)
+    resumed = _kill_after_first_checkpoint_then_resume(args(tmp_path / "killed"), tmp_path / "killed", total_steps=5)
+    _assert_same_metrics(resumed, reference_metrics)
 
 
 def test_export_writes_a_folder_transformers_loads_and_generates(tiny_workspace, finished_run, tmp_path):

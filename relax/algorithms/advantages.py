@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from relax.algorithms.gae import compute_gae, ppo_token_rewards
+
 
 @dataclass
 class AdvantageInputs:
@@ -20,7 +22,8 @@ class AdvantageInputs:
     ``rewards`` is ``[N]`` with consecutive groups of ``group_size`` (samples of one prompt).
     ``response_masks`` holds one ``[T_i]`` tensor per sample over its response tokens (1 = the
     token enters the loss). ``kl`` holds per-token KL(policy || reference) of the same lengths,
-    present only when the reward carries a KL penalty (``kl_coef`` > 0).
+    present only when the reward carries a KL penalty (``kl_coef`` > 0). ``values`` are the
+    critic's per-token values, present only for PPO.
     """
 
     rewards: torch.Tensor
@@ -30,6 +33,8 @@ class AdvantageInputs:
     kl: list[torch.Tensor] | None = None
     kl_coef: float = 0.0
     gamma: float = 1.0
+    lambd: float = 1.0  # GAE's λ
+    values: list[torch.Tensor] | None = None  # the critic's V_t, [T_i] per sample (PPO)
 
 
 # (rewards [N], group_size, normalize_std) -> per-sample normalized rewards [N]
@@ -114,20 +119,23 @@ def reinforce_plus_plus_returns(inputs: AdvantageInputs) -> list[torch.Tensor]:
     ``G_t = r_t + γ·G_{t+1}`` (``G_T = 0``). A sample with no valid token gets zeros.
     """
     returns = []
-    for i, mask in enumerate(inputs.response_masks):
-        mask = mask.float()
-        token_rewards = torch.zeros_like(mask)
-        if inputs.kl is not None and inputs.kl_coef:
-            token_rewards = -inputs.kl_coef * inputs.kl[i].float() * mask
-        valid = mask.nonzero().flatten()
-        if valid.numel():
-            token_rewards[valid[-1]] += inputs.rewards[i]
-        running, out = 0.0, torch.zeros_like(mask)
-        for t in range(mask.numel() - 1, -1, -1):
+    for token_rewards in ppo_token_rewards(inputs.rewards, inputs.response_masks, inputs.kl, inputs.kl_coef):
+        running, out = 0.0, torch.zeros_like(token_rewards)
+        for t in range(token_rewards.numel() - 1, -1, -1):
             running = token_rewards[t] + inputs.gamma * running
             out[t] = running
         returns.append(out)
     return returns
+
+
+def gae_advantages(inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """PPO (Schulman et al., 2017): GAE over the critic's values with the KL-shaped token rewards
+    (:func:`relax.algorithms.gae.compute_gae_batch` holds the formula and the masked-token rule)."""
+    if inputs.values is None:
+        raise ValueError("GAE needs the critic's values")
+    token_rewards = ppo_token_rewards(inputs.rewards, inputs.response_masks, inputs.kl, inputs.kl_coef)
+    advantages, _ = compute_gae(token_rewards, inputs.values, inputs.response_masks, inputs.gamma, inputs.lambd)
+    return advantages
 
 
 def whiten_over_valid_tokens(

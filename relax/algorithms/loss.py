@@ -1,7 +1,8 @@
 """Assemble the training loss of an algorithm: policy loss, KL loss and entropy bonus.
 
-``loss = agg(w·pg_loss) + kl_loss_coef·agg(KL(π, π_ref)) − entropy_coef·agg(H(π))``, where ``w``
-are the truncated importance weights with ``--use-tis`` (1 otherwise).
+``loss = agg(w·pg_loss) + kl_loss_coef·agg(KL(π, π_ref)) − entropy_coef·agg(H(π))
+[+ opd_loss_coef·agg(KL(π, π_teacher))]``, where ``w`` are the truncated importance weights with
+``--use-tis`` (1 otherwise); the critic's loss is `build_value_loss_fn`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from relax.algorithms.aggregation import LossAggregation, aggregate_loss
+from relax.algorithms.distillation import opd_token_kl
+from relax.algorithms.gae import compute_value_loss
 from relax.algorithms.kl import compute_approx_kl
 from relax.algorithms.policy_loss import (
     M2POTerms,
@@ -38,9 +41,10 @@ class MicroBatchTensors:
     global_num_tokens: int = 1
 
 
-# (micro-batch, log_probs [B,T], entropy [B,T]) -> (loss, metrics); both are this micro-batch's
-# share of the step's mean, so summing over micro-batches yields the step's value.
-LossFn = Callable[[MicroBatchTensors, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (micro-batch, per-token model output [B,T], entropy [B,T] or None) -> (loss, metrics). The model
+# output is the policy's log-probs (the critic's values for a value loss); loss and metrics are
+# this micro-batch's share of the step's mean, so summing over micro-batches yields the step's value.
+LossFn = Callable[[MicroBatchTensors, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class PolicyLossSettings:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    opd_loss_coef: float = 0.0  # on-policy distillation in loss mode (relax.algorithms.distillation)
+    opd_kl_type: str = "reverse_kl"
+    opd_norm_mode: str = "tail"
 
 
 # (settings, log_probs, old_log_probs, advantages, mask) -> per-token terms, all [B, T]
@@ -108,6 +115,9 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
             token_loss = token_loss * tis.weights
             metrics["tis"] = agg(tis.weights).detach()
             metrics["tis_clipfrac"] = agg(tis.clipped).detach()
+            # How far the engine's sampling distribution is from the trainer's (the mismatch TIS corrects).
+            metrics["tis_mismatch_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k1"))
+            metrics["tis_mismatch_k3_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k3"))
         if isinstance(terms, M2POTerms):
             # Micro-batch scalars, weighted by the micro-batch's share of the step's samples so that
             # their sum over micro-batches (what the trainer logs) is the step's mean.
@@ -124,6 +134,12 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
             "ppo_kl": agg(terms.ppo_kl).detach(),
             "entropy": agg(entropy.detach()),
         })
+        if settings.opd_loss_coef:
+            kl = opd_token_kl(settings.opd_kl_type, settings.opd_norm_mode, log_probs, mb.fields["teacher_log_probs"],
+                              mb.fields.get("gathered_log_probs"), mb.fields.get("teacher_top_log_probs"))
+            opd_loss = agg(kl)
+            loss = loss + settings.opd_loss_coef * opd_loss
+            metrics["opd_kl"] = opd_loss.detach()
         if settings.use_kl_loss:
             kl = compute_approx_kl(log_probs, mb.fields["ref_log_probs"], settings.kl_loss_type)
             kl_loss = agg(kl)
@@ -132,6 +148,48 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
         if settings.entropy_coef:
             loss = loss - settings.entropy_coef * agg(entropy)
         metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def build_value_loss_fn(value_clip: float | None, aggregation: LossAggregation,
+                        max_response_len: int | None = None) -> LossFn:
+    """The critic's loss on each micro-batch: the clipped value loss of
+    :func:`relax.algorithms.gae.compute_value_loss`, aggregated like the policy loss.
+
+    Fields read: ``returns`` (GAE targets) and ``old_values`` (the values before this update, the
+    centre of the clip range).
+    """
+
+    def loss_fn(mb: MicroBatchTensors, values: torch.Tensor, entropy: torch.Tensor | None):
+        def agg(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate_loss(per_token, mb.mask, aggregation, mb.global_num_samples, mb.global_num_tokens,
+                                  max_response_len)
+
+        per_token, clipped = compute_value_loss(values, mb.fields["old_values"], mb.fields["returns"], value_clip)
+        loss = agg(per_token)
+        metrics = {
+            "value_loss": loss.detach(),
+            "value_clipfrac": agg(clipped).detach(),
+            "values": agg(values.detach()),
+            "value_error": agg((values.detach() - mb.fields["returns"]).abs()),
+        }
+        return loss, metrics
+
+    return loss_fn
+
+
+def build_sft_loss_fn(aggregation: LossAggregation, max_response_len: int | None = None) -> LossFn:
+    """Supervised fine-tuning: the negative log-likelihood of the target tokens (mask 1)."""
+
+    def loss_fn(mb: MicroBatchTensors, log_probs: torch.Tensor, entropy: torch.Tensor | None):
+        loss = aggregate_loss(-log_probs, mb.mask, aggregation, mb.global_num_samples, mb.global_num_tokens,
+                              max_response_len)
+        metrics = {"loss": loss.detach(), "nll": loss.detach()}
+        if entropy is not None:
+            metrics["entropy"] = aggregate_loss(entropy.detach(), mb.mask, aggregation, mb.global_num_samples,
+                                                mb.global_num_tokens, max_response_len)
         return loss, metrics
 
     return loss_fn

@@ -17,6 +17,7 @@ from relax.algorithms.advantages import (
     RewardNormalizer,
     broadcast_advantages,
     compute_grpo_advantages,
+    gae_advantages,
     group_leave_one_out,
     group_mean_baseline,
     raw_rewards,
@@ -40,11 +41,21 @@ class AlgorithmSpec:
 
     def compute_advantages(self, inputs: AdvantageInputs) -> list[torch.Tensor]:
         """Rewards → per-token advantages: normalizer, advantage function, optional whitening."""
-        values = self.reward_normalizer(inputs.rewards, inputs.group_size, inputs.normalize_std)
-        advantages = self.advantage_fn(replace(inputs, rewards=values))
+        return self.compute_advantages_and_returns(inputs)[0]
+
+    def compute_advantages_and_returns(
+        self, inputs: AdvantageInputs
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-token advantages and, with a critic, the value targets ``R_t = A_t + V_t``. The
+        returns are taken before whitening: the critic learns the value, not a normalized one."""
+        normalized = self.reward_normalizer(inputs.rewards, inputs.group_size, inputs.normalize_std)
+        advantages = self.advantage_fn(replace(inputs, rewards=normalized))
+        returns = None
+        if self.needs_critic:
+            returns = [(a + v.float()) * m.float() for a, v, m in zip(advantages, inputs.values, inputs.response_masks)]
         if self.whiten_advantages:
             advantages = whiten_over_valid_tokens(advantages, inputs.response_masks)
-        return advantages
+        return advantages, returns
 
 
 def _group_relative(name: str, policy_loss: str, paper: str) -> AlgorithmSpec:
@@ -54,6 +65,12 @@ def _group_relative(name: str, policy_loss: str, paper: str) -> AlgorithmSpec:
 
 
 ALGORITHM_SPECS: dict[str, AlgorithmSpec] = {
+    "ppo": AlgorithmSpec(
+        name="ppo", reward_normalizer=raw_rewards, advantage_fn=gae_advantages, policy_loss="ppo_clip",
+        whiten_advantages=True, uses_reward_kl=True, needs_critic=True,
+        paper="Schulman et al. 2017, Proximal Policy Optimization (arXiv 1707.06347); GAE: Schulman et al. 2016 "
+              "(arXiv 1506.02438)",
+    ),
     "grpo": _group_relative(
         "grpo", "ppo_clip",
         "Shao et al. 2024, DeepSeekMath (arXiv 2402.03300); Dr.GRPO: Liu et al. 2025 (arXiv 2503.20783)",

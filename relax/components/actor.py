@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,17 +10,30 @@ from pathlib import Path
 import torch
 
 from relax.algorithms.loss import LossFn
-from relax.backends.training.base import TrainBackend, TrainBatch
+from relax.backends.training.base import LogProbs, TrainBackend, TrainBatch
 from relax.data.sample import Sample
 
 
-def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] | None = None) -> TrainBatch:
+def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] | None = None,
+                   gather_ids: list[torch.Tensor] | None = None) -> TrainBatch:
     return TrainBatch(
         tokens=[s.tokens for s in samples],
         response_lengths=[s.response_length for s in samples],
         loss_masks=[s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in samples],
         fields=dict(fields or {}),
+        gather_ids=gather_ids,
     )
+
+
+def train_in_optimizer_steps(backend: TrainBackend, batch: TrainBatch, loss_fn: LossFn, train_batch_size: int,
+                             prefix: str) -> dict[str, float]:
+    """One optimizer step per ``train_batch_size`` samples of ``batch``, in order; returns the
+    step metrics averaged over the steps, named ``prefix + name``."""
+    per_step = [
+        backend.train_step(batch.select(range(start, min(start + train_batch_size, len(batch)))), loss_fn)
+        for start in range(0, len(batch), train_batch_size)
+    ]
+    return {f"{prefix}{name}": statistics.fmean(m[name] for m in per_step) for name in per_step[0]}
 
 
 class Actor:
@@ -38,19 +52,16 @@ class Actor:
     def needs_old_log_probs(self, num_samples: int) -> bool:
         return num_samples > self.train_batch_size
 
-    async def compute_log_probs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        log_probs, _ = self.backend.compute_log_probs(to_train_batch(samples))
-        return log_probs
+    async def compute_log_probs(self, samples: list[Sample], gather_ids: list[torch.Tensor] | None = None) -> LogProbs:
+        """The current policy's log-probs (and at ``gather_ids``, when given), without gradient."""
+        return self.backend.compute_log_probs(to_train_batch(samples, gather_ids=gather_ids))
 
-    async def train(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    async def train(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]],
+                    gather_ids: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Train on the rollout batch; returns ``train/*`` metrics averaged over optimizer steps."""
-        batch = to_train_batch(samples, fields)
-        per_step: list[dict[str, float]] = []
-        for start in range(0, len(batch), self.train_batch_size):
-            step_batch = batch.select(range(start, min(start + self.train_batch_size, len(batch))))
-            per_step.append(self.backend.train_step(step_batch, self.loss_fn))
-        metrics = {f"train/{name}": statistics.fmean(m[name] for m in per_step) for name in per_step[0]}
-        metrics["train/optimizer_steps"] = float(len(per_step))
+        metrics = train_in_optimizer_steps(self.backend, to_train_batch(samples, fields, gather_ids), self.loss_fn,
+                                           self.train_batch_size, prefix="train/")
+        metrics["train/optimizer_steps"] = float(math.ceil(len(samples) / self.train_batch_size))
         return metrics
 
     def weight_buckets(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -14,5 +14,4 @@ class ActorFwd:
         self.backend = backend
 
     async def compute_log_probs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        log_probs, _ = self.backend.compute_log_probs(to_train_batch(samples))
-        return log_probs
+        return self.backend.compute_log_probs(to_train_batch(samples)).log_probs

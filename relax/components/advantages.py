@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from relax.algorithms.advantages import AdvantageInputs
@@ -11,14 +13,22 @@ from relax.components.rollout import scalar_reward
 from relax.data.sample import Sample
 
 
+@dataclass
+class AdvantageResult:
+    advantages: list[torch.Tensor]  # [T_i] per sample
+    returns: list[torch.Tensor] | None  # the critic's targets (PPO), [T_i] per sample
+    metrics: dict[str, float]
+
+
 class Advantages:
     def __init__(self, spec: AlgorithmSpec, group_size: int, normalize_std: bool, kl_coef: float = 0.0,
-                 gamma: float = 1.0):
+                 gamma: float = 1.0, lambd: float = 1.0):
         self.spec = spec
         self.group_size = group_size
         self.normalize_std = normalize_std
         self.kl_coef = kl_coef
         self.gamma = gamma
+        self.lambd = lambd
 
     @property
     def needs_kl(self) -> bool:
@@ -30,9 +40,11 @@ class Advantages:
         samples: list[Sample],
         log_probs: list[torch.Tensor] | None = None,
         ref_log_probs: list[torch.Tensor] | None = None,
-    ) -> tuple[list[torch.Tensor], dict[str, float]]:
+        values: list[torch.Tensor] | None = None,
+    ) -> AdvantageResult:
         """One advantage per response token of each sample. With a KL in the reward, ``log_probs``
-        (the sampling policy's) and ``ref_log_probs`` give the per-token k1 KL."""
+        (the sampling policy's) and ``ref_log_probs`` give the per-token k1 KL; PPO needs the
+        critic's ``values``."""
         masks = [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length) for s in samples]
         kl = None
         if self.needs_kl:
@@ -40,9 +52,18 @@ class Advantages:
         inputs = AdvantageInputs(
             rewards=torch.tensor([scalar_reward(s) for s in samples], dtype=torch.float32),
             group_size=self.group_size, response_masks=masks, normalize_std=self.normalize_std,
-            kl=kl, kl_coef=self.kl_coef, gamma=self.gamma,
+            kl=kl, kl_coef=self.kl_coef, gamma=self.gamma, lambd=self.lambd, values=values,
         )
-        per_token = self.spec.compute_advantages(inputs)
-        per_sample = [(a.abs() * m).sum() / m.sum().clamp(min=1) for a, m in zip(per_token, masks)]
-        metrics = {"train/advantage_abs_mean": float(torch.stack(per_sample).mean())}
-        return per_token, metrics
+        advantages, returns = self.spec.compute_advantages_and_returns(inputs)
+        metrics = {"train/advantage_abs_mean": _masked_mean([a.abs() for a in advantages], masks)}
+        if kl is not None:
+            metrics["train/reward_kl"] = _masked_mean(kl, masks)
+        if returns is not None:
+            metrics["critic/returns_mean"] = _masked_mean(returns, masks)
+        return AdvantageResult(advantages, returns, metrics)
+
+
+def _masked_mean(per_token: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+    """Mean over samples of each sample's mean over its valid tokens."""
+    per_sample = [(x.float() * m).sum() / m.sum().clamp(min=1) for x, m in zip(per_token, masks)]
+    return float(torch.stack(per_sample).mean()) if per_sample else 0.0

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn
-from relax.algorithms.spec import get_algorithm
+from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn, build_sft_loss_fn, build_value_loss_fn
+from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.components.actor import Actor
 from relax.components.actor_fwd import ActorFwd
 from relax.components.advantages import Advantages
+from relax.components.critic import Critic
+from relax.components.distillation import EngineTeacher, OnPolicyDistillation, TrainerTeacher
 from relax.components.rollout import DynamicSampling, OverlongPenalty, Rollout
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.data.dataset import PromptFormat, load_prompt_samples
+from relax.data.sft_dataset import load_sft_samples
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rewards.custom import load_dotted_function
 from relax.engine.rollout.data_source import PromptDataSource
@@ -98,6 +101,20 @@ def load_eval_sets(cfg: RelaxConfig, tokenizer) -> dict:
     return {name: load_prompt_samples(spec, tokenizer, prompt_format(cfg)) for name, spec in cfg.eval_prompt_data.items()}
 
 
+def policy_loss_settings(cfg: RelaxConfig, spec: AlgorithmSpec) -> PolicyLossSettings:
+    return PolicyLossSettings(
+        policy_loss=spec.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or cfg.eps_clip,
+        eps_clip_c=cfg.eps_clip_c,
+        aggregation=cfg.loss_aggregation, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
+        entropy_coef=cfg.entropy_coef, use_kl_loss=cfg.use_kl_loss, max_response_len=cfg.rollout_max_response_len,
+        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, m2po_kl2_budget=cfg.m2po_kl2_budget,
+        m2po_miniclip_low=cfg.m2po_miniclip_low, m2po_miniclip_high=cfg.m2po_miniclip_high,
+        use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
+        opd_loss_coef=cfg.opd_loss_coef if cfg.use_opd else 0.0, opd_kl_type=cfg.opd_kl_type,
+        opd_norm_mode=cfg.opd_norm_mode,
+    )
+
+
 @dataclass
 class Roles:
     tokenizer: object
@@ -108,6 +125,40 @@ class Roles:
     total_steps: int
     device: torch.device
     inference_dtype: torch.dtype
+    critic: Critic | None = None
+    distillation: OnPolicyDistillation | None = None
+
+
+def build_critic(cfg: RelaxConfig, model_path: Path, settings: TrainSettings) -> Critic:
+    """PPO's value model, initialised from the policy checkpoint, with its own learning rate."""
+    critic_lr = cfg.critic_lr or cfg.lr
+    critic_settings = replace(settings, lr=critic_lr, min_lr=cfg.min_lr * critic_lr / cfg.lr, entropy_grad=False)
+    loss_fn = build_value_loss_fn(cfg.value_clip, cfg.loss_aggregation, cfg.rollout_max_response_len)
+    return Critic(FSDPTrainBackend(model_path, critic_settings, value_head=True), loss_fn, cfg.train_batch_size)
+
+
+def check_teacher_path(cfg: RelaxConfig, tokenizer) -> Path:
+    path = Path(cfg.teacher_hf_checkpoint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: not a Hugging Face model folder (no config.json)")
+    teacher_vocab = AutoConfig.from_pretrained(path).vocab_size
+    if teacher_vocab != AutoConfig.from_pretrained(cfg.hf_checkpoint).vocab_size:
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: vocabulary of {teacher_vocab} tokens differs from "
+                          f"the student's; distillation compares log-probs token by token")
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: its tokenizer differs from the student's")
+    return path
+
+
+def build_distillation(cfg: RelaxConfig, tokenizer, settings: TrainSettings, device: torch.device,
+                       dtype: torch.dtype) -> OnPolicyDistillation:
+    path = check_teacher_path(cfg, tokenizer)
+    if cfg.opd_type == "trainer":
+        teacher = TrainerTeacher(FSDPTrainBackend(path, settings, trainable=False))
+    else:
+        teacher = EngineTeacher(build_engine(path, tokenizer, cfg, device, dtype), cfg.rollout_temperature)
+    return OnPolicyDistillation(teacher, cfg.opd_kl_type, cfg.opd_norm_mode, cfg.opd_log_prob_top_k,
+                                advantage_coef=cfg.opd_kl_coef)
 
 
 def build_roles(cfg: RelaxConfig) -> Roles:
@@ -120,7 +171,8 @@ def build_roles(cfg: RelaxConfig) -> Roles:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = load_prompt_samples(cfg.prompt_data, tokenizer, prompt_format(cfg))
+    load_training_samples = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
+    prompts = load_training_samples(cfg.prompt_data, tokenizer, prompt_format(cfg))
     eval_sets = load_eval_sets(cfg, tokenizer)
     total_steps = cfg.total_rollout_steps(len(prompts))
     spec = get_algorithm(cfg.advantage_estimator)
@@ -135,20 +187,15 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         gradient_checkpointing=cfg.gradient_checkpointing, entropy_grad=cfg.entropy_coef > 0,
     )
     torch.manual_seed(cfg.seed)
-    loss_fn = build_policy_loss_fn(
-        PolicyLossSettings(
-            policy_loss=spec.policy_loss, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or cfg.eps_clip,
-            eps_clip_c=cfg.eps_clip_c,
-            aggregation=cfg.loss_aggregation, kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-            entropy_coef=cfg.entropy_coef, use_kl_loss=cfg.use_kl_loss, max_response_len=cfg.rollout_max_response_len,
-            sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, m2po_kl2_budget=cfg.m2po_kl2_budget,
-            m2po_miniclip_low=cfg.m2po_miniclip_low, m2po_miniclip_high=cfg.m2po_miniclip_high,
-            use_tis=cfg.use_tis, tis_clip=cfg.tis_clip, tis_clip_low=cfg.tis_clip_low,
-        )
-    )
+    if cfg.loss_type == "sft":
+        loss_fn = build_sft_loss_fn(cfg.loss_aggregation, cfg.rollout_max_response_len)
+    else:
+        loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, spec))
     actor = Actor(FSDPTrainBackend(model_path, settings), loss_fn, cfg.train_batch_size)
     advantages = Advantages(spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization,
-                            kl_coef=cfg.kl_coef, gamma=cfg.gamma)
+                            kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd)
+    critic = build_critic(cfg, model_path, settings) if spec.needs_critic and cfg.loss_type != "sft" else None
+    distillation = build_distillation(cfg, tokenizer, settings, device, dtype) if cfg.use_opd else None
     # The frozen initial model serves the KL loss and the KL in the reward alike.
     needs_reference = cfg.use_kl_loss or advantages.needs_kl
     reference = ActorFwd(FSDPTrainBackend(model_path, settings, trainable=False)) if needs_reference else None
@@ -165,4 +212,4 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
     )
     logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
-    return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype)
+    return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype, critic, distillation)

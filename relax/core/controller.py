@@ -45,34 +45,52 @@ class SyncController:
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
-        roles = self.roles
+        roles, cfg = self.roles, self.cfg
         started = time.perf_counter()
         samples, metrics = await roles.rollout.generate(rollout_id)
         metrics["perf/rollout_s"] = time.perf_counter() - started
 
-        fields = {}
+        fields: dict[str, list[torch.Tensor]] = {}
+        gather_ids = None
         if roles.reference is not None:
             fields["ref_log_probs"] = await roles.reference.compute_log_probs(samples)
+        if roles.distillation is not None:
+            teacher_fields, gather_ids = await roles.distillation.teacher_fields(samples)
+            fields.update(teacher_fields)
+        policy = None  # the sampling policy's log-probs, computed once if anything needs them
         if roles.actor.needs_old_log_probs(len(samples)):
-            fields["old_log_probs"] = await roles.actor.compute_log_probs(samples)
-        if self.cfg.use_tis:
+            policy = await roles.actor.compute_log_probs(samples, gather_ids)
+            fields["old_log_probs"] = policy.log_probs
+        if cfg.use_tis:
             fields["rollout_log_probs"] = [rollout_log_probs(s) for s in samples]
-        policy_log_probs = fields.get("old_log_probs")
-        if roles.advantages.needs_kl and policy_log_probs is None:  # the reward's KL needs the policy's log-probs
-            policy_log_probs = await roles.actor.compute_log_probs(samples)
-        fields["advantages"], advantage_metrics = await roles.advantages.compute(
-            samples, policy_log_probs, fields.get("ref_log_probs")
+        distill_advantages = roles.distillation is not None and roles.distillation.advantage_mode
+        if policy is None and (roles.advantages.needs_kl or distill_advantages):
+            policy = await roles.actor.compute_log_probs(samples, gather_ids)
+        values = await roles.critic.compute_values(samples) if roles.critic is not None else None
+        result = await roles.advantages.compute(
+            samples, policy.log_probs if policy is not None else None, fields.get("ref_log_probs"), values
         )
-        metrics.update(advantage_metrics)
+        metrics.update(result.metrics)
+        fields["advantages"] = result.advantages
+        if distill_advantages:
+            fields["advantages"], distill_metrics = roles.distillation.shape_advantages(
+                samples, result.advantages, policy.log_probs, policy.gathered, fields
+            )
+            metrics.update(distill_metrics)
 
         train_started = time.perf_counter()
-        metrics.update(await roles.actor.train(samples, fields))
-        metrics["perf/train_s"] = time.perf_counter() - train_started
-        metrics.update(await self.sync_weights(version=rollout_id + 1))
+        if roles.critic is not None:
+            metrics.update(await roles.critic.train(samples, result.returns, values))
+        if rollout_id >= cfg.num_critic_only_steps:
+            metrics.update(await roles.actor.train(samples, fields, gather_ids))
+            metrics["perf/train_s"] = time.perf_counter() - train_started
+            metrics.update(await self.sync_weights(version=rollout_id + 1))
+        else:  # the critic fits the values of the initial policy first; the engine keeps its weights
+            metrics["perf/train_s"] = time.perf_counter() - train_started
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
-        if self.cfg.dump_samples:
-            self.tracker.dump_samples(rollout_id + 1, samples, self.cfg.dump_samples)
+        if cfg.dump_samples:
+            self.tracker.dump_samples(rollout_id + 1, samples, cfg.dump_samples)
         return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
@@ -124,6 +142,8 @@ class SyncController:
     def save(self, step: int) -> None:
         directory = checkpoint.iteration_dir(self.save_root, step)
         self.roles.actor.save(directory, include_optimizer=not self.cfg.no_save_optim)
+        if self.roles.critic is not None:
+            self.roles.critic.save(directory, include_optimizer=not self.cfg.no_save_optim)
         if rank() == 0:
             checkpoint.save_hf_metadata(self.save_root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
             checkpoint.save_trainer_state(directory, {"step": step, "weight_version": step,
@@ -139,6 +159,8 @@ class SyncController:
         if not (directory / "lr_scheduler.pt").is_file():
             raise checkpoint.CheckpointError(f"{directory} holds no optimizer state (saved with --no-save-optim)")
         self.roles.actor.load(directory)
+        if self.roles.critic is not None:
+            self.roles.critic.load(directory)
         state = checkpoint.load_trainer_state(directory)
         # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor.
         self.roles.rollout.data_source.load_state_dict(
@@ -148,3 +170,34 @@ class SyncController:
         self.tracker.truncate_after(step)
         logger.info("resumed from %s at step %d", directory, step)
         return step
+
+
+class SFTController(SyncController):
+    """Supervised fine-tuning (``--loss-type sft``) on the same trainer, checkpoints and eval.
+
+    Each step trains on the next ``--rollout-batch-size`` rows of the data stream; the inference
+    engine, used only for evaluation, gets the new weights just before it evaluates.
+    """
+
+    def __init__(self, cfg: RelaxConfig, roles: Roles, tracker: Tracker):
+        super().__init__(cfg, roles, tracker)
+        self._engine_version = 0
+        self._trained_version = 0
+
+    async def train_step(self, rollout_id: int) -> dict[str, float]:
+        started = time.perf_counter()
+        _, samples = self.roles.rollout.data_source.take(self.cfg.rollout_batch_size)
+        metrics = await self.roles.actor.train(samples, {})
+        self._trained_version = rollout_id + 1
+        metrics["perf/train_s"] = metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
+        return metrics
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        if self._engine_version != self._trained_version:
+            await self.sync_weights(version=self._trained_version)
+        return await super().evaluate(step)
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        self._engine_version = self._trained_version = version
+        return await super().sync_weights(version)

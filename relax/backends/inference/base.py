@@ -53,6 +53,23 @@ class GenerationOutput:
     output_weight_versions: list[int] | None = None
 
 
+@dataclass
+class ScoreRequest:
+    """Score the last ``response_length`` tokens of ``input_ids`` (a teacher's view of a sample)."""
+
+    input_ids: list[int]
+    response_length: int
+    temperature: float = 1.0
+    top_k: int = 0  # also return the top_k most likely tokens at each response position
+
+
+@dataclass
+class ScoreOutput:
+    log_probs: list[float]  # log p(token) of each response token
+    top_ids: list[list[int]] | None = None  # [response_length][top_k]
+    top_log_probs: list[list[float]] | None = None
+
+
 class InferenceEngine(abc.ABC):
     """Async engine API. All methods are coroutines so that local and remote engines are
     called the same way."""
@@ -60,6 +77,10 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Generate every request; outputs come back in request order."""
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreOutput]:
+        """Log-probs of given tokens under the served weights (a teacher for on-policy distillation)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score tokens")
 
     @abc.abstractmethod
     async def abort(self, request_ids: Sequence[str]) -> None:

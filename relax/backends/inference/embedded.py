@@ -50,6 +50,8 @@ from relax.backends.inference.base import (
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
+    ScoreOutput,
+    ScoreRequest,
 )
 from relax.backends.inference.sampling import BatchSampling, sample_next_tokens
 
@@ -212,6 +214,44 @@ class EmbeddedEngine(InferenceEngine):
                 if self._in_flight_ids[request_id] <= 0:
                     del self._in_flight_ids[request_id]
                     self._aborted_ids.discard(request_id)
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreOutput]:
+        """One forward per batch of at most ``max_batch_size`` right-padded sequences; log-probs
+        of each response token (and the ``top_k`` most likely tokens) after temperature scaling."""
+        requests = list(requests)
+        batch_size = self.max_batch_size or max(len(requests), 1)
+        outputs: list[ScoreOutput] = []
+        for start in range(0, len(requests), batch_size):
+            outputs.extend(self._score_batch(requests[start : start + batch_size]))
+            await asyncio.sleep(0)  # let decode steps of concurrent generations run between batches
+        return outputs
+
+    @torch.no_grad()
+    def _score_batch(self, requests: list[ScoreRequest]) -> list[ScoreOutput]:
+        for request in requests:
+            if not 0 < request.response_length < len(request.input_ids):
+                raise ValueError(f"score: response_length {request.response_length} does not fit "
+                                 f"{len(request.input_ids)} tokens with a non-empty prompt")
+        longest = max(len(r.input_ids) for r in requests)
+        input_ids = torch.full((len(requests), longest), self._pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, request in enumerate(requests):
+            input_ids[row, : len(request.input_ids)] = torch.tensor(request.input_ids)
+            attention_mask[row, : len(request.input_ids)] = 1
+        logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                            use_cache=False).logits.float()
+        outputs = []
+        for row, request in enumerate(requests):
+            total, response = len(request.input_ids), request.response_length
+            row_logits = logits[row, total - response - 1 : total - 1] / max(request.temperature, 1e-6)
+            log_probs = row_logits.log_softmax(dim=-1)
+            targets = input_ids[row, total - response : total].to(self.device)
+            output = ScoreOutput(log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist())
+            if request.top_k:
+                top_log_probs, top_ids = log_probs.topk(request.top_k, dim=-1)
+                output.top_ids, output.top_log_probs = top_ids.tolist(), top_log_probs.tolist()
+            outputs.append(output)
+        return outputs
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -25,6 +26,9 @@ class TrainBatch:
     response_lengths: list[int]
     loss_masks: list[list[int]]
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Token ids ``[T_i, k]`` per sample at which log-probs are also wanted (the teacher's top-k
+    # of on-policy distillation); the loss sees them as the field ``gathered_log_probs``.
+    gather_ids: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -35,16 +39,42 @@ class TrainBatch:
             response_lengths=[self.response_lengths[i] for i in indices],
             loss_masks=[self.loss_masks[i] for i in indices],
             fields={name: [values[i] for i in indices] for name, values in self.fields.items()},
+            gather_ids=None if self.gather_ids is None else [self.gather_ids[i] for i in indices],
         )
 
     def num_loss_tokens(self) -> int:
         return sum(sum(mask) for mask in self.loss_masks)
 
 
+class PerTokenOutputs(NamedTuple):
+    """A micro-batch forward, all ``[B, R]`` over response positions: ``primary`` holds the
+    policy's log-probs (or the critic's values), ``entropy`` is None for a critic, ``gathered``
+    ``[B, R, k]`` holds log-probs at the batch's ``gather_ids`` when it has them."""
+
+    primary: torch.Tensor
+    entropy: torch.Tensor | None
+    response_mask: torch.Tensor
+    gathered: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None  # [B, R, k], the k most likely tokens' log-probs
+    top_ids: torch.Tensor | None = None  # [B, R, k]
+
+
+class LogProbs(NamedTuple):
+    """Per-sample results of a forward without gradient, on CPU: ``[T_i]`` log-probs and
+    entropies, and ``[T_i, k]`` log-probs at ``gather_ids`` (None when none were asked for)."""
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    gathered: list[torch.Tensor] | None = None
+    top_log_probs: list[torch.Tensor] | None = None  # [T_i, k] with top_k > 0
+    top_ids: list[torch.Tensor] | None = None  # [T_i, k]
+
+
 class TrainBackend(abc.ABC):
     @abc.abstractmethod
-    def compute_log_probs(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-sample log-probs and entropies of the response tokens (no gradient), on CPU."""
+    def compute_log_probs(self, batch: TrainBatch, top_k: int = 0) -> LogProbs:
+        """Per-sample log-probs and entropies of the response tokens (no gradient), on CPU; with
+        ``top_k`` also the ``top_k`` most likely tokens at each response position."""
 
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from relax.algorithms.loss import LossFn, MicroBatchTensors
-from relax.backends.training.base import TrainBackend, TrainBatch
+from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.distributed.process_group import ensure_process_group
 
 
@@ -56,21 +56,46 @@ class TrainSettings:
     entropy_grad: bool = False  # backpropagate through the entropy (only an entropy bonus needs it)
 
 
+def _hidden_at(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               predict_positions: torch.Tensor) -> torch.Tensor:
+    """Last hidden states ``[B, R, H]`` at ``predict_positions`` ``[B, R]``, the positions whose
+    next token is a response token."""
+    hidden = base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    index = predict_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+    return hidden.gather(1, index)
+
+
 class ResponseLogitsModel(nn.Module):
-    """A causal LM that returns logits only at the positions that predict response tokens."""
+    """A causal LM that returns logits ``[B, R, V]`` only at the positions that predict response
+    tokens, which keeps the float32 logits of long prompts out of memory."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor):
-        """``input_ids``/``attention_mask`` ``[B, T]``; ``predict_positions`` ``[B, R]`` indexes the
-        positions whose next-token logits are wanted. Returns logits ``[B, R, V]``."""
-        hidden = self.hf_model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
-        index = predict_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-        return self.hf_model.get_output_embeddings()(hidden.gather(1, index))
+        hidden = _hidden_at(self.hf_model.base_model, input_ids, attention_mask, predict_positions)
+        return self.hf_model.get_output_embeddings()(hidden)
+
+
+class ResponseValueModel(nn.Module):
+    """PPO's critic: the policy's transformer body with a scalar value head, returning ``V_t``
+    ``[B, R]`` at the positions that predict response tokens (the state before token t).
+
+    The body starts from the policy checkpoint (its LM head is dropped); the head starts at zero,
+    so every value starts at 0 and ``--num-critic-only-steps`` can fit it before the policy moves.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model.base_model
+        self.value_head = nn.Linear(self.hf_model.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor):
+        hidden = _hidden_at(self.hf_model, input_ids, attention_mask, predict_positions)
+        return self.value_head(hidden).squeeze(-1)
 
 
 def lr_lambda(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:
@@ -83,7 +108,7 @@ def lr_lambda(step: int, warmup: int, total: int, style: str, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _shard_model(model: ResponseLogitsModel, compute_dtype: torch.dtype) -> None:
+def _shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
     for module in model.hf_model.modules():
@@ -93,17 +118,20 @@ def _shard_model(model: ResponseLogitsModel, compute_dtype: torch.dtype) -> None
 
 
 class FSDPTrainBackend(TrainBackend):
-    """Policy (``trainable=True``) or frozen reference model (``trainable=False``)."""
+    """Policy (``trainable=True``), frozen reference or teacher (``trainable=False``), or PPO
+    critic (``value_head=True``)."""
 
-    def __init__(self, model_path: str | Path, settings: TrainSettings, trainable: bool = True):
+    def __init__(self, model_path: str | Path, settings: TrainSettings, trainable: bool = True,
+                 value_head: bool = False):
         ensure_process_group(settings.device)
         self.settings = settings
         self.trainable = trainable
+        self.value_head = value_head
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
-        hf_model.to(settings.device)
-        self.model = ResponseLogitsModel(hf_model)
+        self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
+        self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1
         if self.sharded:
@@ -155,17 +183,36 @@ class FSDPTrainBackend(TrainBackend):
         enabled = not self.sharded and self.settings.compute_dtype != torch.float32
         return torch.autocast(self.settings.device.type, dtype=self.settings.compute_dtype, enabled=enabled)
 
-    def _log_probs_and_entropy(self, batch: TrainBatch, entropy_grad: bool):
+
+    def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
         input_ids, attention_mask, positions, targets, response_mask = self._pack(batch)
         with self._autocast():
-            logits = self.model(input_ids, attention_mask, positions)
-        logits = logits.float() / self.settings.temperature
+            outputs = self.model(input_ids, attention_mask, positions)
+        if self.value_head:
+            return PerTokenOutputs(outputs.float(), None, response_mask)
+        logits = outputs.float() / self.settings.temperature
         log_norm = logits.logsumexp(dim=-1)
         log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+        gathered = None
+        if batch.gather_ids is not None:
+            ids = self._pad_gather_ids(batch, response_mask)
+            gathered = logits.gather(-1, ids) - log_norm.unsqueeze(-1)
+        top_log_probs = top_ids = None
+        if top_k:
+            top_logits, top_ids = logits.detach().topk(top_k, dim=-1)
+            top_log_probs = top_logits - log_norm.detach().unsqueeze(-1)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             probs = torch.softmax(logits, dim=-1)
             entropy = log_norm - (probs * logits).sum(dim=-1)
-        return log_probs, entropy, response_mask
+        return PerTokenOutputs(log_probs, entropy, response_mask, gathered, top_log_probs, top_ids)
+
+    def _pad_gather_ids(self, batch: TrainBatch, response_mask: torch.Tensor) -> torch.Tensor:
+        """``batch.gather_ids`` (``[T_i, k]`` per sample) right-padded to ``[B, R, k]`` with id 0."""
+        k = batch.gather_ids[0].shape[-1]
+        ids = torch.zeros((*response_mask.shape, k), dtype=torch.long)
+        for row, sample_ids in enumerate(batch.gather_ids):
+            ids[row, : sample_ids.shape[0]] = sample_ids
+        return ids.to(self.settings.device)
 
     def _rank_share(self, batch: TrainBatch) -> TrainBatch:
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -178,22 +225,41 @@ class FSDPTrainBackend(TrainBackend):
             yield batch.select(range(start, min(start + size, len(batch))))
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-sample log-probs and entropies; every rank computes the whole batch so that all
-        ranks hold the same values without a gather."""
+    def _forward_without_grad(self, batch: TrainBatch, top_k: int = 0) -> Iterator[tuple[int, int, PerTokenOutputs]]:
+        """``(row, response_length, outputs)`` per sample, micro-batch by micro-batch, in eval mode."""
         was_training = self.model.training
         self.model.eval()
-        log_probs_out: list[torch.Tensor] = []
-        entropy_out: list[torch.Tensor] = []
         try:
             for mb in self._micro_batches(batch):
-                log_probs, entropy, _ = self._log_probs_and_entropy(mb, entropy_grad=False)
+                outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
                 for row, resp_len in enumerate(mb.response_lengths):
-                    log_probs_out.append(log_probs[row, :resp_len].cpu())
-                    entropy_out.append(entropy[row, :resp_len].cpu())
+                    yield row, resp_len, outputs
         finally:
             self.model.train(was_training)
-        return log_probs_out, entropy_out
+
+    def compute_log_probs(self, batch: TrainBatch, top_k: int = 0) -> LogProbs:
+        """Per-sample log-probs and entropies (and log-probs at ``batch.gather_ids``, and the
+        ``top_k`` most likely tokens); every rank computes the whole batch so that all ranks hold
+        the same values without a gather."""
+        if self.value_head:
+            raise TypeError("a critic has no log-probs; use compute_values")
+        result = LogProbs([], [], [] if batch.gather_ids is not None else None,
+                          [] if top_k else None, [] if top_k else None)
+        for row, resp_len, outputs in self._forward_without_grad(batch, top_k):
+            result.log_probs.append(outputs.primary[row, :resp_len].cpu())
+            result.entropy.append(outputs.entropy[row, :resp_len].cpu())
+            if result.gathered is not None:
+                result.gathered.append(outputs.gathered[row, :resp_len].cpu())
+            if top_k:
+                result.top_log_probs.append(outputs.top_log_probs[row, :resp_len].cpu())
+                result.top_ids.append(outputs.top_ids[row, :resp_len].cpu())
+        return result
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The critic's per-sample values ``[T_i]`` of the response tokens."""
+        if not self.value_head:
+            raise TypeError("this backend has no value head")
+        return [outputs.primary[row, :resp_len].cpu() for row, resp_len, outputs in self._forward_without_grad(batch)]
 
     # ---- training ------------------------------------------------------------------------
     def _micro_batch_tensors(self, mb: TrainBatch, response_mask: torch.Tensor, num_samples: int, num_tokens: int):
@@ -202,10 +268,10 @@ class FSDPTrainBackend(TrainBackend):
         for row, loss_mask in enumerate(mb.loss_masks):
             mask[row, : len(loss_mask)] = torch.tensor(loss_mask, dtype=mask.dtype, device=device)
         fields = {}
-        for name, values in mb.fields.items():
-            padded = torch.zeros_like(response_mask)
+        for name, values in mb.fields.items():  # [T_i, ...] per sample -> [B, R, ...]
+            padded = response_mask.new_zeros((*response_mask.shape, *values[0].shape[1:]))
             for row, value in enumerate(values):
-                padded[row, : value.numel()] = value.to(device=device, dtype=padded.dtype)
+                padded[row, : value.shape[0]] = value.to(device=device, dtype=padded.dtype)
             fields[name] = padded
         return MicroBatchTensors(mask=mask, fields=fields, global_num_samples=num_samples, global_num_tokens=num_tokens)
 
@@ -219,9 +285,11 @@ class FSDPTrainBackend(TrainBackend):
         for index, mb in enumerate(micro_batches):
             if self.sharded:  # reduce gradients across ranks once, on the last micro-batch
                 self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            log_probs, entropy, response_mask = self._log_probs_and_entropy(mb, entropy_grad)
-            tensors = self._micro_batch_tensors(mb, response_mask, num_samples, num_tokens)
-            loss, metrics = loss_fn(tensors, log_probs, entropy)
+            outputs = self._per_token_outputs(mb, entropy_grad)
+            tensors = self._micro_batch_tensors(mb, outputs.response_mask, num_samples, num_tokens)
+            if outputs.gathered is not None:
+                tensors.fields["gathered_log_probs"] = outputs.gathered
+            loss, metrics = loss_fn(tensors, outputs.primary, outputs.entropy)
             # Each rank's loss is its share of the global mean (global denominators): the gradient
             # must be the sum over ranks, and FSDP's reduction averages, hence the factor.
             (loss * self.world_size).backward()
@@ -254,6 +322,8 @@ class FSDPTrainBackend(TrainBackend):
 
     # ---- weights -------------------------------------------------------------------------
     def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if self.value_head:
+            raise TypeError("a critic's weights are not synced to inference engines")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, param in self.model.hf_model.named_parameters():
