@@ -32,7 +32,7 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "batch", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
+SECTIONS = ("model", "data", "multimodal", "batch", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
             "run")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
 OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
@@ -80,6 +80,36 @@ class RelaxConfig(BaseModel):
     system_prompt: str | None = _field(None, "A system message put before every prompt (needs the chat template).", "data")
     rollout_shuffle: bool = _field(False, "Shuffle the prompts, with a new order each epoch.", "data")
     rollout_seed: int = _field(42, "Seed of the prompt order and of rollout sampling.", "data")
+
+    # --- multimodal ----------------------------------------------------------------------
+    multimodal_keys: dict[str, str] = _field(
+        {},
+        "Media columns by type (JSON), e.g. `{\"image\": \"images\", \"audio\": \"audios\"}`. `<image>`, `<video>`, "
+        "`<audio>` in prompts take the next item of that column; inline typed message items work too. Media may be "
+        "paths (relative to the data file), file:// URLs, bytes, base64, data URIs or {bytes|base64|path} dicts.",
+        "multimodal",
+    )
+    image_min_token_num: int = _field(4, "Fewest tokens per image (smart resize).", "multimodal", ge=1)
+    image_max_token_num: int = _field(16384, "Most tokens per image (smart resize).", "multimodal", ge=1)
+    image_resize_scale_factor: int | None = _field(
+        None, "Image sides are resized to multiples of this (default patch x merge of the model; 0: off).",
+        "multimodal", ge=0,
+    )
+    video_min_token_num: int = _field(128, "Fewest tokens per video frame budget.", "multimodal", ge=1)
+    video_max_token_num: int = _field(768, "Most tokens per video frame budget.", "multimodal", ge=1)
+    video_fps: float = _field(2.0, "Frames sampled per second of video.", "multimodal", gt=0)
+    video_fps_min_frames: int = _field(4, "Fewest frames sampled from a video.", "multimodal", ge=1)
+    video_fps_max_frames: int = _field(768, "Most frames sampled from a video.", "multimodal", ge=1)
+    frame_factor: int = _field(2, "Sampled frame counts are multiples of this.", "multimodal", ge=1)
+    audio_sample_rate: int = _field(16000, "Audio is resampled to this rate (Hz).", "multimodal", ge=1)
+    mm_processor_pool_size: int = _field(
+        2, "Worker threads that decode and process media off the rollout loop.", "multimodal", ge=1
+    )
+    skip_bad_samples: bool = _field(
+        False, "Skip (and count) rows whose media cannot be read instead of stopping with an error.", "multimodal"
+    )
+    freeze_vision_tower: bool = _field(False, "Do not train the vision encoder.", "multimodal")
+    freeze_audio_tower: bool = _field(False, "Do not train the audio encoder.", "multimodal")
 
     # --- batch ---------------------------------------------------------------------------
     rollout_batch_size: int = _field(8, "Prompts per rollout step.", "batch", ge=1)
@@ -418,6 +448,17 @@ class RelaxConfig(BaseModel):
                     f"on-policy distillation runs in one mode: set exactly one of {flag('opd_kl_coef')} (advantage "
                     f"mode, now {self.opd_kl_coef}) and {flag('opd_loss_coef')} (loss mode, now {self.opd_loss_coef})"
                 )
+        if self.multimodal_keys:
+            unknown = sorted(set(self.multimodal_keys) - {"image", "video", "audio"})
+            if unknown:
+                raise ValueError(f"{flag('multimodal_keys')}: unknown media type(s) {unknown}; use image, video, audio")
+            if not self.apply_chat_template:
+                raise ValueError(f"{flag('multimodal_keys')} needs {flag('apply_chat_template')}: the chat template "
+                                 "renders each media item as the model's placeholder tokens")
+            if self.loss_type == "sft":
+                raise ValueError(f"{flag('loss_type')} sft does not take {flag('multimodal_keys')} yet")
+        if self.image_min_token_num > self.image_max_token_num:
+            raise ValueError(f"{flag('image_min_token_num')} is above {flag('image_max_token_num')}")
         if self.loss_type == "sft" and self.use_opd:
             raise ValueError(f"{flag('loss_type')} sft trains on dataset responses; it cannot use {flag('use_opd')}")
 

@@ -337,7 +337,7 @@ def test_update_weights_rejects_unknown_name_and_wrong_shape(engine):
 def test_invalid_requests_are_rejected_before_work(engine, tokenizer):
     [request] = requests_for(tokenizer, prompts=["hello"])
     request.multimodal_inputs = {"images": ["cat.png"]}
-    with pytest.raises(NotImplementedError, match="multimodal"):
+    with pytest.raises(TypeError, match="multimodal_inputs must be processor tensors"):
         generate(engine, [request])
     with pytest.raises(ValueError, match="input_ids"):
         generate(engine, [GenerationRequest("empty", [], SamplingParams())])

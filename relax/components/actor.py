@@ -22,6 +22,8 @@ def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] 
         loss_masks=[s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in samples],
         fields=dict(fields or {}),
         gather_ids=gather_ids,
+        multimodal=[s.multimodal_train_inputs for s in samples] if any(s.multimodal_train_inputs for s in samples)
+        else None,
     )
 
 

@@ -16,6 +16,7 @@ from relax.engine.filters.dynamic_sampling import apply_filter
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.generate import expand_groups, generate_samples
+from relax.engine.rollout.multimodal import MultimodalPreparer
 
 
 logger = logging.getLogger("relax")
@@ -111,6 +112,7 @@ class Rollout:
         n_samples_per_eval_prompt: int = 1,
         dynamic_sampling: DynamicSampling | None = None,
         overlong: OverlongPenalty | None = None,
+        multimodal: MultimodalPreparer | None = None,
     ):
         self.engine = engine
         self.data_source = data_source
@@ -123,6 +125,8 @@ class Rollout:
         self.n_samples_per_eval_prompt = n_samples_per_eval_prompt
         self.dynamic_sampling = dynamic_sampling
         self.overlong = overlong
+        self.multimodal = multimodal
+        self._skipped_bad_samples = 0  # prompts dropped for unreadable media since the last step's metrics
 
     def _step_seed(self, rollout_id: int, salt: int = 0) -> int:
         # One seed per step: a resumed run samples exactly what the interrupted one would have.
@@ -131,6 +135,7 @@ class Rollout:
     async def _sample_round(self, rollout_id: int, round_index: int, count: int) -> list[Sample]:
         """Generate and score ``count`` prompt groups taken at the data source's cursor."""
         start, prompts = self.data_source.take(count)
+        prompts = await self._prepare_media(prompts)
         samples = expand_groups(prompts, self.n_samples_per_prompt, start)
         # Refill rounds get their own seeds, disjoint from the step seeds of eval (salt 1 + set position).
         salt = 0 if round_index == 0 else 1_000_003 * round_index
@@ -169,7 +174,18 @@ class Rollout:
                 s.metadata.get("overlong_penalty", 0.0) for s in samples
             )
         metrics.update(self.rewards.pop_metrics())
+        if self.multimodal is not None:
+            metrics["rollout/skipped_bad_samples"] = float(self._skipped_bad_samples)
+            self._skipped_bad_samples = 0
         return samples, metrics
+
+    async def _prepare_media(self, prompts: list[Sample]) -> list[Sample]:
+        """Decode and process the prompts' media in the worker pool (no-op for text runs)."""
+        if self.multimodal is None:
+            return prompts
+        ready, skipped = await self.multimodal.prepare(prompts)
+        self._skipped_bad_samples += skipped
+        return ready
 
     async def _generate_filtered(self, rollout_id: int, batch_size: int) -> tuple[list[Sample], dict[str, float]]:
         dynamic = self.dynamic_sampling
@@ -217,7 +233,9 @@ class Rollout:
         """Metrics ``eval/<set>/...`` per held-out set, plus ``eval/accuracy`` (mean over sets)."""
         metrics: dict[str, float] = {}
         results: dict[str, list[Sample]] = {}
-        for position, (name, prompts) in enumerate(self.eval_sets.items()):
+        for position, (name, prompts) in enumerate(list(self.eval_sets.items())):
+            # Processed once and kept: the held-out prompts and their media do not change.
+            prompts = self.eval_sets[name] = await self._prepare_media(prompts)
             samples = expand_groups(prompts, self.n_samples_per_eval_prompt)
             sampling = replace(self.eval_sampling, seed=self._step_seed(step, salt=1 + position))
             await generate_samples(self.engine, samples, sampling)

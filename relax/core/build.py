@@ -7,12 +7,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn, build_sft_loss_fn, build_value_loss_fn
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.model_family import load_model
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.components.actor import Actor
 from relax.components.actor_fwd import ActorFwd
@@ -22,10 +23,12 @@ from relax.components.distillation import EngineTeacher, OnPolicyDistillation, T
 from relax.components.rollout import DynamicSampling, OverlongPenalty, Rollout
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.data.dataset import PromptFormat, load_prompt_samples
+from relax.data.multimodal import MultimodalSettings
 from relax.data.sft_dataset import load_sft_samples
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rewards.custom import load_dotted_function
 from relax.engine.rollout.data_source import PromptDataSource
+from relax.engine.rollout.multimodal import MultimodalPreparer
 
 logger = logging.getLogger("relax")
 
@@ -58,11 +61,12 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
         apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
+        multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
     )
 
 
 def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.device, dtype: torch.dtype):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model = load_model(model_path, dtype).to(device)
     return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size)
 
 
@@ -72,6 +76,18 @@ def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
         temperature=cfg.eval_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
         stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
+
+
+def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> MultimodalPreparer | None:
+    if not cfg.multimodal_keys:
+        return None
+    try:
+        return MultimodalPreparer(
+            tokenizer, AutoConfig.from_pretrained(model_path), model_path, MultimodalSettings.from_config(cfg),
+            cfg.system_prompt, cfg.apply_chat_template_kwargs, cfg.mm_processor_pool_size, cfg.skip_bad_samples,
+        )
+    except ValueError as err:
+        raise ConfigError(f"{flag('multimodal_keys')}: {err}") from None
 
 
 def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
@@ -185,6 +201,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         total_optimizer_steps=total_steps * cfg.steps_per_rollout, weight_decay=cfg.weight_decay,
         adam_betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
         gradient_checkpointing=cfg.gradient_checkpointing, entropy_grad=cfg.entropy_coef > 0,
+        freeze_vision_tower=cfg.freeze_vision_tower, freeze_audio_tower=cfg.freeze_audio_tower,
     )
     torch.manual_seed(cfg.seed)
     if cfg.loss_type == "sft":
@@ -210,6 +227,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         eval_sets=eval_sets, eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
+        multimodal=build_multimodal(cfg, model_path, tokenizer),
     )
     logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
     return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype, critic, distillation)

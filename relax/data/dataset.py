@@ -84,6 +84,8 @@ class PromptFormat:
     apply_chat_template_kwargs: dict[str, Any] | None = None
     system_prompt: str | None = None
     max_prompt_len: int | None = None
+    multimodal_keys: dict[str, str] | None = None  # media type -> column (--multimodal-keys)
+    skip_bad_samples: bool = False
 
 
 def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
@@ -94,6 +96,8 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
     indexed = list(enumerate(rows))[row_slice]
     if not indexed:
         raise DatasetError(f"{spec}: the slice selects no rows (the file has {len(rows)})")
+    if fmt.multimodal_keys:
+        return _multimodal_prompt_samples(path, indexed, fmt)
     samples, too_long = [], 0
     for row_index, row in indexed:
         where = f"{path}: row {row_index}"
@@ -119,4 +123,48 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, fmt.max_prompt_len)
     if not samples:
         raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
+    return samples
+
+
+def _relative_to(folder: Path, item: Any) -> Any:
+    """A media path relative to the data file's folder, made absolute (other forms unchanged)."""
+    if isinstance(item, str) and "://" not in item and not item.startswith("data:") and len(item) < 4096:
+        candidate = folder / item
+        if not Path(item).is_absolute() and candidate.exists():
+            return str(candidate)
+    return item
+
+
+def _multimodal_prompt_samples(path: Path, indexed: list[tuple[int, dict[str, Any]]],
+                               fmt: PromptFormat) -> list[Sample]:
+    """Prompt samples whose media are resolved later, in the rollout's worker pool: here the
+    placeholders are matched to the media columns (so a mismatch fails before any work) and the
+    raw media references are kept in ``multimodal_inputs`` by type."""
+    from relax.data.multimodal import MediaError, resolve_row
+    from relax.data.multimodal.placeholders import column_items
+
+    samples, skipped = [], 0
+    for row_index, row in indexed:
+        if fmt.input_key not in row:
+            raise DatasetError(f"{path}: row {row_index}: missing prompt field {fmt.input_key!r} (set --input-key)")
+        media = {kind: [_relative_to(path.parent, item) for item in column_items(row, column)]
+                 for kind, column in fmt.multimodal_keys.items()}
+        try:
+            resolve_row({**row, **{fmt.multimodal_keys[k]: v for k, v in media.items()}}, fmt.multimodal_keys,
+                        row_index=row_index, prompt_key=fmt.input_key)
+        except MediaError as err:
+            if fmt.skip_bad_samples:
+                skipped += 1
+                logger.warning("%s: skipped: %s", path, err)
+                continue
+            raise DatasetError(f"{path}: {err}") from None
+        metadata = row.get(fmt.metadata_key) or {}
+        samples.append(Sample(index=row_index, prompt=row[fmt.input_key],
+                              label=row.get(fmt.label_key) if fmt.label_key else None,
+                              metadata=dict(metadata) if isinstance(metadata, dict) else {},
+                              multimodal_inputs={kind: items for kind, items in media.items() if items}))
+    if skipped:
+        logger.warning("%s: skipped %d rows with bad media (--skip-bad-samples)", path, skipped)
+    if not samples:
+        raise DatasetError(f"{path}: no usable row")
     return samples

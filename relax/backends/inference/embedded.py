@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relax.backends.inference.base import (
     FinishReason,
@@ -54,6 +54,7 @@ from relax.backends.inference.base import (
     ScoreRequest,
 )
 from relax.backends.inference.sampling import BatchSampling, sample_next_tokens
+from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, load_model, rope_positions
 
 # A batch drops its finished rows (and their KV cache) once at least this fraction of its rows
 # has finished. Dropping costs one copy of the cache, about what one decode step's cache append
@@ -97,7 +98,8 @@ class _DecodeBatch:
     """The device state of a batch; row i of every tensor is batch position i."""
 
     input_ids: torch.Tensor  # (B, S) int64: the left-padded prompts, then (B, 1) the last tokens
-    position_ids: torch.Tensor  # (B, S) int64, aligned with input_ids
+    # (B, S) int64 aligned with input_ids; (3, B, S) for multimodal rope (temporal, height, width)
+    position_ids: torch.Tensor
     # (B, longest prompt + longest max_new_tokens) int64, 0 on left padding; a step reads its first
     # `sequence_length` columns, so no step reallocates it.
     attention_mask: torch.Tensor
@@ -107,26 +109,29 @@ class _DecodeBatch:
     # Set before the first step when requests share prompts (a GRPO group): the prompts are
     # prefilled once each, then row i of the batch takes prompt `prefill_source[i]`, cache included.
     prefill_source: torch.Tensor | None = None
+    # Extra forward arguments of the first step only: the media tensors of a multimodal prefill.
+    prefill_kwargs: dict[str, torch.Tensor] | None = None
 
     def expand_after_prefill(self) -> None:
         """Give every request its own copy of its prompt's prefill state."""
         index, self.prefill_source = self.prefill_source, None
         self.cache.batch_select_indices(index)
-        self.position_ids = self.position_ids[index]
+        self.position_ids = self.position_ids.index_select(-2, index)
         self.attention_mask = self.attention_mask[index]
 
     def advance(self, next_tokens: torch.Tensor) -> None:
         """Make the sampled tokens, (B,) int64, the next step's inputs."""
         self.input_ids = next_tokens[:, None]
-        self.position_ids = self.position_ids[:, -1:] + 1
+        self.position_ids = self.position_ids[..., -1:] + 1
         self.sequence_length += 1
+        self.prefill_kwargs = None
 
     def select(self, positions: list[int]) -> None:
         """Keep only the rows at ``positions``, in that order, cache included."""
         index = torch.tensor(positions, device=self.input_ids.device)
         self.cache.batch_select_indices(index)
         self.input_ids = self.input_ids[index]
-        self.position_ids = self.position_ids[index]
+        self.position_ids = self.position_ids.index_select(-2, index)
         self.attention_mask = self.attention_mask[index]
         self.sampling = self.sampling.select_rows(positions)
 
@@ -152,6 +157,10 @@ class EmbeddedEngine(InferenceEngine):
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
+        # A model never writes media placeholders itself (an untrained one may try, which would
+        # break the next multimodal forward): their logits are masked out.
+        self._media_tokens = MediaTokens.of(model.config)
+        self._suppressed_ids = torch.tensor(self._media_tokens.ids, dtype=torch.long, device=self.device)
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # transformers 5.24 names the KV-cache argument `cache`; earlier 5.x releases call it
         # `past_key_values` (5.24 still accepts that, with a deprecation warning).
@@ -178,7 +187,7 @@ class EmbeddedEngine(InferenceEngine):
         max_batch_size: int | None = None,
     ) -> EmbeddedEngine:
         """Load a model folder (or hub id) with its tokenizer onto ``device`` in ``dtype``."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = load_model(path, dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, max_batch_size=max_batch_size)
 
@@ -346,14 +355,18 @@ class EmbeddedEngine(InferenceEngine):
         Requests with the same prompt (the samples of one GRPO group) share one prefill row: with
         short answers the prefill is about half of a rollout's compute, so a group of 8 saves most
         of it. Sampling settings cover every request; rows expand after the first forward."""
-        first_row_of_prompt: dict[tuple[int, ...], int] = {}
+        first_row_of_prompt: dict[tuple, int] = {}
         prompts: list[list[int]] = []
+        prompt_media: list[dict[str, torch.Tensor] | None] = []
         source_of_row = []
         for row in rows:
-            key = tuple(row.request.input_ids)
+            media = row.request.multimodal_inputs or None
+            # Equal token ids with different images are different prompts: the media object is part of the key.
+            key = (tuple(row.request.input_ids), id(media) if media else None)
             if key not in first_row_of_prompt:
                 first_row_of_prompt[key] = len(prompts)
                 prompts.append(row.request.input_ids)
+                prompt_media.append(media)
             source_of_row.append(first_row_of_prompt[key])
         longest_prompt = max(len(prompt) for prompt in prompts)
         longest_output = max(row.params.max_new_tokens for row in rows)
@@ -365,17 +378,26 @@ class EmbeddedEngine(InferenceEngine):
             attention_mask[index, :padding] = 0
         attention_mask = attention_mask.to(self.device)
         prompt_mask = attention_mask[:, :longest_prompt]
+        input_ids = input_ids.to(self.device)
         # Positions count real tokens only, as in `model.generate`; pad positions are masked anyway.
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).masked_fill(prompt_mask == 0, 1)
+        prefill_kwargs = None
+        if self._media_tokens.ids:
+            media = concat_inputs(prompt_media)
+            position_ids = rope_positions(self.model, input_ids, prompt_mask, media)
+            if position_ids is None:
+                position_ids = (prompt_mask.cumsum(dim=-1) - 1).masked_fill(prompt_mask == 0, 1)
+            prefill_kwargs = forward_inputs(self.model, media, input_ids, self.device, self.model.dtype) if media else None
         shared = len(prompts) < len(rows)
         return _DecodeBatch(
-            input_ids=input_ids.to(self.device),
+            input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             sequence_length=longest_prompt,
             cache=DynamicCache(config=self.model.config),
             sampling=BatchSampling.from_params([row.params for row in rows], self.device),
             prefill_source=torch.tensor(source_of_row, device=self.device) if shared else None,
+            prefill_kwargs=prefill_kwargs,
         )
 
     def _decode_step(
@@ -398,7 +420,10 @@ class EmbeddedEngine(InferenceEngine):
                 use_cache=True,
                 logits_to_keep=1,
                 **{self._cache_argument: batch.cache},
+                **(batch.prefill_kwargs or {}),
             ).logits[:, -1, :]
+        if self._suppressed_ids.numel():
+            logits = logits.index_fill(-1, self._suppressed_ids, float("-inf"))
         if batch.prefill_source is not None:
             logits = logits[batch.prefill_source]
             batch.expand_after_prefill()
@@ -481,10 +506,8 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
 def _validate_request(request: GenerationRequest) -> None:
     """Reject what the engine cannot serve before any work starts, naming the request and field."""
     where = f"request {request.request_id!r}"
-    if request.multimodal_inputs:
-        raise NotImplementedError(
-            f"{where}: the embedded engine does not take multimodal_inputs yet; send text-only requests"
-        )
+    if request.multimodal_inputs and not all(isinstance(v, torch.Tensor) for v in request.multimodal_inputs.values()):
+        raise TypeError(f"{where}: multimodal_inputs must be processor tensors (relax.engine.rollout.multimodal)")
     if not request.input_ids:
         raise ValueError(f"{where}: input_ids is empty; the engine needs at least one prompt token")
     params = request.sampling_params

@@ -29,6 +29,9 @@ class TrainBatch:
     # Token ids ``[T_i, k]`` per sample at which log-probs are also wanted (the teacher's top-k
     # of on-policy distillation); the loss sees them as the field ``gathered_log_probs``.
     gather_ids: list[torch.Tensor] | None = None
+    # Per sample, the processor tensors of its media (pixel values, grid sizes, audio features), or
+    # None for a text-only sample; they go through the model's multimodal path with gradients.
+    multimodal: list[dict[str, torch.Tensor] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -40,6 +43,7 @@ class TrainBatch:
             loss_masks=[self.loss_masks[i] for i in indices],
             fields={name: [values[i] for i in indices] for name, values in self.fields.items()},
             gather_ids=None if self.gather_ids is None else [self.gather_ids[i] for i in indices],
+            multimodal=None if self.multimodal is None else [self.multimodal[i] for i in indices],
         )
 
     def num_loss_tokens(self) -> int:

@@ -12,6 +12,8 @@ the quickstart model, benchmarks/README.md). The training code is the same at ev
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,11 +31,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
 
 from relax.algorithms.loss import LossFn, MicroBatchTensors
+from relax.backends.model_family import concat_inputs, forward_inputs, freeze_towers, load_model
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.distributed.process_group import ensure_process_group
+
+logger = logging.getLogger("relax")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class TrainSettings:
     clip_grad: float = 1.0
     gradient_checkpointing: bool = False
     entropy_grad: bool = False  # backpropagate through the entropy (only an entropy bonus needs it)
+    freeze_vision_tower: bool = False
+    freeze_audio_tower: bool = False
 
 
 def _hidden_at(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -67,15 +73,30 @@ def _hidden_at(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
 class ResponseLogitsModel(nn.Module):
     """A causal LM that returns logits ``[B, R, V]`` only at the positions that predict response
-    tokens, which keeps the float32 logits of long prompts out of memory."""
+    tokens, which keeps the float32 logits of long prompts out of memory.
+
+    With media the whole model's forward runs (the families merge image and audio features in
+    their top-level forward) and its LM head is applied from the first response position on."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model
+        # Omni thinkers compute the logits of every position (their forward has no logits_to_keep).
+        self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor):
-        hidden = _hidden_at(self.hf_model.base_model, input_ids, attention_mask, predict_positions)
-        return self.hf_model.get_output_embeddings()(hidden)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor,
+                media: dict[str, torch.Tensor] | None = None):
+        if not media:
+            hidden = _hidden_at(self.hf_model.base_model, input_ids, attention_mask, predict_positions)
+            return self.hf_model.get_output_embeddings()(hidden)
+        # Padding entries of predict_positions are 0; they are clamped into range and masked later.
+        first = int(predict_positions[:, 0].min()) if self._keeps_logits else 0
+        keep = {"logits_to_keep": torch.arange(first, input_ids.shape[1], device=input_ids.device)} \
+            if self._keeps_logits else {}
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep,
+                               **media).logits
+        index = (predict_positions - first).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
+        return logits.gather(1, index)
 
 
 class ResponseValueModel(nn.Module):
@@ -127,7 +148,7 @@ class FSDPTrainBackend(TrainBackend):
         self.settings = settings
         self.trainable = trainable
         self.value_head = value_head
-        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        hf_model = load_model(model_path, torch.float32)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
@@ -138,11 +159,15 @@ class FSDPTrainBackend(TrainBackend):
             _shard_model(self.model, settings.compute_dtype)
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
+        if trainable:
+            frozen = freeze_towers(hf_model, settings.freeze_vision_tower, settings.freeze_audio_tower)
+            if frozen:
+                logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=settings.lr, betas=settings.adam_betas, eps=settings.adam_eps,
+                [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.adam_betas, eps=settings.adam_eps,
                 weight_decay=settings.weight_decay, foreach=True,
             )
             min_ratio = settings.min_lr / settings.lr
@@ -186,8 +211,10 @@ class FSDPTrainBackend(TrainBackend):
 
     def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
         input_ids, attention_mask, positions, targets, response_mask = self._pack(batch)
+        media = self._media_inputs(batch, input_ids)
         with self._autocast():
-            outputs = self.model(input_ids, attention_mask, positions)
+            outputs = self.model(input_ids, attention_mask, positions, media) if media else \
+                self.model(input_ids, attention_mask, positions)
         if self.value_head:
             return PerTokenOutputs(outputs.float(), None, response_mask)
         logits = outputs.float() / self.settings.temperature
@@ -205,6 +232,15 @@ class FSDPTrainBackend(TrainBackend):
             probs = torch.softmax(logits, dim=-1)
             entropy = log_norm - (probs * logits).sum(dim=-1)
         return PerTokenOutputs(log_probs, entropy, response_mask, gathered, top_log_probs, top_ids)
+
+    def _media_inputs(self, batch: TrainBatch, input_ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not batch.multimodal or not any(batch.multimodal):
+            return None
+        if self.value_head:
+            raise NotImplementedError("a critic on multimodal samples is not supported yet")
+        hf_model = self.model.hf_model
+        # float32 in; each family casts pixel values to its vision tower's dtype itself
+        return forward_inputs(hf_model, concat_inputs(batch.multimodal), input_ids, self.settings.device, torch.float32)
 
     def _pad_gather_ids(self, batch: TrainBatch, response_mask: torch.Tensor) -> torch.Tensor:
         """``batch.gather_ids`` (``[T_i, k]`` per sample) right-padded to ``[B, R, k]`` with id 0."""

@@ -16,8 +16,10 @@ def expand_groups(prompts: list[Sample], n_samples_per_prompt: int, first_group_
     adjacent, which the group-wise advantage estimators rely on."""
     samples = []
     for offset, prompt in enumerate(prompts):
+        # The copies share the prompt's media and processor tensors (read-only, possibly large).
+        shared = {id(m): m for m in (prompt.multimodal_inputs, prompt.multimodal_train_inputs) if m is not None}
         for _ in range(n_samples_per_prompt):
-            sample = copy.deepcopy(prompt)
+            sample = copy.deepcopy(prompt, memo=dict(shared))
             sample.group_index = first_group_index + offset
             samples.append(sample)
     return samples
@@ -43,7 +45,8 @@ async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampl
             request_id=f"g{sample.group_index}-i{sample.index}-{position}",
             input_ids=list(sample.tokens),
             sampling_params=replace(sampling),
-            multimodal_inputs=sample.multimodal_inputs,
+            # The processor tensors, shared with the trainer (HTTP engines take sample.multimodal_inputs' raw media).
+            multimodal_inputs=sample.multimodal_train_inputs,
         )
         for position, sample in enumerate(samples)
     ]

@@ -1,0 +1,186 @@
+"""What differs between the Hugging Face model families Relax runs: which class loads a folder,
+which tokens stand for media, and how a multimodal forward gets its inputs and positions.
+
+Text models (Qwen3, ...), vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the omni
+thinkers (Qwen2.5-Omni, Qwen3-Omni) differ in these few places only; the engine and the trainer
+call the functions here and stay family-agnostic. Multimodal inputs are the processor tensors of
+`relax.data.multimodal` (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
+``video_grid_thw``, ``video_second_per_grid``, ``input_features``, ``feature_attention_mask``) for
+one or several sequences, concatenated in sequence order.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+# The names the model families give the same input; the forward takes whichever its signature has.
+_INPUT_ALIASES = {
+    "video_second_per_grid": ("second_per_grid_ts", "video_second_per_grid"),
+}
+VISION_TOWER_ATTRIBUTES = ("visual", "vision_tower", "vision_model")
+AUDIO_TOWER_ATTRIBUTES = ("audio_tower",)
+
+
+def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The folder's model with its generation head, by the class its config names (an omni thinker
+    or a VL model has no AutoModelForCausalLM mapping in every transformers release)."""
+    config = AutoConfig.from_pretrained(path)
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None and hasattr(cls, "get_output_embeddings"):
+            return cls.from_pretrained(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def _config_value(config, *names: str) -> int | None:
+    for holder in (config, getattr(config, "thinker_config", None)):
+        for name in names:
+            value = getattr(holder, name, None) if holder is not None else None
+            if value is not None:
+                return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """The placeholder token ids of a model (None where the family has no such modality)."""
+
+    image: int | None = None
+    video: int | None = None
+    audio: int | None = None
+
+    @classmethod
+    def of(cls, config) -> MediaTokens:
+        return cls(
+            image=_config_value(config, "image_token_id", "image_token_index"),
+            video=_config_value(config, "video_token_id", "video_token_index"),
+            audio=_config_value(config, "audio_token_id", "audio_token_index"),
+        )
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for i in (self.image, self.video, self.audio) if i is not None]
+
+    def type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``mm_token_type_ids``: 0 text, 1 image, 2 video (what Qwen-VL's rope index reads)."""
+        types = torch.zeros_like(input_ids, dtype=torch.int32)
+        if self.image is not None:
+            types[input_ids == self.image] = 1
+        if self.video is not None:
+            types[input_ids == self.video] = 2
+        return types
+
+
+def is_multimodal(model: PreTrainedModel) -> bool:
+    return bool(MediaTokens.of(model.config).ids)
+
+
+def audio_token_count(feature_length: int) -> int:
+    """Tokens of a clip of ``feature_length`` mel frames after the Whisper-style encoder's two
+    stride-2 stages (Qwen2-Audio / Qwen2.5-Omni)."""
+    after_conv = (feature_length - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def placeholder_counts(inputs: dict[str, torch.Tensor], merge_size: int) -> dict[str, list[int]]:
+    """How many placeholder tokens each media item takes in the prompt, per kind, in order."""
+    counts: dict[str, list[int]] = {}
+    for kind, key in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
+        if key in inputs:
+            counts[kind] = [int(grid.prod()) // merge_size**2 for grid in torch.as_tensor(inputs[key])]
+    if "feature_attention_mask" in inputs:
+        counts["audio"] = [audio_token_count(int(n)) for n in torch.as_tensor(inputs["feature_attention_mask"]).sum(-1)]
+    return counts
+
+
+def expand_placeholders(token_ids: list[int], tokens: MediaTokens, counts: dict[str, list[int]]) -> list[int]:
+    """Repeat each media placeholder token by its item's token count (the processor's expansion).
+
+    Raises ValueError when the prompt's placeholders and the media items do not pair up."""
+    remaining = {kind: list(values) for kind, values in counts.items()}
+    by_id = {getattr(tokens, kind): kind for kind in ("image", "video", "audio") if getattr(tokens, kind) is not None}
+    out: list[int] = []
+    for token in token_ids:
+        kind = by_id.get(token)
+        if kind is None:
+            out.append(token)
+            continue
+        if not remaining.get(kind):
+            raise ValueError(f"the prompt has more {kind} placeholders than {kind} items")
+        out.extend([token] * remaining[kind].pop(0))
+    left = {kind: len(values) for kind, values in remaining.items() if values}
+    if left:
+        raise ValueError(f"media items without a placeholder in the rendered prompt: {left}")
+    return out
+
+
+def concat_inputs(per_sequence: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """Several sequences' processor tensors as one forward's inputs (concatenated in order)."""
+    merged: dict[str, list[torch.Tensor]] = {}
+    for inputs in per_sequence:
+        for key, value in (inputs or {}).items():
+            merged.setdefault(key, []).append(torch.as_tensor(value))
+    return {key: torch.cat(values) for key, values in merged.items()}
+
+
+def _accepted(fn, candidates: dict[str, object]) -> dict[str, object]:
+    parameters = inspect.signature(fn).parameters
+    return {name: value for name, value in candidates.items() if name in parameters and value is not None}
+
+
+def forward_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                   device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The keyword arguments of ``model.forward`` for these processor tensors (on ``device``;
+    floating tensors in ``dtype``), with ``mm_token_type_ids`` derived from ``input_ids``."""
+    candidates: dict[str, object] = {}
+    for key, value in inputs.items():
+        tensor = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        for name in _INPUT_ALIASES.get(key, (key,)):
+            candidates[name] = tensor
+    candidates["mm_token_type_ids"] = MediaTokens.of(model.config).type_ids(input_ids)
+    return _accepted(model.forward, candidates)
+
+
+def rope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """3D (multimodal rope) position ids ``[3, B, S]`` of a padded batch, or None for models with
+    plain positions. Decoding continues each row at its last position + 1 in all three axes."""
+    owner = next((m for m in (model, getattr(model, "model", None)) if m is not None and hasattr(m, "get_rope_index")),
+                 None)
+    if owner is None:
+        return None
+    device = input_ids.device
+    candidates = {
+        "input_ids": input_ids, "attention_mask": attention_mask,
+        "mm_token_type_ids": MediaTokens.of(model.config).type_ids(input_ids),
+        "image_grid_thw": inputs.get("image_grid_thw"), "video_grid_thw": inputs.get("video_grid_thw"),
+        "second_per_grid_ts": inputs.get("video_second_per_grid"), "second_per_grids": inputs.get("video_second_per_grid"),
+    }
+    if "feature_attention_mask" in inputs:
+        candidates["audio_seqlens"] = inputs["feature_attention_mask"].sum(-1)
+    candidates = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in candidates.items()}
+    positions, _ = owner.get_rope_index(**_accepted(owner.get_rope_index, candidates))
+    return positions
+
+
+def freeze_towers(model: PreTrainedModel, vision: bool, audio: bool) -> int:
+    """Turn off gradients of the vision and/or audio encoder; returns the parameters frozen."""
+    frozen = 0
+    for attributes, wanted in ((VISION_TOWER_ATTRIBUTES, vision), (AUDIO_TOWER_ATTRIBUTES, audio)):
+        if not wanted:
+            continue
+        for holder in (model, getattr(model, "model", None)):
+            for name in attributes:
+                tower = getattr(holder, name, None) if holder is not None else None
+                if isinstance(tower, torch.nn.Module):
+                    for param in tower.parameters():
+                        if param.requires_grad:
+                            param.requires_grad_(False)
+                            frozen += param.numel()
+    return frozen
