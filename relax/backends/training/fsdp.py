@@ -33,11 +33,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from relax.algorithms.loss import LossFn, MicroBatchTensors
-from relax.backends.model_family import concat_inputs, forward_inputs, freeze_towers, load_model
+from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, freeze_towers, load_model
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.distributed.process_group import ensure_process_group
 
 logger = logging.getLogger("relax")
+
+# Logit of tokens the engine never samples (media placeholders): finite, so that 0·logit stays 0 in the entropy.
+SUPPRESSED_LOGIT = -1e9
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,8 @@ class FSDPTrainBackend(TrainBackend):
         hf_model = load_model(model_path, torch.float32)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
+        media_ids = MediaTokens.of(hf_model.config).ids
+        self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
@@ -218,6 +223,8 @@ class FSDPTrainBackend(TrainBackend):
         if self.value_head:
             return PerTokenOutputs(outputs.float(), None, response_mask)
         logits = outputs.float() / self.settings.temperature
+        if self._suppressed_ids is not None:  # the engine never samples media placeholders: same distribution here
+            logits = logits.index_fill(-1, self._suppressed_ids, SUPPRESSED_LOGIT)
         log_norm = logits.logsumexp(dim=-1)
         log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
         gathered = None
