@@ -32,7 +32,7 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "multimodal", "batch", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
+SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
             "run")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
 OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
@@ -131,6 +131,38 @@ class RelaxConfig(BaseModel):
     num_rollout: int | None = _field(None, "Rollout steps to train for.", "batch", ge=1)
     num_epoch: int | None = _field(
         None, "Passes over the prompt data; with --num-rollout too, the smaller wins.", "batch", ge=1
+    )
+
+    # --- mode ----------------------------------------------------------------------------
+    colocate: bool = _field(
+        False, "Synchronous colocated training (the default mode; the flag is accepted for upstream's scripts).", "mode"
+    )
+    fully_async: bool = _field(
+        False,
+        "Rollout runs ahead of training through the data plane, by at most --max-staleness weight versions.",
+        "mode",
+    )
+    hybrid: bool = _field(
+        False,
+        "Rollout streams through the data plane while reference/actor forwards and advantages run with the "
+        "trainer over whole steps; weights are pushed between generations. Exclusive with --fully-async.",
+        "mode",
+    )
+    max_staleness: int = _field(
+        0,
+        "How many weight versions rollout may run ahead of training (0: each step waits for the previous "
+        "update). Samples older than this when trained on are dropped and counted (data/dropped_stale_groups).",
+        "mode",
+        ge=0,
+    )
+    partial_rollout: bool = _field(
+        False,
+        "Let a weight update land while responses are being generated (they continue with the new weights; "
+        "each token records its version) instead of waiting for the generation in flight.",
+        "mode",
+    )
+    mask_offpolicy_in_partial_rollout: bool = _field(
+        False, "With --partial-rollout, keep only the tokens of the newest weight version in the loss.", "mode"
     )
 
     # --- rollout -------------------------------------------------------------------------
@@ -459,8 +491,28 @@ class RelaxConfig(BaseModel):
                 raise ValueError(f"{flag('loss_type')} sft does not take {flag('multimodal_keys')} yet")
         if self.image_min_token_num > self.image_max_token_num:
             raise ValueError(f"{flag('image_min_token_num')} is above {flag('image_max_token_num')}")
+        self._check_mode(spec)
         if self.loss_type == "sft" and self.use_opd:
             raise ValueError(f"{flag('loss_type')} sft trains on dataset responses; it cannot use {flag('use_opd')}")
+
+    def _check_mode(self, spec) -> None:
+        asynchronous = self.fully_async or self.hybrid
+        if self.fully_async and self.hybrid:
+            raise ValueError(f"{flag('fully_async')} and {flag('hybrid')} are exclusive (hybrid is its own mode)")
+        if self.colocate and asynchronous:
+            raise ValueError(f"{flag('colocate')} is the synchronous mode; drop it for "
+                             f"{flag('hybrid') if self.hybrid else flag('fully_async')}")
+        if self.max_staleness and not asynchronous:
+            raise ValueError(f"{flag('max_staleness')} needs {flag('fully_async')} or {flag('hybrid')}")
+        if self.partial_rollout and not self.fully_async:
+            raise ValueError(f"{flag('partial_rollout')} needs {flag('fully_async')}")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError(f"{flag('mask_offpolicy_in_partial_rollout')} needs {flag('partial_rollout')}")
+        if asynchronous and spec.requires_on_policy_updates:
+            raise ValueError(f"{flag('advantage_estimator')} {spec.name} is on-policy by construction; it cannot run "
+                             f"with {flag('fully_async')} or {flag('hybrid')}")
+        if asynchronous and self.loss_type == "sft":
+            raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
 
     # Derived values ------------------------------------------------------------------------
     @property

@@ -247,3 +247,16 @@ def test_redact_secrets_hides_nested_secret_values():
         "max_tokens_per_gpu": 4096,
     }
     assert config["wandb"]["Token"] == "t-2"  # the caller's config is left as it was
+
+
+def test_plot_comparison_draws_each_run_and_names_a_missing_metric(tmp_path):
+    from relax.utils.plots import plot_comparison
+
+    for name, values in (("run_a", [0.2, 0.5]), ("run_b", [0.2, 0.1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": 10 * i, "eval/accuracy": v}) + "\n" for i, v in enumerate(values)))
+    out = plot_comparison({"a": tmp_path / "run_a", "b": tmp_path / "run_b"}, "eval/accuracy", "t", tmp_path / "c.png")
+    assert out.stat().st_size > 1000
+    with pytest.raises(ValueError, match="train/loss"):
+        plot_comparison({"a": tmp_path / "run_a"}, "train/loss", "t", tmp_path / "d.png")

@@ -57,14 +57,13 @@ def cmd_train(argv: list[str]) -> int:
     setup_logging(run_dir)
     _quiet_libraries()
     from relax.core.build import build_roles
-    from relax.core.controller import SFTController, SyncController
     from relax.utils.tracking import Tracker, redact_secrets
 
     write_resolved_config(cfg, run_dir)
     roles = build_roles(cfg)
     with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                  wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
-        controller = (SFTController if cfg.loss_type == "sft" else SyncController)(cfg, roles, tracker)
+        controller = controller_class(cfg)(cfg, roles, tracker)
         last = asyncio.run(controller.run())
     first = _first_eval_accuracy(run_dir)
     if "eval/accuracy" in last and first is not None:
@@ -72,6 +71,16 @@ def cmd_train(argv: list[str]) -> int:
               f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
     print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/, checkpoints/)")
     return 0
+
+
+def controller_class(cfg):
+    """The training loop of the configured mode."""
+    from relax.core.async_controller import AsyncController
+    from relax.core.controller import SFTController, SyncController
+
+    if cfg.loss_type == "sft":
+        return SFTController
+    return AsyncController if cfg.fully_async or cfg.hybrid else SyncController
 
 
 def _first_eval_accuracy(run_dir: Path) -> float | None:

@@ -45,11 +45,19 @@ class SyncController:
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
-        roles, cfg = self.roles, self.cfg
         started = time.perf_counter()
-        samples, metrics = await roles.rollout.generate(rollout_id)
+        samples, metrics = await self.roles.rollout.generate(rollout_id)
         metrics["perf/rollout_s"] = time.perf_counter() - started
+        metrics.update(await self.train_on(rollout_id, samples))
+        metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
+        return metrics
 
+    async def train_on(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """Everything after generation: log-probs, advantages, the critic's and the actor's
+        updates, and the weight push to the engine as version ``rollout_id + 1``."""
+        roles, cfg = self.roles, self.cfg
+        metrics: dict[str, float] = {}
         fields: dict[str, list[torch.Tensor]] = {}
         gather_ids = None
         if roles.reference is not None:
@@ -87,8 +95,6 @@ class SyncController:
             metrics.update(await self.sync_weights(version=rollout_id + 1))
         else:  # the critic fits the values of the initial policy first; the engine keeps its weights
             metrics["perf/train_s"] = time.perf_counter() - train_started
-        metrics["perf/step_s"] = time.perf_counter() - started
-        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
         if cfg.dump_samples:
             self.tracker.dump_samples(rollout_id + 1, samples, cfg.dump_samples)
         return metrics
@@ -146,11 +152,14 @@ class SyncController:
             self.roles.critic.save(directory, include_optimizer=not self.cfg.no_save_optim)
         if rank() == 0:
             checkpoint.save_hf_metadata(self.save_root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
-            checkpoint.save_trainer_state(directory, {"step": step, "weight_version": step,
-                                                      **self.roles.rollout.data_source.state_dict()})
+            checkpoint.save_trainer_state(directory, self.trainer_state(step))
             checkpoint.mark_latest(self.save_root, step)
             plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
         logger.info("saved checkpoint %s", directory)
+
+    def trainer_state(self, step: int) -> dict:
+        """What a checkpoint records besides the weights: the step and the data cursor."""
+        return {"step": step, "weight_version": step, **self.roles.rollout.data_source.state_dict()}
 
     async def resume(self) -> int:
         root = checkpoint.resolve_checkpoint_root(self.cfg.load)

@@ -93,3 +93,16 @@ def _draw(group: CurveGroup, curves: dict[str, list[tuple[float, float]]], plot_
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.savefig(plot_path, dpi=100)
+
+
+def plot_comparison(runs: dict[str, Path], key: str, title: str, plot_path: Path) -> Path:
+    """One metric of several runs in one PNG (a run against its control), labelled by the ``runs`` keys."""
+    curves = {}
+    for label, run_dir in runs.items():
+        points = _curves_matching(read_metrics(Path(run_dir) / METRICS_FILE), (key,)).get(key)
+        if points:
+            curves[label] = points
+    if not curves:
+        raise ValueError(f"none of the runs logged {key!r}")
+    _draw(CurveGroup(title, key, (key,)), curves, Path(plot_path))
+    return Path(plot_path)

@@ -1,0 +1,175 @@
+"""`TransferQueueDataPlane`: the data plane on the PyPI ``TransferQueue`` package (Ray actors + ZMQ).
+
+Writer and reader may live in different processes of one Ray cluster: each creates its own
+`TransferQueueDataPlane` attached to the same TransferQueue controller. The controller must have
+been started with `WholeGroupSampler` and ``polling_mode`` (as `start_local_transfer_queue` does):
+the reader polls for complete groups instead of blocking inside the controller (a blocking
+``get_meta`` sleeps 5 s per retry and then raises; environment-notes §3 pitfall 3).
+
+The end of a step is a marker row carrying the number of groups written, so a reader in another
+process knows when the partition is drained. The accounting of an object covers what that object
+wrote and read; a reader in another process learns the produced count from the marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Any
+
+from relax.data.sample import Sample
+from relax.data_plane.base import DataPlane, Group, partition_id
+from relax.data_plane.staleness import StalenessGate
+from relax.data_plane.tq_codec import COLUMNS, decode_rows, encode_rows, record_to_sample
+
+END_MARKER = "end_of_step"
+
+
+def _set_local_ray_environment() -> None:
+    """Loopback-only, no telemetry, no auth token file (environment-notes §2); before ``ray.init``."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # TransferQueue warns on every put/get when its default of 8 threads exceeds the cores.
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
+
+
+def start_local_transfer_queue(num_storage_units: int = 1, num_cpus: int = 4) -> None:
+    """Start a local Ray bound to 127.0.0.1 (no dashboard) and a TransferQueue controller + storage units.
+
+    The controller and each storage unit reserve one logical CPU, so Ray gets ``num_cpus`` logical
+    CPUs regardless of the cores (a 2-CPU node would hang ``tq.init``: pitfall 1).
+    """
+    if num_cpus < num_storage_units + 1:
+        raise ValueError(f"num_cpus={num_cpus} cannot hold a controller and {num_storage_units} storage units")
+    _set_local_ray_environment()
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    from relax.data_plane.tq_sampler import WholeGroupSampler
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, logging_level="warning")
+    conf = OmegaConf.create(
+        {"controller": {"sampler": WholeGroupSampler(), "polling_mode": True},
+         "backend": {"storage_backend": "SimpleStorage",
+                     "SimpleStorage": {"num_data_storage_units": num_storage_units}}},
+        flags={"allow_objects": True},
+    )
+    tq.init(conf)
+
+
+def stop_local_transfer_queue() -> None:
+    """Tear down TransferQueue and the local Ray started by `start_local_transfer_queue`."""
+    import ray
+    import transfer_queue as tq
+
+    tq.close()
+    ray.shutdown()
+
+
+def attach_transfer_queue_client() -> Any:
+    """A client of the running TransferQueue, after checking it was started the way this plane needs.
+
+    ``tq.init()`` with no controller running would start one with the default sequential
+    sampler, which splits groups; refuse that instead.
+    """
+    import ray
+    import transfer_queue as tq
+
+    from relax.data_plane.tq_sampler import WholeGroupSampler
+
+    try:
+        controller = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    except ValueError:
+        raise RuntimeError("no TransferQueue controller is running; call start_local_transfer_queue() "
+                           "(or start one with WholeGroupSampler and polling_mode) first") from None
+    conf = ray.get(controller.get_config.remote())
+    if not (isinstance(conf.controller.sampler, WholeGroupSampler) and conf.controller.polling_mode):
+        raise RuntimeError("the running TransferQueue controller was not started with WholeGroupSampler "
+                           "and polling_mode=True; see start_local_transfer_queue()")
+    tq.init()  # attaches this process's client to the running controller
+    return tq.get_client()
+
+
+class TransferQueueDataPlane(DataPlane):
+    """Partitions ``train_{step}`` in TransferQueue; one row per sample, columns from `tq_codec`.
+
+    ``task_name`` is the consumer task whose consumption TransferQueue tracks (upstream:
+    ``actor_train``); ``poll_interval_s`` is how long the reader sleeps when nothing new is ready.
+    """
+
+    def __init__(self, gate: StalenessGate | None = None, *, task_name: str = "actor_train",
+                 poll_interval_s: float = 0.05, client: Any = None):
+        super().__init__(gate)
+        self._client = client if client is not None else attach_transfer_queue_client()
+        self.task_name = task_name
+        self.poll_interval_s = poll_interval_s
+        self._read_so_far: dict[int, int] = {}  # groups read per step
+        self._expected: dict[int, int] = {}  # groups written per step, known from the end marker
+
+    # ---- writer side -------------------------------------------------------------------
+    async def _insert_rows(self, step: int, samples: list[Sample], custom_meta: list[dict],
+                           extra_records: list[dict] | None = None) -> None:
+        """Allocate rows in ``train_{step}``, tag them with ``custom_meta`` and write them."""
+        meta = await self._client.async_get_meta(data_fields=COLUMNS, batch_size=len(samples),
+                                                 partition_id=partition_id(step), mode="insert")
+        meta.update_custom_meta(custom_meta)
+        await self._client.async_put(encode_rows(samples, extra_records), metadata=meta)
+
+    async def _write_groups(self, step: int, groups: list[Group]) -> None:
+        samples, custom_meta = [], []
+        for group in groups:
+            key = uuid.uuid4().hex
+            samples.extend(group)
+            custom_meta.extend({"group_key": key, "group_size": len(group)} for _ in group)
+        await self._insert_rows(step, samples, custom_meta)
+
+    async def _write_end(self, step: int, written_groups: int) -> None:
+        await self._insert_rows(step, [Sample()], [{"group_key": f"end:{uuid.uuid4().hex}", "group_size": 1}],
+                                [{END_MARKER: True, "written_groups": written_groups}])
+
+    # ---- reader side -------------------------------------------------------------------
+    async def _fetch_ready_groups(self, step: int) -> list[Group]:
+        """Every complete group of ``step`` ready now (marked consumed for ``task_name``); never waits."""
+        meta = await self._client.async_get_meta(data_fields=COLUMNS, batch_size=1, partition_id=partition_id(step),
+                                                 mode="fetch", task_name=self.task_name)
+        if meta.size == 0:
+            return []
+        records = decode_rows(await self._client.async_get_data(meta))
+        groups: dict[str, Group] = {}
+        for record, custom in zip(records, meta.get_all_custom_meta(), strict=True):
+            if record.get(END_MARKER):
+                self._expected[step] = record["written_groups"]
+                self._ledger.produced_at_least(step, record["written_groups"])
+                continue
+            groups.setdefault(custom["group_key"], []).append(record_to_sample(record))
+        self._read_so_far[step] = self._read_so_far.get(step, 0) + len(groups)
+        return list(groups.values())
+
+    def _drained(self, step: int) -> bool:
+        expected = self._expected.get(step)
+        return expected is not None and self._read_so_far.get(step, 0) >= expected
+
+    async def _read_groups(self, step: int) -> list[Group] | None:
+        while True:
+            groups = await self._fetch_ready_groups(step)
+            if groups:
+                return groups
+            if self._drained(step):
+                return None
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _take_unread(self, step: int) -> list[Group]:
+        return await self._fetch_ready_groups(step)
+
+    async def _drop_partition(self, step: int) -> None:
+        await self._client.async_clear_partition(partition_id(step))
+        self._read_so_far.pop(step, None)
+        self._expected.pop(step, None)
+
+    async def partition_ids(self) -> list[str]:
+        """The partitions TransferQueue holds now (for checks and tests)."""
+        return list(await self._client.async_get_partition_list())

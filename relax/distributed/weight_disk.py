@@ -1,0 +1,251 @@
+"""Weight sync transport 3: safetensors files in versioned directories (see `weight_sync`).
+
+The fallback when trainer and engines share a filesystem but no network group (or an engine
+starts later and needs the latest weights). Layout under the sync directory::
+
+    v00000007/bucket_00000.safetensors
+    v00000007/bucket_00001.safetensors
+    v00000007/manifest.json          <- written last: a version exists once this file does
+
+The manifest is written to a temporary name, flushed to disk and renamed into place, so a reader
+sees either no manifest or a whole one. A directory without one is a publish in progress or a
+crash between buckets; receivers ignore it and the next publish's garbage collection removes it.
+After each publish the publisher keeps the newest ``keep_last`` complete versions; keep at least
+2 so that a receiver reading the previous one is not pulled from under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from relax.backends.inference.base import InferenceEngine
+from relax.distributed.weight_sync import (
+    Manifest,
+    NamedTensors,
+    SyncMetrics,
+    TensorSpec,
+    WeightSyncError,
+    apply_to_engine,
+    check_bucket,
+    check_manifest,
+    engine_weight_shapes,
+)
+
+MANIFEST_NAME = "manifest.json"
+VERSION_DIR = re.compile(r"^v(\d{8})$")
+# safetensors' dtype codes, for checking file headers against the manifest without loading data.
+SAFETENSORS_DTYPES = {
+    "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version:08d}"
+
+
+def bucket_path(root: Path, version: int, index: int) -> Path:
+    return version_dir(root, version) / f"bucket_{index:05d}.safetensors"
+
+
+def complete_versions(root: Path) -> list[int]:
+    """Versions whose manifest has landed, oldest first."""
+    return sorted(version for version, path in _version_dirs(root) if (path / MANIFEST_NAME).is_file())
+
+
+def _version_dirs(root: Path) -> Iterator[tuple[int, Path]]:
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        match = VERSION_DIR.match(path.name)
+        if match and path.is_dir():
+            yield int(match.group(1)), path
+
+
+def collect_garbage(root: Path, keep_last: int) -> list[int]:
+    """Delete complete versions older than the newest ``keep_last`` and manifest-less directories
+    older than the newest complete version (crash leftovers); returns the versions removed.
+    Newer manifest-less directories are left alone: they may be a publish in progress."""
+    complete = complete_versions(root)
+    if not complete:
+        return []
+    kept = set(complete[-keep_last:])
+    newest = complete[-1]
+    removed = []
+    for version, path in _version_dirs(root):
+        if version not in kept and (version in complete or version < newest):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(version)
+    return sorted(removed)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class DiskPublisher:
+    """Writes each version as bucket files plus a manifest under ``root``.
+
+    ``fsync`` makes a published version survive a machine crash, not only a process crash (the
+    manifest could otherwise reach the disk before the buckets it names).
+    """
+
+    transport = "disk"
+
+    def __init__(self, root: str | Path, keep_last: int = 2, fsync: bool = True) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.fsync = fsync
+
+    async def publish(
+        self, buckets: Iterable[NamedTensors], version: int, meta: dict[str, Any] | None = None
+    ) -> SyncMetrics:
+        """Stream the buckets to files (one bucket in memory at a time), then commit the manifest.
+        A crash before the commit leaves a directory that receivers ignore."""
+        started = time.perf_counter()
+        directory = version_dir(self.root, version)
+        if directory.exists():  # a leftover of a crashed publish, or a re-publish of this version
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        specs = []
+        for index, bucket in enumerate(buckets):
+            specs.append(self._write_bucket(version, index, bucket))
+        manifest = Manifest(version, tuple(specs), dict(meta or {}))
+        self._commit_manifest(directory, manifest)
+        collect_garbage(self.root, self.keep_last)
+        return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes, len(specs))
+
+    def _write_bucket(self, version: int, index: int, bucket: NamedTensors) -> tuple[TensorSpec, ...]:
+        path = bucket_path(self.root, version, index)
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket}
+        save_file(tensors, path, metadata={"version": str(version), "bucket": str(index)})
+        if self.fsync:
+            _fsync(path)
+        return tuple(TensorSpec.of(name, tensor) for name, tensor in bucket)
+
+    def _commit_manifest(self, directory: Path, manifest: Manifest) -> None:
+        temporary = directory / f".{MANIFEST_NAME}.tmp"
+        with open(temporary, "w") as file:
+            file.write(manifest.to_json())
+            file.flush()
+            if self.fsync:
+                os.fsync(file.fileno())
+        os.replace(temporary, directory / MANIFEST_NAME)
+        if self.fsync:
+            _fsync(directory)
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+class DiskReceiver:
+    """Applies versions found under ``root`` to one engine."""
+
+    transport = "disk"
+
+    def __init__(self, root: str | Path, engine: InferenceEngine) -> None:
+        self.root = Path(root)
+        self.engine = engine
+
+    def latest_version(self) -> int | None:
+        versions = complete_versions(self.root)
+        return versions[-1] if versions else None
+
+    async def poll(self, timeout_s: float, interval_s: float = 0.05) -> SyncMetrics:
+        """Wait (at most ``timeout_s``) for a complete version newer than the engine's, apply the
+        newest one. Raises TimeoutError when none appears; the engine keeps serving meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            latest = self.latest_version()
+            if latest is not None and latest > self.engine.weight_version:
+                return await self.apply(latest)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no weight version newer than {self.engine.weight_version} appeared under "
+                                   f"{self.root} within {timeout_s} s")
+            await asyncio.sleep(interval_s)
+
+    async def apply(self, version: int) -> SyncMetrics:
+        """Check version ``version``'s manifest and bucket headers, then load it into the engine."""
+        started = time.perf_counter()
+        manifest = self.read_manifest(version)
+        check_manifest(manifest, version, engine_weight_shapes(self.engine))
+        for index in range(len(manifest.buckets)):
+            self._check_bucket_header(manifest, index)
+        await apply_to_engine(self.engine, version, self._stream(manifest))
+        return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes,
+                           len(manifest.buckets))
+
+    def read_manifest(self, version: int) -> Manifest:
+        path = version_dir(self.root, version) / MANIFEST_NAME
+        try:
+            text = path.read_text()
+        except FileNotFoundError as error:
+            raise WeightSyncError(f"weight sync version {version}: no manifest at {path} (incomplete or removed "
+                                  "version)", version=version) from error
+        return Manifest.from_json(text)
+
+    def _check_bucket_header(self, manifest: Manifest, index: int) -> None:
+        """Every tensor the manifest lists is in the bucket file with its shape and dtype."""
+        version = manifest.version
+        path = bucket_path(self.root, version, index)
+        header = _read_header(path, version)
+        for spec in manifest.buckets[index]:
+            entry = header.get(spec.name)
+            if entry is None:
+                raise WeightSyncError(f"weight sync version {version}: tensor {spec.name!r} is missing from {path}",
+                                      version=version, tensor=spec.name)
+            expected_dtype = SAFETENSORS_DTYPES.get(spec.dtype, entry["dtype"])
+            if tuple(entry["shape"]) != spec.shape or entry["dtype"] != expected_dtype:
+                raise WeightSyncError(
+                    f"weight sync version {version}: tensor {spec.name!r} in {path} is {tuple(entry['shape'])} "
+                    f"{entry['dtype']}, the manifest says {spec.shape} {spec.dtype}", version=version, tensor=spec.name,
+                )
+
+    def _stream(self, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """Load one bucket file at a time, in manifest order."""
+        for index, specs in enumerate(manifest.buckets):
+            path = bucket_path(self.root, manifest.version, index)
+            try:
+                tensors = load_file(path)
+            except (OSError, RuntimeError) as error:  # removed or truncated under us
+                raise WeightSyncError(f"weight sync version {manifest.version}: reading {path} failed ({error})",
+                                      version=manifest.version) from error
+            bucket = [(spec.name, tensors[spec.name]) for spec in specs if spec.name in tensors]
+            check_bucket(manifest, index, bucket)
+            yield from bucket
+
+
+def _read_header(path: Path, version: int) -> dict[str, dict]:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    try:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+    except (OSError, struct.error, ValueError) as error:
+        raise WeightSyncError(f"weight sync version {version}: cannot read bucket file {path} ({error})",
+                              version=version) from error
+    header.pop("__metadata__", None)
+    return header
