@@ -360,6 +360,7 @@ def build_report(results, counts, rounds, n_images, audio_s, video_s, wall) -> d
             })
     return {
         "benchmark": "mm_processing",
+        **headline(rows),
         "date": time.strftime("%Y-%m-%d"),
         "config": {"images": f"{n_images} x 1024x1024 JPEG", "audio": f"{audio_s:g} s stereo 44.1 kHz wav",
                    "video": f"{video_s:g} s 640x480 30 fps H.264 mp4", "rounds": rounds, "chunk_rows": CHUNK,
@@ -370,6 +371,24 @@ def build_report(results, counts, rounds, n_images, audio_s, video_s, wall) -> d
         "wall_s": round(wall, 1),
         "results": rows,
     }
+
+
+# The pipeline each modality's headline figures use: Relax's default (a thread pool of 2 workers for images).
+DEFAULT_PIPELINE = {"images": "ours_thread2", "audio": "ours", "video": "ours"}
+
+
+def headline(rows: list[dict]) -> dict:
+    """The summary keys: Relax's and the baseline's seconds for the whole input set, ratio = baseline / relax, and
+    Relax's peak RSS; the images are the headline, each modality's figures are under ``by_modality``."""
+    by_modality = {}
+    for modality, pipeline in DEFAULT_PIPELINE.items():
+        ours = next((r for r in rows if r["modality"] == modality and r["pipeline"] == pipeline), None)
+        base = next((r for r in rows if r["modality"] == modality and r["pipeline"] == "baseline"), None)
+        if ours and base:
+            by_modality[modality] = {"relax_s": ours["best_s"], "baseline_s": base["best_s"],
+                                     "ratio": round(base["best_s"] / ours["best_s"], 2),
+                                     "peak_rss_mb": ours["peak_rss_mb"], "baseline_peak_rss_mb": base["peak_rss_mb"]}
+    return {**by_modality.get("images", {}), "by_modality": by_modality}
 
 
 def print_table(report: dict) -> None:
