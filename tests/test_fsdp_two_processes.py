@@ -43,3 +43,60 @@ def test_two_process_fsdp_step_equals_the_single_process_step(tiny_workspace, tm
     # After AdamW each parameter moves by at most ~lr; the two runs agree well inside that.
     for name, tensor in single.full_state_dict().items():
         torch.testing.assert_close(sharded["state"][name], tensor, atol=2e-6, rtol=0)
+
+
+def _save_or_load_on_rank(rank: int, world_size: int, port: int, model_dir: str, checkpoint: str, action: str,
+                          out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
+    if action == "train_and_save":
+        backend.train_step(make_batch(), LOSS)
+        os.makedirs(checkpoint, exist_ok=True)
+        backend.save(checkpoint)
+    else:
+        backend.load(checkpoint)
+    backend.train_step(make_batch(seed=1), LOSS)  # the optimizer state must have come back too
+    state = backend.full_state_dict()
+    if rank == 0:
+        torch.save(state, out)
+    torch.distributed.destroy_process_group()
+
+
+def _one_process(model_dir, checkpoint, action, out):
+    backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
+    if action == "train_and_save":
+        backend.train_step(make_batch(), LOSS)
+        os.makedirs(checkpoint, exist_ok=True)
+        backend.save(checkpoint)
+    else:
+        backend.load(checkpoint)
+    backend.train_step(make_batch(seed=1), LOSS)
+    torch.save(backend.full_state_dict(), out)
+
+
+def _assert_close_states(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpoints_move_between_world_sizes(tiny_workspace, tmp_path):
+    """Saved by 2 processes, resumed by 1 (and the other way): weights and optimizer state come back, so the next
+    step lands where an uninterrupted run at the saving world size lands."""
+    model_dir = str(tiny_workspace / "model")
+
+    def two(action, checkpoint, out):
+        mp.start_processes(_save_or_load_on_rank, args=(2, free_loopback_port(), model_dir, checkpoint, action, out),
+                           nprocs=2, join=True, start_method="spawn")
+        return torch.load(out, weights_only=False)
+
+    # 2 -> 1: the 2-process run saves after step 1 and takes step 2; a 1-process run loads and takes step 2
+    reference = two("train_and_save", str(tmp_path / "ckpt2"), str(tmp_path / "ref2.pt"))
+    _one_process(model_dir, str(tmp_path / "ckpt2"), "load", str(tmp_path / "resumed1.pt"))
+    _assert_close_states(torch.load(tmp_path / "resumed1.pt"), reference)
+    # 1 -> 2
+    _one_process(model_dir, str(tmp_path / "ckpt1"), "train_and_save", str(tmp_path / "ref1.pt"))
+    resumed = two("load", str(tmp_path / "ckpt1"), str(tmp_path / "resumed2.pt"))
+    _assert_close_states(resumed, torch.load(tmp_path / "ref1.pt"))
