@@ -33,7 +33,7 @@ def flag(field_name: str) -> str:
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
 SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
-            "run")
+            "run", "placement")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
 OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
               "opd_log_prob_top_k", "opd_norm_mode")
@@ -373,6 +373,66 @@ class RelaxConfig(BaseModel):
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
     wandb_project: str | None = _field(None, "W&B project name.", "run")
     dump_samples: int = _field(8, "Samples per rollout step written to <output-dir>/samples (0: none).", "run", ge=0)
+
+    # --- placement -------------------------------------------------------------------------
+    placement: Literal["in_process", "ray"] = _field(
+        "in_process",
+        "Where the roles run. `in_process`: every role is an object in the trainer's process (no Ray). `ray`: "
+        "actor, rollout, critic and reference each run in their own Ray actor process, in placement groups sized "
+        "by --resource; the controller drives them over the same async API (docs/placement.md).",
+        "placement",
+    )
+    resource: dict[str, list[float]] = _field(
+        {},
+        "With --placement ray: JSON mapping a role (actor, rollout, critic, reference) to [replicas, "
+        "gpus_per_replica], e.g. '{\"actor\": [1, 1], \"rollout\": [1, 1]}'. On a machine without GPUs the second "
+        "number is CPUs per replica. Roles left out get [1, 1]. Only 1 replica per role is supported for now.",
+        "placement",
+    )
+    ray_address: str | None = _field(
+        None, "With --placement ray: join this running Ray cluster (e.g. `auto` or `127.0.0.1:6379`) instead of "
+        "starting a local Ray bound to 127.0.0.1.", "placement",
+    )
+    weight_sync_transport: Literal["broadcast", "disk"] = _field(
+        "broadcast",
+        "With --placement ray: how new weights reach the rollout process. `broadcast`: torch.distributed broadcast "
+        "over a dedicated group (gloo on CPU, NCCL on GPU); `disk`: versioned safetensors under "
+        "<output-dir>/weight_sync.",
+        "placement",
+    )
+
+    @field_validator("resource", mode="before")
+    @classmethod
+    def _resource_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--resource is not valid JSON: {err}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_placement(self) -> RelaxConfig:
+        placeable = ("actor", "rollout", "critic", "reference")
+        for role, value in self.resource.items():
+            if role not in placeable:
+                raise ValueError(f"--resource: unknown role {role!r}; choose among {list(placeable)}")
+            if len(value) != 2 or value[0] != int(value[0]) or value[0] < 1 or value[1] <= 0:
+                raise ValueError(f"--resource {role}: expects [replicas >= 1, gpus_per_replica > 0], got {value}")
+            if value[0] != 1:
+                raise ValueError(f"--resource {role}: only 1 replica per role is supported, got {int(value[0])}")
+        if self.placement != "ray":
+            for name in ("resource", "ray_address"):
+                if getattr(self, name):
+                    raise ValueError(f"{flag(name)} needs --placement ray")
+            if self.weight_sync_transport != "broadcast":
+                raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray")
+        elif self.loss_type == "sft" or self.use_opd:
+            raise ValueError(f"--placement ray does not support {'--loss-type sft' if self.loss_type == 'sft' else '--use-opd'} "
+                             "yet; use --placement in_process")
+        return self
 
     # --------------------------------------------------------------------------------------
     @field_validator("eval_prompt_data", mode="before")

@@ -60,11 +60,22 @@ def cmd_train(argv: list[str]) -> int:
     from relax.utils.tracking import Tracker, redact_secrets
 
     write_resolved_config(cfg, run_dir)
-    roles = build_roles(cfg)
-    with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
-                 wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
-        controller = controller_class(cfg)(cfg, roles, tracker)
-        last = asyncio.run(controller.run())
+    service = None
+    if cfg.placement == "ray":
+        from relax.core.service import RayService
+
+        service = RayService(cfg)
+        roles = service.start()
+    else:
+        roles = build_roles(cfg)
+    try:
+        with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
+                     wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
+            controller = controller_class(cfg)(cfg, roles, tracker)
+            last = asyncio.run(controller.run())
+    finally:
+        if service is not None:
+            service.shutdown()
     first = _first_eval_accuracy(run_dir)
     if "eval/accuracy" in last and first is not None:
         print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
@@ -80,6 +91,10 @@ def controller_class(cfg):
 
     if cfg.loss_type == "sft":
         return SFTController
+    if cfg.placement == "ray":  # roles in Ray processes (relax.core.service)
+        from relax.core.ray_controller import RayAsyncController, RaySyncController
+
+        return RayAsyncController if cfg.fully_async or cfg.hybrid else RaySyncController
     return AsyncController if cfg.fully_async or cfg.hybrid else SyncController
 
 

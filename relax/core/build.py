@@ -177,22 +177,33 @@ def build_distillation(cfg: RelaxConfig, tokenizer, settings: TrainSettings, dev
                                 advantage_coef=cfg.opd_kl_coef)
 
 
-def build_roles(cfg: RelaxConfig) -> Roles:
-    """Everything a colocated run needs, validated before any training work starts."""
+@dataclass
+class BuildContext:
+    """What every role builder needs, resolved and validated once per process."""
+
+    cfg: RelaxConfig
+    model_path: Path
+    tokenizer: object
+    prompts: list
+    total_steps: int
+    spec: AlgorithmSpec
+    device: torch.device
+    dtype: torch.dtype
+    settings: TrainSettings
+
+
+def build_context(cfg: RelaxConfig) -> BuildContext:
+    """Validate the run's inputs and resolve device, tokenizer, prompts and trainer settings."""
     model_path = check_model_path(cfg)
     if not cfg.prompt_data:
         raise ConfigError(f"{flag('prompt_data')} is required for training")
-    rewards = build_reward_computer(cfg)
-    dynamic_sampling = build_dynamic_sampling(cfg)
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     load_training_samples = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
     prompts = load_training_samples(cfg.prompt_data, tokenizer, prompt_format(cfg))
-    eval_sets = load_eval_sets(cfg, tokenizer)
     total_steps = cfg.total_rollout_steps(len(prompts))
     spec = get_algorithm(cfg.advantage_estimator)
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     settings = TrainSettings(
         device=device, compute_dtype=dtype, micro_batch_size=cfg.micro_batch_size,
@@ -203,31 +214,72 @@ def build_roles(cfg: RelaxConfig) -> Roles:
         gradient_checkpointing=cfg.gradient_checkpointing, entropy_grad=cfg.entropy_coef > 0,
         freeze_vision_tower=cfg.freeze_vision_tower, freeze_audio_tower=cfg.freeze_audio_tower,
     )
+    return BuildContext(cfg, model_path, tokenizer, prompts, total_steps, spec, device, dtype, settings)
+
+
+def build_actor(ctx: BuildContext) -> Actor:
+    cfg = ctx.cfg
     torch.manual_seed(cfg.seed)
     if cfg.loss_type == "sft":
         loss_fn = build_sft_loss_fn(cfg.loss_aggregation, cfg.rollout_max_response_len)
     else:
-        loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, spec))
-    actor = Actor(FSDPTrainBackend(model_path, settings), loss_fn, cfg.train_batch_size)
-    advantages = Advantages(spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization,
-                            kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd)
-    critic = build_critic(cfg, model_path, settings) if spec.needs_critic and cfg.loss_type != "sft" else None
-    distillation = build_distillation(cfg, tokenizer, settings, device, dtype) if cfg.use_opd else None
-    # The frozen initial model serves the KL loss and the KL in the reward alike.
-    needs_reference = cfg.use_kl_loss or advantages.needs_kl
-    reference = ActorFwd(FSDPTrainBackend(model_path, settings, trainable=False)) if needs_reference else None
+        loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, ctx.spec))
+    return Actor(FSDPTrainBackend(ctx.model_path, ctx.settings), loss_fn, cfg.train_batch_size)
+
+
+def build_advantages(ctx: BuildContext) -> Advantages:
+    cfg = ctx.cfg
+    return Advantages(ctx.spec, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization,
+                      kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd)
+
+
+def build_reference(ctx: BuildContext) -> ActorFwd:
+    """The frozen initial model: it serves the KL loss and the KL in the reward alike."""
+    return ActorFwd(FSDPTrainBackend(ctx.model_path, ctx.settings, trainable=False))
+
+
+def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
+                  dynamic_sampling: DynamicSampling | None = None) -> Rollout:
+    cfg, tokenizer = ctx.cfg, ctx.tokenizer
+    rewards = rewards or build_reward_computer(cfg)
+    if dynamic_sampling is None:
+        dynamic_sampling = build_dynamic_sampling(cfg)
     sampling = SamplingParams(
         max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
         top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
-    rollout = Rollout(
-        engine=build_engine(model_path, tokenizer, cfg, device, dtype),
-        data_source=PromptDataSource(prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
+    return Rollout(
+        engine=build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype),
+        data_source=PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
         rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
-        eval_sets=eval_sets, eval_sampling=eval_sampling(cfg),
+        eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
-        multimodal=build_multimodal(cfg, model_path, tokenizer),
+        multimodal=build_multimodal(cfg, ctx.model_path, tokenizer),
     )
-    logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(prompts), total_steps, device, dtype)
-    return Roles(tokenizer, rollout, actor, advantages, reference, total_steps, device, dtype, critic, distillation)
+
+
+def needs_critic(cfg: RelaxConfig, spec: AlgorithmSpec) -> bool:
+    return spec.needs_critic and cfg.loss_type != "sft"
+
+
+def needs_reference(cfg: RelaxConfig, advantages: Advantages) -> bool:
+    return cfg.use_kl_loss or advantages.needs_kl
+
+
+def build_roles(cfg: RelaxConfig) -> Roles:
+    """Everything a colocated run needs, validated before any training work starts."""
+    # Reward and filter settings fail before the (slow) model loads.
+    rewards = build_reward_computer(cfg)
+    dynamic_sampling = build_dynamic_sampling(cfg)
+    ctx = build_context(cfg)
+    actor = build_actor(ctx)
+    advantages = build_advantages(ctx)
+    critic = build_critic(cfg, ctx.model_path, ctx.settings) if needs_critic(cfg, ctx.spec) else None
+    distillation = build_distillation(cfg, ctx.tokenizer, ctx.settings, ctx.device, ctx.dtype) if cfg.use_opd else None
+    reference = build_reference(ctx) if needs_reference(cfg, advantages) else None
+    rollout = build_rollout(ctx, rewards, dynamic_sampling)
+    logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(ctx.prompts), ctx.total_steps,
+                ctx.device, ctx.dtype)
+    return Roles(ctx.tokenizer, rollout, actor, advantages, reference, ctx.total_steps, ctx.device, ctx.dtype, critic,
+                 distillation)

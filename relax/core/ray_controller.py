@@ -1,0 +1,63 @@
+"""The training loops under Ray placement: the same controllers, with the weight push going over
+the configured transport between processes and, in the async modes, TransferQueue as the data
+plane (the rollout process writes each step's groups; the controller streams them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from relax.core.async_controller import AsyncController
+from relax.core.controller import SyncController
+from relax.data_plane import StalenessGate
+
+PRODUCER_ERROR_GRACE_S = 5.0
+
+
+class RaySyncController(SyncController):
+    """Colocated sync mode with roles in Ray processes: the controller hands batches between roles
+    directly (no data plane); weights go actor -> rollout over broadcast or disk."""
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        return await self.roles.service.sync_weights(version)
+
+
+class RayAsyncController(AsyncController, RaySyncController):
+    """``--fully-async`` / ``--hybrid`` with roles in Ray processes over `TransferQueueDataPlane`."""
+
+    def __init__(self, cfg, roles, tracker, plane=None):
+        if plane is None:
+            from relax.data_plane.tq_plane import TransferQueueDataPlane
+
+            plane = TransferQueueDataPlane(StalenessGate(cfg.max_staleness))
+        super().__init__(cfg, roles, tracker, plane)
+
+    async def _produce(self, start: int, total: int) -> None:
+        """Like the in-process producer, but the rollout process writes the groups into TransferQueue
+        itself (and the end-of-step marker, also when generation fails)."""
+        rollout = self.roles.rollout
+        try:
+            for step in range(start, total):
+                await self.gate.wait_for_slot(step)
+                started = time.perf_counter()
+                async with self._generating:
+                    metrics, cursor = await rollout.generate_into_plane(step)
+                metrics["perf/rollout_s"] = time.perf_counter() - started
+                metrics["perf/rollout_version_lag"] = float(step - self.gate.trained_version)
+                self._rollout_metrics[step] = metrics
+                self._cursor_after[step] = cursor
+        except BaseException as err:  # surfaced by the trainer once the step's stream ends
+            self._producer_error = err
+            raise
+
+    async def _collect(self, step: int):
+        """As in-process; a step that arrives empty may be a failed generation whose error reaches
+        this process just after the end marker: wait briefly for it, so it is raised, not skipped."""
+        samples = await super()._collect(step)
+        if not samples:
+            deadline = time.monotonic() + PRODUCER_ERROR_GRACE_S
+            while self._producer_error is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._producer_error is not None:
+                raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
+        return samples

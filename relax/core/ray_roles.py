@@ -1,0 +1,282 @@
+"""Ray placement of the roles: the worker that holds one role in its own process, and the proxies
+the controllers call in place of the role objects.
+
+`RoleWorker` is made a Ray actor by `relax.core.service` (one per role replica). In its process it
+builds its role with the same builders as in-process placement (`relax.core.build`), so the role
+objects are identical; its async methods mirror the role's API (generate / evaluate / train /
+compute_log_probs / compute_values / save / load / health) plus the weight-sync ends and, for the
+async modes, a rollout that writes straight into TransferQueue.
+
+The proxies (`RemoteActor`, `RemoteRollout`, ...) have the role's async methods and forward them
+with ``await handle.method.remote(...)``; the few synchronous members the controllers use
+(``save``, ``load``, ``data_source.state_dict``) wait on the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("relax")
+
+CALL_TIMEOUT_S = 600.0  # a synchronous proxy call (save, load) waits at most this long
+
+
+class RoleWorker:
+    """One role in its own process; ``name`` is ``actor``, ``rollout``, ``critic`` or ``reference``."""
+
+    def __init__(self, name: str, cfg: Any) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from relax.core import build
+
+        self.name = name
+        self.cfg = cfg
+        device = build.resolve_device(cfg)
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # roles share the machine's cores; one thread each
+        ctx = build.build_context(cfg)
+        if name == "actor":
+            self.role = build.build_actor(ctx)
+        elif name == "rollout":
+            self.role = build.build_rollout(ctx)
+        elif name == "critic":
+            self.role = build.build_critic(cfg, ctx.model_path, ctx.settings)
+        elif name == "reference":
+            self.role = build.build_reference(ctx)
+        else:
+            raise ValueError(f"no Ray worker for role {name!r}")
+        self._sync_group = None
+        self._plane = None
+
+    # ---- every role -----------------------------------------------------------------------
+    async def health(self) -> dict:
+        """Role name, pid, node address, and for the rollout the engine's weight version."""
+        import ray
+
+        report = {"role": self.name, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                  "torch_threads": torch.get_num_threads()}
+        if self.name == "rollout":
+            report["weight_version"] = self.role.engine.weight_version
+            report["eval_sets"] = {name: len(samples) for name, samples in self.role.eval_sets.items()}
+        return report
+
+    async def save(self, directory: str, include_optimizer: bool = True) -> None:
+        self.role.save(Path(directory), include_optimizer=include_optimizer)
+
+    async def load(self, directory: str) -> None:
+        self.role.load(Path(directory))
+
+    async def hf_config(self) -> Any:
+        return self.role.backend.hf_config
+
+    # ---- actor / reference / critic ---------------------------------------------------------
+    async def compute_log_probs(self, samples, gather_ids=None):
+        if self.name == "reference":
+            return await self.role.compute_log_probs(samples)
+        return await self.role.compute_log_probs(samples, gather_ids)
+
+    async def compute_values(self, samples):
+        return await self.role.compute_values(samples)
+
+    async def train(self, samples, *args):
+        """Actor: ``(samples, fields, gather_ids)``; critic: ``(samples, returns, old_values)``."""
+        return await self.role.train(samples, *args)
+
+    # ---- rollout ------------------------------------------------------------------------------
+    async def generate(self, rollout_id: int):
+        return await self.role.generate(rollout_id)
+
+    async def evaluate(self, step: int):
+        return await self.role.evaluate(step)
+
+    async def data_source_state(self) -> dict:
+        return self.role.data_source.state_dict()
+
+    async def load_data_source_state(self, state: dict) -> None:
+        self.role.data_source.load_state_dict(state)
+
+    async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
+        """Generate step ``rollout_id`` and write its groups into TransferQueue partition
+        ``train_{rollout_id}`` (then the end marker); returns the rollout metrics and the data
+        cursor after this step. The samples never pass through the controller's process."""
+        plane = self._writer_plane()
+        try:
+            samples, metrics = await self.role.generate(rollout_id)
+            await plane.put(rollout_id, samples)
+        finally:
+            await plane.mark_complete(rollout_id)
+        return metrics, self.role.data_source.state_dict()
+
+    def _writer_plane(self):
+        if self._plane is None:
+            from relax.data_plane import StalenessGate
+            from relax.data_plane.tq_plane import TransferQueueDataPlane
+
+            self._plane = TransferQueueDataPlane(StalenessGate(self.cfg.max_staleness))
+        return self._plane
+
+    async def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters and buffers (for checks: weights after a sync)."""
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.role.engine.model.state_dict().items()}
+
+    # ---- weight sync --------------------------------------------------------------------------
+    async def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    async def join_weight_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                                     timeout_s: float) -> None:
+        from relax.distributed.weight_broadcast import WeightSyncGroup
+
+        self._sync_group = WeightSyncGroup.init(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
+
+    async def publish_weights(self, version: int, transport: str, dtype: str, bucket_bytes: int,
+                              root: str | None = None) -> dict[str, float]:
+        """The actor's end: push every weight as ``version`` (broadcast to the group, or to disk)."""
+        from relax.distributed.weight_sync import dtype_from_name
+
+        buckets = self.role.weight_buckets(dtype_from_name(dtype), bucket_bytes)
+        if transport == "broadcast":
+            from relax.distributed.weight_broadcast import BroadcastPublisher
+
+            metrics = await BroadcastPublisher(self._sync_group).publish(buckets, version, {"role": self.name})
+        else:
+            from relax.distributed.weight_disk import DiskPublisher
+
+            metrics = await DiskPublisher(root, keep_last=2).publish(buckets, version, {"role": self.name})
+        return metrics.as_dict()
+
+    async def receive_weights(self, version: int, transport: str, root: str | None = None) -> dict[str, float]:
+        """The rollout's end: apply version ``version`` to the engine (the version switches last)."""
+        if transport == "broadcast":
+            from relax.distributed.weight_broadcast import BroadcastReceiver
+
+            metrics = await BroadcastReceiver(self._sync_group, self.role.engine).receive(expected_version=version)
+        else:
+            from relax.distributed.weight_disk import DiskReceiver
+
+            metrics = await DiskReceiver(root, self.role.engine).apply(version)
+        return metrics.as_dict(prefix="perf/weight_receive")
+
+    async def trainer_weights(self, dtype: str) -> dict[str, torch.Tensor]:
+        """The actor's weights in Hugging Face naming, as a sync would send them (for checks)."""
+        from relax.distributed.weight_sync import dtype_from_name
+
+        return {name: tensor.detach().cpu().clone()
+                for bucket in self.role.weight_buckets(dtype_from_name(dtype), 1 << 30) for name, tensor in bucket}
+
+    async def close(self) -> None:
+        if self._sync_group is not None:
+            self._sync_group.close()
+            self._sync_group = None
+
+
+# ----------------------------------------------------------------------------- proxies
+
+
+def _wait(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=CALL_TIMEOUT_S)
+
+
+class RemoteRole:
+    def __init__(self, name: str, handle: Any) -> None:
+        self.name = name
+        self.handle = handle
+
+    async def health(self) -> dict:
+        return await self.handle.health.remote()
+
+    def save(self, directory: Path, include_optimizer: bool = True) -> None:
+        _wait(self.handle.save.remote(str(directory), include_optimizer))
+
+    def load(self, directory: Path) -> None:
+        _wait(self.handle.load.remote(str(directory)))
+
+
+class RemoteActor(RemoteRole):
+    """`relax.components.actor.Actor` in another process."""
+
+    def __init__(self, handle: Any, train_batch_size: int) -> None:
+        super().__init__("actor", handle)
+        self.train_batch_size = train_batch_size
+        self._hf_config = None
+
+    def needs_old_log_probs(self, num_samples: int) -> bool:
+        return num_samples > self.train_batch_size
+
+    async def compute_log_probs(self, samples, gather_ids=None):
+        return await self.handle.compute_log_probs.remote(samples, gather_ids)
+
+    async def train(self, samples, fields, gather_ids=None) -> dict[str, float]:
+        return await self.handle.train.remote(samples, fields, gather_ids)
+
+    @property
+    def backend(self) -> SimpleNamespace:
+        """What the controller reads of the backend: the model config (for checkpoint metadata)."""
+        if self._hf_config is None:
+            self._hf_config = _wait(self.handle.hf_config.remote())
+        return SimpleNamespace(hf_config=self._hf_config)
+
+
+class RemoteReference(RemoteRole):
+    """`relax.components.actor_fwd.ActorFwd` (the reference) in another process."""
+
+    def __init__(self, handle: Any) -> None:
+        super().__init__("reference", handle)
+
+    async def compute_log_probs(self, samples):
+        return await self.handle.compute_log_probs.remote(samples)
+
+
+class RemoteCritic(RemoteRole):
+    """`relax.components.critic.Critic` in another process."""
+
+    def __init__(self, handle: Any) -> None:
+        super().__init__("critic", handle)
+
+    async def compute_values(self, samples):
+        return await self.handle.compute_values.remote(samples)
+
+    async def train(self, samples, returns, old_values) -> dict[str, float]:
+        return await self.handle.train.remote(samples, returns, old_values)
+
+
+class RemoteDataSource:
+    """The rollout's prompt cursor, read and set through the rollout worker."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def state_dict(self) -> dict:
+        return _wait(self.handle.data_source_state.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        _wait(self.handle.load_data_source_state.remote(state))
+
+
+class RemoteRollout(RemoteRole):
+    """`relax.components.rollout.Rollout` in another process. ``eval_sets`` maps each held-out set
+    to its number of prompts (the controller only asks whether there are any)."""
+
+    def __init__(self, handle: Any, eval_sets: dict[str, int]) -> None:
+        super().__init__("rollout", handle)
+        self.eval_sets = eval_sets
+        self.data_source = RemoteDataSource(handle)
+
+    async def generate(self, rollout_id: int):
+        return await self.handle.generate.remote(rollout_id)
+
+    async def evaluate(self, step: int):
+        return await self.handle.evaluate.remote(step)
+
+    async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
+        return await self.handle.generate_into_plane.remote(rollout_id)

@@ -1,0 +1,243 @@
+"""Service: Ray placement of the roles (``--placement ray``).
+
+`RayService.start` starts a local Ray bound to 127.0.0.1 (or joins ``--ray-address``), reserves a
+placement group with one bundle per role replica from ``--resource`` (GPUs per replica, or CPUs
+on a machine without GPUs), starts one `RoleWorker` Ray actor per role the run needs
+(`relax.core.registry`), wires the weight-sync transport between the actor and the rollout, and,
+for the async modes, a TransferQueue controller. It returns `RayRoles`: the `Roles` the
+controllers already drive, with proxies in place of the role objects. `shutdown` ends all of it.
+
+Plain Ray actors rather than Ray Serve deployments: the controller is the only caller of each
+role, so Serve's HTTP proxy, autoscaling and request routing add processes (about 0.5 GiB RSS on
+these machines) and latency without use; a Ray actor handle is the same async call interface that a
+Serve ``DeploymentHandle`` gives, and the gloo weight-sync group needs one long-lived process per
+engine, which an actor is by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax.config import ConfigError, RelaxConfig, flag
+from relax.core.build import Roles, build_advantages, build_context, needs_reference
+from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleWorker
+from relax.core.registry import PLACEABLE_ROLES, roles_for_config
+from relax.distributed.process_group import free_loopback_port
+
+logger = logging.getLogger("relax")
+
+START_TIMEOUT_S = 300.0  # building a role (model load) in its process
+SYNC_GROUP_TIMEOUT_S = 120.0
+WEIGHT_SYNC_BUCKET_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class RayRoles(Roles):
+    """`Roles` whose model-holding roles are proxies of Ray actors; ``service`` owns them."""
+
+    service: RayService | None = None
+
+
+def set_local_ray_environment() -> None:
+    """Loopback only, no telemetry, no auth token file (environment-notes §2); before ``ray.init``."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
+
+
+def bundle_for(per_replica: float, use_gpus: bool) -> dict[str, float]:
+    """One replica's reservation: GPUs (plus one CPU for the process) or, without GPUs, CPUs."""
+    return {"GPU": per_replica, "CPU": 1.0} if use_gpus else {"CPU": per_replica}
+
+
+def placed_roles(cfg: RelaxConfig) -> list[str]:
+    """The roles that get a Ray process: those the run needs among `PLACEABLE_ROLES`."""
+    needed = roles_for_config(cfg)
+    return [name for name in PLACEABLE_ROLES if name in needed]
+
+
+class RayService:
+    def __init__(self, cfg: RelaxConfig) -> None:
+        self.cfg = cfg
+        self.use_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.workers: dict[str, Any] = {}
+        self.placement_group = None
+        self.started_ray = False
+        self.started_transfer_queue = False
+        self.sync_dtype: torch.dtype | None = None
+        self.weight_root = Path(cfg.output_dir) / "weight_sync"
+
+    @property
+    def async_mode(self) -> bool:
+        return self.cfg.fully_async or self.cfg.hybrid
+
+    # ---- start ------------------------------------------------------------------------------
+    def start(self) -> RayRoles:
+        cfg = self.cfg
+        ctx = build_context(cfg)  # validates inputs before any process starts; tokenizer and steps for the driver
+        self.sync_dtype = ctx.dtype
+        roles = placed_roles(cfg)
+        advantages = build_advantages(ctx)
+        if "reference" in roles and not needs_reference(cfg, advantages):
+            roles.remove("reference")
+        try:
+            self._start_ray(roles)
+            self._start_workers(roles)
+            if self.async_mode:
+                self._start_transfer_queue()
+            if cfg.weight_sync_transport == "broadcast":
+                self._join_weight_sync_group()
+            health = self._wait(self.workers["rollout"].health.remote())
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("Ray placement: %s", {name: self._wait(w.health.remote())["pid"] for name, w in self.workers.items()})
+        return RayRoles(
+            tokenizer=ctx.tokenizer,
+            rollout=RemoteRollout(self.workers["rollout"], health["eval_sets"]),
+            actor=RemoteActor(self.workers["actor"], cfg.train_batch_size),
+            advantages=advantages,
+            reference=RemoteReference(self.workers["reference"]) if "reference" in self.workers else None,
+            total_steps=ctx.total_steps, device=ctx.device, inference_dtype=ctx.dtype,
+            critic=RemoteCritic(self.workers["critic"]) if "critic" in self.workers else None,
+            service=self,
+        )
+
+    def _start_ray(self, roles: list[str]) -> None:
+        import ray
+
+        set_local_ray_environment()
+        if not ray.is_initialized():
+            # Workers import `relax` and dotted-path plugins (reward functions) as this process does.
+            paths = [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]
+            env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "OMP_NUM_THREADS": "1",
+                   "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+            if self.cfg.ray_address:
+                ray.init(address=self.cfg.ray_address, runtime_env={"env_vars": env}, log_to_driver=False,
+                         logging_level="warning")
+            else:
+                # Logical CPUs: the bundles, plus TransferQueue's controller and storage unit, whatever the cores.
+                reserved = sum(self._bundle(name).get("CPU", 0) for name in roles) + 3
+                ray.init(include_dashboard=False, num_cpus=max(8, int(reserved + 0.999)), log_to_driver=False,
+                         logging_level="warning", runtime_env={"env_vars": env})
+            self.started_ray = True
+
+    def _bundle(self, name: str) -> dict[str, float]:
+        _, per_replica = self.cfg.resource.get(name, [1, 1])
+        return bundle_for(float(per_replica), self.use_gpus)
+
+    def _start_workers(self, roles: list[str]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [self._bundle(name) for name in roles]
+        self.placement_group = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"{flag('resource')}: Ray could not reserve {bundles} within {START_TIMEOUT_S:.0f} s; "
+                              f"the cluster has {ray.cluster_resources()}") from None
+        worker_class = ray.remote(RoleWorker)
+        for index, (name, bundle) in enumerate(zip(roles, bundles, strict=True)):
+            self.workers[name] = worker_class.options(
+                name=None, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                     placement_group_bundle_index=index),
+            ).remote(name, self.cfg)
+        # Building a role loads its model; a failure surfaces here with the worker's traceback.
+        for name, worker in self.workers.items():
+            self._wait(worker.health.remote())
+
+    def _start_transfer_queue(self) -> None:
+        from relax.data_plane.tq_plane import start_local_transfer_queue
+
+        start_local_transfer_queue(num_storage_units=1)  # Ray is up: this starts the TQ controller only
+        self.started_transfer_queue = True
+
+    def _join_weight_sync_group(self) -> None:
+        import ray
+
+        actor, rollout = self.workers["actor"], self.workers["rollout"]
+        host = self._wait(actor.node_ip.remote())
+        port = free_loopback_port() if host == "127.0.0.1" else 29500 + os.getpid() % 1000
+        backend = "nccl" if self.use_gpus else "gloo"
+        joins = [worker.join_weight_sync_group.remote(host, port, rank, 2, backend, SYNC_GROUP_TIMEOUT_S)
+                 for rank, worker in enumerate((actor, rollout))]
+        ray.get(joins, timeout=SYNC_GROUP_TIMEOUT_S + 10)
+
+    # ---- weight sync ----------------------------------------------------------------------
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights to the rollout's engine as ``version`` over the configured transport."""
+        import asyncio
+
+        started = time.perf_counter()
+        transport = self.cfg.weight_sync_transport
+        dtype = str(self.sync_dtype).removeprefix("torch.")
+        root = str(self.weight_root) if transport == "disk" else None
+        actor, rollout = self.workers["actor"], self.workers["rollout"]
+        publish = actor.publish_weights.remote(version, transport, dtype, WEIGHT_SYNC_BUCKET_BYTES, root)
+        if transport == "broadcast":
+            sent, received = await asyncio.gather(publish, rollout.receive_weights.remote(version, transport))
+        else:  # the receiver reads a version only once its manifest is committed
+            sent = await publish
+            received = await rollout.receive_weights.remote(version, transport, root)
+        metrics = {**sent, **received}
+        metrics["perf/weight_sync_s"] = time.perf_counter() - started
+        return metrics
+
+    # ---- checks -------------------------------------------------------------------------------
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        return self._wait(self.workers["rollout"].engine_weights.remote())
+
+    def trainer_weights(self) -> dict[str, torch.Tensor]:
+        return self._wait(self.workers["actor"].trainer_weights.remote(str(self.sync_dtype).removeprefix("torch.")))
+
+    def health(self) -> dict[str, dict]:
+        return {name: self._wait(worker.health.remote()) for name, worker in self.workers.items()}
+
+    @staticmethod
+    def _wait(ref: Any, timeout: float = START_TIMEOUT_S) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=timeout)
+
+    # ---- stop ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """End the role processes, TransferQueue and (when this service started it) Ray."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for worker in self.workers.values():
+            try:
+                ray.get(worker.close.remote(), timeout=10)
+            except Exception:  # a dead worker has nothing to close
+                logger.debug("role worker did not close", exc_info=True)
+            ray.kill(worker)
+        self.workers.clear()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self.started_transfer_queue:
+            import transfer_queue as tq
+
+            try:
+                tq.close()
+            except Exception:
+                logger.warning("TransferQueue did not close cleanly", exc_info=True)
+            self.started_transfer_queue = False
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
