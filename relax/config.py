@@ -161,6 +161,13 @@ class RelaxConfig(BaseModel):
         "each token records its version) instead of waiting for the generation in flight.",
         "mode",
     )
+    data_wait_timeout: float = _field(
+        3600.0,
+        "Longest wait (seconds) in the async modes for a rollout step's data, a staleness slot or the end of the "
+        "generation before a weight push; past it the run stops with an error naming what it waited for.",
+        "mode",
+        gt=0,
+    )
     mask_offpolicy_in_partial_rollout: bool = _field(
         False, "With --partial-rollout, keep only the tokens of the newest weight version in the loss.", "mode"
     )
@@ -419,8 +426,8 @@ class RelaxConfig(BaseModel):
         for role, value in self.resource.items():
             if role not in placeable:
                 raise ValueError(f"--resource: unknown role {role!r}; choose among {list(placeable)}")
-            if len(value) != 2 or value[0] != int(value[0]) or value[0] < 1 or value[1] <= 0:
-                raise ValueError(f"--resource {role}: expects [replicas >= 1, gpus_per_replica > 0], got {value}")
+            if len(value) != 2 or value[0] != int(value[0]) or value[0] < 1 or value[1] < 0:
+                raise ValueError(f"--resource {role}: expects [replicas >= 1, gpus_per_replica >= 0], got {value}")
             if value[0] != 1:
                 raise ValueError(f"--resource {role}: only 1 replica per role is supported, got {int(value[0])}")
         if self.placement != "ray":

@@ -19,3 +19,10 @@ def constant_on_even_rows(args, sample):
         return 0.0
     response_ids = sample.tokens[len(sample.tokens) - sample.response_length:]
     return (sum(response_ids) % 5) / 4
+
+
+async def hangs(args, sample):
+    """A reward server that never answers (the async loops must time out, not deadlock)."""
+    import asyncio
+
+    await asyncio.sleep(3600)

@@ -93,3 +93,25 @@ def test_hybrid_and_fully_async_runs_from_the_command_line(tiny_workspace, tmp_p
 def test_mode_rules_name_the_flags(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(["--n-samples-per-prompt", "4", "--num-rollout", "2", *flags])
+
+
+def test_a_hung_rollout_times_out_naming_what_was_awaited(tiny_workspace, tmp_path):
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--num-rollout", "2",
+                                       "--skip-eval-before-train", "--custom-rm-path", "tests.e2e_rewards:hangs",
+                                       "--data-wait-timeout", "2"))
+    with pytest.raises(TimeoutError, match=r"waited 2 s for the data of rollout step 1 .*--data-wait-timeout"):
+        _run(cfg)
+
+
+def test_bad_placement_config_fails_up_front(tiny_workspace, tmp_path):
+    from relax.core.service import check_ray_address, check_resource_covers
+    from relax.distributed.process_group import free_loopback_port
+
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--placement", "ray", "--num-rollout", "1",
+                                       "--resource", '{"actor": [1, 0]}'))
+    with pytest.raises(ConfigError, match=r"--resource has no entry for \['rollout'\]"):
+        check_resource_covers(cfg, ["actor", "rollout"])
+    with pytest.raises(ConfigError, match="--ray-address 127.0.0.1:.*no Ray head answers"):
+        check_ray_address(f"127.0.0.1:{free_loopback_port()}")
+    with pytest.raises(ConfigError, match="--max-staleness"):
+        parse_config(["--fully-async", "--max-staleness", "-1"])

@@ -46,7 +46,7 @@ def test_placement_flags_are_validated_naming_the_flag(tiny_workspace, tmp_path)
         (["--weight-sync-transport", "disk"], "--weight-sync-transport needs --placement ray"),
         (["--placement", "ray", "--resource", '{"judge": [1, 1]}'], "unknown role 'judge'"),
         (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "only 1 replica"),
-        (["--placement", "ray", "--resource", '{"actor": [1, 0]}'], "gpus_per_replica > 0"),
+        (["--placement", "ray", "--resource", '{"actor": [1, -1]}'], "gpus_per_replica >= 0"),
         (["--placement", "ray", "--loss-type", "sft"], "--placement ray does not support --loss-type sft"),
     ]
     for extra, message in cases:

@@ -73,7 +73,8 @@ class AsyncController(SyncController):
         step = start
         try:
             for step in range(start, total):
-                await self.gate.wait_for_slot(step)
+                await self._bounded(self.gate.wait_for_slot(step),
+                                    f"a staleness slot for rollout step {step + 1} (--max-staleness {self.gate.max_staleness})")
                 started = time.perf_counter()
                 async with self._generating:
                     samples, metrics = await rollout.generate(step)
@@ -100,7 +101,8 @@ class AsyncController(SyncController):
 
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
-        samples = await self._collect(rollout_id)
+        samples = await self._bounded(self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} "
+                                      f"(partition train_{rollout_id} of the data plane)")
         metrics = self._rollout_metrics.pop(rollout_id, {})
         metrics["perf/wait_for_rollout_s"] = time.perf_counter() - started
         if self.cfg.mask_offpolicy_in_partial_rollout:
@@ -119,10 +121,21 @@ class AsyncController(SyncController):
         if self.cfg.partial_rollout:
             metrics = await super().sync_weights(version)
         else:
-            async with self._generating:
+            await self._bounded(self._generating.acquire(), f"the generation in flight to end before pushing weight "
+                                f"version {version}")
+            try:
                 metrics = await super().sync_weights(version)
+            finally:
+                self._generating.release()
         await self.gate.publish(version)
         return metrics
+
+    async def _bounded(self, awaitable, what: str):
+        """Await ``awaitable`` for at most --data-wait-timeout seconds; a hang becomes an error naming ``what``."""
+        try:
+            return await asyncio.wait_for(awaitable, self.cfg.data_wait_timeout)
+        except TimeoutError:
+            raise TimeoutError(f"waited {self.cfg.data_wait_timeout:g} s for {what} (--data-wait-timeout)") from None
 
     def _accounting(self, step: int) -> dict[str, float]:
         counts = self.plane.accounting().get(step, {})

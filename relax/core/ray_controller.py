@@ -38,7 +38,8 @@ class RayAsyncController(AsyncController, RaySyncController):
         rollout = self.roles.rollout
         try:
             for step in range(start, total):
-                await self.gate.wait_for_slot(step)
+                await self._bounded(self.gate.wait_for_slot(step),
+                                    f"a staleness slot for rollout step {step + 1} (--max-staleness {self.gate.max_staleness})")
                 started = time.perf_counter()
                 async with self._generating:
                     metrics, cursor = await rollout.generate_into_plane(step)

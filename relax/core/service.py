@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -55,8 +56,11 @@ def set_local_ray_environment() -> None:
 
 
 def bundle_for(per_replica: float, use_gpus: bool) -> dict[str, float]:
-    """One replica's reservation: GPUs (plus one CPU for the process) or, without GPUs, CPUs."""
-    return {"GPU": per_replica, "CPU": 1.0} if use_gpus else {"CPU": per_replica}
+    """One replica's reservation: GPUs (plus one CPU for the process) or, without GPUs, CPUs (at least one:
+    upstream writes `[1, 0]` for a role without a GPU)."""
+    if use_gpus and per_replica > 0:
+        return {"GPU": per_replica, "CPU": 1.0}
+    return {"CPU": max(per_replica, 1.0)}
 
 
 def placed_roles(cfg: RelaxConfig) -> list[str]:
@@ -89,6 +93,9 @@ class RayService:
         advantages = build_advantages(ctx)
         if "reference" in roles and not needs_reference(cfg, advantages):
             roles.remove("reference")
+        check_resource_covers(cfg, roles)
+        if cfg.ray_address:
+            check_ray_address(cfg.ray_address)
         try:
             self._start_ray(roles)
             self._start_workers(roles)
@@ -241,3 +248,24 @@ class RayService:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:
+    """With an explicit --resource, every role the run places needs an entry (no silent default)."""
+    missing = [name for name in roles if name not in cfg.resource]
+    if cfg.resource and missing:
+        raise ConfigError(f"{flag('resource')} has no entry for {missing}, which this run needs "
+                          f"(its roles: {roles}); add e.g. " + ", ".join(f'"{m}": [1, 0]' for m in missing))
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, naming the flag, when --ray-address points at nothing (Ray itself retries for a minute)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{flag('ray_address')} {address!r}: expected HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(f"{flag('ray_address')} {address}: no Ray head answers there ({err})") from None
