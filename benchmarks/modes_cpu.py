@@ -1,0 +1,99 @@
+"""Colocated (sync) against fully-async step time on the quickstart, in one run.
+
+Both modes run the quickstart configuration (16 prompts x 8 samples per step, the same model and data) for the same
+number of steps with the roles in separate Ray processes (`--placement ray`: actor and rollout each in their own
+process, one torch thread each), so the only difference is the mode: in sync the rollout of step s+1 waits for the
+update of step s; in fully-async (`--max-staleness 1`) it runs while step s trains. The in-process colocated loop (the
+default placement) is measured too, for reference. Seconds per step are the mean of the trainer's `perf/step_s` over
+the steps after the first few (start-up and the first compilation-like warm-ups excluded).
+
+    python benchmarks/modes_cpu.py [--steps 80] [--warmup 5]
+
+Writes benchmarks/results/modes_cpu.json with {"colocate_s_per_step", "fully_async_s_per_step", "speedup"}
+(speedup = colocate / fully_async).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "modes_cpu.json"
+CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
+
+RUNS = {
+    "colocate": ["--placement", "ray"],
+    "fully_async": ["--placement", "ray", "--fully-async", "--max-staleness", "1"],
+    "colocate_in_process": [],
+}
+
+
+def run(name: str, extra: list[str], steps: int, out: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(CONFIG), "--num-rollout", str(steps),
+               "--skip-eval-before-train", "--eval-interval", str(10 * steps), "--save-interval", str(10 * steps),
+               "--dump-samples", "0", "--no-use-tensorboard", "--output-dir", str(out), *extra]
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, "wall_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args()
+    if not (ROOT / "examples" / "quickstart" / "model").is_dir():
+        raise SystemExit("build the quickstart first: python examples/quickstart/build_quickstart.py")
+    load_before = os.getloadavg()[0]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in RUNS.items():
+            print(f"running {name} ({args.steps} steps) ...", flush=True)
+            outcome = run(name, extra, args.steps, Path(tmp) / name)
+            steps = [r for r in outcome["rows"] if "perf/step_s" in r][args.warmup:]
+            results[name] = {
+                "s_per_step": statistics.fmean(r["perf/step_s"] for r in steps),
+                "rollout_s": statistics.fmean(r.get("perf/rollout_s", 0.0) for r in steps),
+                "train_s": statistics.fmean(r.get("perf/train_s", 0.0) for r in steps),
+                "wait_for_rollout_s": statistics.fmean(r.get("perf/wait_for_rollout_s", 0.0) for r in steps),
+                "wall_s_including_startup": round(outcome["wall_s"], 1),
+                "steps_measured": len(steps),
+            }
+    report = {
+        "benchmark": "modes_cpu",
+        "colocate_s_per_step": round(results["colocate"]["s_per_step"], 4),
+        "fully_async_s_per_step": round(results["fully_async"]["s_per_step"], 4),
+        "speedup": round(results["colocate"]["s_per_step"] / results["fully_async"]["s_per_step"], 3),
+        "colocate_in_process_s_per_step": round(results["colocate_in_process"]["s_per_step"], 4),
+        "details": results,
+        "config": {"steps": args.steps, "warmup_steps_excluded": args.warmup, "workload": "quickstart: 16 prompts x 8",
+                   "placement": "ray: actor and rollout in separate processes, 1 torch thread each",
+                   "fully_async": "--max-staleness 1"},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, r in results.items():
+        print(f"{name:22s} {r['s_per_step']:.3f} s/step (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
+              f"waiting for rollout {r['wait_for_rollout_s']:.3f})")
+    print(f"speedup fully-async vs colocate: {report['speedup']:.2f}x  -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
