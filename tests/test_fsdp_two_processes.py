@@ -45,11 +45,8 @@ def test_two_process_fsdp_step_equals_the_single_process_step(tiny_workspace, tm
         torch.testing.assert_close(sharded["state"][name], tensor, atol=2e-6, rtol=0)
 
 
-def _save_or_load_on_rank(rank: int, world_size: int, port: int, model_dir: str, checkpoint: str, action: str,
-                          out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
+def _step_with_checkpoint(model_dir: str, checkpoint: str, action: str) -> dict:
+    """Train a step and save (``train_and_save``) or load, then take one more step: the full weights after it."""
     backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
     if action == "train_and_save":
         backend.train_step(make_batch(), LOSS)
@@ -58,22 +55,22 @@ def _save_or_load_on_rank(rank: int, world_size: int, port: int, model_dir: str,
     else:
         backend.load(checkpoint)
     backend.train_step(make_batch(seed=1), LOSS)  # the optimizer state must have come back too
-    state = backend.full_state_dict()
+    return backend.full_state_dict()
+
+
+def _save_or_load_on_rank(rank: int, world_size: int, port: int, model_dir: str, checkpoint: str, action: str,
+                          out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    state = _step_with_checkpoint(model_dir, checkpoint, action)
     if rank == 0:
         torch.save(state, out)
     torch.distributed.destroy_process_group()
 
 
 def _one_process(model_dir, checkpoint, action, out):
-    backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
-    if action == "train_and_save":
-        backend.train_step(make_batch(), LOSS)
-        os.makedirs(checkpoint, exist_ok=True)
-        backend.save(checkpoint)
-    else:
-        backend.load(checkpoint)
-    backend.train_step(make_batch(seed=1), LOSS)
-    torch.save(backend.full_state_dict(), out)
+    torch.save(_step_with_checkpoint(model_dir, checkpoint, action), out)
 
 
 def _assert_close_states(a, b):

@@ -27,14 +27,12 @@ import asyncio
 import logging
 import time
 
-from tqdm import tqdm
 
 from relax.config import RelaxConfig
 from relax.core.build import Roles
 from relax.core.controller import SyncController
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
-from relax.distributed.process_group import rank
 from relax.utils.tracking import Tracker
 
 logger = logging.getLogger("relax")
@@ -69,25 +67,33 @@ class AsyncController(SyncController):
 
     # ---- producer -------------------------------------------------------------------------
     async def _produce(self, start: int, total: int) -> None:
-        rollout = self.roles.rollout
         step = start
         try:
             for step in range(start, total):
-                await self._bounded(self.gate.wait_for_slot(step),
-                                    f"a staleness slot for rollout step {step + 1} (--max-staleness {self.gate.max_staleness})")
+                await self._bounded(self.gate.wait_for_slot(step), f"a staleness slot for rollout step {step + 1} "
+                                    f"(--max-staleness {self.gate.max_staleness})")
                 started = time.perf_counter()
                 async with self._generating:
-                    samples, metrics = await rollout.generate(step)
+                    metrics, cursor = await self._generate_into_plane(step)
                 metrics["perf/rollout_s"] = time.perf_counter() - started
                 metrics["perf/rollout_version_lag"] = float(step - self.gate.trained_version)
                 self._rollout_metrics[step] = metrics
-                self._cursor_after[step] = rollout.data_source.state_dict()
-                await self.plane.put(step, samples)
-                await self.plane.mark_complete(step)
+                self._cursor_after[step] = cursor
         except BaseException as err:  # surfaced by the trainer, which would otherwise wait forever
             self._producer_error = err
-            await self.plane.mark_complete(step)
+            await self._end_failed_step(step)
             raise
+
+    async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
+        """Generate step ``step`` into its partition; returns the rollout metrics and the data cursor after it."""
+        samples, metrics = await self.roles.rollout.generate(step)
+        await self.plane.put(step, samples)
+        await self.plane.mark_complete(step)
+        return metrics, self.roles.rollout.data_source.state_dict()
+
+    async def _end_failed_step(self, step: int) -> None:
+        """Close the partition of a step whose generation failed, so the trainer's stream ends."""
+        await self.plane.mark_complete(step)
 
     # ---- trainer --------------------------------------------------------------------------
     async def _collect(self, step: int) -> list[Sample]:
@@ -151,29 +157,11 @@ class AsyncController(SyncController):
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self) -> dict[str, float]:
-        cfg, total = self.cfg, self.roles.total_steps
-        start = await self.resume() if cfg.load else 0
+        start, last = await self._begin()
         await self.gate.publish(start)
-        last: dict[str, float] = {}
-        if start == 0 and self.roles.rollout.eval_sets and not cfg.skip_eval_before_train:
-            last = await self.evaluate(step=0)
-            self.tracker.log(0, last)
-        producer = asyncio.create_task(self._produce(start, total))
-        progress = tqdm(range(start, total), initial=start, total=total, desc=f"relax train ({self.mode})",
-                        unit="step", disable=rank() != 0, dynamic_ncols=True)
+        producer = asyncio.create_task(self._produce(start, self.roles.total_steps))
         try:
-            for rollout_id in progress:
-                step = rollout_id + 1
-                metrics = await self.train_step(rollout_id)
-                if self._due(step, cfg.eval_interval) and self.roles.rollout.eval_sets:
-                    async with self._generating:
-                        metrics.update(await self.evaluate(step))
-                self.tracker.log(step, metrics)
-                progress.set_postfix(self._postfix(metrics), refresh=False)
-                logger.info("step %d: %s", step, self._postfix(metrics))
-                if self._due(step, cfg.save_interval):
-                    self.save(step)
-                last = metrics
+            last = await self._train_steps(start, last)
             await producer
         finally:
             if not producer.done():
@@ -181,6 +169,14 @@ class AsyncController(SyncController):
                 await asyncio.gather(producer, return_exceptions=True)
             await self.plane.close()
         return last
+
+    async def _evaluate_between_steps(self, step: int) -> dict[str, float]:
+        async with self._generating:  # the held-out score is of the trained weights, not mid-generation
+            return await self.evaluate(step)
+
+    @property
+    def progress_label(self) -> str:
+        return f"relax train ({self.mode})"
 
     @property
     def mode(self) -> str:

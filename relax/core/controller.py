@@ -111,22 +111,32 @@ class SyncController:
         return metrics
 
     # ---- the loop ------------------------------------------------------------------------
+    progress_label = "relax train"
+
     async def run(self) -> dict[str, float]:
         """Train from the start or the loaded checkpoint to the last step; returns the last metrics."""
-        cfg, total = self.cfg, self.roles.total_steps
-        start = await self.resume() if cfg.load else 0
+        start, last = await self._begin()
+        return await self._train_steps(start, last)
+
+    async def _begin(self) -> tuple[int, dict[str, float]]:
+        """Resume if asked, and evaluate before the first step; returns the first step and its metrics."""
+        start = await self.resume() if self.cfg.load else 0
         last: dict[str, float] = {}
-        if start == 0 and self.roles.rollout.eval_sets and not cfg.skip_eval_before_train:
+        if start == 0 and self.roles.rollout.eval_sets and not self.cfg.skip_eval_before_train:
             last = await self.evaluate(step=0)
             self.tracker.log(0, last)
             logger.info("step 0: eval accuracy %.3f", last.get("eval/accuracy", float("nan")))
-        progress = tqdm(range(start, total), initial=start, total=total, desc="relax train", unit="step",
+        return start, last
+
+    async def _train_steps(self, start: int, last: dict[str, float]) -> dict[str, float]:
+        cfg, total = self.cfg, self.roles.total_steps
+        progress = tqdm(range(start, total), initial=start, total=total, desc=self.progress_label, unit="step",
                         disable=rank() != 0, dynamic_ncols=True)
         for rollout_id in progress:
             step = rollout_id + 1
             metrics = await self.train_step(rollout_id)
             if self._due(step, cfg.eval_interval) and self.roles.rollout.eval_sets:
-                metrics.update(await self.evaluate(step))
+                metrics.update(await self._evaluate_between_steps(step))
             self.tracker.log(step, metrics)
             progress.set_postfix(self._postfix(metrics), refresh=False)
             logger.info("step %d: %s", step, self._postfix(metrics))
@@ -134,6 +144,9 @@ class SyncController:
                 self.save(step)
             last = metrics
         return last
+
+    async def _evaluate_between_steps(self, step: int) -> dict[str, float]:
+        return await self.evaluate(step)
 
     def _due(self, step: int, interval: int | None) -> bool:
         return interval is not None and (step % interval == 0 or step == self.roles.total_steps)

@@ -32,24 +32,12 @@ class RayAsyncController(AsyncController, RaySyncController):
             plane = TransferQueueDataPlane(StalenessGate(cfg.max_staleness))
         super().__init__(cfg, roles, tracker, plane)
 
-    async def _produce(self, start: int, total: int) -> None:
-        """Like the in-process producer, but the rollout process writes the groups into TransferQueue
-        itself (and the end-of-step marker, also when generation fails)."""
-        rollout = self.roles.rollout
-        try:
-            for step in range(start, total):
-                await self._bounded(self.gate.wait_for_slot(step),
-                                    f"a staleness slot for rollout step {step + 1} (--max-staleness {self.gate.max_staleness})")
-                started = time.perf_counter()
-                async with self._generating:
-                    metrics, cursor = await rollout.generate_into_plane(step)
-                metrics["perf/rollout_s"] = time.perf_counter() - started
-                metrics["perf/rollout_version_lag"] = float(step - self.gate.trained_version)
-                self._rollout_metrics[step] = metrics
-                self._cursor_after[step] = cursor
-        except BaseException as err:  # surfaced by the trainer once the step's stream ends
-            self._producer_error = err
-            raise
+    async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
+        """The rollout process writes the groups into TransferQueue itself (samples never pass through here)."""
+        return await self.roles.rollout.generate_into_plane(step)
+
+    async def _end_failed_step(self, step: int) -> None:
+        """Nothing to do: the rollout process writes the end-of-step marker also when generation fails."""
 
     async def _collect(self, step: int):
         """As in-process; a step that arrives empty may be a failed generation whose error reaches

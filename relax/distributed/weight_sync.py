@@ -286,8 +286,8 @@ class WeightPublisher(Protocol):
 def bucketize(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[NamedTensors]:
-    """Group tensors into buckets that close once they reach ``bucket_bytes`` (the rule of
-    `FSDPTrainBackend.named_parameters_for_sync`), cast to ``dtype``; for sources without a backend."""
+    """Group tensors into buckets that close once they reach ``bucket_bytes``, cast to ``dtype``
+    (``FSDPTrainBackend.named_parameters_for_sync`` buckets its gathered parameters with it)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes (--update-weight-buffer-size) must be >= 1, got {bucket_bytes}")
     bucket: NamedTensors = []

@@ -36,6 +36,7 @@ from relax.algorithms.loss import LossFn, MicroBatchTensors
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, freeze_towers, load_model
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.distributed.process_group import ensure_process_group
+from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger("relax")
 
@@ -367,18 +368,10 @@ class FSDPTrainBackend(TrainBackend):
     def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.value_head:
             raise TypeError("a critic's weights are not synced to inference engines")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, param in self.model.hf_model.named_parameters():
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-            tensor = tensor.detach().to(dtype)
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        # Lazily gathered: with FSDP each parameter is unsharded only when its bucket is built.
+        full = ((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
+                for name, param in self.model.hf_model.named_parameters())
+        yield from bucketize(full, bucket_bytes, dtype)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the unsharded HF state dict on CPU (every rank gets it)."""
