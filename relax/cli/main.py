@@ -1,4 +1,4 @@
-"""`relax` command: train, eval, export, config-docs."""
+"""`relax` command: train, eval, export, serve, config-docs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ commands:
   train        train a model with RL (relax train --help lists every setting)
   eval         measure a model or checkpoint on held-out prompt sets
   export       turn a checkpoint into a Hugging Face model folder
+  serve        serve a model over HTTP (SGLang native and OpenAI protocols)
   config-docs  print the configuration reference (docs/config.md)
 """
 
@@ -166,6 +167,38 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="relax serve", description="Serve a model folder with the embedded engine over HTTP: SGLang's native "
+        "protocol (/generate, /update_weights_from_disk, ...) and the OpenAI protocol (/v1/...). See docs/serving.md.")
+    parser.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config, weights, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None,
+                        help="bearer token required by the control endpoints (default: $RELAX_API_KEY; none: open)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the folder name)")
+    parser.add_argument("--max-batch-size", type=int, default=None, help="most rows decoded together (default: no cap)")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0,
+                        help="how long the first waiting request collects others into one engine batch")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = parser.parse_args(argv)
+    setup_logging(None)
+    _quiet_libraries()
+    from relax.serving.server import serve
+
+    try:
+        serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+              dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+              batch_window_ms=args.batch_window_ms, log_level=args.log_level)
+    except ValueError as err:
+        print(f"relax serve: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_config_docs(argv: list[str]) -> int:
     from relax.cli.args import render_config_reference
 
@@ -173,7 +206,8 @@ def cmd_config_docs(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "config-docs": cmd_config_docs}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
+            "config-docs": cmd_config_docs}
 
 
 def main(argv: list[str] | None = None) -> int:

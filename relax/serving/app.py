@@ -1,0 +1,364 @@
+"""The FastAPI app of `relax serve`: an `InferenceEngine` behind SGLang's native HTTP protocol and
+the OpenAI protocol.
+
+Generation requests from concurrent HTTP calls are merged into few engine calls by a
+`RequestBatcher`. Control endpoints (abort, pause, continue, flush, weight updates) require
+``Authorization: Bearer <api_key>`` when an API key is set; the key is never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
+from relax.distributed.weight_sync import WeightSyncError
+from relax.serving.batcher import RequestBatcher
+from relax.serving.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SGLangSamplingParams,
+    UpdateWeightsFromDiskRequest,
+)
+from relax.serving.weights import WeightPathError, update_weights_from_path
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class BadRequest(HTTPException):
+    """HTTP 400 with a message naming the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, message)
+        self.param = param
+
+
+def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    # OpenAI's error shape; SGLang clients read "error.message" or the status alone.
+    kind = "invalid_request_error" if status == 400 else "authentication_error" if status == 401 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def create_app(
+    engine: InferenceEngine,
+    tokenizer: Any,
+    model_name: str = "default",
+    model_path: str | None = None,
+    api_key: str | None = None,
+    batch_window_s: float = 0.005,
+) -> FastAPI:
+    """Build the app; the engine must run on the event loop that serves the app (uvicorn's)."""
+    batcher = RequestBatcher(engine, window_s=batch_window_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.stop()
+
+    app = FastAPI(title="relax serve", description="The relax embedded inference engine over HTTP "
+                  "(SGLang native protocol and OpenAI protocol).", lifespan=lifespan)
+    app.state.engine, app.state.batcher, app.state.tokenizer = engine, batcher, tokenizer
+    bearer = HTTPBearer(auto_error=False)
+
+    async def require_api_key(
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 - FastAPI's idiom
+    ) -> None:
+        if api_key is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
+
+    control = [Depends(require_api_key)]
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = []
+        for item in error.errors():
+            location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+            message = str(item.get("msg", "")).removeprefix("Value error, ")
+            problems.append(f"{location or 'body'}: {message}")
+        first = error.errors()[0] if error.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        return JSONResponse(_error_body("; ".join(problems) or "invalid request body", 400, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(_error_body(str(error.detail), error.status_code, getattr(error, "param", None)),
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    # ------------------------------------------------------------------------- helpers
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def run(requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        try:
+            return await batcher.generate(requests)
+        except (ValueError, TypeError) as error:  # the engine's request validation
+            raise BadRequest(str(error)) from error
+
+    def trimmed_text(output: GenerationOutput, stop: list[str]) -> str:
+        """The output text cut before the first matched stop string (OpenAI and SGLang default)."""
+        text = output.text
+        if output.finish_reason == "stop" and stop:
+            cuts = [text.find(s) for s in stop if s and s in text]
+            if cuts:
+                text = text[: min(cuts)]
+        return text
+
+    # ------------------------------------------------------------------------- SGLang native
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest) -> Any:
+        if body.text is not None:
+            texts = body.text if isinstance(body.text, list) else [body.text]
+            prompts = [encode(text) for text in texts]
+        else:
+            prompts = body.input_ids if body.is_batch else [body.input_ids]  # type: ignore[list-item]
+        if not prompts:
+            raise BadRequest("input_ids/text: the batch is empty", "input_ids" if body.text is None else "text")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                field = "text" if body.text is not None else "input_ids"
+                raise BadRequest(f"{field}[{index}]: the prompt has no tokens", field)
+        params = [body.sampling_params] * len(prompts)
+        if isinstance(body.rid, list):
+            if len(body.rid) != len(prompts):
+                raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts", "rid")
+            rids = body.rid
+        else:
+            base = body.rid or uuid.uuid4().hex
+            rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        requests = [GenerationRequest(rid, list(prompt), p.to_engine()) for rid, prompt, p in zip(rids, prompts, params)]
+        started = time.perf_counter()
+        outputs = await run(requests)
+        latency = time.perf_counter() - started
+        results = [_sglang_result(out, req, p, body.return_logprob, latency, trimmed_text)
+                   for out, req, p in zip(outputs, requests, params)]
+        return results if body.is_batch else results[0]
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {**await engine.health(), **batcher.stats()}
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        state = await engine.health()
+        if state.get("paused"):
+            return JSONResponse({"status": "paused", "weight_version": engine.weight_version})
+        prompt = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0]
+        request = GenerationRequest(f"health-{uuid.uuid4().hex}", prompt,
+                                    SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        try:
+            await asyncio.wait_for(batcher.generate([request]), HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - any failure means unhealthy
+            await batcher.abort([request.request_id])
+            return JSONResponse(_error_body(f"generation failed: {type(error).__name__}: {error}", 503),
+                                status_code=503)
+        return JSONResponse({"status": "ok", "weight_version": engine.weight_version})
+
+    @app.post("/abort_request", dependencies=control)
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        if body.abort_all:
+            await batcher.abort(None)
+        else:
+            rids = [body.rid] if isinstance(body.rid, str) else body.rid
+            if not any(rids):
+                raise BadRequest("rid: give a request id (or abort_all: true)", "rid")
+            await batcher.abort(rids)
+        return {"success": True}
+
+    @app.post("/pause_generation", dependencies=control)
+    async def pause_generation() -> dict[str, Any]:
+        await engine.pause()
+        return {"success": True, "message": "paused: in-flight requests wait at their next step"}
+
+    @app.post("/continue_generation", dependencies=control)
+    async def continue_generation() -> dict[str, Any]:
+        await engine.resume()
+        return {"success": True}
+
+    @app.post("/flush_cache", dependencies=control)
+    async def flush_cache() -> dict[str, Any]:
+        # The embedded engine keeps no KV cache between requests: nothing to flush.
+        return {"success": True, "message": "no cache to flush"}
+
+    @app.post("/update_weights_from_disk", dependencies=control)
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        try:
+            version = await update_weights_from_path(engine, body.model_path, body.weight_version)
+        except (WeightPathError, WeightSyncError, KeyError, ValueError) as error:
+            message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+            return JSONResponse({"success": False, "message": f"model_path: {message}",
+                                 **_error_body(f"model_path: {message}", 400, "model_path")}, status_code=400)
+        return JSONResponse({"success": True, "message": f"serving weight version {version}",
+                             "weight_version": version})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": model_path, "tokenizer_path": model_path, "served_model_name": model_name,
+                "is_generation": True, "weight_version": engine.weight_version}
+
+    # ------------------------------------------------------------------------- OpenAI
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "relax",
+                                            "root": model_path}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [encode(prompt)]
+        elif prompt and all(isinstance(item, int) for item in prompt):
+            prompts = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            prompts = [encode(item) if isinstance(item, str) else list(item) for item in prompt]  # type: ignore[union-attr]
+        if not prompts or any(not p for p in prompts):
+            raise BadRequest("prompt: empty prompt", "prompt")
+        params = body.to_engine(body.max_tokens or 16)
+        return await _openai_response(body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as error:
+            raise BadRequest(f"messages: {error}", "messages") from error
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("messages: the served tokenizer has no chat template; use /v1/completions", "messages")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        params = body.to_engine(body.max_completion_tokens or body.max_tokens or 128)
+        return await _openai_response(body, [prompt], params, chat=True)
+
+    async def _openai_response(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                               params: SamplingParams, chat: bool) -> Any:
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        requests = [GenerationRequest(f"{response_id}-{p}-{i}", prompt, params)
+                    for p, prompt in enumerate(prompts) for i in range(body.n)]
+        want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        if body.stream:
+            return StreamingResponse(
+                _stream(body, requests, params, chat, response_id, created, want_logprobs),
+                media_type="text/event-stream")
+        outputs = await run(requests)
+        choices = [_choice(index, output, params, chat, want_logprobs) for index, output in enumerate(outputs)]
+        return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": body.model or model_name, "choices": choices, "usage": _usage(requests, outputs)}
+
+    def _choice(index: int, output: GenerationOutput, params: SamplingParams, chat: bool, logprobs: bool) -> dict:
+        text = trimmed_text(output, params.stop)
+        choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if logprobs:
+            tokens = [tokenizer.decode([token]) for token in output.output_ids]
+            if chat:
+                choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                                   "top_logprobs": []}
+                                                  for t, lp in zip(tokens, output.output_log_probs)]}
+            else:
+                offsets, position = [], 0
+                for token in tokens:
+                    offsets.append(position)
+                    position += len(token)
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": output.output_log_probs,
+                                      "top_logprobs": None, "text_offset": offsets}
+        return choice
+
+    async def _stream(body, requests, params, chat, response_id, created, logprobs) -> AsyncIterator[str]:
+        model = body.model or model_name
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            payload = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        if chat:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(requests))])
+        try:
+            outputs = await batcher.generate(requests)
+        except Exception as error:  # noqa: BLE001 - reported in the stream, which has already started
+            yield f"data: {json.dumps(_error_body(f'generation failed: {error}', 500))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        for index, output in enumerate(outputs):
+            full = _choice(index, output, params, chat, logprobs)
+            if chat:
+                delta = {"index": index, "delta": {"content": full["message"]["content"]}, "logprobs": full["logprobs"],
+                         "finish_reason": None}
+            else:
+                delta = {"index": index, "text": full["text"], "logprobs": full["logprobs"], "finish_reason": None}
+            yield chunk([delta])
+            end = {"index": index, "finish_reason": output.finish_reason, "logprobs": None}
+            end.update({"delta": {}} if chat else {"text": ""})
+            yield chunk([end])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], usage=_usage(requests, outputs))
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _usage(requests: list[GenerationRequest], outputs: list[GenerationOutput]) -> dict[str, int]:
+    # n samples of one prompt count the prompt once, as OpenAI does.
+    prompt_tokens = sum(len(ids) for ids in {tuple(r.input_ids): None for r in requests})
+    completion_tokens = sum(len(output.output_ids) for output in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sglang_result(output: GenerationOutput, request: GenerationRequest, params: SGLangSamplingParams,
+                   return_logprob: bool, latency_s: float, trimmed_text) -> dict[str, Any]:
+    finish: dict[str, Any] = {"type": output.finish_reason}
+    stop_ids = set(request.sampling_params.stop_token_ids)
+    if output.finish_reason == "length":
+        finish["length"] = len(output.output_ids)
+    elif output.finish_reason == "stop":
+        last = output.output_ids[-1] if output.output_ids else None
+        matched = next((s for s in request.sampling_params.stop if s in output.text), None)
+        finish["matched"] = matched if matched is not None and last not in stop_ids else last
+    else:
+        finish["message"] = "aborted"
+    stop = [] if params.no_stop_trim else request.sampling_params.stop
+    meta: dict[str, Any] = {
+        "id": request.request_id,
+        "finish_reason": finish,
+        "prompt_tokens": len(request.input_ids),
+        "completion_tokens": len(output.output_ids),
+        "cached_tokens": 0,
+        "weight_version": output.weight_version,
+        "e2e_latency": latency_s,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, token, None]
+                                         for lp, token in zip(output.output_log_probs, output.output_ids)]
+        if output.output_weight_versions is not None:
+            meta["output_token_weight_versions"] = output.output_weight_versions
+    return {"text": trimmed_text(output, stop), "output_ids": output.output_ids, "meta_info": meta}

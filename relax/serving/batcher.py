@@ -1,0 +1,134 @@
+"""Merge the generation requests of concurrent HTTP calls into few `InferenceEngine.generate` calls.
+
+Each HTTP call submits a *job* (its requests) and awaits its outputs. A dispatcher task takes the
+first waiting job, keeps collecting jobs for ``window_s`` seconds, then starts one
+``engine.generate`` call for everything collected (as its own task, so the next window opens at
+once; the embedded engine interleaves the steps of concurrent calls on the same loop). Jobs
+carrying a sampling ``seed`` run in an engine call of their own: the embedded engine draws all of a
+call's randomness from one generator seeded by the call's first request, so merging a seeded job
+with others would make its samples depend on its neighbours.
+
+Aborts reach a request wherever it is: queued requests finish at once with ``"abort"`` and no
+tokens; requests inside the engine are aborted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    requests: list[GenerationRequest]
+    future: asyncio.Future
+    seeded: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seeded = any(request.sampling_params.seed is not None for request in self.requests)
+
+
+class RequestBatcher:
+    """Batches jobs for ``engine``; must be started (`start`) on the loop that serves the requests."""
+
+    def __init__(self, engine: InferenceEngine, window_s: float = 0.005) -> None:
+        if window_s < 0:
+            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        self.engine = engine
+        self.window_s = window_s
+        self.engine_calls = 0  # engine.generate calls made
+        self.batched_requests = 0  # requests passed to those calls
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._pending_ids: set[str] = set()  # queued, not yet inside the engine
+        self._engine_ids: set[str] = set()  # inside the engine
+        self._aborted_pending: set[str] = set()
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._dispatcher = asyncio.create_task(self._dispatch_forever())
+
+    async def stop(self) -> None:
+        tasks = [task for task in (self._dispatcher, *self._running) if task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def stats(self) -> dict[str, int]:
+        return {"engine_calls": self.engine_calls, "batched_requests": self.batched_requests,
+                "queued_requests": len(self._pending_ids)}
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Outputs of ``requests`` in order, generated together with other concurrent jobs."""
+        if self._queue is None:
+            raise RuntimeError("RequestBatcher.start() was not called")
+        job = _Job(list(requests), asyncio.get_running_loop().create_future())
+        self._pending_ids.update(request.request_id for request in job.requests)
+        self._queue.put_nowait(job)
+        return await job.future
+
+    async def abort(self, request_ids: Sequence[str] | None) -> None:
+        """Abort the named requests (None: every queued and running request)."""
+        if request_ids is None:
+            request_ids = [*self._pending_ids, *self._engine_ids]
+        self._aborted_pending.update(rid for rid in request_ids if rid in self._pending_ids)
+        await self.engine.abort(list(request_ids))
+
+    async def _dispatch_forever(self) -> None:
+        assert self._queue is not None
+        while True:
+            jobs = [await self._queue.get()]
+            if self.window_s > 0:
+                await asyncio.sleep(self.window_s)
+            while not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            unseeded = [job for job in jobs if not job.seeded]
+            groups = [[job] for job in jobs if job.seeded] + ([unseeded] if unseeded else [])
+            for group in groups:
+                task = asyncio.create_task(self._run(group))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _run(self, jobs: list[_Job]) -> None:
+        # No await between the abort check and engine.generate registering the ids as in flight,
+        # so an abort lands either here or in the engine.
+        requests, outputs_by_position = [], {}
+        for job in jobs:
+            for request in job.requests:
+                self._pending_ids.discard(request.request_id)
+                if request.request_id in self._aborted_pending:
+                    self._aborted_pending.discard(request.request_id)
+                    outputs_by_position[id(request)] = GenerationOutput(
+                        request.request_id, [], [], "abort", self.engine.weight_version)
+                else:
+                    requests.append(request)
+        ids = [request.request_id for request in requests]
+        self._engine_ids.update(ids)
+        try:
+            if requests:
+                self.engine_calls += 1
+                self.batched_requests += len(requests)
+                outputs = await self.engine.generate(requests)
+                for request, output in zip(requests, outputs):
+                    outputs_by_position[id(request)] = output
+        except Exception as error:
+            logger.exception("engine.generate failed for a batch of %d requests", len(requests))
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(error)
+            return
+        finally:
+            self._engine_ids.difference_update(ids)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_result([outputs_by_position[id(request)] for request in job.requests])

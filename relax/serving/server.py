@@ -1,0 +1,50 @@
+"""Load a model folder into an `EmbeddedEngine` and serve it with uvicorn (`relax serve`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+API_KEY_ENV = "RELAX_API_KEY"
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name if name != "auto" else "cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
+          max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info") -> None:
+    """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
+    control endpoints."""
+    import uvicorn
+
+    from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.serving.app import create_app
+
+    path = Path(hf_checkpoint)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--hf-checkpoint {path}: not a Hugging Face model folder (no config.json)")
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    torch_device = resolve_device(device)
+    engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
+                                            max_batch_size=max_batch_size)
+    app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
+                     api_key=api_key, batch_window_s=batch_window_ms / 1000)
+    logger.warning("relax serve: %s on http://%s:%d (control endpoints %s)", path, host, port,
+                   "need a bearer token" if api_key else "are open: no API key set")
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,284 @@
+"""`relax serve`: the embedded engine behind real HTTP (uvicorn on 127.0.0.1, a tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+from safetensors.torch import load_file
+
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.embedded import EmbeddedEngine
+from relax.distributed.weight_disk import DiskPublisher
+from relax.serving.app import create_app
+from tests.tiny_assets import build_tiny_model_dir
+
+API_KEY = "test-secret-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_workspace) -> Path:
+    return tiny_workspace / "model"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """A real uvicorn server in a background thread; yields its base URL."""
+    engine = EmbeddedEngine.from_pretrained(str(model_dir))
+    app = create_app(engine, engine.tokenizer, model_name="tiny", model_path=str(model_dir), api_key=API_KEY,
+                     batch_window_s=0.05)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    wait_until(lambda: uv.started, 20, "the server to start")
+    yield f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server, timeout=30) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> EmbeddedEngine:
+    return EmbeddedEngine.from_pretrained(str(model_dir))
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+def reference_generate(engine: EmbeddedEngine, input_ids: list[int], n: int):
+    request = GenerationRequest("ref", input_ids, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+    return asyncio.run(engine.generate([request]))[0]
+
+
+def test_generate_input_ids_text_and_batch_match_the_engine(client, reference):
+    prompt = reference.tokenizer("3+4=")["input_ids"]
+    expected = reference_generate(reference, prompt, 6)
+
+    by_ids = client.post("/generate", json={"input_ids": prompt, "sampling_params": greedy(6),
+                                            "return_logprob": True, "rid": "ids-1"}).json()
+    assert by_ids["output_ids"] == expected.output_ids
+    assert by_ids["text"] == expected.text
+    meta = by_ids["meta_info"]
+    assert meta["id"] == "ids-1" and meta["weight_version"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompt), 6)
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == expected.output_ids
+    assert [entry[0] for entry in meta["output_token_logprobs"]] == pytest.approx(expected.output_log_probs, abs=1e-5)
+
+    by_text = client.post("/generate", json={"text": "3+4=", "sampling_params": greedy(6)}).json()
+    assert by_text["output_ids"] == expected.output_ids and "output_token_logprobs" not in by_text["meta_info"]
+
+    batch = client.post("/generate", json={"input_ids": [prompt, prompt[:2]], "sampling_params": greedy(3),
+                                           "rid": ["a", "b"]}).json()
+    assert [item["meta_info"]["id"] for item in batch] == ["a", "b"]
+    assert batch[0]["output_ids"] == expected.output_ids[:3]
+    texts = client.post("/generate", json={"text": ["3+4=", "1+1="], "sampling_params": greedy(2)}).json()
+    assert isinstance(texts, list) and len(texts) == 2
+
+    stopped = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [expected.output_ids[1]]}}).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": expected.output_ids[1]}
+
+
+def test_concurrent_clients_share_engine_batches(server, client):
+    before = client.get("/health").json()
+    prompts = [[5 + i, 6, 7 + i] for i in range(8)]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+            return await asyncio.gather(*[
+                http.post("/generate", json={"input_ids": p, "sampling_params": greedy(8)}) for p in prompts])
+
+    responses = asyncio.run(all_at_once())
+    assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8 for r in responses)
+    after = client.get("/health").json()
+    # One after another would take 8 engine calls and 64 decode steps.
+    assert after["engine_calls"] - before["engine_calls"] <= 2
+    assert after["batched_requests"] - before["batched_requests"] == 8
+    assert after["decode_steps"] - before["decode_steps"] <= 16
+
+
+def test_pause_continue_and_abort(client, server):
+    results = {}
+
+    def post(name: str, body: dict) -> threading.Thread:
+        def target():
+            with httpx.Client(base_url=server, timeout=30) as http:
+                results[name] = http.post("/generate", json=body).json()
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    assert client.post("/pause_generation", headers=AUTH).status_code == 200
+    try:
+        # One after the other, so that they land in separate engine calls: a paused engine batch returns
+        # when all its rows are done, so an aborted row would otherwise wait for its held neighbour.
+        doomed = post("doomed", {"input_ids": [7, 8], "sampling_params": greedy(40), "rid": "doomed"})
+        wait_until(lambda: client.get("/health").json()["in_flight_requests"] == 1, 10, "a held request")
+        held = post("held", {"input_ids": [5, 6], "sampling_params": greedy(4), "rid": "held"})
+        wait_until(lambda: client.get("/health").json()["in_flight_requests"] == 2, 10, "two held requests")
+        assert client.get("/health").json()["paused"] is True
+        assert client.get("/health_generate").json()["status"] == "paused"
+        time.sleep(0.2)
+        assert held.is_alive() and doomed.is_alive()
+        assert client.post("/abort_request", json={"rid": "doomed"}, headers=AUTH).json() == {"success": True}
+        doomed.join(10)
+        assert results["doomed"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert results["doomed"]["meta_info"]["completion_tokens"] == 0
+        assert held.is_alive()
+    finally:
+        assert client.post("/continue_generation", headers=AUTH).status_code == 200
+    held.join(10)
+    assert results["held"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert client.get("/health_generate").json()["status"] == "ok"
+
+
+def test_control_endpoints_need_the_bearer_token(client):
+    for path in ["/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
+                 "/update_weights_from_disk"]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = client.post(path, json={"rid": "x", "model_path": "/nowhere"}, headers=headers)
+            assert response.status_code == 401, path
+            assert API_KEY not in response.text
+    assert client.post("/flush_cache", headers=AUTH).json()["success"] is True
+    assert client.post("/generate", json={"input_ids": [5], "sampling_params": greedy(1)}).status_code == 200
+    assert client.get("/get_model_info").json()["is_generation"] is True
+    assert "/generate" in client.get("/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/generate", {"input_ids": [5], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"sampling_params": {}}, "text and input_ids"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/v1/chat/completions", {"model": "tiny"}, "messages"),
+    ("/v1/completions", {"prompt": "1", "top_p": 2}, "top_p"),
+])
+def test_bad_bodies_name_the_field(client, path, body, field):
+    response = client.post(path, json=body)
+    assert response.status_code == 400
+    assert field in response.json()["error"]["message"]
+
+
+def test_openai_client_chat_and_completions(server, reference):
+    openai = OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    assert [model.id for model in openai.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "2+2="}]
+    chat = openai.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True}, logprobs=True)
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    expected = reference_generate(reference, list(prompt), 5)
+    assert chat.choices[0].message.content == expected.text
+    assert chat.choices[0].finish_reason == "length"
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == pytest.approx(expected.output_log_probs, abs=1e-5)
+    assert chat.usage.completion_tokens == 5
+
+    stream = openai.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                            extra_body={"ignore_eos": True}, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    completion = openai.completions.create(model="tiny", prompt="3+4=", max_tokens=4, temperature=0, n=2,
+                                           extra_body={"ignore_eos": True})
+    ref = reference_generate(reference, reference.tokenizer("3+4=")["input_ids"], 4)
+    assert [choice.text for choice in completion.choices] == [ref.text, ref.text]
+    streamed = openai.completions.create(model="tiny", prompt="3+4=", max_tokens=4, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == ref.text
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(client, model_dir, tmp_path, reference):
+    prompt = [5, 6, 7]
+    original = reference_generate(reference, prompt, 4).output_log_probs
+
+    def log_probs_and_version():
+        body = client.post("/generate", json={"input_ids": prompt, "sampling_params": greedy(4),
+                                              "return_logprob": True}).json()
+        return [entry[0] for entry in body["meta_info"]["output_token_logprobs"]], body["meta_info"]["weight_version"]
+
+    other = build_tiny_model_dir(tmp_path / "other", seed=1)
+    response = client.post("/update_weights_from_disk", json={"model_path": str(other), "weight_version": 3},
+                           headers=AUTH)
+    assert response.status_code == 200 and response.json()["success"] is True
+    log_probs, version = log_probs_and_version()
+    assert version == 3 and log_probs != pytest.approx(original, abs=1e-4)
+    assert client.get("/get_model_info").json()["weight_version"] == 3
+
+    # Back to the original weights through a versioned directory written by the weight-sync publisher.
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    asyncio.run(DiskPublisher(tmp_path / "sync", fsync=False).publish([list(tensors.items())], version=4))
+    response = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "sync")}, headers=AUTH)
+    assert response.status_code == 200, response.text
+    log_probs, version = log_probs_and_version()
+    assert version == 4 and log_probs == pytest.approx(original, abs=1e-5)
+
+    missing = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")}, headers=AUTH)
+    assert missing.status_code == 400 and "model_path" in missing.json()["message"]
+
+
+def test_relax_serve_command(model_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RELAX_API_KEY": API_KEY}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
+         "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, 60, "relax serve to answer /health")
+        base = f"http://127.0.0.1:{port}"
+        body = httpx.post(f"{base}/generate", json={"text": "1+1=", "sampling_params": greedy(2)}, timeout=30).json()
+        assert body["meta_info"]["completion_tokens"] == 2
+        assert httpx.post(f"{base}/pause_generation", timeout=5).status_code == 401
+        assert httpx.post(f"{base}/continue_generation", headers=AUTH, timeout=5).status_code == 200
+    finally:
+        process.terminate()
+        try:
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate(timeout=10)
+    assert API_KEY not in output
+    assert json.dumps(API_KEY) not in output
