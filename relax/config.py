@@ -32,7 +32,7 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
+SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "engines", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
             "run", "placement")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
 OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
@@ -200,6 +200,59 @@ class RelaxConfig(BaseModel):
         "rollout",
         ge=1,
     )
+
+    # --- engines (external inference servers) ------------------------------------------------
+    rollout_external: bool = _field(
+        False,
+        "Generate with inference servers started outside the run (`relax serve`, SGLang, vLLM) at "
+        "--rollout-external-engine-addrs instead of an in-process engine; requests go through a router "
+        "(least outstanding requests, one prompt group per server, retry on another server when one fails). "
+        "See docs/engines.md.",
+        "engines",
+    )
+    rollout_external_engine_addrs: list[str] = _field(
+        [], "Base URLs of the external servers, e.g. `http://10.0.0.5:30000 http://10.0.0.6:30000`.", "engines"
+    )
+    rollout_engine_protocol: Literal["sglang", "openai"] = _field(
+        "sglang",
+        "Protocol of the external servers: `sglang` (native /generate; `relax serve` and SGLang) or `openai` "
+        "(/v1/completions; vLLM; weight updates need the server's /update_weights_from_disk).",
+        "engines",
+    )
+    rollout_engine_api_key: str | None = _field(
+        None, "Bearer token of the external servers' control endpoints (never logged; hidden in the saved config).",
+        "engines",
+    )
+    rollout_weights_dir: str | None = _field(
+        None,
+        "Where the trainer writes new weights (versioned safetensors) for the external servers to load; they "
+        "must read it at the same path (a shared filesystem). Default: <output-dir>/engine_weights.",
+        "engines",
+    )
+
+    @model_validator(mode="after")
+    def _check_external_engines(self) -> RelaxConfig:
+        if not self.rollout_external:
+            set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
+                                                 "rollout_weights_dir", "rollout_engine_protocol")
+                         if name in self.model_fields_set]
+            if set_flags:
+                raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
+                                 f"{flag('rollout_external')}")
+            return self
+        if not self.rollout_external_engine_addrs:
+            raise ValueError(f"{flag('rollout_external')} needs {flag('rollout_external_engine_addrs')} (one base URL "
+                             "or more)")
+        for address in self.rollout_external_engine_addrs:
+            if not address.startswith(("http://", "https://")) or len(address.split("://", 1)[1].strip("/")) == 0:
+                raise ValueError(f"{flag('rollout_external_engine_addrs')}: {address!r} is not a base URL "
+                                 "(http://host:port)")
+        if len({a.rstrip("/") for a in self.rollout_external_engine_addrs}) != len(self.rollout_external_engine_addrs):
+            raise ValueError(f"{flag('rollout_external_engine_addrs')}: an address is listed twice")
+        if self.multimodal_keys:
+            raise ValueError(f"{flag('rollout_external')} does not take {flag('multimodal_keys')} yet (media are not "
+                             "sent over HTTP)")
+        return self
 
     # --- algorithm -----------------------------------------------------------------------
     advantage_estimator: str = _field("grpo", "RL algorithm (see docs/algorithms.md).", "algorithm")

@@ -13,6 +13,9 @@ from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn, buil
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.http_openai import OpenAIHTTPEngine
+from relax.backends.inference.http_sglang import SGLangHTTPEngine
+from relax.backends.inference.router import EngineRouter
 from relax.backends.model_family import load_model
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.components.actor import Actor
@@ -68,6 +71,24 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
 def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.device, dtype: torch.dtype):
     model = load_model(model_path, dtype).to(device)
     return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size)
+
+
+def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
+    """`--rollout-external`: HTTP adapters for the servers at --rollout-external-engine-addrs behind a router
+    (also for one server: the router retries and health-checks). They load new weights from
+    --rollout-weights-dir (default <output-dir>/engine_weights), which they must see at the same path."""
+    weights_dir = Path(cfg.rollout_weights_dir or Path(cfg.output_dir) / "engine_weights").resolve()
+    key = cfg.rollout_engine_api_key
+    if cfg.rollout_engine_protocol == "openai":
+        model_name = Path(cfg.hf_checkpoint).name if cfg.hf_checkpoint else "default"
+        engines = [OpenAIHTTPEngine(address, model_name, api_key=key, tokenizer=tokenizer, weights_dir=weights_dir)
+                   for address in cfg.rollout_external_engine_addrs]
+    else:
+        engines = [SGLangHTTPEngine(address, api_key=key, weights_dir=weights_dir)
+                   for address in cfg.rollout_external_engine_addrs]
+    logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,
+                ", ".join(cfg.rollout_external_engine_addrs), weights_dir)
+    return EngineRouter(engines)
 
 
 def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
@@ -249,7 +270,8 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
         top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
     return Rollout(
-        engine=build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype),
+        engine=(build_external_engine(cfg, tokenizer) if cfg.rollout_external
+                else build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype)),
         data_source=PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
         rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),

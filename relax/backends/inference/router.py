@@ -1,0 +1,333 @@
+"""`EngineRouter`: one `InferenceEngine` in front of N engines (HTTP adapters or in-process engines).
+
+- **Least outstanding requests**: a new request group goes to the routable engine with the fewest requests in
+  flight (ties: the engine that got work least recently).
+- **Sticky groups**: requests sharing a group key go to one engine, so a server can share their prefill. The
+  key is the ``g<group>-`` prefix of the request id that `relax.engine.rollout.generate` gives the samples
+  of one prompt (``g3-i12-0`` is group ``3``); other ids are groups of their own.
+- **Health**: a request that fails with a connection error, a timeout or HTTP 5xx marks its engine down and
+  is retried on another engine (``max_retries`` times), so no request is lost when an engine dies; a down
+  engine is probed again (``health()``) after ``retry_down_after_s`` and routed to once it answers (after
+  catching up to the router's weight version when it can load it from disk).
+- **Fan-out**: `update_weights`, `pause`, `resume` and `abort` go to every engine; the router's
+  `weight_version` is the minimum over the engines it routes to.
+- **Elastic**: `add_engine` and `remove_engine(drain=True)` (stop routing to it, wait for its in-flight
+  requests, drop it) change the set at runtime.
+
+Requests keep the order of the call; seeds shared by several requests are made distinct first (see
+`relax.backends.inference.http_sglang.distinct_seeds`), so the samples do not depend on the routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.http_sglang import distinct_seeds
+
+logger = logging.getLogger(__name__)
+
+GROUP_PREFIX = re.compile(r"^g(\d+)-")
+MAX_STICKY_GROUPS = 100_000
+
+
+class NoEngineAvailableError(RuntimeError):
+    """Every engine is down (or removed) and none came back within the wait."""
+
+
+def group_key(request_id: str) -> str:
+    """``g3-i12-0`` -> ``g3``; any other id is its own group."""
+    match = GROUP_PREFIX.match(request_id)
+    return f"g{match.group(1)}" if match else request_id
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Failures of the engine, not of the request: another engine may serve it."""
+    retryable = getattr(error, "retryable", None)
+    if retryable is not None:
+        return bool(retryable)
+    return isinstance(error, (ConnectionError, TimeoutError, OSError))
+
+
+def engine_name(engine: InferenceEngine) -> str:
+    return getattr(engine, "base_url", None) or repr(engine)
+
+
+@dataclass(eq=False)
+class _Slot:
+    engine: InferenceEngine
+    outstanding: int = 0
+    healthy: bool = True
+    draining: bool = False
+    down_since: float = 0.0
+    last_error: str = ""
+    last_assigned: float = 0.0
+    in_flight: set[str] = field(default_factory=set)
+    served: int = 0  # requests completed here
+
+    @property
+    def name(self) -> str:
+        return engine_name(self.engine)
+
+
+class EngineRouter(InferenceEngine):
+    def __init__(self, engines: Sequence[InferenceEngine], max_retries: int = 3, retry_down_after_s: float = 5.0,
+                 wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0) -> None:
+        self._slots: list[_Slot] = []
+        for engine in engines:
+            self._slots.append(_Slot(engine))
+        self.max_retries = max_retries
+        self.retry_down_after_s = retry_down_after_s
+        self.wait_for_engine_s = wait_for_engine_s
+        self.health_timeout_s = health_timeout_s
+        self._sticky: OrderedDict[str, _Slot] = OrderedDict()
+        self._version: int | None = None  # the last version pushed by update_weights
+
+    # ---------------------------------------------------------------------------- engine set
+
+    @property
+    def engines(self) -> list[InferenceEngine]:
+        return [slot.engine for slot in self._slots]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{"engine": slot.name, "healthy": slot.healthy, "draining": slot.draining,
+                 "outstanding": slot.outstanding, "served": slot.served, "weight_version": slot.engine.weight_version,
+                 "last_error": slot.last_error} for slot in self._slots]
+
+    async def add_engine(self, engine: InferenceEngine) -> None:
+        """Route to ``engine`` from now on, after bringing it to the router's weight version when it can load
+        the newest version from disk (an engine behind can otherwise not be routed to until the next update)."""
+        slot = _Slot(engine)
+        self._slots.append(slot)
+        await self._probe(slot)
+
+    async def remove_engine(self, engine: InferenceEngine | str, drain: bool = True, timeout_s: float = 60.0) -> None:
+        """Stop routing new work to ``engine`` (the object or its base URL); with ``drain``, wait until its
+        in-flight requests finished (TimeoutError after ``timeout_s``, leaving it draining: call again with
+        ``drain=False`` to drop it anyway), then drop it."""
+        slot = self._find(engine)
+        slot.draining = True
+        for key in [key for key, value in self._sticky.items() if value is slot]:
+            del self._sticky[key]
+        if drain:
+            deadline = time.monotonic() + timeout_s
+            while slot.outstanding:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"remove_engine {slot.name}: {slot.outstanding} requests still in flight "
+                                       f"after {timeout_s} s")
+                await asyncio.sleep(0.01)
+        self._slots.remove(slot)
+
+    def _find(self, engine: InferenceEngine | str) -> _Slot:
+        for slot in self._slots:
+            if slot.engine is engine or (isinstance(engine, str) and slot.name.rstrip("/") == engine.rstrip("/")):
+                return slot
+        raise KeyError(f"engine {engine!r} is not in the router (engines: {[s.name for s in self._slots]})")
+
+    # ---------------------------------------------------------------------------- routing
+
+    def _routable(self, exclude: set[int] = frozenset()) -> list[_Slot]:
+        return [s for s in self._slots if s.healthy and not s.draining and id(s) not in exclude and self._current(s)]
+
+    def _current(self, slot: _Slot) -> bool:
+        return self._version is None or slot.engine.weight_version >= self._version
+
+    async def _pick(self, key: str, exclude: set[int]) -> _Slot:
+        """The engine for the requests of group ``key``; waits (bounded) while none is routable."""
+        deadline = time.monotonic() + self.wait_for_engine_s
+        while True:
+            sticky = self._sticky.get(key)
+            if sticky is not None and sticky in self._routable(exclude):
+                self._sticky.move_to_end(key)
+                return sticky
+            await self._probe_due()
+            candidates = self._routable(exclude) or self._routable()
+            if candidates:
+                slot = min(candidates, key=lambda s: (s.outstanding, s.last_assigned))
+                slot.last_assigned = time.monotonic()
+                self._sticky[key] = slot
+                while len(self._sticky) > MAX_STICKY_GROUPS:
+                    self._sticky.popitem(last=False)
+                return slot
+            if time.monotonic() > deadline:
+                raise NoEngineAvailableError(
+                    f"no engine can serve requests after {self.wait_for_engine_s} s: "
+                    + "; ".join(f"{s.name}: {'draining' if s.draining else 'behind the weights' if s.healthy else 'down'}"
+                                f"{' (' + s.last_error + ')' if s.last_error else ''}" for s in self._slots)
+                    if self._slots else "the router has no engines")
+            await asyncio.sleep(min(0.2, self.retry_down_after_s))
+
+    async def _probe_due(self) -> None:
+        now = time.monotonic()
+        due = [s for s in self._slots if (not s.healthy or not self._current(s))
+               and now - s.down_since >= self.retry_down_after_s]
+        if due:
+            await asyncio.gather(*(self._probe(slot) for slot in due))
+
+    async def _probe(self, slot: _Slot) -> bool:
+        """Health-check one engine; a healthy engine behind the router's version loads it when it can."""
+        try:
+            await asyncio.wait_for(slot.engine.health(), self.health_timeout_s)
+            if self._version is not None and slot.engine.weight_version < self._version:
+                load = getattr(slot.engine, "load_weights", None)
+                if load is not None:
+                    await load(self._version)
+        except Exception as error:  # noqa: BLE001 - any failure keeps it out of rotation
+            self._mark_down(slot, error)
+            return False
+        if not slot.healthy:
+            logger.warning("engine %s is back", slot.name)
+        slot.healthy, slot.last_error = True, ""
+        if not self._current(slot):  # cannot catch up by itself: probe again later, not on every pick
+            slot.down_since = time.monotonic()
+            slot.last_error = f"serves weight version {slot.engine.weight_version}, behind {self._version}"
+        return True
+
+    def _mark_down(self, slot: _Slot, error: BaseException) -> None:
+        if slot.healthy:
+            logger.warning("engine %s is down: %s", slot.name, error)
+        slot.healthy = False
+        slot.down_since = time.monotonic()
+        slot.last_error = f"{type(error).__name__}: {error}"[:300]
+
+    # ---------------------------------------------------------------------------- InferenceEngine
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        requests = distinct_seeds(requests)
+        groups: dict[str, list[int]] = {}
+        for position, request in enumerate(requests):
+            groups.setdefault(group_key(request.request_id), []).append(position)
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+
+        async def run_group(key: str, positions: list[int]) -> None:
+            slot = await self._pick(key, set())
+            slot.outstanding += len(positions)  # counted before the next group picks; `_run` releases each
+
+            async def run_one(position: int) -> None:
+                outputs[position] = await self._run(key, requests[position], slot)
+
+            await asyncio.gather(*(run_one(position) for position in positions))
+
+        # Groups are placed one after the other (each pick sees the previous groups' load), then run together.
+        tasks = []
+        for key, positions in groups.items():
+            tasks.append(asyncio.ensure_future(run_group(key, positions)))
+            await asyncio.sleep(0)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return outputs  # type: ignore[return-value]
+
+    async def _run(self, key: str, request: GenerationRequest, slot: _Slot) -> GenerationOutput:
+        """Run one request on ``slot`` (already counted in its ``outstanding``), retrying on another engine
+        when the engine fails; the count follows the request and is released when it ends."""
+        tried: set[int] = set()
+        attempt = 0
+        while True:
+            slot.in_flight.add(request.request_id)
+            try:
+                output = (await slot.engine.generate([request]))[0]
+                slot.served += 1
+                return output
+            except Exception as error:
+                if not is_retryable(error) or attempt >= self.max_retries:
+                    raise
+                self._mark_down(slot, error)
+                tried.add(id(slot))
+                attempt += 1
+                logger.warning("request %s failed on %s (%s); retrying on another engine (%d/%d)",
+                               request.request_id, slot.name, error, attempt, self.max_retries)
+            finally:
+                slot.in_flight.discard(request.request_id)
+                slot.outstanding -= 1
+            slot = await self._pick(key, tried)
+            slot.outstanding += 1
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        ids = set(request_ids)
+        targets = [(slot, sorted(ids & slot.in_flight)) for slot in self._slots]
+        await asyncio.gather(*(slot.engine.abort(names) for slot, names in targets if names))
+
+    async def pause(self) -> None:
+        await self._fan_out("pause")
+
+    async def resume(self) -> None:
+        await self._fan_out("resume")
+
+    async def _fan_out(self, method: str) -> None:
+        slots = [s for s in self._slots if s.healthy]
+        results = await asyncio.gather(*(getattr(s.engine, method)() for s in slots), return_exceptions=True)
+        for slot, result in zip(slots, results):
+            if isinstance(result, BaseException):
+                if not is_retryable(result):
+                    raise result
+                self._mark_down(slot, result)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Every engine serves ``version`` afterwards, or is marked down (it catches up from disk when it comes
+        back, or stays out of rotation until the next update). Engines that write to one ``weights_dir`` share
+        one published copy. Raises when no engine took the update."""
+        tensors = list(named_tensors)
+        slots = list(self._slots)
+        by_dir: dict[str, list[_Slot]] = {}
+        direct: list[_Slot] = []
+        for slot in slots:
+            directory = getattr(slot.engine, "weights_dir", None)
+            if directory is not None and hasattr(slot.engine, "publish_weights"):
+                by_dir.setdefault(str(directory), []).append(slot)
+            else:
+                direct.append(slot)
+        for sharing in by_dir.values():
+            await sharing[0].engine.publish_weights(tensors, version)  # type: ignore[attr-defined]
+
+        async def load(slot: _Slot) -> None:
+            if slot in direct:
+                await slot.engine.update_weights(iter(tensors), version)
+            else:
+                await slot.engine.load_weights(version)  # type: ignore[attr-defined]
+
+        results = await asyncio.gather(*(load(slot) for slot in slots), return_exceptions=True)
+        failures = []
+        for slot, result in zip(slots, results):
+            if isinstance(result, BaseException):
+                if not is_retryable(result):
+                    raise result
+                self._mark_down(slot, result)
+                failures.append(f"{slot.name}: {result}")
+        # From now on engines behind this version get no work until they load it (on their next health probe).
+        self._version = version if self._version is None else max(self._version, version)
+        if slots and len(failures) == len(slots):
+            raise NoEngineAvailableError(f"weight version {version} reached no engine: " + "; ".join(failures))
+
+    async def health(self) -> dict[str, Any]:
+        """Probe every engine; raises when none can serve."""
+        await asyncio.gather(*(self._probe(slot) for slot in self._slots))
+        engines = self.stats()
+        if not self._routable():
+            raise NoEngineAvailableError("no engine can serve requests: " + "; ".join(
+                f"{e['engine']}: {e['last_error'] or ('draining' if e['draining'] else 'behind the weights')}"
+                for e in engines))
+        return {"status": "ok", "weight_version": self.weight_version, "engines": engines}
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest version among the engines requests are routed to (all engines when none is)."""
+        slots = [s for s in self._slots if s.healthy and not s.draining] or self._slots
+        return min((s.engine.weight_version for s in slots), default=0)
+
+    async def aclose(self) -> None:
+        for slot in self._slots:
+            close = getattr(slot.engine, "aclose", None)
+            if close is not None:
+                await close()

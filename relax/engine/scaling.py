@@ -1,0 +1,327 @@
+"""Elastic scale-out and scale-in of rollout engines: the operations, their states and rules.
+
+Upstream's semantics (relax-upstream.md §5), kept here:
+- Scale-out: ``PENDING → CREATING`` (ray_native: an absolute target count of engines) or ``CONNECTING`` (external:
+  engine URLs) ``→ HEALTH_CHECKING → WEIGHT_SYNCING → READY → ACTIVE``, or ``FAILED`` / ``CANCELLED``. A new engine
+  gets the current weights *before* it joins the router, so it never serves training traffic with old weights
+  (upstream registers it first and syncs later; we close that window). Failure policy ``rollback_all`` (default:
+  remove every engine this operation added) or ``keep_partial``.
+- Scale-in: ``PENDING → DRAINING → REMOVING → COMPLETED`` or ``FAILED``; a target count (the engines that remain) or
+  URLs; the initial engines are protected (a target below their count is ``REJECTED``); scaled-out engines leave
+  last-in-first-out; draining waits ``timeout_secs`` for in-flight requests (``force`` skips the wait), after which
+  the engine leaves the router and finishes what it holds (upstream aborts them; here no request is lost); ``dry_run`` reports the selection without removing anything. Removals that succeeded stay removed.
+- One operation at a time (a second one while another runs is a conflict, HTTP 409); a request that changes
+  nothing (the target already met, the URLs already serving) is ``NOOP``. Requests are idempotent by ``request_id``:
+  sending the same id again returns the existing operation instead of starting another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from relax.backends.inference.base import InferenceEngine
+from relax.backends.inference.router import EngineRouter
+
+
+class ScaleStatus(str, enum.Enum):
+    PENDING = "PENDING"
+    CREATING = "CREATING"
+    CONNECTING = "CONNECTING"
+    HEALTH_CHECKING = "HEALTH_CHECKING"
+    WEIGHT_SYNCING = "WEIGHT_SYNCING"
+    READY = "READY"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+    REMOVING = "REMOVING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    NOOP = "NOOP"
+    REJECTED = "REJECTED"
+
+
+TERMINAL = {ScaleStatus.ACTIVE, ScaleStatus.COMPLETED, ScaleStatus.FAILED, ScaleStatus.CANCELLED, ScaleStatus.NOOP,
+            ScaleStatus.REJECTED}
+
+
+class ScaleConflictError(RuntimeError):
+    """Another scale operation is running (HTTP 409)."""
+
+
+class ScaleRejectedError(ValueError):
+    """The request breaks a rule (HTTP 400)."""
+
+
+# ---- request / response bodies (upstream's schemas) ------------------------------------------------------------
+class ScaleOutRequest(BaseModel):
+    model_name: str = "default"
+    num_replicas: int = Field(0, ge=0, description="ray_native: the total number of engines wanted")
+    engine_urls: list[str] = Field(default_factory=list, description="external: engines to connect")
+    timeout_secs: float | None = Field(None, gt=0)
+    request_id: str | None = Field(None, description="idempotency key: the same id returns the same operation")
+
+
+class ScaleInRequest(BaseModel):
+    model_name: str = "default"
+    num_replicas: int | None = Field(None, ge=0, description="engines that remain (wins over engine_urls)")
+    engine_urls: list[str] = Field(default_factory=list)
+    force: bool = False
+    timeout_secs: float | None = Field(None, gt=0)
+    dry_run: bool = False
+    request_id: str | None = None
+
+
+class ScaleOperation(BaseModel):
+    request_id: str
+    kind: Literal["scale_out", "scale_in"]
+    status: ScaleStatus
+    model_name: str = "default"
+    num_replicas: int | None = None
+    engine_urls: list[str] = Field(default_factory=list)
+    engine_ids: list[str] = Field(default_factory=list)  # scale-out: engines added
+    selected_engines: list[str] = Field(default_factory=list)  # scale-in: engines chosen for removal
+    removed_engines: list[str] = Field(default_factory=list)
+    failed_engines: list[str] = Field(default_factory=list)
+    weight_version: int | None = None
+    error_message: str | None = None
+    message: str = ""
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+
+
+# ---- engines ----------------------------------------------------------------------------------------------------
+@dataclass
+class EngineRecord:
+    engine_id: str
+    engine: InferenceEngine
+    url: str | None = None
+    initial: bool = False
+    added_at: float = field(default_factory=time.monotonic)
+
+
+# Creates one engine for ray_native scale-out (e.g. an embedded engine or a new Ray process); returns (engine, url).
+EngineFactory = Callable[[], Awaitable[tuple[InferenceEngine, str | None]]]
+# Connects to an external engine URL.
+EngineConnector = Callable[[str], Awaitable[InferenceEngine]]
+# The trainer's current weights: (version, named tensors in HF naming).
+WeightSource = Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]]]
+
+
+class ScaleManager:
+    """Runs scale operations against an `EngineRouter`, one at a time."""
+
+    def __init__(self, router: EngineRouter, weights: WeightSource, factory: EngineFactory | None = None,
+                 connector: EngineConnector | None = None, failure_policy: str = "rollback_all",
+                 drain_timeout_s: float = 60.0, health_timeout_s: float = 30.0):
+        if failure_policy not in ("rollback_all", "keep_partial"):
+            raise ValueError(f"failure_policy must be rollback_all or keep_partial, got {failure_policy!r}")
+        self.router = router
+        self.weights = weights
+        self.factory = factory
+        self.connector = connector
+        self.failure_policy = failure_policy
+        self.drain_timeout_s = drain_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self._engine_counter = itertools.count(0)
+        self.engines: list[EngineRecord] = [
+            EngineRecord(self._engine_id(e), e, url=getattr(e, "base_url", None), initial=True) for e in router.engines
+        ]
+        self.operations: dict[str, ScaleOperation] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._counter = itertools.count(1)
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    def get(self, request_id: str) -> ScaleOperation:
+        try:
+            return self.operations[request_id]
+        except KeyError:
+            raise KeyError(f"no scale operation {request_id!r}") from None
+
+    def list(self, kind: str, status: str | None = None) -> list[ScaleOperation]:
+        return [op for op in self.operations.values() if op.kind == kind and (status is None or op.status == status)]
+
+    def engine_table(self) -> list[dict]:
+        healthy = {s["engine"]: s.get("healthy", True) for s in self.router.stats()}
+        return [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
+                 "is_healthy": healthy.get(r.engine_id, True)} for r in self.engines]
+
+    def _engine_id(self, engine: InferenceEngine) -> str:
+        url = getattr(engine, "base_url", None)
+        return url.rstrip("/") if url else f"embedded-{next(self._engine_counter)}"
+
+    def _running(self) -> ScaleOperation | None:
+        return next((op for op in self.operations.values() if op.status not in TERMINAL), None)
+
+    def _new(self, kind: str, request_id: str | None, **fields) -> ScaleOperation:
+        op = ScaleOperation(request_id=request_id or f"{kind}-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
+                            kind=kind, status=ScaleStatus.PENDING, **fields)
+        self.operations[op.request_id] = op
+        return op
+
+    @staticmethod
+    def _move(op: ScaleOperation, status: ScaleStatus, **fields) -> None:
+        op.status = status
+        op.updated_at = time.time()
+        for name, value in fields.items():
+            setattr(op, name, value)
+
+    async def wait(self, request_id: str, timeout_s: float = 300.0) -> ScaleOperation:
+        """Wait until the operation reaches a terminal state (bounded)."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        return self.get(request_id)
+
+    # ---- scale out --------------------------------------------------------------------------------------------
+    def scale_out(self, request: ScaleOutRequest) -> ScaleOperation:
+        if request.request_id and request.request_id in self.operations:
+            return self.operations[request.request_id]  # idempotent retry
+        if self._running() is not None:
+            raise ScaleConflictError(f"scale operation {self._running().request_id} is still running")
+        if request.num_replicas > 0:
+            missing = request.num_replicas - len(self.engines)
+            op = self._new("scale_out", request.request_id, model_name=request.model_name,
+                           num_replicas=request.num_replicas)
+            if missing <= 0:
+                self._move(op, ScaleStatus.NOOP, message=f"{len(self.engines)} engines already serve")
+                return op
+            if self.factory is None:
+                raise ScaleRejectedError("this service cannot create engines (ray_native); pass engine_urls")
+            runner = self._create_engines(op, missing)
+        else:
+            known = {r.url for r in self.engines}
+            urls = [u.rstrip("/") for u in request.engine_urls]
+            new_urls = [u for u in dict.fromkeys(urls) if u not in known]
+            op = self._new("scale_out", request.request_id, model_name=request.model_name, engine_urls=urls)
+            if not urls:
+                self._move(op, ScaleStatus.REJECTED, error_message="give num_replicas > 0 or engine_urls")
+                return op
+            if not new_urls:
+                self._move(op, ScaleStatus.NOOP, message="every URL already serves")
+                return op
+            if self.connector is None:
+                raise ScaleRejectedError("this service cannot connect external engines")
+            runner = self._connect_engines(op, new_urls)
+        timeout = request.timeout_secs or max(self.health_timeout_s * 4, 60.0)
+        self._tasks[op.request_id] = asyncio.create_task(self._guard(op, runner, timeout))
+        return op
+
+    async def _create_engines(self, op: ScaleOperation, count: int) -> None:
+        self._move(op, ScaleStatus.CREATING)
+        created = [await self.factory() for _ in range(count)]
+        await self._bring_up(op, [(engine, url) for engine, url in created])
+
+    async def _connect_engines(self, op: ScaleOperation, urls: list[str]) -> None:
+        self._move(op, ScaleStatus.CONNECTING)
+        await self._bring_up(op, [(await self.connector(url), url) for url in urls])
+
+    async def _bring_up(self, op: ScaleOperation, engines: list[tuple[InferenceEngine, str | None]]) -> None:
+        records = [EngineRecord(self._engine_id(engine), engine, url=url) for engine, url in engines]
+        op.engine_ids = [r.engine_id for r in records]
+        self._move(op, ScaleStatus.HEALTH_CHECKING)
+        for engine, _ in engines:
+            await asyncio.wait_for(engine.health(), self.health_timeout_s)
+        self._move(op, ScaleStatus.WEIGHT_SYNCING)
+        version, named_tensors = self.weights()
+        tensors = list(named_tensors)
+        for engine, _ in engines:
+            await engine.update_weights(tensors, version)
+        self._move(op, ScaleStatus.READY, weight_version=version)
+        for record in records:  # only now: no training request meets old weights
+            await self.router.add_engine(record.engine)
+            self.engines.append(record)
+        self._move(op, ScaleStatus.ACTIVE, message=f"{len(engines)} engines added at weight version {version}")
+
+    async def _guard(self, op: ScaleOperation, runner: Awaitable[None], timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(runner, timeout_s)
+        except asyncio.CancelledError:
+            await self._rollback(op)
+            self._move(op, ScaleStatus.CANCELLED, message="cancelled; engines added by it were removed")
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure becomes the operation's FAILED state
+            if op.kind == "scale_out" and self.failure_policy == "rollback_all":
+                await self._rollback(op)
+            self._move(op, ScaleStatus.FAILED, error_message=f"{type(err).__name__}: {err}")
+
+    async def _rollback(self, op: ScaleOperation) -> None:
+        for record in [r for r in self.engines if r.engine_id in op.engine_ids and not r.initial]:
+            await self.router.remove_engine(record.engine, drain=False)
+            self.engines.remove(record)
+
+    async def cancel(self, request_id: str) -> ScaleOperation:
+        op = self.get(request_id)
+        if op.status in TERMINAL:
+            raise ScaleRejectedError(f"{request_id} is already {op.status.value}")
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return op
+
+    # ---- scale in ---------------------------------------------------------------------------------------------
+    def scale_in(self, request: ScaleInRequest) -> ScaleOperation:
+        if request.request_id and request.request_id in self.operations:
+            return self.operations[request.request_id]
+        if self._running() is not None:
+            raise ScaleConflictError(f"scale operation {self._running().request_id} is still running")
+        op = self._new("scale_in", request.request_id, model_name=request.model_name,
+                       num_replicas=request.num_replicas, engine_urls=request.engine_urls)
+        removable = sorted((r for r in self.engines if not r.initial), key=lambda r: r.added_at, reverse=True)
+        initial = len(self.engines) - len(removable)
+        if request.num_replicas is not None:
+            if request.num_replicas < initial:
+                self._move(op, ScaleStatus.REJECTED, error_message=f"target {request.num_replicas} is below the "
+                           f"{initial} initial engines, which are protected")
+                return op
+            selected = removable[: max(len(self.engines) - request.num_replicas, 0)]  # last in, first out
+        elif request.engine_urls:
+            wanted = {u.rstrip("/") for u in request.engine_urls}
+            protected = [r.url for r in self.engines if r.initial and r.url in wanted]
+            if protected:
+                self._move(op, ScaleStatus.REJECTED, error_message=f"initial engines are protected: {protected}")
+                return op
+            selected = [r for r in removable if r.url in wanted]
+        else:
+            self._move(op, ScaleStatus.REJECTED, error_message="give num_replicas or engine_urls")
+            return op
+        op.selected_engines = [r.engine_id for r in selected]
+        if not selected:
+            self._move(op, ScaleStatus.NOOP, message="nothing to remove")
+            return op
+        if request.dry_run:
+            self._move(op, ScaleStatus.NOOP, message=f"dry run: would remove {op.selected_engines}")
+            return op
+        drain = 0.0 if request.force else (request.timeout_secs or self.drain_timeout_s)
+        self._tasks[op.request_id] = asyncio.create_task(
+            self._guard(op, self._remove(op, selected, drain), drain + max(self.health_timeout_s, 30.0)))
+        return op
+
+    async def _remove(self, op: ScaleOperation, selected: list[EngineRecord], drain_s: float) -> None:
+        self._move(op, ScaleStatus.DRAINING)
+        for record in selected:
+            try:
+                # Stop routing to it and wait for its requests up to the drain timeout; past it the engine leaves
+                # the router anyway and finishes what it holds (those requests still return: nothing is lost).
+                try:
+                    await self.router.remove_engine(record.engine, drain=drain_s > 0, timeout_s=drain_s)
+                except TimeoutError:
+                    await self.router.remove_engine(record.engine, drain=False)
+                self._move(op, ScaleStatus.REMOVING)
+                self.engines.remove(record)
+                op.removed_engines.append(record.engine_id)
+            except Exception as err:  # noqa: BLE001 - partial success: report and go on
+                op.failed_engines.append(f"{record.engine_id}: {err}")
+        if op.failed_engines and not op.removed_engines:
+            raise RuntimeError(f"no engine could be removed: {op.failed_engines}")
+        self._move(op, ScaleStatus.COMPLETED, message=f"removed {op.removed_engines}")

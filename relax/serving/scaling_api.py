@@ -1,0 +1,101 @@
+"""The elastic-scaling REST API of the Rollout service (upstream's endpoints and bodies, relax-upstream.md §5):
+``POST /scale_out``, ``GET /scale_out``, ``GET /scale_out/{id}``, ``POST /scale_out/{id}/cancel``,
+``POST /scale_in``, ``GET /scale_in``, ``GET /scale_in/{id}``, ``GET /engines``.
+
+Rules live in `relax.engine.scaling.ScaleManager`; this module maps them to HTTP: a conflict is 409, a rejected
+request 400, an unknown id 404. Every endpoint that changes the engine set takes a bearer token when one is set.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from relax.engine.scaling import (
+    ScaleConflictError,
+    ScaleInRequest,
+    ScaleManager,
+    ScaleOperation,
+    ScaleOutRequest,
+    ScaleRejectedError,
+    ScaleStatus,
+)
+
+
+def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRouter:
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if api_key and (credentials is None or not secrets.compare_digest(credentials.credentials, api_key)):
+            raise HTTPException(401, "missing or wrong bearer token")
+
+    def started(op: ScaleOperation) -> ScaleOperation:
+        if op.status == ScaleStatus.REJECTED:
+            raise HTTPException(400, op.error_message or "rejected")
+        return op
+
+    def run(action):
+        try:
+            return started(action())
+        except ScaleConflictError as err:
+            raise HTTPException(409, str(err)) from None
+        except ScaleRejectedError as err:
+            raise HTTPException(400, str(err)) from None
+
+    def find(request_id: str, kind: str) -> ScaleOperation:
+        op = manager.operations.get(request_id)
+        if op is None or op.kind != kind:
+            raise HTTPException(404, f"no {kind} operation {request_id!r}")
+        return op
+
+    routes = APIRouter()
+
+    @routes.post("/scale_out", dependencies=[Depends(authorized)])
+    async def scale_out(request: ScaleOutRequest) -> ScaleOperation:
+        return run(lambda: manager.scale_out(request))
+
+    @routes.get("/scale_out")
+    async def list_scale_out(status: ScaleStatus | None = None) -> dict:
+        ops = manager.list("scale_out", status)
+        return {"requests": ops, "total_count": len(ops), "status_filter": status}
+
+    @routes.get("/scale_out/{request_id}")
+    async def scale_out_status(request_id: str) -> ScaleOperation:
+        return find(request_id, "scale_out")
+
+    @routes.post("/scale_out/{request_id}/cancel", dependencies=[Depends(authorized)])
+    async def cancel(request_id: str) -> dict:
+        find(request_id, "scale_out")
+        try:
+            op = await manager.cancel(request_id)
+        except ScaleRejectedError as err:
+            raise HTTPException(400, str(err)) from None
+        return {"request_id": request_id, "status": op.status, "message": op.message}
+
+    @routes.post("/scale_in", dependencies=[Depends(authorized)])
+    async def scale_in(request: ScaleInRequest) -> ScaleOperation:
+        return run(lambda: manager.scale_in(request))
+
+    @routes.get("/scale_in")
+    async def list_scale_in(status: ScaleStatus | None = None) -> dict:
+        ops = manager.list("scale_in", status)
+        return {"requests": ops, "total_count": len(ops), "status_filter": status}
+
+    @routes.get("/scale_in/{request_id}")
+    async def scale_in_status(request_id: str) -> ScaleOperation:
+        return find(request_id, "scale_in")
+
+    @routes.get("/engines")
+    async def engines() -> dict:
+        table = manager.engine_table()
+        return {"models": {"default": {"engines": table}}, "total_engines": len(table)}
+
+    return routes
+
+
+def create_scaling_app(manager: ScaleManager, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Relax rollout scaling")
+    app.include_router(scaling_routes(manager, api_key))
+    return app

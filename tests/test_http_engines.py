@@ -1,0 +1,318 @@
+"""HTTP inference engines and the router, against real `relax serve` servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from safetensors.torch import load_file
+
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.http_openai import OpenAIHTTPEngine
+from relax.backends.inference.http_sglang import EngineUnavailableError, SGLangHTTPEngine, distinct_seeds
+from relax.backends.inference.router import EngineRouter, group_key
+from relax.serving.app import create_app
+from tests.conftest import run_relax, tiny_train_args
+from tests.test_serving import API_KEY, free_port, wait_until
+from tests.tiny_assets import build_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Server:
+    """`relax serve`'s app on a uvicorn thread; ``engine`` is the served engine (to inspect its weights)."""
+
+    def __init__(self, model_dir: Path, api_key: str | None = API_KEY) -> None:
+        self.engine = EmbeddedEngine.from_pretrained(str(model_dir))
+        app = create_app(self.engine, self.engine.tokenizer, model_name="tiny", model_path=str(model_dir),
+                         api_key=api_key, batch_window_s=0.005)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.uv.started, 20, "the server to start")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_workspace) -> Path:
+    return tiny_workspace / "model"
+
+
+@pytest.fixture
+def servers(model_dir):
+    started: list[Server] = []
+
+    def start(count: int = 1, **kwargs) -> list[Server]:
+        new = [Server(model_dir, **kwargs) for _ in range(count)]
+        started.extend(new)
+        return new
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> EmbeddedEngine:
+    return EmbeddedEngine.from_pretrained(str(model_dir))
+
+
+def request(rid: str, prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None):
+    return GenerationRequest(rid, prompt, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True,
+                                                         seed=seed))
+
+
+class Recording(SGLangHTTPEngine):
+    """Records the request ids it was asked to generate."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[str] = []
+
+    async def generate(self, requests):
+        self.seen.extend(r.request_id for r in requests)
+        return await super().generate(requests)
+
+
+def test_sglang_adapter_matches_the_embedded_engine(servers, reference):
+    (server,) = servers(1)
+    engine = SGLangHTTPEngine(server.url, api_key=API_KEY, timeout_s=30)
+    prompt = reference.tokenizer("3+4=")["input_ids"]
+    for params in [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}]:
+        expected = asyncio.run(reference.generate([request("r", prompt, 6, **params)]))[0]
+        got = asyncio.run(engine.generate([request("r", prompt, 6, **params)]))[0]
+        assert got.output_ids == expected.output_ids
+        assert got.output_log_probs == pytest.approx(expected.output_log_probs, abs=1e-5)
+        assert (got.finish_reason, got.weight_version, got.text) == ("length", 0, expected.text)
+    health = asyncio.run(engine.health())
+    assert health["weight_version"] == 0 and health["url"] == server.url
+    # Requests sharing a seed get distinct ones (a server seeds each request alone), the first keeps it.
+    shared = asyncio.run(engine.generate([request(f"g0-i{i}-{i}", prompt, 8, 1.0, seed=3) for i in range(4)]))
+    assert len({tuple(out.output_ids) for out in shared}) > 1
+    assert [r.sampling_params.seed for r in distinct_seeds([request("a", [1], 1, seed=3)] * 2)] == [3, 3 + 1_000_003]
+    # Errors name the URL and endpoint; the key never shows.
+    with pytest.raises(Exception, match=r"/pause_generation: HTTP 401") as info:
+        asyncio.run(SGLangHTTPEngine(server.url, api_key="wrong").pause())
+    assert API_KEY not in str(info.value)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineUnavailableError, match=f"{dead}/generate: cannot reach"):
+        asyncio.run(SGLangHTTPEngine(dead, timeout_s=5).generate([request("x", prompt, 1)]))
+
+
+def test_weight_update_through_disk_is_bit_identical(servers, model_dir, tmp_path, reference):
+    (server,) = servers(1)
+    engine = SGLangHTTPEngine(server.url, api_key=API_KEY, weights_dir=tmp_path / "weights")
+    trainer = load_file(str(build_tiny_model_dir(tmp_path / "other", seed=1) / "model.safetensors"))
+    asyncio.run(engine.update_weights(iter(trainer.items()), 5))
+    assert engine.weight_version == 5 and server.health()["weight_version"] == 5
+    served = dict(server.engine.model.named_parameters())
+    for name, tensor in trainer.items():
+        if name in served:
+            assert torch.equal(served[name].detach().cpu(), tensor), name
+    prompt = [5, 6, 7]
+    out = asyncio.run(engine.generate([request("w", prompt, 4)]))[0]
+    assert out.weight_version == 5
+    expected = asyncio.run(reference.generate([request("w", prompt, 4)]))[0]
+    assert out.output_log_probs != pytest.approx(expected.output_log_probs, abs=1e-4)
+    with pytest.raises(ValueError, match="weights_dir"):
+        asyncio.run(SGLangHTTPEngine(server.url, api_key=API_KEY).update_weights([], 6))
+
+
+def test_router_balances_keeps_groups_and_fans_out(servers, model_dir, tmp_path):
+    a, b = servers(2)
+    engines = [Recording(s.url, api_key=API_KEY, weights_dir=tmp_path / "w") for s in (a, b)]
+    router = EngineRouter(engines)
+
+    async def scenario():
+        requests = [request(f"g{g}-i{g * 4 + k}-{g * 4 + k}", [5 + g, 6, 7], 6, 1.0, seed=11)
+                    for g in range(4) for k in range(4)]
+        outputs = await router.generate(requests)
+        assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+        assert all(len(o.output_ids) == 6 for o in outputs)
+        await router.pause()
+        await router.resume()
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        await router.update_weights(iter(tensors.items()), 2)
+        return await router.health()
+
+    health = asyncio.run(scenario())
+    assert all(engine.seen for engine in engines), "both engines got requests"
+    for g in range(4):
+        owners = {i for i, engine in enumerate(engines) if any(group_key(r) == f"g{g}" for r in engine.seen)}
+        assert len(owners) == 1, f"group g{g} was split over engines {owners}"
+    assert sorted(len(e.seen) for e in engines) == [8, 8]
+    assert router.weight_version == 2 and health["weight_version"] == 2
+    assert a.health()["weight_version"] == b.health()["weight_version"] == 2
+    assert len(list((tmp_path / "w").iterdir())) == 1  # one published copy for engines sharing the directory
+
+
+def serve_subprocess(model_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
+         "--device", "cpu", "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, "relax serve exited"
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, 60, "relax serve to answer /health")
+    return process, url
+
+
+def test_router_survives_a_killed_server(servers, model_dir):
+    process, doomed_url = serve_subprocess(model_dir)
+    try:
+        (survivor,) = servers(1)
+        doomed = SGLangHTTPEngine(doomed_url, timeout_s=30)
+        router = EngineRouter([doomed, SGLangHTTPEngine(survivor.url, timeout_s=30)], retry_down_after_s=60)
+        requests = [request(f"g{g}-i{g * 2 + k}-{g * 2 + k}", [5 + g, 6], 120) for g in range(4) for k in range(2)]
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(out=asyncio.run(router.generate(requests))))
+        thread.start()
+
+        def busy() -> bool:
+            try:
+                return httpx.get(f"{doomed_url}/health", timeout=1).json()["in_flight_requests"] > 0
+            except (httpx.TransportError, ValueError):
+                return False
+
+        wait_until(busy, 30, "requests in flight on the doomed server")
+        process.send_signal(signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive()
+        outputs = result["out"]
+        assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+        assert all(o.finish_reason == "length" and len(o.output_ids) == 120 for o in outputs), "no request lost"
+        stats = {s["engine"]: s for s in router.stats()}
+        assert stats[doomed_url]["healthy"] is False and "cannot reach" in stats[doomed_url]["last_error"]
+        assert stats[survivor.url]["served"] == len(requests)
+        health = asyncio.run(router.health())  # still serving on the survivor
+        assert [e["healthy"] for e in health["engines"]] == [False, True]
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_remove_engine_drains_and_add_engine_catches_up(servers, model_dir, tmp_path):
+    a, b, c = servers(3)
+    first, second = (SGLangHTTPEngine(s.url, api_key=API_KEY, weights_dir=tmp_path / "w") for s in (a, b))
+    router = EngineRouter([first, second])
+
+    async def scenario():
+        requests = [request(f"g{g}-i{g}-{g}", [5, 6 + g], 60) for g in range(4)]
+        task = asyncio.ensure_future(router.generate(requests))
+        while not router._slots[0].outstanding:
+            await asyncio.sleep(0.005)
+        await router.remove_engine(first, drain=True, timeout_s=30)
+        assert a.health()["in_flight_requests"] == 0, "removed before its requests finished"
+        assert router.engines == [second]
+        outputs = await task
+        assert all(len(o.output_ids) == 60 for o in outputs)
+        later = await router.generate([request(f"g9-i{k}-{k}", [5], 2) for k in range(3)])
+        assert all(o.finish_reason == "length" for o in later)
+        # A new engine is brought to the router's weight version before it gets work.
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        await router.update_weights(iter(tensors.items()), 3)
+        await router.add_engine(SGLangHTTPEngine(c.url, api_key=API_KEY, weights_dir=tmp_path / "w"))
+        return outputs
+
+    asyncio.run(scenario())
+    assert c.health()["weight_version"] == 3 and b.health()["weight_version"] == 3
+    assert a.health()["weight_version"] == 0
+    with pytest.raises(KeyError, match="not in the router"):
+        asyncio.run(router.remove_engine(a.url))
+
+
+def test_openai_adapter_against_our_server(servers, model_dir, reference, tmp_path):
+    (server,) = servers(1)
+    engine = OpenAIHTTPEngine(server.url, "tiny", api_key=API_KEY, tokenizer=reference.tokenizer,
+                              weights_dir=tmp_path / "w")
+    prompt = reference.tokenizer("3+4=")["input_ids"]
+    for params in [{"temperature": 0.0}, {"temperature": 1.0, "seed": 5}]:
+        expected = asyncio.run(reference.generate([request("r", prompt, 6, **params)]))[0]
+        got = asyncio.run(engine.generate([request("r", prompt, 6, **params)]))[0]
+        assert got.output_ids == expected.output_ids
+        assert got.output_log_probs == pytest.approx(expected.output_log_probs, abs=1e-5)
+        assert got.finish_reason == "length"
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    asyncio.run(engine.update_weights(iter(tensors.items()), 4))
+    assert asyncio.run(engine.health())["weight_version"] == 4 == server.health()["weight_version"]
+    assert engine._token_id("token_id:17") == 17
+
+
+def test_train_with_external_engines(servers, tiny_workspace, tmp_path):
+    a, b = servers(2)
+    run_dir = tmp_path / "run"
+    result = run_relax("train", *tiny_train_args(
+        tiny_workspace, run_dir, "--num-rollout", "2", "--rollout-external", "--rollout-external-engine-addrs",
+        a.url, b.url, "--rollout-engine-api-key", API_KEY, "--rollout-weights-dir", str(tmp_path / "weights")),
+        timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert a.health()["weight_version"] == 2 and b.health()["weight_version"] == 2
+    assert a.health()["batched_requests"] > 0 and b.health()["batched_requests"] > 0
+    assert API_KEY not in result.stderr + result.stdout
+    saved = (run_dir / "config.yaml").read_text()
+    assert API_KEY not in saved and "rollout_engine_api_key: '***'" in saved
+    assert API_KEY not in (run_dir / "run.log").read_text() if (run_dir / "run.log").exists() else True
+
+
+def test_abort_and_pause_through_the_router(servers):
+    a, b = servers(2)
+    router = EngineRouter([SGLangHTTPEngine(s.url, api_key=API_KEY) for s in (a, b)])
+
+    async def scenario():
+        await router.pause()
+        task = asyncio.ensure_future(router.generate([request("g0-i0-0", [5, 6], 50), request("g1-i1-1", [5, 7], 3)]))
+        while a.health()["in_flight_requests"] + b.health()["in_flight_requests"] < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert not task.done(), "paused engines hold their requests"
+        await router.abort(["g0-i0-0"])
+        await router.resume()
+        return await task
+
+    aborted, finished = asyncio.run(scenario())
+    assert aborted.finish_reason == "abort" and finished.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rollout-external"], "--rollout-external needs --rollout-external-engine-addrs"),
+    (["--rollout-external-engine-addrs", "http://127.0.0.1:1"], "--rollout-external-engine-addrs needs --rollout-external"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:1"], "is not a base URL"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "http://a:1/"], "listed twice"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "grpc"],
+     "rollout_engine_protocol"),
+])
+def test_external_engine_flags_are_checked(args, message):
+    from relax.cli.args import parse_config
+    from relax.config import ConfigError
+
+    with pytest.raises((ConfigError, SystemExit, ValueError)) as info:
+        parse_config(["--hf-checkpoint", "x", *args])
+    if info.type is not SystemExit:
+        assert message in str(info.value)

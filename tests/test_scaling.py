@@ -1,0 +1,139 @@
+"""Elastic scale-out / scale-in of rollout engines over the REST API: real HTTP on 127.0.0.1, real embedded
+engines behind the real router."""
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.router import EngineRouter
+from relax.distributed.process_group import free_loopback_port
+from relax.engine.scaling import ScaleManager
+from relax.serving.scaling_api import create_scaling_app
+
+TOKEN = "scale-secret"
+TRAINED_VERSION = 5
+
+
+def _trained_weights(model_dir):
+    """The 'trainer's' current weights: the model moved away from its start, as version 5."""
+    model = EmbeddedEngine.from_pretrained(str(model_dir)).model
+    generator = torch.Generator().manual_seed(0)
+    # named_parameters lists a tied tensor once (the embedding and the LM head are one here), as the trainer does
+    return {name: p.detach() + 0.01 * torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def service(tiny_workspace):
+    model_dir = tiny_workspace / "model"
+    trained = _trained_weights(model_dir)
+    initial = EmbeddedEngine.from_pretrained(str(model_dir))
+    router = EngineRouter([initial])
+    created = []
+
+    async def factory():
+        engine = EmbeddedEngine.from_pretrained(str(model_dir))
+        created.append(engine)
+        return engine, None
+
+    manager = ScaleManager(router, weights=lambda: (TRAINED_VERSION, trained.items()), factory=factory)
+    port = free_loopback_port()
+    server = uvicorn.Server(uvicorn.Config(create_scaling_app(manager, api_key=TOKEN), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        yield client, manager, router, created, trained
+    server.should_exit = True
+    thread.join(10)
+
+
+def _wait_terminal(client, kind, request_id, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        op = client.get(f"/{kind}/{request_id}").json()
+        if op["status"] in ("ACTIVE", "COMPLETED", "FAILED", "CANCELLED", "NOOP"):
+            return op
+        time.sleep(0.05)
+    raise AssertionError(f"{kind} {request_id} did not finish within {timeout_s} s")
+
+
+def test_scale_out_to_three_and_back_to_one(service):
+    client, manager, router, created, trained = service
+    response = client.post("/scale_out", json={"num_replicas": 3, "request_id": "out-1"})
+    assert response.status_code == 200 and response.json()["status"] in ("PENDING", "CREATING", "HEALTH_CHECKING",
+                                                                         "WEIGHT_SYNCING", "READY", "ACTIVE")
+    op = _wait_terminal(client, "scale_out", "out-1")
+    assert op["status"] == "ACTIVE" and op["weight_version"] == TRAINED_VERSION and len(op["engine_ids"]) == 2
+    assert client.get("/engines").json()["total_engines"] == 3 and len(router.engines) == 3
+    # new engines serve the trainer's current weights, never the checkpoint's
+    for engine in created:
+        assert engine.weight_version == TRAINED_VERSION
+        for name, param in engine.model.named_parameters():
+            assert torch.equal(param, trained[name].to(param.dtype)), name
+    # idempotent: the same request id returns the same operation; the target already met is a NOOP
+    assert client.post("/scale_out", json={"num_replicas": 3, "request_id": "out-1"}).json()["request_id"] == "out-1"
+    assert client.post("/scale_out", json={"num_replicas": 3}).json()["status"] == "NOOP"
+
+    # the initial engine is protected; a dry run shows the last-in-first-out selection
+    rejected = client.post("/scale_in", json={"num_replicas": 0})
+    assert rejected.status_code == 400 and "protected" in rejected.text
+    dry = client.post("/scale_in", json={"num_replicas": 2, "dry_run": True}).json()
+    assert dry["status"] == "NOOP" and dry["selected_engines"] == [op["engine_ids"][-1]]
+    back = client.post("/scale_in", json={"num_replicas": 1, "request_id": "in-1"}).json()
+    done = _wait_terminal(client, "scale_in", back["request_id"])
+    assert done["status"] == "COMPLETED" and done["removed_engines"] == list(reversed(op["engine_ids"]))
+    assert len(router.engines) == 1 and client.get("/engines").json()["total_engines"] == 1
+    listed = client.get("/scale_in").json()
+    assert listed["total_count"] == 3 and client.get("/scale_out/nope").status_code == 404
+
+
+def test_one_operation_at_a_time_and_cancel_rolls_back(service):
+    client, manager, router, created, _ = service
+    slow = manager.factory
+
+    async def slow_factory():
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        return await slow()
+
+    manager.factory = slow_factory
+    first = client.post("/scale_out", json={"num_replicas": 3}).json()
+    conflict = client.post("/scale_out", json={"num_replicas": 4})
+    assert conflict.status_code == 409 and first["request_id"] in conflict.text
+    cancelled = client.post(f"/scale_out/{first['request_id']}/cancel")
+    assert cancelled.status_code == 200
+    assert _wait_terminal(client, "scale_out", first["request_id"])["status"] == "CANCELLED"
+    assert len(router.engines) == 1
+
+
+def test_control_endpoints_need_the_token(service):
+    client, *_ = service
+    anonymous = httpx.post(f"{client.base_url}/scale_out", json={"num_replicas": 2})
+    assert anonymous.status_code == 401 and TOKEN not in anonymous.text
+    assert httpx.get(f"{client.base_url}/engines").status_code == 200  # reads are open
+
+
+def test_requests_keep_flowing_through_a_scale_out(service):
+    client, manager, router, created, _ = service
+    import asyncio
+
+    async def traffic():
+        requests = [GenerationRequest(f"g{i}-i0-0", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=i))
+                    for i in range(12)]
+        return await router.generate(requests)
+
+    op = client.post("/scale_out", json={"num_replicas": 2}).json()
+    outputs = asyncio.run(traffic())  # concurrently with the scale-out running on the server's loop
+    assert len(outputs) == 12 and all(len(o.output_ids) == 4 for o in outputs)
+    assert _wait_terminal(client, "scale_out", op["request_id"])["status"] == "ACTIVE"
