@@ -230,8 +230,31 @@ class RelaxConfig(BaseModel):
         "engines",
     )
 
+    rollout_api_port: int | None = _field(
+        None,
+        "Serve the rollout engines' elastic-scaling REST API (/scale_out, /scale_in, /engines; docs/engines.md) on "
+        "127.0.0.1:PORT while training, so engines can be added and removed during the run (`relax scale`).",
+        "engines",
+        ge=1,
+        le=65535,
+    )
+    rollout_api_key: str | None = _field(
+        None, "Bearer token the scaling API's control endpoints require (never logged; hidden in the saved config).",
+        "engines",
+    )
+    scale_in_drain_timeout: float = _field(
+        60.0, "Seconds a scale-in waits for an engine's requests before it leaves the router (they still finish).",
+        "engines",
+        gt=0,
+    )
+
     @model_validator(mode="after")
     def _check_external_engines(self) -> RelaxConfig:
+        if self.rollout_api_port is not None and self.placement != "in_process":
+            raise ValueError(f"{flag('rollout_api_port')} needs the in-process placement (the engines live in the "
+                             f"trainer's process); drop {flag('placement')} ray")
+        if self.rollout_api_key and self.rollout_api_port is None:
+            raise ValueError(f"{flag('rollout_api_key')} needs {flag('rollout_api_port')}")
         if not self.rollout_external:
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol")

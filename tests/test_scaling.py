@@ -1,6 +1,7 @@
 """Elastic scale-out / scale-in of rollout engines over the REST API: real HTTP on 127.0.0.1, real embedded
 engines behind the real router."""
 
+import json
 import threading
 import time
 
@@ -137,3 +138,56 @@ def test_requests_keep_flowing_through_a_scale_out(service):
     outputs = asyncio.run(traffic())  # concurrently with the scale-out running on the server's loop
     assert len(outputs) == 12 and all(len(o.output_ids) == 4 for o in outputs)
     assert _wait_terminal(client, "scale_out", op["request_id"])["status"] == "ACTIVE"
+
+
+def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
+    """`relax train --fully-async --rollout-api-port`, driven by `relax scale`: 1 -> 3 -> 1 engines while it trains;
+    training goes on, every group is trained once, and new engines serve the current weight version."""
+    import os
+    import subprocess
+    import sys
+
+    from relax.utils.tracking import read_metrics
+    from tests.conftest import ROOT, run_relax, tiny_train_args
+
+    port, out = free_loopback_port(), tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "train", *tiny_train_args(
+            tiny_workspace, out, "--fully-async", "--max-staleness", "1", "--num-rollout", "150",
+            "--skip-eval-before-train", "--dump-samples", "0", "--rollout-api-port", str(port),
+            "--rollout-api-key", TOKEN)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
+            time.sleep(0.1)
+
+        scaled = run_relax("scale", "out", "--url", url, "--num-replicas", "3", "--api-key", TOKEN)
+        assert scaled.returncode == 0, scaled.stderr
+        operation = json.loads(scaled.stdout)
+        assert operation["status"] == "ACTIVE" and train.poll() is None  # training still running
+        engines = httpx.get(f"{url}/engines").json()["models"]["default"]["engines"]
+        assert len(engines) == 3
+        assert len({e["weight_version"] for e in engines}) == 1 and engines[0]["weight_version"] >= 1
+        time.sleep(1.0)  # let the three engines serve a few steps
+        back = run_relax("scale", "in", "--url", url, "--num-replicas", "1", "--api-key", TOKEN)
+        assert back.returncode == 0, back.stderr
+        assert json.loads(back.stdout)["status"] == "COMPLETED" and train.poll() is None
+        _, stderr = train.communicate(timeout=600)
+        assert train.returncode == 0, stderr[-3000:]
+    finally:
+        if train.poll() is None:
+            train.kill()
+    rows = read_metrics(out / "metrics.jsonl")
+    trained = [r for r in rows if "data/produced_groups" in r]
+    assert [r["step"] for r in trained] == list(range(1, 151))
+    assert all(r["data/produced_groups"] == r["data/consumed_groups"] == 4 for r in trained)
+    assert TOKEN not in stderr

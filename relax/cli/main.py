@@ -1,4 +1,4 @@
-"""`relax` command: train, eval, export, serve, config-docs."""
+"""`relax` command: train, eval, export, serve, scale, config-docs."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ commands:
   eval         measure a model or checkpoint on held-out prompt sets
   export       turn a checkpoint into a Hugging Face model folder
   serve        serve a model over HTTP (SGLang native and OpenAI protocols)
+  scale        add or remove rollout engines of a running training (its --rollout-api-port)
   config-docs  print the configuration reference (docs/config.md)
 """
 
@@ -73,7 +74,7 @@ def cmd_train(argv: list[str]) -> int:
         with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                      wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
-            last = asyncio.run(controller.run())
+            last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
     finally:
         if service is not None:
             service.shutdown()
@@ -83,6 +84,14 @@ def cmd_train(argv: list[str]) -> int:
               f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
     print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/, checkpoints/)")
     return 0
+
+
+async def _run_with_scaling_api(controller, cfg, roles):
+    """The training loop, with the engines' scaling API served beside it when --rollout-api-port is set."""
+    from relax.core.scaling_service import scaling_api
+
+    async with scaling_api(cfg, roles):
+        return await controller.run()
 
 
 def controller_class(cfg):
@@ -206,7 +215,13 @@ def cmd_config_docs(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
+def cmd_scale(argv: list[str]) -> int:
+    from relax.cli.scale import main as scale_main
+
+    return scale_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve, "scale": cmd_scale,
             "config-docs": cmd_config_docs}
 
 

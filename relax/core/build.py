@@ -269,9 +269,14 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
         max_new_tokens=cfg.rollout_max_response_len, temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
         top_k=cfg.rollout_top_k, stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
+    if cfg.rollout_external:
+        engine = build_external_engine(cfg, tokenizer)
+    else:
+        engine = build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype)
+        if cfg.rollout_api_port is not None:  # engines come and go through the scaling API: route through a router
+            engine = EngineRouter([engine])
     return Rollout(
-        engine=(build_external_engine(cfg, tokenizer) if cfg.rollout_external
-                else build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype)),
+        engine=engine,
         data_source=PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
         rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),

@@ -153,7 +153,8 @@ class ScaleManager:
     def engine_table(self) -> list[dict]:
         healthy = {s["engine"]: s.get("healthy", True) for s in self.router.stats()}
         return [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
-                 "is_healthy": healthy.get(r.engine_id, True)} for r in self.engines]
+                 "is_healthy": healthy.get(r.engine_id, True), "weight_version": r.engine.weight_version}
+                for r in self.engines]
 
     def _engine_id(self, engine: InferenceEngine) -> str:
         url = getattr(engine, "base_url", None)
@@ -240,6 +241,9 @@ class ScaleManager:
         for record in records:  # only now: no training request meets old weights
             await self.router.add_engine(record.engine)
             self.engines.append(record)
+            latest, named_tensors = self.weights()
+            if record.engine.weight_version != latest:  # a training update landed while it was syncing
+                await record.engine.update_weights(list(named_tensors), latest)
         self._move(op, ScaleStatus.ACTIVE, message=f"{len(engines)} engines added at weight version {version}")
 
     async def _guard(self, op: ScaleOperation, runner: Awaitable[None], timeout_s: float) -> None:

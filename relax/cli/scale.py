@@ -1,0 +1,100 @@
+"""`relax scale`: the client of the rollout engines' scaling API (docs/engines.md).
+
+    relax scale out --url http://127.0.0.1:8100 --num-replicas 3        # ray_native-style: 3 engines in all
+    relax scale out --url URL --engine-urls http://10.0.0.7:30000        # connect an external engine
+    relax scale in  --url URL --num-replicas 1 [--force] [--dry-run]
+    relax scale engines --url URL
+    relax scale status --url URL {out|in} REQUEST_ID
+
+A scale request gets a request id (yours with --request-id, or a fresh one) and is retried with that same id when
+the connection fails, so a retry never starts a second operation; the command then polls the operation until it
+ends and prints it. The bearer token comes from --api-key or RELAX_API_KEY and is never printed.
+Exit status: 0 for ACTIVE, COMPLETED or NOOP; 1 for FAILED, CANCELLED or REJECTED; 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+import httpx
+
+TERMINAL = {"ACTIVE", "COMPLETED", "NOOP", "FAILED", "CANCELLED", "REJECTED"}
+SUCCESS = {"ACTIVE", "COMPLETED", "NOOP"}
+RETRIES = 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relax scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=["out", "in", "engines", "status"])
+    parser.add_argument("args", nargs="*", help="status: out|in REQUEST_ID")
+    parser.add_argument("--url", required=True, help="the scaling API, e.g. http://127.0.0.1:8100")
+    parser.add_argument("--num-replicas", type=int, help="out: engines wanted in all; in: engines that remain")
+    parser.add_argument("--engine-urls", nargs="*", default=[], help="external engines to connect or remove")
+    parser.add_argument("--force", action="store_true", help="in: do not wait for the engines' requests")
+    parser.add_argument("--dry-run", action="store_true", help="in: show what would be removed")
+    parser.add_argument("--drain-timeout", type=float, help="in: seconds to wait for the engines' requests")
+    parser.add_argument("--request-id", help="idempotency key (default: a new one)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up polling after this many seconds")
+    parser.add_argument("--api-key", default=os.environ.get("RELAX_API_KEY"), help="bearer token (default $RELAX_API_KEY)")
+    return parser
+
+
+def _post_with_retries(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    for attempt in range(RETRIES):
+        try:
+            return client.post(path, json=body)
+        except httpx.TransportError as err:
+            if attempt == RETRIES - 1:
+                raise SystemExit(f"relax scale: {client.base_url}{path}: no answer after {RETRIES} tries ({err})")
+            time.sleep(min(2**attempt * 0.5, 5.0))
+    raise AssertionError("unreachable")
+
+
+def _poll(client: httpx.Client, kind: str, request_id: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        operation = client.get(f"/{kind}/{request_id}").json()
+        if operation["status"] in TERMINAL:
+            return operation
+        if time.monotonic() > deadline:
+            raise SystemExit(f"relax scale: {kind} {request_id} still {operation['status']} after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=60) as client:
+        if args.action == "engines":
+            print(json.dumps(client.get("/engines").json(), indent=2))
+            return 0
+        if args.action == "status":
+            if len(args.args) != 2 or args.args[0] not in ("out", "in"):
+                print("relax scale status: give out|in and a request id", file=sys.stderr)
+                return 2
+            operation = client.get(f"/scale_{args.args[0]}/{args.args[1]}").json()
+            print(json.dumps(operation, indent=2))
+            return 0
+        if args.num_replicas is None and not args.engine_urls:
+            print(f"relax scale {args.action}: give --num-replicas or --engine-urls", file=sys.stderr)
+            return 2
+        kind = f"scale_{args.action}"
+        body = {"engine_urls": args.engine_urls, "request_id": args.request_id or f"cli-{uuid.uuid4().hex[:12]}"}
+        if args.num_replicas is not None:
+            body["num_replicas"] = args.num_replicas
+        if args.action == "in":
+            body.update(force=args.force, dry_run=args.dry_run)
+            if args.drain_timeout is not None:
+                body["timeout_secs"] = args.drain_timeout
+        response = _post_with_retries(client, f"/{kind}", body)
+        if response.status_code != 200:
+            print(f"relax scale {args.action}: HTTP {response.status_code}: {response.text}", file=sys.stderr)
+            return 1
+        operation = _poll(client, kind, response.json()["request_id"], args.timeout)
+    print(json.dumps(operation, indent=2))
+    return 0 if operation["status"] in SUCCESS else 1
