@@ -130,7 +130,7 @@ def test_requests_keep_flowing_through_a_scale_out(service):
     import asyncio
 
     async def traffic():
-        requests = [GenerationRequest(f"g{i}-i0-0", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=i))
+        requests = [GenerationRequest(f"g{i}-i0-0", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=i, ignore_eos=True))
                     for i in range(12)]
         return await router.generate(requests)
 

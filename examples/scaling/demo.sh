@@ -8,7 +8,7 @@ PORT=${PORT:-8100}
 URL=http://127.0.0.1:$PORT
 export RELAX_API_KEY=${RELAX_API_KEY:-demo-token}
 OUT=${OUT:-runs/scaling_demo}
-rm -rf "$OUT"
+rm -rf "$OUT"; mkdir -p "$(dirname "$OUT")"
 
 echo "== relax train --fully-async --max-staleness 1 --rollout-api-port $PORT (120 steps of the quickstart)"
 relax train --config examples/quickstart/config.yaml --fully-async --max-staleness 1 --num-rollout 120 \

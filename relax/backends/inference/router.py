@@ -202,57 +202,57 @@ class EngineRouter(InferenceEngine):
     # ---------------------------------------------------------------------------- InferenceEngine
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Place each request group on an engine, send every engine its requests in one call (so an embedded
+        engine decodes them as one batch and shares the group's prefill), and retry the groups of an engine
+        that fails on the others, at most ``max_retries`` times: no request is lost while one engine lives."""
         requests = distinct_seeds(requests)
         groups: dict[str, list[int]] = {}
         for position, request in enumerate(requests):
             groups.setdefault(group_key(request.request_id), []).append(position)
         outputs: list[GenerationOutput | None] = [None] * len(requests)
-
-        async def run_group(key: str, positions: list[int]) -> None:
-            slot = await self._pick(key, set())
-            slot.outstanding += len(positions)  # counted before the next group picks; `_run` releases each
-
-            async def run_one(position: int) -> None:
-                outputs[position] = await self._run(key, requests[position], slot)
-
-            await asyncio.gather(*(run_one(position) for position in positions))
-
-        # Groups are placed one after the other (each pick sees the previous groups' load), then run together.
-        tasks = []
-        for key, positions in groups.items():
-            tasks.append(asyncio.ensure_future(run_group(key, positions)))
-            await asyncio.sleep(0)
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
+        tried: dict[str, set[int]] = {key: set() for key in groups}
+        pending = list(groups.items())
+        for attempt in range(self.max_retries + 1):
+            placed: dict[int, tuple[_Slot, list[tuple[str, list[int]]]]] = {}
+            for key, positions in pending:  # one after the other: each pick sees the load placed before it
+                slot = await self._pick(key, tried[key])
+                slot.outstanding += len(positions)
+                placed.setdefault(id(slot), (slot, []))[1].append((key, positions))
+            batches = list(placed.values())
+            results = await asyncio.gather(*(self._run_batch(slot, items, requests) for slot, items in batches),
+                                           return_exceptions=True)
+            pending = []
+            for (slot, items), result in zip(batches, results):
+                if isinstance(result, BaseException):
+                    if not is_retryable(result) or attempt == self.max_retries:
+                        raise result
+                    self._mark_down(slot, result)
+                    logger.warning("%d requests failed on %s (%s); retrying them on another engine (%d/%d)",
+                                   sum(len(p) for _, p in items), slot.name, result, attempt + 1, self.max_retries)
+                    for key, positions in items:
+                        tried[key].add(id(slot))
+                        pending.append((key, positions))
+                else:
+                    for position, output in result:
+                        outputs[position] = output
+            if not pending:
+                break
         return outputs  # type: ignore[return-value]
 
-    async def _run(self, key: str, request: GenerationRequest, slot: _Slot) -> GenerationOutput:
-        """Run one request on ``slot`` (already counted in its ``outstanding``), retrying on another engine
-        when the engine fails; the count follows the request and is released when it ends."""
-        tried: set[int] = set()
-        attempt = 0
-        while True:
-            slot.in_flight.add(request.request_id)
-            try:
-                output = (await slot.engine.generate([request]))[0]
-                slot.served += 1
-                return output
-            except Exception as error:
-                if not is_retryable(error) or attempt >= self.max_retries:
-                    raise
-                self._mark_down(slot, error)
-                tried.add(id(slot))
-                attempt += 1
-                logger.warning("request %s failed on %s (%s); retrying on another engine (%d/%d)",
-                               request.request_id, slot.name, error, attempt, self.max_retries)
-            finally:
-                slot.in_flight.discard(request.request_id)
-                slot.outstanding -= 1
-            slot = await self._pick(key, tried)
-            slot.outstanding += 1
+    async def _run_batch(self, slot: _Slot, items: list[tuple[str, list[int]]],
+                         requests: Sequence[GenerationRequest]) -> list[tuple[int, GenerationOutput]]:
+        """One engine call for the groups placed on ``slot`` (already counted in its ``outstanding``)."""
+        positions = [position for _, group in items for position in group]
+        batch = [requests[position] for position in positions]
+        ids = {request.request_id for request in batch}
+        slot.in_flight.update(ids)
+        try:
+            outputs = await slot.engine.generate(batch)
+            slot.served += len(batch)
+            return list(zip(positions, outputs))
+        finally:
+            slot.in_flight.difference_update(ids)
+            slot.outstanding -= len(batch)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         ids = set(request_ids)
