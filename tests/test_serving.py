@@ -282,3 +282,49 @@ def test_relax_serve_command(model_dir):
             output, _ = process.communicate(timeout=10)
     assert API_KEY not in output
     assert json.dumps(API_KEY) not in output
+
+
+def test_update_weights_over_a_distributed_group(server, model_dir, tmp_path, reference):
+    """SGLang's /init_weights_update_group + /update_weights_from_distributed: this process is the trainer (rank 0)
+    and broadcasts over a gloo group; the server ends up with exactly the broadcast weights and version."""
+    from relax.distributed.weight_broadcast import BroadcastPublisher, WeightSyncGroup
+
+    port, prompt = free_port(), [5, 6, 7]
+    original = load_file(str(model_dir / "model.safetensors"))
+    other = load_file(str(build_tiny_model_dir(tmp_path / "other", seed=2) / "model.safetensors"))
+    results = {}
+
+    def call(name, path, body):
+        with httpx.Client(base_url=server, timeout=120, headers=AUTH) as http:
+            results[name] = http.post(path, json=body)
+
+    def push(tensors, version):
+        thread = threading.Thread(target=call, args=("update", "/update_weights_from_distributed",
+                                                     {"weight_version": version}))
+        thread.start()
+        asyncio.run(BroadcastPublisher(group).publish([list(tensors.items())], version))
+        thread.join(60)
+        return results["update"]
+
+    joining = threading.Thread(target=call, args=("init", "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}))
+    joining.start()
+    group = WeightSyncGroup.init("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
+    joining.join(60)
+    assert results["init"].status_code == 200 and results["init"].json()["success"] is True
+    try:
+        response = push(other, 7)
+        assert response.status_code == 200 and response.json()["weight_version"] == 7, response.text
+        expected = EmbeddedEngine.from_pretrained(str(tmp_path / "other"))
+        with httpx.Client(base_url=server, timeout=60) as http:
+            body = http.post("/generate", json={"input_ids": prompt, "sampling_params": greedy(4),
+                                                "return_logprob": True}).json()
+        served = [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+        assert body["meta_info"]["weight_version"] == 7
+        assert served == pytest.approx(reference_generate(expected, prompt, 4).output_log_probs, abs=1e-5)
+        assert push(original, 8).json()["weight_version"] == 8  # back to the weights the other tests expect
+    finally:
+        group.close()
+    with httpx.Client(base_url=server, timeout=60) as http:
+        unknown = http.post("/update_weights_from_distributed", json={"group_name": "nope"}, headers=AUTH)
+    assert unknown.status_code == 400 and "init_weights_update_group" in unknown.text

@@ -24,9 +24,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
+from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
 from relax.serving.batcher import RequestBatcher
 from relax.serving.protocol import (
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDistributedRequest,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -211,6 +214,37 @@ def create_app(
                                  **_error_body(f"model_path: {message}", 400, "model_path")}, status_code=400)
         return JSONResponse({"success": True, "message": f"serving weight version {version}",
                              "weight_version": version})
+
+    weight_groups: dict[str, BroadcastReceiver] = {}
+
+    @app.post("/init_weights_update_group", dependencies=control)
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        if body.rank_offset >= body.world_size:
+            raise BadRequest(f"rank_offset {body.rank_offset} is outside world_size {body.world_size}", "rank_offset")
+        try:  # the rendezvous blocks until every rank joined: off the loop, so the server keeps serving
+            group = await asyncio.to_thread(WeightSyncGroup.init, body.master_address, body.master_port,
+                                            body.rank_offset, body.world_size, body.backend, body.timeout_s)
+        except (RuntimeError, ValueError) as error:
+            return JSONResponse({"success": False, **_error_body(f"init_weights_update_group: {error}", 400,
+                                                                 "master_address")}, status_code=400)
+        if body.group_name in weight_groups:
+            weight_groups[body.group_name].group.close()
+        weight_groups[body.group_name] = BroadcastReceiver(group, engine)
+        return JSONResponse({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"})
+
+    @app.post("/update_weights_from_distributed", dependencies=control)
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        receiver = weight_groups.get(body.group_name)
+        if receiver is None:
+            raise BadRequest(f"no weight-sync group {body.group_name!r}: call /init_weights_update_group first",
+                             "group_name")
+        try:
+            metrics = await receiver.receive(body.weight_version)
+        except WeightSyncError as error:
+            return JSONResponse({"success": False, **_error_body(str(error), 400, "weight_version")},
+                                status_code=400)
+        return JSONResponse({"success": True, "weight_version": metrics.version, "seconds": metrics.seconds,
+                             "message": f"serving weight version {metrics.version}"})
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

@@ -144,3 +144,28 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
+
+
+class InitWeightsUpdateGroupRequest(_Body):
+    """Join the trainer's weight-sync process group (the trainer is rank 0 and hosts the store at
+    ``master_address:master_port``); this server takes rank ``rank_offset``."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    group_name: str = "weight_sync"
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    """Receive the next version over the joined group: the trainer broadcasts a manifest (names, shapes, dtypes,
+    version) and then the buckets (relax.distributed.weight_broadcast). SGLang's per-call ``names``/``dtypes``/
+    ``shapes`` are accepted and ignored: the manifest carries them."""
+
+    weight_version: int | None = Field(None, ge=0)
+    group_name: str = "weight_sync"
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[int]] | None = None
