@@ -223,6 +223,13 @@ def test_openai_client_chat_and_completions(server, reference):
                                          extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == ref.text
 
+    # Token by token: a longer answer arrives in several content chunks that add up to the whole text.
+    long_ref = reference_generate(reference, reference.tokenizer("3+4=")["input_ids"], 24)
+    pieces = [chunk.choices[0].text for chunk in openai.completions.create(
+        model="tiny", prompt="3+4=", max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if chunk.choices and chunk.choices[0].text]
+    assert "".join(pieces) == long_ref.text and len(pieces) > 1
+
 
 def test_update_weights_from_disk_changes_outputs_and_version(client, model_dir, tmp_path, reference):
     prompt = [5, 6, 7]

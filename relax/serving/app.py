@@ -336,20 +336,51 @@ def create_app(
         if chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(requests))])
+        # Token by token, unless stop strings (trimmed only once the response is known) or log-probs are asked for.
+        incremental = not params.stop and not logprobs
+        streamed = [[] for _ in requests]  # token ids sent so far, per choice
+        sent_text = ["" for _ in requests]
+        queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        if incremental:
+            for index, request in enumerate(requests):
+                request.on_token = lambda token, _lp, index=index: queue.put_nowait((index, token))
+
+        def text_deltas() -> list[dict]:
+            deltas = []
+            while not queue.empty():
+                index, token = queue.get_nowait()
+                streamed[index].append(token)
+            for index, tokens in enumerate(streamed):
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(text) > len(sent_text[index]) and not text.endswith("\ufffd"):  # whole characters only
+                    piece, sent_text[index] = text[len(sent_text[index]):], text
+                    deltas.append({"index": index, "delta": {"content": piece}, "finish_reason": None} if chat
+                                  else {"index": index, "text": piece, "logprobs": None, "finish_reason": None})
+            return deltas
+
+        generation = asyncio.ensure_future(batcher.generate(requests))
+        while incremental and not generation.done():
+            await asyncio.wait([generation], timeout=0.02)
+            deltas = text_deltas()
+            if deltas:
+                yield chunk(deltas)
         try:
-            outputs = await batcher.generate(requests)
+            outputs = await generation
         except Exception as error:  # noqa: BLE001 - reported in the stream, which has already started
             yield f"data: {json.dumps(_error_body(f'generation failed: {error}', 500))}\n\n"
             yield "data: [DONE]\n\n"
             return
         for index, output in enumerate(outputs):
             full = _choice(index, output, params, chat, logprobs)
-            if chat:
-                delta = {"index": index, "delta": {"content": full["message"]["content"]}, "logprobs": full["logprobs"],
-                         "finish_reason": None}
-            else:
-                delta = {"index": index, "text": full["text"], "logprobs": full["logprobs"], "finish_reason": None}
-            yield chunk([delta])
+            final = full["message"]["content"] if chat else full["text"]
+            rest = final[len(sent_text[index]):] if final.startswith(sent_text[index]) else ""
+            if rest or not incremental:
+                if chat:
+                    delta = {"index": index, "delta": {"content": rest}, "logprobs": full["logprobs"],
+                             "finish_reason": None}
+                else:
+                    delta = {"index": index, "text": rest, "logprobs": full["logprobs"], "finish_reason": None}
+                yield chunk([delta])
             end = {"index": index, "finish_reason": output.finish_reason, "logprobs": None}
             end.update({"delta": {}} if chat else {"text": ""})
             yield chunk([end])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +33,9 @@ class GenerationRequest:
     input_ids: list[int]
     sampling_params: SamplingParams
     multimodal_inputs: dict[str, Any] | None = None
+    # Called with (token id, log-prob) as each token is generated, for streaming responses; in-process engines
+    # call it between decode steps, HTTP adapters ignore it.
+    on_token: Callable[[int, float], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -444,6 +444,8 @@ class EmbeddedEngine(InferenceEngine):
         row.output_ids.append(token)
         row.output_log_probs.append(log_prob)
         row.output_weight_versions.append(version)
+        if row.request.on_token is not None:
+            row.request.on_token(token, log_prob)
         if token in row.stop_token_ids:
             row.finish_reason = "stop"
         elif len(row.output_ids) >= row.params.max_new_tokens:
