@@ -56,10 +56,13 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
     async def scale_out(request: ScaleOutRequest) -> ScaleOperation:
         return run(lambda: manager.scale_out(request))
 
+    def listing(kind: str, status: ScaleStatus | None) -> dict:
+        ops = manager.list(kind, status)
+        return {"requests": ops, "total_count": len(ops), "status_filter": status}
+
     @routes.get("/scale_out")
     async def list_scale_out(status: ScaleStatus | None = None) -> dict:
-        ops = manager.list("scale_out", status)
-        return {"requests": ops, "total_count": len(ops), "status_filter": status}
+        return listing("scale_out", status)
 
     @routes.get("/scale_out/{request_id}")
     async def scale_out_status(request_id: str) -> ScaleOperation:
@@ -80,8 +83,7 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
 
     @routes.get("/scale_in")
     async def list_scale_in(status: ScaleStatus | None = None) -> dict:
-        ops = manager.list("scale_in", status)
-        return {"requests": ops, "total_count": len(ops), "status_filter": status}
+        return listing("scale_in", status)
 
     @routes.get("/scale_in/{request_id}")
     async def scale_in_status(request_id: str) -> ScaleOperation:
