@@ -27,9 +27,9 @@ from relax.config import ConfigError
 from relax.data.dataset import DatasetError, PromptFormat
 from relax.data.sft_dataset import load_sft_samples
 from tests.conftest import run_relax, tiny_train_args
+from tests.test_algorithm_family import GOOD, _config_error
 from tests.tiny_assets import build_tiny_model_dir, build_tokenizer
 
-GOOD = ["--n-samples-per-prompt", "4", "--num-rollout", "3", "--rollout-batch-size", "2"]
 
 
 def _settings(**kwargs):
@@ -178,12 +178,6 @@ def test_a_teacher_with_another_vocabulary_is_rejected_before_training(tiny_work
 
 
 # ---- config rules --------------------------------------------------------------------------------
-def _config_error(*extra):
-    with pytest.raises(ConfigError) as err:
-        parse_config(GOOD + list(extra))
-    return str(err.value)
-
-
 def test_critic_and_distillation_options_name_the_flags():
     message = _config_error("--critic-lr", "1e-5", "--lambd", "0.9")
     assert "--critic-lr, --lambd" in message and "--advantage-estimator ppo" in message

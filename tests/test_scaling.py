@@ -75,7 +75,9 @@ def test_scale_out_to_three_and_back_to_one(service):
                                                                          "WEIGHT_SYNCING", "READY", "ACTIVE")
     op = _wait_terminal(client, "scale_out", "out-1")
     assert op["status"] == "ACTIVE" and op["weight_version"] == TRAINED_VERSION and len(op["engine_ids"]) == 2
-    assert client.get("/engines").json()["total_engines"] == 3 and len(router.engines) == 3
+    table = client.get("/engines").json()
+    assert table["total_engines"] == 3 and len(router.engines) == 3
+    assert all(engine["is_healthy"] for engine in table["models"]["default"]["engines"])
     # new engines serve the trainer's current weights, never the checkpoint's
     for engine in created:
         assert engine.weight_version == TRAINED_VERSION

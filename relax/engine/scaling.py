@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from relax.backends.inference.base import InferenceEngine
-from relax.backends.inference.router import EngineRouter
+from relax.backends.inference.router import EngineRouter, engine_name
 
 
 class ScaleStatus(str, enum.Enum):
@@ -151,9 +151,10 @@ class ScaleManager:
         return [op for op in self.operations.values() if op.kind == kind and (status is None or op.status == status)]
 
     def engine_table(self) -> list[dict]:
-        healthy = {s["engine"]: s.get("healthy", True) for s in self.router.stats()}
+        # The router names engines by base URL (or repr for in-process ones), not by our engine ids.
+        healthy = {s["engine"]: s["healthy"] for s in self.router.stats()}
         return [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
-                 "is_healthy": healthy.get(r.engine_id, True), "weight_version": r.engine.weight_version}
+                 "is_healthy": healthy.get(engine_name(r.engine), False), "weight_version": r.engine.weight_version}
                 for r in self.engines]
 
     def _engine_id(self, engine: InferenceEngine) -> str:
