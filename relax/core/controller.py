@@ -89,12 +89,13 @@ class SyncController:
         train_started = time.perf_counter()
         if roles.critic is not None:
             metrics.update(await roles.critic.train(samples, result.returns, values))
-        if rollout_id >= cfg.num_critic_only_steps:
+        # During --num-critic-only-steps the critic fits the initial policy's values; policy and engine wait.
+        policy_trains = rollout_id >= cfg.num_critic_only_steps
+        if policy_trains:
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
-            metrics["perf/train_s"] = time.perf_counter() - train_started
+        metrics["perf/train_s"] = time.perf_counter() - train_started
+        if policy_trains:
             metrics.update(await self.sync_weights(version=rollout_id + 1))
-        else:  # the critic fits the values of the initial policy first; the engine keeps its weights
-            metrics["perf/train_s"] = time.perf_counter() - train_started
         if cfg.dump_samples:
             self.tracker.dump_samples(rollout_id + 1, samples, cfg.dump_samples)
         return metrics
