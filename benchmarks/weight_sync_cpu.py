@@ -48,24 +48,27 @@ QWEN3_100M = {"vocab_size": 32_768, "hidden_size": 768, "intermediate_size": 204
 TIMEOUT_S = 120.0
 
 
+SHAPES = {"qwen3-100m": QWEN3_100M}
+
+
 def model_config(name: str) -> Qwen3Config:
     if name == "quickstart" and (QUICKSTART / "config.json").is_file():
         return AutoConfig.from_pretrained(QUICKSTART)
-    return Qwen3Config(**(QUICKSTART_FALLBACK if name == "quickstart" else QWEN3_100M))
+    return Qwen3Config(**(QUICKSTART_FALLBACK if name == "quickstart" else SHAPES[name]))
 
 
-def build_model(config: Qwen3Config, dtype: torch.dtype, seed: int | None) -> Qwen3ForCausalLM:
+def build_model(config: Qwen3Config, dtype: torch.dtype, seed: int | None, device: str = "cpu") -> Qwen3ForCausalLM:
     """Allocate without transformers' init (slow for 100 M parameters on one core), then fill with
     seeded noise (the trainer) or leave as is (an engine, about to be overwritten)."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty gives lm_head its own tensor; tie it back to embed_tokens
     if seed is not None:
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for parameter in model.parameters():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, device=device) * 0.02)
     return model
 
 
@@ -82,12 +85,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, parameter in model.named_parameters():
         digest.update(name.encode())
-        digest.update(parameter.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(parameter.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
-def new_engine(config: Qwen3Config, dtype: torch.dtype) -> EmbeddedEngine:
-    return EmbeddedEngine(build_model(config, dtype, seed=None), build_tokenizer())
+def new_engine(config: Qwen3Config, dtype: torch.dtype, device: str = "cpu") -> EmbeddedEngine:
+    return EmbeddedEngine(build_model(config, dtype, seed=None, device=device), build_tokenizer())
 
 
 def buckets_of(model: torch.nn.Module, args) -> list:
@@ -104,19 +107,21 @@ def time_syncs(sync, repeats: int) -> list[float]:
     for version in range(2, repeats + 2):
         started = time.perf_counter()
         sync(version)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # GPU copies are asynchronous: the sync ends when they land
         times.append(time.perf_counter() - started)
     return times
 
 
 def bench_in_process(trainer: torch.nn.Module, config, args) -> tuple[list[float], bool]:
-    engine = new_engine(config, getattr(torch, args.dtype))
+    engine = new_engine(config, getattr(torch, args.dtype), args.trainer_device)
     publisher = InProcessPublisher(engine)
     times = time_syncs(lambda v: asyncio.run(publisher.publish(buckets_of(trainer, args), v)), args.repeats)
     return times, weights_digest(engine.model) == weights_digest(trainer)
 
 
 def bench_disk(trainer: torch.nn.Module, config, args) -> tuple[list[float], bool]:
-    engine = new_engine(config, getattr(torch, args.dtype))
+    engine = new_engine(config, getattr(torch, args.dtype), args.engine_device)
     with tempfile.TemporaryDirectory(prefix="relax_weight_sync_") as directory:
         publisher, receiver = DiskPublisher(directory, keep_last=2), DiskReceiver(directory, engine)
 
@@ -128,11 +133,16 @@ def bench_disk(trainer: torch.nn.Module, config, args) -> tuple[list[float], boo
     return times, weights_digest(engine.model) == weights_digest(trainer)
 
 
-def _engine_process(port: int, config_dict: dict, dtype: str, syncs: int, threads: int, results) -> None:
+def _engine_process(port: int, config_dict: dict, dtype: str, syncs: int, threads: int, device: str,
+                    results) -> None:
     """The engine side of the broadcast benchmark: report after each received version."""
     torch.set_num_threads(threads)
-    engine = new_engine(Qwen3Config(**config_dict), getattr(torch, dtype))
-    group = WeightSyncGroup.init("127.0.0.1", port, 1, 2, timeout_s=TIMEOUT_S)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    engine = new_engine(Qwen3Config(**config_dict), getattr(torch, dtype), device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    group = WeightSyncGroup.init("127.0.0.1", port, 1, 2, backend=backend, timeout_s=TIMEOUT_S,
+                                 device=torch.device(device))
     receiver = BroadcastReceiver(group, engine)
     for _ in range(syncs):
         metrics = asyncio.run(receiver.receive())
@@ -146,10 +156,12 @@ def bench_broadcast(trainer: torch.nn.Module, config, args) -> tuple[list[float]
     results = context.Queue()
     port = free_loopback_port()
     engine_process = context.Process(target=_engine_process, args=(
-        port, config.to_dict(), args.dtype, args.repeats + 1, args.threads, results))
+        port, config.to_dict(), args.dtype, args.repeats + 1, args.threads, args.engine_device, results))
     engine_process.start()
     try:
-        group = WeightSyncGroup.init("127.0.0.1", port, 0, 2, timeout_s=TIMEOUT_S)
+        backend = "nccl" if args.trainer_device.startswith("cuda") else "gloo"
+        group = WeightSyncGroup.init("127.0.0.1", port, 0, 2, backend=backend, timeout_s=TIMEOUT_S,
+                                     device=torch.device(args.trainer_device))
         publisher = BroadcastPublisher(group)
 
         def sync(version: int) -> None:
@@ -172,7 +184,7 @@ TRANSPORTS = {"in_process": bench_in_process, "broadcast": bench_broadcast, "dis
 
 def bench_model(name: str, args) -> dict:
     config = model_config(name)
-    trainer = build_model(config, getattr(torch, args.dtype), seed=0)
+    trainer = build_model(config, getattr(torch, args.dtype), seed=0, device=args.trainer_device)
     parameters = sum(p.numel() for p in trainer.parameters())
     result = {"parameters": parameters, "sync_bytes": sum(t.numel() * t.element_size()
                                                           for bucket in buckets_of(trainer, args) for _, t in bucket),
@@ -190,24 +202,32 @@ def bench_model(name: str, args) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(defaults: dict | None = None, description: str = __doc__) -> None:
+    parser = argparse.ArgumentParser(description=description.split("\n")[0])
     parser.add_argument("--models", default="quickstart,qwen3-100m")
+    parser.add_argument("--trainer-device", default="cpu", help="where the trainer's weights live")
+    parser.add_argument("--engine-device", default="cpu", help="the engine's device (disk and broadcast)")
     parser.add_argument("--dtype", default="float32", help="sync dtype and engine dtype")
     parser.add_argument("--bucket-mib", type=int, default=64, help="--update-weight-buffer-size in MiB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "weight_sync_cpu.json")
+    parser.add_argument("--name", default="weight_sync_cpu", help="the result's benchmark name")
+    parser.set_defaults(**(defaults or {}))
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     models = {name: bench_model(name, args) for name in args.models.split(",")}
     report = {
-        "benchmark": "weight_sync_cpu",
+        "benchmark": args.name,
         "what": "seconds per end-to-end sync of the whole model (median of repeats after one warm-up)",
         "config": {"dtype": args.dtype, "bucket_mib": args.bucket_mib, "repeats": args.repeats,
-                   "threads_per_process": args.threads, "broadcast": "gloo, 127.0.0.1, 1 engine process",
+                   "threads_per_process": args.threads, "trainer_device": args.trainer_device,
+                   "engine_device": args.engine_device,
+                   "in_process": "an engine in the trainer's process, on the trainer's device",
+                   "broadcast": f"{'nccl' if args.trainer_device.startswith('cuda') else 'gloo'}, 127.0.0.1, "
+                                "1 engine process",
                    "disk": "safetensors per bucket + manifest, fsync on, system temp dir"},
         "models": models,
         "total_s": time.perf_counter() - started,

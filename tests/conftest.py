@@ -37,3 +37,19 @@ def run_relax(*args: str, timeout: float = 300, **popen_kwargs) -> subprocess.Co
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, **popen_kwargs)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`vllm` tests start real vLLM servers (minutes on a 2-core CPU, and a 3.5 GB venv): the default suite skips
+    them; `RELAX_RUN_VLLM=1 bash scripts/test.sh tests/test_vllm_cpu.py` runs them (docs/engines.md)."""
+    from relax.backends.inference.vllm_server import vllm_available, vllm_python
+
+    if os.environ.get("RELAX_RUN_VLLM") != "1":
+        skip = pytest.mark.skip(reason="real-vLLM test: set RELAX_RUN_VLLM=1 to run it")
+    elif not vllm_available():
+        skip = pytest.mark.skip(reason=f"no vLLM at {vllm_python()}: run `bash scripts/setup_vllm_cpu.sh`")
+    else:
+        return
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)

@@ -5,9 +5,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.engine.rollout.data_source import PromptDataSource
 from tests.tiny_assets import build_tokenizer
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

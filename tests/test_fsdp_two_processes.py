@@ -97,3 +97,36 @@ def test_checkpoints_move_between_world_sizes(tiny_workspace, tmp_path):
     _one_process(model_dir, str(tmp_path / "ckpt1"), "train_and_save", str(tmp_path / "ref1.pt"))
     resumed = two("load", str(tmp_path / "ckpt1"), str(tmp_path / "resumed2.pt"))
     _assert_close_states(resumed, torch.load(tmp_path / "ref1.pt"))
+
+
+def test_torchrun_colocated_run_splits_the_rollout_across_ranks(tiny_workspace, tmp_path):
+    """`torchrun --nproc-per-node 2 relax train`: both ranks train one FSDP model and each generates half of the
+    prompt groups on its own engine; every step trains on all groups, and rank 0 alone writes the run directory."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, tiny_train_args
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", "train",
+               *tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "2", "--save-interval", "2")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert all(row["rollout/num_samples"] == 16 for row in steps)  # 4 groups x 4 samples, from both engines
+    assert (run_dir / "checkpoints" / "iter_0000002" / "model_optim").is_dir()
+
+
+def test_groups_are_assigned_round_robin_in_order_of_appearance():
+    from relax.backends.inference.base import GenerationRequest, SamplingParams
+    from relax.backends.inference.data_parallel import assign_groups
+
+    ids = ["g7-i0-0", "g7-i1-1", "g3-i2-2", "g3-i3-3", "g9-i4-4", "other"]
+    requests = [GenerationRequest(rid, [1], SamplingParams()) for rid in ids]
+    assert assign_groups(requests, 2) == [0, 0, 1, 1, 0, 1]
+    assert assign_groups(requests, 1) == [0] * 6

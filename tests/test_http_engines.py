@@ -281,6 +281,44 @@ def test_train_with_external_engines(servers, tiny_workspace, tmp_path):
     assert API_KEY not in (run_dir / "run.log").read_text() if (run_dir / "run.log").exists() else True
 
 
+def test_weight_update_over_a_broadcast_group(servers, model_dir, tmp_path):
+    """--rollout-weight-transport broadcast: the router pushes versions to every server over one gloo group (no
+    disk); the group is rebuilt when the set of servers changes."""
+    from relax.backends.inference.http_broadcast import BroadcastWeightTransport
+
+    a, b, c = servers(3)
+    transport = BroadcastWeightTransport("127.0.0.1", "gloo", timeout_s=60)
+    router = EngineRouter([SGLangHTTPEngine(s.url, api_key=API_KEY) for s in (a, b)], weight_transport=transport)
+    trainer = load_file(str(build_tiny_model_dir(tmp_path / "other", seed=1) / "model.safetensors"))
+
+    def served_equals_trainer(server: Server) -> bool:
+        served = dict(server.engine.model.named_parameters())
+        return all(torch.equal(served[name].detach().cpu(), tensor) for name, tensor in trainer.items()
+                   if name in served)
+
+    async def scenario():
+        await router.update_weights(iter(trainer.items()), 3)
+        assert router.weight_version == 3 and a.health()["weight_version"] == b.health()["weight_version"] == 3
+        assert served_equals_trainer(a) and served_equals_trainer(b)
+        await router.update_weights(iter(trainer.items()), 4)  # the same group again
+        await router.add_engine(SGLangHTTPEngine(c.url, api_key=API_KEY))
+        await router.update_weights(iter(trainer.items()), 5)  # a new group of three servers
+        transport.close()
+
+    asyncio.run(scenario())
+    assert [s.health()["weight_version"] for s in (a, b, c)] == [5, 5, 5] and served_equals_trainer(c)
+
+
+def test_train_with_broadcast_weight_sync(servers, tiny_workspace, tmp_path):
+    (server,) = servers(1)
+    result = run_relax("train", *tiny_train_args(
+        tiny_workspace, tmp_path / "run", "--num-rollout", "2", "--rollout-external", "--rollout-external-engine-addrs",
+        server.url, "--rollout-engine-api-key", API_KEY, "--rollout-weight-transport", "broadcast"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert server.health()["weight_version"] == 2
+    assert not (tmp_path / "run" / "engine_weights").exists()
+
+
 def test_abort_and_pause_through_the_router(servers):
     a, b = servers(2)
     router = EngineRouter([SGLangHTTPEngine(s.url, api_key=API_KEY) for s in (a, b)])
@@ -307,6 +345,9 @@ def test_abort_and_pause_through_the_router(servers):
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "http://a:1/"], "listed twice"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "grpc"],
      "rollout_engine_protocol"),
+    (["--rollout-weight-transport", "broadcast"], "--rollout-weight-transport needs --rollout-external"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "openai",
+      "--rollout-weight-transport", "broadcast"], "broadcast needs --rollout-engine-protocol sglang"),
 ])
 def test_external_engine_flags_are_checked(args, message):
     from relax.cli.args import parse_config

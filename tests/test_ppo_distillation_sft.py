@@ -31,7 +31,6 @@ from tests.test_algorithm_family import GOOD, _config_error
 from tests.tiny_assets import build_tiny_model_dir, build_tokenizer
 
 
-
 def _settings(**kwargs):
     return TrainSettings(device=torch.device("cpu"), compute_dtype=torch.float32, micro_batch_size=4, temperature=1.0,
                          pad_token_id=0, lr=1e-2, total_optimizer_steps=10, **kwargs)
@@ -164,8 +163,9 @@ def test_engine_teacher_scores_equal_the_trainer_forward(tiny_workspace):
 
 
 def test_a_teacher_with_another_vocabulary_is_rejected_before_training(tiny_workspace, tmp_path):
-    from relax.core.build import build_roles
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from relax.core.build import build_roles
 
     other = tmp_path / "other_teacher"
     Qwen3ForCausalLM(Qwen3Config(vocab_size=77, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

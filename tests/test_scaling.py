@@ -156,7 +156,7 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     train = subprocess.Popen(
         [sys.executable, "-m", "relax.cli.main", "train", *tiny_train_args(
-            tiny_workspace, out, "--fully-async", "--max-staleness", "1", "--num-rollout", "150",
+            tiny_workspace, out, "--fully-async", "--max-staleness", "1", "--num-rollout", "250",
             "--skip-eval-before-train", "--dump-samples", "0", "--rollout-api-port", str(port),
             "--rollout-api-key", TOKEN)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -190,6 +190,6 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
             train.kill()
     rows = read_metrics(out / "metrics.jsonl")
     trained = [r for r in rows if "data/produced_groups" in r]
-    assert [r["step"] for r in trained] == list(range(1, 151))
+    assert [r["step"] for r in trained] == list(range(1, 251))
     assert all(r["data/produced_groups"] == r["data/consumed_groups"] == 4 for r in trained)
     assert TOKEN not in stderr

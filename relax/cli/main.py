@@ -56,12 +56,14 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg = parse_config(argv, prog="relax train")
     run_dir = Path(cfg.output_dir)
-    setup_logging(run_dir)
+    primary = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes the run directory
+    setup_logging(run_dir if primary else None)
     _quiet_libraries()
     from relax.core.build import build_roles
-    from relax.utils.tracking import Tracker, redact_secrets
+    from relax.utils.tracking import NullTracker, Tracker, redact_secrets
 
-    write_resolved_config(cfg, run_dir)
+    if primary:
+        write_resolved_config(cfg, run_dir)
     service = None
     if cfg.placement == "ray":
         from relax.core.service import RayService
@@ -71,13 +73,17 @@ def cmd_train(argv: list[str]) -> int:
     else:
         roles = build_roles(cfg)
     try:
-        with Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
-                     wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) as tracker:
+        tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
+                          wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) if primary \
+            else NullTracker()
+        with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
             last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
     finally:
         if service is not None:
             service.shutdown()
+    if not primary:
+        return 0
     first = _first_eval_accuracy(run_dir)
     if "eval/accuracy" in last and first is not None:
         print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
@@ -118,7 +124,8 @@ def _first_eval_accuracy(run_dir: Path) -> float | None:
 
 
 def cmd_eval(argv: list[str]) -> int:
-    """Evaluate --hf-checkpoint (a model folder) or --load (a checkpoint) on --eval-prompt-data."""
+    """Evaluate --hf-checkpoint (a model folder) or --load (a checkpoint) on --eval-prompt-data, generating as
+    training does: with the media preparer, the multi-turn environment or the custom generate function."""
     from relax.cli.args import parse_config
     from relax.config import ConfigError, flag
 
@@ -126,34 +133,53 @@ def cmd_eval(argv: list[str]) -> int:
     setup_logging(None)
     _quiet_libraries()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.backends.model_family import load_model
     from relax.components.rollout import Rollout
-    from relax.core.build import build_reward_computer, eval_sampling, load_eval_sets, resolve_device, resolve_dtype
+    from relax.core.build import (
+        build_generation,
+        build_reward_computer,
+        eval_sampling,
+        load_eval_sets,
+        load_generate_function,
+        resolve_device,
+        resolve_dtype,
+    )
     from relax.core.checkpoint import load_hf_model_from_checkpoint
 
     if not cfg.eval_prompt_data:
         raise ConfigError(f"{flag('eval_prompt_data')} is required")
+    rewards = build_reward_computer(cfg)
+    load_generate_function(cfg)  # a bad environment or generate path fails before the model loads
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     if cfg.load:
-        model, tokenizer_path = load_hf_model_from_checkpoint(cfg.load, dtype=dtype)
+        model, model_path = load_hf_model_from_checkpoint(cfg.load, dtype=dtype)
     elif cfg.hf_checkpoint:
-        model, tokenizer_path = AutoModelForCausalLM.from_pretrained(cfg.hf_checkpoint, dtype=dtype), cfg.hf_checkpoint
+        model, model_path = load_model(cfg.hf_checkpoint, dtype), Path(cfg.hf_checkpoint)
     else:
         raise ConfigError(f"set {flag('hf_checkpoint')} (a model folder) or {flag('load')} (a checkpoint)")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size)
-    rollout = Rollout(engine=engine, data_source=None, rewards=build_reward_computer(cfg),
-                      sampling=eval_sampling(cfg), n_samples_per_prompt=1, seed=cfg.rollout_seed,
-                      eval_sets=load_eval_sets(cfg, tokenizer), n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt)
+    rollout = Rollout(engine=engine, data_source=None, rewards=rewards, sampling=eval_sampling(cfg),
+                      n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer),
+                      n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
+                      **build_generation(cfg, model_path, tokenizer))
     with torch.inference_mode():
         metrics, _ = asyncio.run(rollout.evaluate(step=0))
     for name in cfg.eval_prompt_data:
-        print(f"{name}: accuracy {metrics[f'eval/{name}/accuracy']:.4f}  reward {metrics[f'eval/{name}/reward_mean']:.4f}  "
-              f"({int(metrics[f'eval/{name}/num_samples'])} samples)")
+        print(eval_summary(name, metrics))
     return 0
+
+
+def eval_summary(name: str, metrics: dict[str, float]) -> str:
+    """One line per eval set; multi-turn sets also show the mean model turns per episode."""
+    line = (f"{name}: accuracy {metrics[f'eval/{name}/accuracy']:.4f}  reward {metrics[f'eval/{name}/reward_mean']:.4f}  "
+            f"({int(metrics[f'eval/{name}/num_samples'])} samples)")
+    turns = metrics.get(f"eval/{name}/turns_mean")
+    return line if turns is None else f"{line}  turns {turns:.2f}"
 
 
 def cmd_export(argv: list[str]) -> int:

@@ -12,12 +12,13 @@ import torch
 
 from relax.backends.inference.base import InferenceEngine, SamplingParams
 from relax.data.sample import Sample, SampleStatus
+from relax.engine.agentic.multi_turn import STATUS_OF_STOP_REASON
 from relax.engine.filters.dynamic_sampling import apply_filter
 from relax.engine.rewards.compute import RewardComputer
+from relax.engine.rollout.context import PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.generate import expand_groups, generate_samples
 from relax.engine.rollout.multimodal import MultimodalPreparer
-
 
 logger = logging.getLogger("relax")
 
@@ -39,7 +40,21 @@ def summarize_samples(samples: list[Sample], prefix: str) -> dict[str, float]:
         f"{prefix}/response_length_mean": statistics.fmean(lengths),
         f"{prefix}/response_length_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}/failed_ratio": sum(s.status is SampleStatus.FAILED for s in samples) / len(samples),
         f"{prefix}/num_samples": float(len(samples)),
+        **episode_metrics(samples, prefix),
+    }
+
+
+def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """Turns per episode and the share of each stop reason, for samples of the multi-turn loop."""
+    episodes = [s for s in samples if "rollout_stop_reason" in s.metadata]
+    if not episodes:
+        return {}
+    reasons = [s.metadata["rollout_stop_reason"] for s in episodes]
+    return {
+        f"{prefix}/turns_mean": statistics.fmean(s.metadata["rollout_turns"] for s in episodes),
+        **{f"{prefix}/stop_{reason}_ratio": reasons.count(reason) / len(episodes) for reason in STATUS_OF_STOP_REASON},
     }
 
 
@@ -113,6 +128,7 @@ class Rollout:
         dynamic_sampling: DynamicSampling | None = None,
         overlong: OverlongPenalty | None = None,
         multimodal: MultimodalPreparer | None = None,
+        per_sample: PerSampleGeneration | None = None,
     ):
         self.engine = engine
         self.data_source = data_source
@@ -126,6 +142,7 @@ class Rollout:
         self.dynamic_sampling = dynamic_sampling
         self.overlong = overlong
         self.multimodal = multimodal
+        self.per_sample = per_sample
         self._skipped_bad_samples = 0  # prompts dropped for unreadable media since the last step's metrics
 
     def _step_seed(self, rollout_id: int, salt: int = 0) -> int:
@@ -140,8 +157,7 @@ class Rollout:
         # Refill rounds get their own seeds, disjoint from the step seeds of eval (salt 1 + set position).
         salt = 0 if round_index == 0 else 1_000_003 * round_index
         sampling = replace(self.sampling, seed=self._step_seed(rollout_id, salt=salt))
-        await generate_samples(self.engine, samples, sampling)
-        await self.rewards.score(samples)
+        samples = await self._generate_and_score(samples, sampling)
         if self.overlong is not None:
             self.overlong.apply(samples)
         return samples
@@ -178,6 +194,27 @@ class Rollout:
             metrics["rollout/skipped_bad_samples"] = float(self._skipped_bad_samples)
             self._skipped_bad_samples = 0
         return samples, metrics
+
+    async def _generate_and_score(self, samples: list[Sample], sampling: SamplingParams,
+                                  evaluation: bool = False) -> list[Sample]:
+        """Responses for ``samples`` from the engine (one call) or from the per-sample generate
+        function, then rewards.
+
+        A FAILED sample (its environment raised or hung; ``metadata["error"]``) is not shown to the
+        reward: it gets reward 0.0, and its loss mask is all 0, so it stays in its group (group and
+        batch sizes hold) without training the policy on a broken episode.
+        """
+        if self.per_sample is None:
+            samples = await generate_samples(self.engine, samples, sampling)
+        else:
+            samples = await self.per_sample.run(self.engine, samples, sampling, evaluation)
+        failed = [s for s in samples if s.status is SampleStatus.FAILED]
+        # A generate function may have scored its samples already (an agent's reward from its output file).
+        await self.rewards.score([s for s in samples if s.status is not SampleStatus.FAILED and s.reward is None])
+        for sample in failed:
+            sample.reward = 0.0
+            sample.loss_mask = [0] * sample.response_length
+        return samples
 
     async def _prepare_media(self, prompts: list[Sample]) -> list[Sample]:
         """Decode and process the prompts' media in the worker pool (no-op for text runs)."""
@@ -238,8 +275,7 @@ class Rollout:
             prompts = self.eval_sets[name] = await self._prepare_media(prompts)
             samples = expand_groups(prompts, self.n_samples_per_eval_prompt)
             sampling = replace(self.eval_sampling, seed=self._step_seed(step, salt=1 + position))
-            await generate_samples(self.engine, samples, sampling)
-            await self.rewards.score(samples)
+            samples = await self._generate_and_score(samples, sampling, evaluation=True)
             metrics.update(summarize_samples(samples, f"eval/{name}"))
             results[name] = samples
         if results:

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import time
 
-
 from relax.config import RelaxConfig
 from relax.core.build import Roles
 from relax.core.controller import SyncController

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -12,10 +15,13 @@ from transformers import AutoConfig, AutoTokenizer
 from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn, build_sft_loss_fn, build_value_loss_fn
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
+from relax.backends.inference.data_parallel import DataParallelEngine
 from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.router import EngineRouter
+from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
 from relax.backends.model_family import load_model
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.components.actor import Actor
@@ -28,8 +34,13 @@ from relax.config import ConfigError, RelaxConfig, flag
 from relax.data.dataset import PromptFormat, load_prompt_samples
 from relax.data.multimodal import MultimodalSettings
 from relax.data.sft_dataset import load_sft_samples
+from relax.distributed.process_group import world_size
+from relax.engine.agentic import multi_turn
+from relax.engine.agentic.env import load_env_builder
+from relax.engine.agentic.tools import prompt_tool_settings
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rewards.custom import load_dotted_function
+from relax.engine.rollout.context import GenerateFunction, PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.multimodal import MultimodalPreparer
 
@@ -40,7 +51,8 @@ def resolve_device(cfg: RelaxConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(f"{flag('device')} cuda: no CUDA device is available")
-        return torch.device("cuda", torch.cuda.current_device())
+        # Under torchrun each rank takes the GPU of its LOCAL_RANK.
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
 
 
@@ -65,6 +77,7 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
+        **prompt_tool_settings(cfg),
     )
 
 
@@ -83,12 +96,29 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
         model_name = Path(cfg.hf_checkpoint).name if cfg.hf_checkpoint else "default"
         engines = [OpenAIHTTPEngine(address, model_name, api_key=key, tokenizer=tokenizer, weights_dir=weights_dir)
                    for address in cfg.rollout_external_engine_addrs]
+    elif cfg.rollout_engine_protocol == "vllm":
+        engines = [build_vllm_server_engine(cfg, address, tokenizer, weights_dir)
+                   for address in cfg.rollout_external_engine_addrs]
     else:
         engines = [SGLangHTTPEngine(address, api_key=key, weights_dir=weights_dir)
                    for address in cfg.rollout_external_engine_addrs]
+    transport = None
+    if cfg.rollout_weight_transport == "broadcast":
+        backend = "nccl" if resolve_device(cfg).type == "cuda" else "gloo"
+        transport = BroadcastWeightTransport(cfg.rollout_weight_sync_address, backend)
     logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,
-                ", ".join(cfg.rollout_external_engine_addrs), weights_dir)
-    return EngineRouter(engines)
+                ", ".join(cfg.rollout_external_engine_addrs),
+                f"{transport.backend} broadcast" if transport else weights_dir)
+    return EngineRouter(engines, weight_transport=transport)
+
+
+def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_dir: Path) -> VLLMServerEngine:
+    """`--rollout-engine-protocol vllm`: a vLLM server this run starts on ``address`` (127.0.0.1:PORT) at its
+    first use and stops at exit, serving in the trainer's compute dtype so log-probs match the trainer's."""
+    dtype = str(resolve_dtype(cfg, resolve_device(cfg))).removeprefix("torch.")
+    return VLLMServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
+                            served_model_name=Path(cfg.hf_checkpoint).name, tokenizer=tokenizer,
+                            settings=VLLMServerSettings(dtype=dtype))
 
 
 def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
@@ -126,6 +156,46 @@ def build_dynamic_sampling(cfg: RelaxConfig) -> DynamicSampling | None:
     except (ValueError, ImportError, TypeError) as err:
         raise ConfigError(str(err)) from None
     return DynamicSampling(filter_fn, cfg.max_dynamic_sampling_rounds, args=cfg)
+
+
+MULTI_TURN_PATH = "relax.engine.agentic.multi_turn:generate"
+
+
+def load_generate_function(cfg: RelaxConfig) -> tuple[GenerateFunction, str] | None:
+    """The per-sample generate function and its path: --custom-generate-function-path, else the
+    multi-turn loop when --rollout-interaction-env-path is set, else None (one engine call per
+    step). Both paths are imported here, so a bad one fails before any model loads."""
+    try:
+        if cfg.rollout_interaction_env_path is not None:
+            load_env_builder(cfg.rollout_interaction_env_path)
+        if cfg.custom_generate_function_path is None:
+            return (multi_turn.generate, MULTI_TURN_PATH) if cfg.rollout_interaction_env_path is not None else None
+        function = load_dotted_function(cfg.custom_generate_function_path, flag("custom_generate_function_path"))
+    except (ValueError, ImportError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+    if not inspect.iscoroutinefunction(function):
+        raise ConfigError(f"{flag('custom_generate_function_path')} {cfg.custom_generate_function_path!r}: must be an "
+                          "`async def generate(args, sample, sampling_params)`")
+    return function, cfg.custom_generate_function_path
+
+
+def build_per_sample_generation(cfg: RelaxConfig, tokenizer, multimodal: MultimodalPreparer | None
+                                ) -> PerSampleGeneration | None:
+    loaded = load_generate_function(cfg)
+    if loaded is None:
+        return None
+    function, path = loaded
+    if function is multi_turn.generate and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"{flag('rollout_interaction_env_path')}: the tokenizer of {flag('hf_checkpoint')} has no "
+                          "chat template, which the multi-turn loop encodes observations with")
+    return PerSampleGeneration(function, path, cfg, tokenizer, multimodal)
+
+
+def build_generation(cfg: RelaxConfig, model_path: Path, tokenizer) -> dict:
+    """The rollout's media preparer (--multimodal-keys) and per-sample generate function (multi-turn environment
+    or custom generate), as `Rollout` keyword arguments: training and `relax eval` generate the same way."""
+    multimodal = build_multimodal(cfg, model_path, tokenizer)
+    return {"multimodal": multimodal, "per_sample": build_per_sample_generation(cfg, tokenizer, multimodal)}
 
 
 def build_overlong_penalty(cfg: RelaxConfig) -> OverlongPenalty | None:
@@ -275,6 +345,8 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
         engine = build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype)
         if cfg.rollout_api_port is not None:  # engines come and go through the scaling API: route through a router
             engine = EngineRouter([engine])
+        if world_size() > 1:  # torchrun: each rank generates its share of the groups on its own GPU
+            engine = DataParallelEngine(engine)
     return Rollout(
         engine=engine,
         data_source=PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
@@ -282,7 +354,7 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
-        multimodal=build_multimodal(cfg, ctx.model_path, tokenizer),
+        **build_generation(cfg, ctx.model_path, tokenizer),
     )
 
 
@@ -294,13 +366,29 @@ def needs_reference(cfg: RelaxConfig, advantages: Advantages) -> bool:
     return cfg.use_kl_loss or advantages.needs_kl
 
 
+def check_data_parallel_rollout(cfg: RelaxConfig) -> None:
+    """Under torchrun every rank runs the loop and generates its share of each call's groups in lockstep
+    (`DataParallelEngine`): only the colocated sync loop with in-process single-call rollouts does that."""
+    if world_size() == 1:
+        return
+    unsupported = [flag(name) for name in ("fully_async", "hybrid", "rollout_external", "rollout_api_port",
+                                           "rollout_interaction_env_path", "custom_generate_function_path")
+                   if getattr(cfg, name, None)]
+    if unsupported:
+        raise ConfigError(f"{', '.join(unsupported)}: not supported with {world_size()} training ranks (torchrun); "
+                          "multi-GPU colocated runs use the sync loop, and fully-async runs keep the trainer on "
+                          "its own GPUs with the rollout in `relax serve` servers (docs/modes.md)")
+
+
 def build_roles(cfg: RelaxConfig) -> Roles:
     """Everything a colocated run needs, validated before any training work starts."""
     # Reward and filter settings fail before the (slow) model loads.
     rewards = build_reward_computer(cfg)
     dynamic_sampling = build_dynamic_sampling(cfg)
+    load_generate_function(cfg)
     ctx = build_context(cfg)
-    actor = build_actor(ctx)
+    actor = build_actor(ctx)  # joins the default process group (torchrun: all ranks)
+    check_data_parallel_rollout(cfg)
     advantages = build_advantages(ctx)
     critic = build_critic(cfg, ctx.model_path, ctx.settings) if needs_critic(cfg, ctx.spec) else None
     distillation = build_distillation(cfg, ctx.tokenizer, ctx.settings, ctx.device, ctx.dtype) if cfg.use_opd else None

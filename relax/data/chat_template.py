@@ -11,13 +11,17 @@ def render_prompt(
     apply_chat_template: bool,
     system_prompt: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text. Without the chat template a prompt must be a plain string; with it, a
     string becomes one user message, ``system_prompt`` is put first, and the template adds the
-    generation prompt."""
+    generation prompt and renders ``tools`` (OpenAI-style function specs) the way the model was
+    trained to see them."""
     if not apply_chat_template:
         if not isinstance(prompt, str):
             raise ValueError("a message-list prompt needs --apply-chat-template")
+        if tools:
+            raise ValueError("tools are shown to the model by the chat template: set --apply-chat-template")
         return prompt
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -29,6 +33,9 @@ def render_prompt(
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("--apply-chat-template is set but the tokenizer has no chat template")
+    if tools and "tools" not in tokenizer.chat_template:  # it would drop them silently
+        raise ValueError("the row offers tools but the tokenizer's chat template does not render `tools`")
+    tool_kwargs = {"tools": tools} if tools else {}  # calls without tools stay exactly as before
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        messages, tokenize=False, add_generation_prompt=True, **tool_kwargs, **(template_kwargs or {})
     )

@@ -86,6 +86,9 @@ class PromptFormat:
     max_prompt_len: int | None = None
     multimodal_keys: dict[str, str] | None = None  # media type -> column (--multimodal-keys)
     skip_bad_samples: bool = False
+    tool_key: str | None = None  # column of the tools a row offers (--tool-key): names or OpenAI-style specs
+    tool_specs: dict[str, dict[str, Any]] | None = None  # every executable tool's spec, by name
+    default_tools: tuple[str, ...] = ()  # tool names offered by rows without the column (--tools)
 
 
 def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
@@ -97,6 +100,8 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
     if not indexed:
         raise DatasetError(f"{spec}: the slice selects no rows (the file has {len(rows)})")
     if fmt.multimodal_keys:
+        if fmt.tool_key or fmt.default_tools:  # media prompts are rendered later, without tools: fail, not drop them
+            raise DatasetError(f"{spec}: --tool-key and --tools do not work with --multimodal-keys yet")
         return _multimodal_prompt_samples(path, indexed, fmt)
     samples, too_long = [], 0
     for row_index, row in indexed:
@@ -107,10 +112,12 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         metadata = row.get(fmt.metadata_key) or {}
         if not isinstance(metadata, dict):
             raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
+        tools = _row_tool_specs(row, fmt, where)
         try:
             text = render_prompt(
                 row[fmt.input_key], tokenizer, fmt.apply_chat_template, fmt.system_prompt,
                 {**(fmt.apply_chat_template_kwargs or {}), **metadata.get("apply_chat_template_kwargs", {})},
+                tools=tools,
             )
         except ValueError as err:
             raise DatasetError(f"{where}: field {fmt.input_key!r}: {err}") from None
@@ -118,12 +125,48 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
             too_long += 1
             continue
-        samples.append(Sample(index=row_index, prompt=text, label=label, metadata=dict(metadata), tokens=list(tokens)))
+        metadata = {**metadata, "tools": tools} if tools else dict(metadata)
+        samples.append(Sample(index=row_index, prompt=text, label=label, metadata=metadata, tokens=list(tokens)))
     if too_long:
         logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, fmt.max_prompt_len)
     if not samples:
         raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
     return samples
+
+
+def _row_tool_specs(row: dict[str, Any], fmt: PromptFormat, where: str) -> list[dict[str, Any]] | None:
+    """The OpenAI-style specs of the tools a row offers: its ``--tool-key`` column (a list, or a JSON string of
+    one, of tool names and specs), else ``fmt.default_tools``; None when it offers none. These specs go into the
+    prompt (through the chat template) and into ``Sample.metadata["tools"]``, where the tool environment reads
+    which tools the episode may call."""
+    entries = row.get(fmt.tool_key) if fmt.tool_key else None
+    source = f"field {fmt.tool_key!r}"
+    if entries is None:
+        entries, source = list(fmt.default_tools), "--tools"
+    if isinstance(entries, str):
+        try:
+            entries = json.loads(entries)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{where}: {source}: invalid JSON ({err.msg})") from None
+    if not isinstance(entries, list):
+        raise DatasetError(f"{where}: {source}: expected a list of tool names or specs, got {type(entries).__name__}")
+    return [_tool_spec(entry, fmt, f"{where}: {source}") for entry in entries] or None
+
+
+def _tool_spec(entry: Any, fmt: PromptFormat, where: str) -> dict[str, Any]:
+    """A tool name or spec as ``{"type": "function", "function": {...}}``; its name must be a known tool."""
+    known = fmt.tool_specs or {}
+    if isinstance(entry, dict):
+        spec = entry if "function" in entry else {"type": "function", "function": entry}
+        name = spec["function"].get("name") if isinstance(spec["function"], dict) else None
+    else:
+        spec, name = known.get(entry) if isinstance(entry, str) else None, entry
+    if not isinstance(name, str) or not name:
+        raise DatasetError(f"{where}: expected a tool name or an OpenAI-style function spec, got {entry!r:.80}")
+    if name not in known:
+        raise DatasetError(f"{where}: unknown tool {name!r}; known: {', '.join(sorted(known)) or 'none'} "
+                           "(add your own with --tools pkg.module:function)")
+    return spec
 
 
 def _relative_to(folder: Path, item: Any) -> Any:

@@ -14,10 +14,15 @@ import torch
 import torch.distributed as dist
 
 
-def free_loopback_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
+
+
+def free_loopback_port() -> int:
+    return free_port("127.0.0.1")
 
 
 def ensure_process_group(device: torch.device) -> None:

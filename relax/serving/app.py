@@ -13,8 +13,9 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -24,22 +25,30 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
+from relax.backends.inference.batcher import RequestBatcher
 from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
-from relax.serving.batcher import RequestBatcher
 from relax.serving.protocol import (
-    InitWeightsUpdateGroupRequest,
-    UpdateWeightsFromDistributedRequest,
+    NEW_TOKEN_FIELDS,
+    TOKEN_ID_MARKER,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     GenerateRequest,
+    InitWeightsUpdateGroupRequest,
     SGLangSamplingParams,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    describe_validation_errors,
 )
 from relax.serving.weights import WeightPathError, update_weights_from_path
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# The OpenAI endpoints answer server-sent events when the body asks for "stream": true (the schema is an event's).
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"}}}}}}}
 
 
 class BadRequest(HTTPException):
@@ -48,6 +57,69 @@ class BadRequest(HTTPException):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(400, message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a prompt must fit: token ids below ``vocab_size`` and prompt + new tokens within ``context_length``
+    (None: unknown, not checked). Outside them the engine fails deep inside a forward (an index error, or a
+    mask of max_new_tokens columns allocated up front), which would be a 500 or an out-of-memory."""
+
+    vocab_size: int | None = None
+    context_length: int | None = None
+
+    @classmethod
+    def of(cls, engine: InferenceEngine) -> ModelLimits:
+        model = getattr(engine, "model", None)  # the embedded engine's Hugging Face model
+        if model is None:
+            return cls()
+        text_config = model.config.get_text_config()
+        return cls(model.get_input_embeddings().num_embeddings,
+                   getattr(text_config, "max_position_embeddings", None))
+
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, prompt_field: str,
+              length_field: str) -> None:
+        """Raise `BadRequest` naming ``prompt_field`` or ``length_field`` for the first prompt that does not fit."""
+        for index, prompt in enumerate(prompts):
+            if self.vocab_size is not None:
+                bad = next((token for token in prompt if not 0 <= token < self.vocab_size), None)
+                if bad is not None:
+                    raise BadRequest(f"{prompt_field}: token id {bad} of prompt {index} is outside the "
+                                     f"vocabulary [0, {self.vocab_size})", prompt_field)
+            if self.context_length is None:
+                continue
+            if len(prompt) >= self.context_length:
+                raise BadRequest(f"{prompt_field}: prompt {index} has {len(prompt)} tokens; the model's context "
+                                 f"length is {self.context_length}", prompt_field)
+            if len(prompt) + max_new_tokens > self.context_length:
+                raise BadRequest(f"{length_field}: {len(prompt)} prompt tokens + {max_new_tokens} new tokens exceed "
+                                 f"the model's context length {self.context_length}", length_field)
+
+    def publish(self, openapi: dict[str, Any]) -> None:
+        """Write the limits into the app's OpenAPI document, so that clients and fuzzers see the bounds this
+        server enforces."""
+        _publish_token_id_maximum(openapi, None if self.vocab_size is None else self.vocab_size - 1)
+        if self.context_length is None:
+            return
+        schemas = openapi.get("components", {}).get("schemas", {})
+        for model, fields in NEW_TOKEN_FIELDS.items():
+            for name in fields:
+                field = schemas.get(model, {}).get("properties", {}).get(name, {})
+                for option in field.get("anyOf", [field]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = self.context_length - 1  # the prompt takes at least one token
+
+
+def _publish_token_id_maximum(node: Any, maximum: int | None) -> None:
+    """Replace each token-id marker of a JSON schema by ``maximum`` (None: drop the marker)."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_MARKER, False) and maximum is not None:
+            node["maximum"] = maximum
+        children = list(node.values())
+    else:
+        children = node if isinstance(node, list) else []
+    for child in children:
+        _publish_token_id_maximum(child, maximum)
 
 
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -66,6 +138,7 @@ def create_app(
 ) -> FastAPI:
     """Build the app; the engine must run on the event loop that serves the app (uvicorn's)."""
     batcher = RequestBatcher(engine, window_s=batch_window_s)
+    limits = ModelLimits.of(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -75,9 +148,20 @@ def create_app(
         finally:
             await batcher.stop()
 
+    # Every 4xx has one documented shape; declaring "4XX" also keeps FastAPI from publishing a 422 that this
+    # app never sends (bad bodies are 400).
+    errors = {"4XX": {"model": ErrorResponse, "description": "bad request (400, naming the field), missing or "
+                      "wrong token (401), ..."}}
     app = FastAPI(title="relax serve", description="The relax embedded inference engine over HTTP "
-                  "(SGLang native protocol and OpenAI protocol).", lifespan=lifespan)
+                  "(SGLang native protocol and OpenAI protocol).", lifespan=lifespan, responses=errors)
     app.state.engine, app.state.batcher, app.state.tokenizer = engine, batcher, tokenizer
+
+    def openapi_with_limits() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            limits.publish(FastAPI.openapi(app))  # FastAPI.openapi builds and caches app.openapi_schema
+        return app.openapi_schema
+
+    app.openapi = openapi_with_limits
     bearer = HTTPBearer(auto_error=False)
 
     async def require_api_key(
@@ -93,14 +177,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        problems = []
-        for item in error.errors():
-            location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
-            message = str(item.get("msg", "")).removeprefix("Value error, ")
-            problems.append(f"{location or 'body'}: {message}")
-        first = error.errors()[0] if error.errors() else {}
-        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
-        return JSONResponse(_error_body("; ".join(problems) or "invalid request body", 400, param), status_code=400)
+        message, param = describe_validation_errors(error.errors())
+        return JSONResponse(_error_body(message, 400, param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -142,7 +220,12 @@ def create_app(
             if not prompt:
                 field = "text" if body.text is not None else "input_ids"
                 raise BadRequest(f"{field}[{index}]: the prompt has no tokens", field)
-        params = [body.sampling_params] * len(prompts)
+        params = body.sampling_params if isinstance(body.sampling_params, list) else \
+            [body.sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise BadRequest(f"sampling_params: {len(params)} sets for {len(prompts)} prompts", "sampling_params")
+        limits.check(prompts, max(p.max_new_tokens for p in params), "text" if body.text is not None else "input_ids",
+                     "sampling_params.max_new_tokens")
         if isinstance(body.rid, list):
             if len(body.rid) != len(prompts):
                 raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts", "rid")
@@ -258,7 +341,7 @@ def create_app(
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "relax",
                                             "root": model_path}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAM_RESPONSE)
     async def completions(body: CompletionRequest) -> Any:
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -270,19 +353,19 @@ def create_app(
         if not prompts or any(not p for p in prompts):
             raise BadRequest("prompt: empty prompt", "prompt")
         params = body.to_engine(body.max_tokens or 16)
+        limits.check(prompts, params.max_new_tokens, "prompt", "max_tokens")
         return await _openai_response(body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAM_RESPONSE)
     async def chat_completions(body: ChatCompletionRequest) -> Any:
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as error:
-            raise BadRequest(f"messages: {error}", "messages") from error
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("messages: the served tokenizer has no chat template; use /v1/completions", "messages")
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         params = body.to_engine(body.max_completion_tokens or body.max_tokens or 128)
+        limits.check([prompt], params.max_new_tokens, "messages",
+                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         return await _openai_response(body, [prompt], params, chat=True)
 
     async def _openai_response(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],

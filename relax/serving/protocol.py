@@ -1,27 +1,103 @@
 """Request bodies of `relax serve`: SGLang's native protocol and the OpenAI protocol (pydantic).
 
 Unknown fields are ignored (clients of SGLang and vLLM send options this server has no use for,
-such as ``no_stop_trim`` or ``skip_special_tokens``); known fields are checked, and a bad value is
-answered with HTTP 400 naming the field path (see `relax.serving.app`).
+such as ``no_stop_trim`` or ``skip_special_tokens``); known fields are checked strictly (no bool
+for an int, no string for a number), and a bad value is answered with HTTP 400 naming the field path
+(see `relax.serving.app`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from relax.backends.inference.base import SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: a body that breaks the published schema (`false` as a token id, "16" as max_new_tokens) is a
+    # client bug, answered with 400 rather than silently coerced. JSON integers still fill float fields.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats_are_integers(cls, data: Any) -> Any:
+        # JSON Schema counts 16.0 as an integer (and clients that compute a length send it); strict ints would not.
+        return _integral_floats_to_int(data)
+
+
+def _integral_floats_to_int(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats_to_int(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integral_floats_to_int(item) for key, item in value.items()}
+    return value
+
+
+# A token id is an index into the model's embedding table; its upper bound depends on the model: the app checks
+# it and writes it into the published schema where this marker is.
+TOKEN_ID_MARKER = "x-token-id"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARKER: True})]
+# A prompt: a non-empty string or a non-empty list of token ids; a batch is a non-empty list of prompts.
+PromptText = Annotated[str, Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+# Fields that count new tokens: the app publishes the model's context length as their maximum.
+NEW_TOKEN_FIELDS = {"SGLangSamplingParams": ["max_new_tokens"], "CompletionRequest": ["max_tokens"],
+                    "ChatCompletionRequest": ["max_tokens", "max_completion_tokens"]}
+# torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]; outside it torch raises an error that names no field.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+# pydantic puts the member of a union that failed into the error location ("input_ids", "list[constrained-int]",
+# 0; "sampling_params", "SGLangSamplingParams", "temperature"); those parts name types, not fields, and would only
+# confuse a client looking for the field path. Field names are snake_case, model names CamelCase.
+_UNION_MEMBER_TAGS = {"body", "str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _is_field(part: int | str) -> bool:
+    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_TAGS
+                                     and not part[:1].isupper())
+
+
+def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic's errors of a request as one message (``field.path: problem; ...``) and the field path of the most
+    telling one. A union reports an error per member; the member that matched the shape fails on a value (a bound,
+    a length, a literal) rather than on a type, or failed deeper inside."""
+    def path(error: dict[str, Any]) -> list[str]:
+        return [str(part) for part in error.get("loc", ()) if _is_field(part)]
+
+    def telling(error: dict[str, Any]) -> tuple[bool, int]:
+        kind = str(error.get("type", ""))
+        return not (kind.endswith("_type") or kind == "none_required"), len(path(error))
+
+    problems = [f"{'.'.join(path(e)) or 'body'}: {str(e.get('msg', '')).removeprefix('Value error, ')}"
+                for e in errors]
+    best = path(max(errors, key=telling)) if errors else []
+    return "; ".join(problems) or "invalid request body", ".".join(best) or None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = Field(None, description="the path of the offending field, e.g. sampling_params.temperature")
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx answer (OpenAI's error shape); a bad body is 400 with the field path in ``error.param``."""
+
+    error: ErrorDetail
 
 
 # ----------------------------------------------------------------------------- SGLang native
@@ -35,7 +111,7 @@ class SGLangSamplingParams(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
     no_stop_trim: bool = False  # keep a matched stop string in "text" (output_ids always keep it)
 
     def to_engine(self) -> SamplingParams:
@@ -49,9 +125,15 @@ class SGLangSamplingParams(_Body):
 class GenerateRequest(_Body):
     """``POST /generate``: one prompt (``text`` str or ``input_ids`` list of ints) or a batch (lists)."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    # The schema states "exactly one of text and input_ids" (null is accepted, but not published: a client
+    # following the schema never sends both).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+
+    text: PromptText | Annotated[list[PromptText], Field(min_length=1)] | SkipJsonSchema[None] = None
+    input_ids: PromptIds | Annotated[list[PromptIds], Field(min_length=1)] | SkipJsonSchema[None] = None
+    # One set for every prompt, or (as SGLang) one per prompt of a batch.
+    sampling_params: SGLangSamplingParams | Annotated[list[SGLangSamplingParams], Field(min_length=1)] = Field(
+        default_factory=SGLangSamplingParams)
     return_logprob: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
@@ -100,7 +182,7 @@ class _OpenAISampling(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -118,25 +200,28 @@ class _OpenAISampling(_Body):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds | Annotated[
+        list[PromptIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: Literal[False] = False
 
 
+class TextPart(_Body):
+    """A content part of a chat message; text only (image parts are not supported yet)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_OpenAISampling):

@@ -4,14 +4,18 @@
 
 Rules live in `relax.engine.scaling.ScaleManager`; this module maps them to HTTP: a conflict is 409, a rejected
 request 400, an unknown id 404. Every endpoint that changes the engine set takes a bearer token when one is set.
+Errors are FastAPI's ``{"detail": ...}``; a bad body or query is 400 with the field path in ``param`` too.
 """
 
 from __future__ import annotations
 
 import secrets
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
 
 from relax.engine.scaling import (
     ScaleConflictError,
@@ -22,12 +26,20 @@ from relax.engine.scaling import (
     ScaleRejectedError,
     ScaleStatus,
 )
+from relax.serving.protocol import describe_validation_errors
+
+
+class ScalingError(BaseModel):
+    """Every 4xx answer of the scaling API."""
+
+    detail: str
+    param: str | None = Field(None, description="a bad body or query: the path of the offending field")
 
 
 def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRouter:
     bearer = HTTPBearer(auto_error=False)
 
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
         if api_key and (credentials is None or not secrets.compare_digest(credentials.credentials, api_key)):
             raise HTTPException(401, "missing or wrong bearer token")
 
@@ -98,6 +110,14 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
 
 
 def create_scaling_app(manager: ScaleManager, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="Relax rollout scaling")
+    # Declaring "4XX" also keeps FastAPI from publishing a 422 that this app never sends.
+    app = FastAPI(title="Relax rollout scaling", responses={"4XX": {"model": ScalingError,
+                                                                   "description": "400, 401, 404 or 409"}})
     app.include_router(scaling_routes(manager, api_key))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(error.errors())
+        return JSONResponse({"detail": message, "param": param}, status_code=400)
+
     return app

@@ -252,3 +252,25 @@ def _step_of(row: dict[str, Any]) -> float:
     """The row's step, or infinity for a row without a numeric step, so that truncation drops it."""
     step = row.get("step")
     return step if isinstance(step, (int, float)) and not isinstance(step, bool) else math.inf
+
+
+class NullTracker:
+    """The tracker of the other ranks of a multi-GPU run: rank 0 records the run, they record nothing."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        return None
+
+    def dump_samples(self, step: int, samples: list, max_samples: int | None = None) -> None:
+        return None
+
+    def truncate_after(self, step: int) -> None:
+        return None
+
+    def close(self) -> list[Path]:
+        return []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

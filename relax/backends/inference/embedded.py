@@ -24,10 +24,14 @@ once enough of them have finished (`COMPACT_WHEN_FINISHED_FRACTION`). Decoding a
 bound by the Python of the Hugging Face forward, so this loop matches ``model.generate`` there;
 the next speed-up needs a static cache and CUDA graphs.
 
-Reproducibility. All randomness of one `generate` call comes from one ``torch.Generator`` on the
-model's device, seeded with ``sampling_params.seed`` of the call's first request (a random seed when
-that is None), and consumed by its batches in order. The same requests with the same seed therefore
-give the same samples, provided no abort or mid-call weight update changes the decode path.
+Reproducibility. The requests of one `generate` call that carry the same ``sampling_params.seed``
+draw their randomness from one ``torch.Generator`` on the model's device, seeded with it and
+consumed by their rows in batch order; the requests without a seed share one randomly seeded
+generator. The same requests with the same seed therefore give the same samples, provided no
+abort or mid-call weight update changes the decode path, and a request with a seed of its own
+(a multi-turn episode's turn) samples the same whatever other requests share its batch, which
+lets `RequestBatcher` merge seeded callers. A batch with several seeds fills each seed's rows of
+the sampling noise from its generator (one small draw per seed and step) and samples in one pass.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from relax.backends.inference.base import (
     ScoreOutput,
     ScoreRequest,
 )
-from relax.backends.inference.sampling import BatchSampling, sample_next_tokens
+from relax.backends.inference.sampling import BatchSampling, RowGenerators, sample_next_tokens
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, load_model, rope_positions
 
 # A batch drops its finished rows (and their KV cache) once at least this fraction of its rows
@@ -94,6 +98,14 @@ class _RowState:
 
 
 @dataclass
+class _SeedGroup:
+    """The rows of a decode batch that share a sampling seed, and so a generator."""
+
+    generator: torch.Generator
+    rows: torch.Tensor  # (R,) int64 batch positions
+
+
+@dataclass
 class _DecodeBatch:
     """The device state of a batch; row i of every tensor is batch position i."""
 
@@ -111,6 +123,22 @@ class _DecodeBatch:
     prefill_source: torch.Tensor | None = None
     # Extra forward arguments of the first step only: the media tensors of a multimodal prefill.
     prefill_kwargs: dict[str, torch.Tensor] | None = None
+    # The call's generators by seed (None: the unseeded requests'), shared by all its batches.
+    generators: dict[int | None, torch.Generator] = field(default_factory=dict)
+    _seed_groups: list[_SeedGroup] | None = field(default=None, init=False, repr=False)
+
+    def seed_groups(self) -> list[_SeedGroup]:
+        """The batch rows grouped by seed, each with its generator."""
+        if self._seed_groups is None:
+            rows_by_seed: dict[int | None, list[int]] = {}
+            for row, params in enumerate(self.sampling.params):
+                rows_by_seed.setdefault(params.seed, []).append(row)
+            device = self.input_ids.device
+            self._seed_groups = [
+                _SeedGroup(self.generators[seed], torch.tensor(rows, device=device))
+                for seed, rows in rows_by_seed.items()
+            ]
+        return self._seed_groups
 
     def expand_after_prefill(self) -> None:
         """Give every request its own copy of its prompt's prefill state."""
@@ -134,6 +162,7 @@ class _DecodeBatch:
         self.position_ids = self.position_ids.index_select(-2, index)
         self.attention_mask = self.attention_mask[index]
         self.sampling = self.sampling.select_rows(positions)
+        self._seed_groups = None
 
 
 class EmbeddedEngine(InferenceEngine):
@@ -196,8 +225,8 @@ class EmbeddedEngine(InferenceEngine):
         return self._weight_version
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        """Decode every request (in batches of at most ``max_batch_size``) with one generator,
-        seeded from the first request's seed; outputs in request order."""
+        """Decode every request (in batches of at most ``max_batch_size``) with one generator per
+        distinct seed (see the module doc); outputs in request order."""
         requests = list(requests)
         for request in requests:
             _validate_request(request)
@@ -206,16 +235,11 @@ class EmbeddedEngine(InferenceEngine):
         request_ids = [request.request_id for request in requests]
         self._in_flight_ids.update(request_ids)
         try:
-            generator = torch.Generator(device=self.device)
-            seed = requests[0].sampling_params.seed
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seed)
+            generators = self._generators_by_seed(requests)
             batch_size = self.max_batch_size or len(requests)
             outputs: list[GenerationOutput] = []
             for start in range(0, len(requests), batch_size):
-                outputs.extend(await self._generate_batch(requests[start : start + batch_size], generator))
+                outputs.extend(await self._generate_batch(requests[start : start + batch_size], generators))
             return outputs
         finally:
             self._in_flight_ids.subtract(request_ids)
@@ -223,6 +247,16 @@ class EmbeddedEngine(InferenceEngine):
                 if self._in_flight_ids[request_id] <= 0:
                     del self._in_flight_ids[request_id]
                     self._aborted_ids.discard(request_id)
+
+    def _generators_by_seed(self, requests: list[GenerationRequest]) -> dict[int | None, torch.Generator]:
+        generators = {}
+        for seed in dict.fromkeys(request.sampling_params.seed for request in requests):
+            generator = generators[seed] = torch.Generator(device=self.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+        return generators
 
     async def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreOutput]:
         """One forward per batch of at most ``max_batch_size`` right-padded sequences; log-probs
@@ -312,11 +346,12 @@ class EmbeddedEngine(InferenceEngine):
     # ----------------------------------------------------------------------------- decoding
 
     async def _generate_batch(
-        self, requests: list[GenerationRequest], generator: torch.Generator
+        self, requests: list[GenerationRequest], generators: dict[int | None, torch.Generator]
     ) -> list[GenerationOutput]:
         """Decode one batch to completion; outputs in request order."""
         rows = [self._new_row_state(request) for request in requests]
         batch = self._prefill_inputs(rows)
+        batch.generators = generators
         # Batch position i holds rows[live_rows[i]]; finished rows stay (their tokens ignored)
         # until enough have finished to make dropping them worth a cache copy.
         live_rows = list(range(len(rows)))
@@ -330,7 +365,7 @@ class EmbeddedEngine(InferenceEngine):
             else:
                 version = self._weight_version
                 with torch.inference_mode():
-                    next_tokens, tokens_host, log_probs_host = self._decode_step(batch, generator)
+                    next_tokens, tokens_host, log_probs_host = self._decode_step(batch)
                 self._decode_steps += 1
                 stepped_rows = []
                 for batch_position, row in enumerate(live_rows):
@@ -400,9 +435,7 @@ class EmbeddedEngine(InferenceEngine):
             prefill_kwargs=prefill_kwargs,
         )
 
-    def _decode_step(
-        self, batch: _DecodeBatch, generator: torch.Generator
-    ) -> tuple[torch.Tensor, list[float], list[float]]:
+    def _decode_step(self, batch: _DecodeBatch) -> tuple[torch.Tensor, list[float], list[float]]:
         """One forward over the batch inputs (filling the cache) and one sampled token per row.
 
         Returns the tokens on the device, (B,) int64, and tokens and log-probs on the host.
@@ -427,7 +460,7 @@ class EmbeddedEngine(InferenceEngine):
         if batch.prefill_source is not None:
             logits = logits[batch.prefill_source]
             batch.expand_after_prefill()
-        next_tokens, log_probs = sample_next_tokens(logits, batch.sampling, generator)
+        next_tokens, log_probs = _sample_by_seed(logits, batch.sampling, batch.seed_groups())
         # The step's one host synchronization: stop checks need the tokens. Float64 holds ids exactly.
         tokens_host, log_probs_host = torch.stack((next_tokens.to(torch.float64), log_probs.to(torch.float64))).tolist()
         return next_tokens, tokens_host, log_probs_host
@@ -489,6 +522,14 @@ class EmbeddedEngine(InferenceEngine):
             text=self.tokenizer.decode(row.output_ids, skip_special_tokens=True),
             output_weight_versions=row.output_weight_versions,
         )
+
+
+def _sample_by_seed(logits: torch.Tensor, batch_sampling: BatchSampling,
+                    groups: list[_SeedGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_next_tokens` over (B, V) logits, each seed group's rows drawing noise from its own generator."""
+    if len(groups) == 1:
+        return sample_next_tokens(logits, batch_sampling, groups[0].generator)
+    return sample_next_tokens(logits, batch_sampling, RowGenerators([(g.generator, g.rows) for g in groups]))
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,7 +1,7 @@
 """`InferenceEngine` over HTTP against a server speaking SGLang's native protocol (`relax serve` or real SGLang).
 
-Each request is one ``POST /generate`` (``input_ids``, ``sampling_params``, ``return_logprob: true``); the
-server batches concurrent requests itself. Weight updates go through a shared filesystem: the tensors are
+One `generate` call is one ``POST /generate`` batch (``input_ids``, per-request ``sampling_params``,
+``return_logprob: true``), so the server sees the call's requests together and decodes them as one batch. Weight updates go through a shared filesystem: the tensors are
 written with `relax.distributed.weight_disk.DiskPublisher` under ``weights_dir`` (a versioned
 ``vNNNNNNNN`` directory with a manifest) and the server is told to load that directory with
 ``POST /update_weights_from_disk``. **This transport needs ``weights_dir`` to be readable by the server at
@@ -10,12 +10,17 @@ the same path** (one machine, or a shared/network filesystem).
 Errors name the server URL and the endpoint. Connection failures, timeouts and HTTP 5xx raise
 `EngineUnavailableError` (the `EngineRouter` retries those on another engine); other HTTP errors raise
 `EngineHTTPError`. The API key (``Authorization: Bearer``) is never logged or put in an error message.
+
+HTTP traffic runs on a background event loop of its own (`io_loop`): a trainer that computes on the
+caller's loop (the in-process fully-async trainer blocks it for seconds per step) must not hold back the
+requests of the next rollout or the answers of the current one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -71,9 +76,28 @@ def distinct_seeds(requests: Sequence[GenerationRequest]) -> list[GenerationRequ
     return result
 
 
+_io_loop: asyncio.AbstractEventLoop | None = None
+_io_loop_lock = threading.Lock()
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The process's HTTP event loop, on a daemon thread started at first use."""
+    global _io_loop
+    with _io_loop_lock:
+        if _io_loop is None:
+            _io_loop = asyncio.new_event_loop()
+            threading.Thread(target=_io_loop.run_forever, name="relax-http-io", daemon=True).start()
+        return _io_loop
+
+
+async def on_io_loop(coroutine: Any) -> Any:
+    """Run ``coroutine`` on `io_loop` and await its result here; cancelling the caller cancels it there."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, io_loop()))
+
+
 class HTTPClient:
-    """An `httpx.AsyncClient` per event loop (a client cannot move between loops), bounded timeouts, bearer
-    token, and errors that name the URL and endpoint."""
+    """An `httpx.AsyncClient` on the HTTP loop (`io_loop`), bounded timeouts, bearer token, and errors that
+    name the URL and endpoint."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
         if not base_url.startswith(("http://", "https://")):
@@ -97,6 +121,10 @@ class HTTPClient:
     async def request(self, method: str, endpoint: str, json: Any = None, timeout_s: float | None = None,
                       allow_404: bool = False) -> Any:
         """The decoded JSON body (None for an empty one); raises `EngineUnavailableError` / `EngineHTTPError`."""
+        return await on_io_loop(self._request(method, endpoint, json, timeout_s, allow_404))
+
+    async def _request(self, method: str, endpoint: str, json: Any, timeout_s: float | None,
+                       allow_404: bool) -> Any:
         where = f"{self.base_url}{endpoint}"
         timeout = self.timeout if timeout_s is None else httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         try:
@@ -124,9 +152,9 @@ class HTTPClient:
                                   self.base_url, endpoint, response.status_code) from None
 
     async def aclose(self) -> None:
-        client = self._clients.pop(asyncio.get_running_loop(), None)
+        client = self._clients.pop(io_loop(), None)
         if client is not None:
-            await client.aclose()
+            await on_io_loop(client.aclose())
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -149,6 +177,19 @@ def _as_version(value: Any, fallback: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return fallback  # real SGLang may report a non-numeric version name
+
+
+def _sampling_body(request: GenerationRequest) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` of one request."""
+    p = request.sampling_params
+    params: dict[str, Any] = {
+        "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+        "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos,
+        "no_stop_trim": True,  # keep a matched stop string in "text", as the embedded engine does
+    }
+    if p.seed is not None:
+        params["seed"] = p.seed
+    return params
 
 
 class SGLangHTTPEngine(InferenceEngine):
@@ -177,28 +218,34 @@ class SGLangHTTPEngine(InferenceEngine):
         """The version last reported by the server (health, generation or weight update)."""
         return self._weight_version
 
+    def note_weight_version(self, version: int) -> None:
+        """Record a version the server confirmed it serves (after a weight update by another transport)."""
+        self._weight_version = version
+
     # ---------------------------------------------------------------------------- generation
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """All requests in one ``POST /generate`` batch (per-request sampling params, as SGLang takes them): the
+        server sees the whole call at once and can decode it as one batch."""
         requests = distinct_seeds(requests)
-        return list(await asyncio.gather(*(self._generate_one(request) for request in requests)))
-
-    async def _generate_one(self, request: GenerationRequest) -> GenerationOutput:
-        if request.multimodal_inputs:
-            raise NotImplementedError(f"{self!r}: multimodal requests are not supported over HTTP yet "
-                                      f"(request {request.request_id})")
-        p = request.sampling_params
-        params: dict[str, Any] = {
-            "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-            "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos,
-            "no_stop_trim": True,  # keep a matched stop string in "text", as the embedded engine does
-        }
-        if p.seed is not None:
-            params["seed"] = p.seed
-        body = {"input_ids": list(request.input_ids), "sampling_params": params, "return_logprob": True,
-                "rid": request.request_id}
-        result = await self.http.request("POST", "/generate", json=body)
-        return self._parse_generation(request, result)
+        for request in requests:
+            if request.multimodal_inputs:
+                raise NotImplementedError(f"{self!r}: multimodal requests are not supported over HTTP yet "
+                                          f"(request {request.request_id})")
+        if not requests:
+            return []
+        if len(requests) == 1:
+            body = {"input_ids": list(requests[0].input_ids), "sampling_params": _sampling_body(requests[0]),
+                    "return_logprob": True, "rid": requests[0].request_id}
+            return [self._parse_generation(requests[0], await self.http.request("POST", "/generate", json=body))]
+        body = {"input_ids": [list(r.input_ids) for r in requests],
+                "sampling_params": [_sampling_body(r) for r in requests], "return_logprob": True,
+                "rid": [r.request_id for r in requests]}
+        results = await self.http.request("POST", "/generate", json=body)
+        if not isinstance(results, list) or len(results) != len(requests):
+            raise EngineHTTPError(f"POST {self.base_url}/generate: expected {len(requests)} results for a batch, got "
+                                  f"{str(results)[:200]}", self.base_url, "/generate")
+        return [self._parse_generation(request, result) for request, result in zip(requests, results)]
 
     def _parse_generation(self, request: GenerationRequest, result: Any) -> GenerationOutput:
         if isinstance(result, list) and len(result) == 1:

@@ -32,12 +32,15 @@ from typing import Any
 import torch
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_sglang import distinct_seeds
+from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger(__name__)
 
 GROUP_PREFIX = re.compile(r"^g(\d+)-")
 MAX_STICKY_GROUPS = 100_000
+BROADCAST_BUCKET_BYTES = 512 * 1024 * 1024  # one collective per bucket; bounds the flat copy it needs
 
 
 class NoEngineAvailableError(RuntimeError):
@@ -81,7 +84,8 @@ class _Slot:
 
 class EngineRouter(InferenceEngine):
     def __init__(self, engines: Sequence[InferenceEngine], max_retries: int = 3, retry_down_after_s: float = 5.0,
-                 wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0) -> None:
+                 wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0,
+                 weight_transport: BroadcastWeightTransport | None = None) -> None:
         self._slots: list[_Slot] = []
         for engine in engines:
             self._slots.append(_Slot(engine))
@@ -91,6 +95,8 @@ class EngineRouter(InferenceEngine):
         self.health_timeout_s = health_timeout_s
         self._sticky: OrderedDict[str, _Slot] = OrderedDict()
         self._version: int | None = None  # the last version pushed by update_weights
+        # Pushes versions to every (HTTP) engine over one broadcast group instead of through the disk.
+        self.weight_transport = weight_transport
 
     # ---------------------------------------------------------------------------- engine set
 
@@ -280,6 +286,11 @@ class EngineRouter(InferenceEngine):
         one published copy. Raises when no engine took the update."""
         tensors = list(named_tensors)
         slots = list(self._slots)
+        if self.weight_transport is not None:
+            await self.weight_transport.update([slot.engine for slot in slots],
+                                               list(bucketize(tensors, BROADCAST_BUCKET_BYTES)), version)
+            self._version = version if self._version is None else max(self._version, version)
+            return
         by_dir: dict[str, list[_Slot]] = {}
         direct: list[_Slot] = []
         for slot in slots:

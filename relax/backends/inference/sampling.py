@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -44,7 +45,8 @@ class BatchSampling:
                 device=device,
             ),
             is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor([[p.top_k if p.top_k > 0 else no_top_k] for p in params], device=device),
+            # A top_k beyond int64 (or the vocabulary) filters nothing, like no top_k.
+            top_k=torch.tensor([[min(p.top_k, no_top_k) if p.top_k > 0 else no_top_k] for p in params], device=device),
             top_p=torch.tensor(
                 [[p.top_p if p.top_p < 1 else float("inf")] for p in params], dtype=torch.float32, device=device
             ),
@@ -58,16 +60,38 @@ class BatchSampling:
         return BatchSampling.from_params([self.params[row] for row in rows], self.temperature.device)
 
 
+class RowGenerators:
+    """Random streams for a batch whose rows draw from different generators (one per sampling seed).
+
+    ``groups`` pairs each generator with the batch rows ``(R,) int64`` it serves. Each generator
+    fills the noise of its rows exactly as it would for a batch of those rows alone, so a row's
+    samples do not depend on the other seeds in its batch; the sampling itself stays one pass.
+    """
+
+    def __init__(self, groups: Sequence[tuple[torch.Generator, torch.Tensor]]) -> None:
+        self.groups = list(groups)
+
+    def exponential_like(self, weights: torch.Tensor) -> torch.Tensor:
+        noise = torch.empty_like(weights)
+        for generator, rows in self.groups:
+            block = weights.new_empty((rows.numel(), *weights.shape[1:])).exponential_(generator=generator)
+            noise.index_copy_(0, rows, block)
+        return noise
+
+
+Randomness = Union[torch.Generator, RowGenerators]
+
+
 def sample_next_tokens(
-    logits: torch.Tensor, sampling: BatchSampling, generator: torch.Generator
+    logits: torch.Tensor, sampling: BatchSampling, generator: Randomness
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     ``logits`` is (B, V) in any float dtype. Returns the tokens, (B,) int64, and their log-probs,
     (B,) float32: ``log_softmax(logits / temperature)`` at the token, computed in fp32 before
     top-k/top-p filtering (plain ``log_softmax`` on greedy rows). ``generator`` (on the logits'
-    device) supplies all randomness, so equal inputs and an equally seeded generator give equal
-    tokens.
+    device; or one per group of rows, `RowGenerators`) supplies all randomness, so equal inputs and
+    equally seeded generators give equal tokens.
     """
     scaled_logits = logits.float() / sampling.temperature
     log_normalizer = torch.logsumexp(scaled_logits, dim=-1, keepdim=True)
@@ -82,7 +106,7 @@ def sample_next_tokens(
 
 
 def _sample_from_scaled_logits(
-    scaled_logits: torch.Tensor, log_normalizer: torch.Tensor, sampling: BatchSampling, generator: torch.Generator
+    scaled_logits: torch.Tensor, log_normalizer: torch.Tensor, sampling: BatchSampling, generator: Randomness
 ) -> torch.Tensor:
     """Draw from softmax(scaled_logits) restricted by each row's top-k and top-p; (B,) int64."""
     if not sampling.any_filter:
@@ -101,13 +125,16 @@ def _sample_from_scaled_logits(
     return sorted_token_ids.gather(1, sampled_ranks[:, None]).squeeze(1)
 
 
-def _exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generator: Randomness) -> torch.Tensor:
     """Sample one index per row of (B, V) non-negative weights: argmax(probs / E), E ~ Exp(1).
 
     The weights need not be normalized. This equals multinomial sampling and, unlike
     ``torch.multinomial``, is one elementwise pass plus an argmax.
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    if isinstance(generator, RowGenerators):
+        noise = generator.exponential_like(probs)
+    else:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
     # A zero draw would turn a zero weight into 0/0 = NaN, which argmax would pick.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)

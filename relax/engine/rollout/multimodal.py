@@ -19,7 +19,15 @@ from transformers import AutoFeatureExtractor, AutoImageProcessor
 
 from relax.backends.model_family import MediaTokens, expand_placeholders, placeholder_counts
 from relax.data.chat_template import render_prompt
-from relax.data.multimodal import MediaError, MultimodalProcessor, MultimodalSettings, VisionSpec
+from relax.data.multimodal import (
+    MediaError,
+    MultimodalProcessor,
+    MultimodalSettings,
+    ProcessedRow,
+    VisionSpec,
+    fetch_image,
+)
+from relax.data.multimodal.pool import model_inputs
 from relax.data.sample import Sample
 
 logger = logging.getLogger("relax")
@@ -104,6 +112,19 @@ class MultimodalPreparer:
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         sample.tokens = expand_placeholders(list(token_ids), self.media_tokens, counts)
         sample.multimodal_train_inputs = inputs
+
+    def process_images(self, images: list[Any]) -> dict[str, torch.Tensor]:
+        """Processor tensors of images an environment returned (PIL images or any media item), sized
+        and patchified exactly like prompt images."""
+        config = self.processor.config
+        row = ProcessedRow(index=0, messages=[], images=[fetch_image(image, config.settings, self.spec)
+                                                         for image in images])
+        return {key: torch.from_numpy(value) for key, value in model_inputs(row, config).items()}
+
+    def expand_media(self, token_ids: list[int], inputs: dict[str, torch.Tensor]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """``token_ids`` with each media placeholder repeated by its item's token count, and ``inputs``."""
+        counts = placeholder_counts(inputs, self.spec.merge_size)
+        return expand_placeholders(list(token_ids), self.media_tokens, counts), inputs
 
     def close(self) -> None:
         self.processor.close()

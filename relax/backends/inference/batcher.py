@@ -1,12 +1,15 @@
-"""Merge the generation requests of concurrent HTTP calls into few `InferenceEngine.generate` calls.
+"""Merge the generation requests of concurrent callers into few `InferenceEngine.generate` calls.
 
-Each HTTP call submits a *job* (its requests) and awaits its outputs. A dispatcher task takes the
-first waiting job, keeps collecting jobs for ``window_s`` seconds, then starts one
-``engine.generate`` call for everything collected (as its own task, so the next window opens at
-once; the embedded engine interleaves the steps of concurrent calls on the same loop). Jobs
-carrying a sampling ``seed`` run in an engine call of their own: the embedded engine draws all of a
-call's randomness from one generator seeded by the call's first request, so merging a seeded job
-with others would make its samples depend on its neighbours.
+Callers are the HTTP handlers of `relax serve` and the per-sample generate functions of a rollout
+(multi-turn episodes, agents). Each caller submits a *job* (its requests) and awaits its outputs.
+A dispatcher task takes the first waiting job, keeps collecting jobs for ``window_s`` seconds,
+then starts ``engine.generate`` calls for everything collected (each as its own task, so the next
+window opens at once; the embedded engine interleaves the steps of concurrent calls on the same
+loop). The embedded engine gives the requests that share a sampling ``seed`` one generator seeded
+with it, so a job is merged only with jobs whose seeds differ from its own: its samples then do not
+depend on its neighbours (for a job of several requests, as long as the engine's
+``max_batch_size`` does not split the merged call). Jobs that share a seed go to separate engine
+calls; unseeded requests merge freely.
 
 Aborts reach a request wherever it is: queued requests finish at once with ``"abort"`` and no
 tokens; requests inside the engine are aborted there.
@@ -29,10 +32,10 @@ logger = logging.getLogger(__name__)
 class _Job:
     requests: list[GenerationRequest]
     future: asyncio.Future
-    seeded: bool = field(init=False)
+    seeds: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.seeded = any(request.sampling_params.seed is not None for request in self.requests)
+        self.seeds = frozenset(r.sampling_params.seed for r in self.requests if r.sampling_params.seed is not None)
 
 
 class RequestBatcher:
@@ -64,6 +67,10 @@ class RequestBatcher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
     def stats(self) -> dict[str, int]:
         return {"engine_calls": self.engine_calls, "batched_requests": self.batched_requests,
                 "queued_requests": len(self._pending_ids)}
@@ -92,9 +99,7 @@ class RequestBatcher:
                 await asyncio.sleep(self.window_s)
             while not self._queue.empty():
                 jobs.append(self._queue.get_nowait())
-            unseeded = [job for job in jobs if not job.seeded]
-            groups = [[job] for job in jobs if job.seeded] + ([unseeded] if unseeded else [])
-            for group in groups:
+            for group in _calls_without_shared_seeds(jobs):
                 task = asyncio.create_task(self._run(group))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
@@ -132,3 +137,17 @@ class RequestBatcher:
         for job in jobs:
             if not job.future.done():
                 job.future.set_result([outputs_by_position[id(request)] for request in job.requests])
+
+
+def _calls_without_shared_seeds(jobs: list[_Job]) -> list[list[_Job]]:
+    """Split ``jobs`` (in order) into as few engine calls as possible such that no seed is used by
+    two jobs of one call."""
+    calls: list[tuple[list[_Job], set[int]]] = []
+    for job in jobs:
+        call = next((c for c in calls if not job.seeds & c[1]), None)
+        if call is None:
+            call = ([], set())
+            calls.append(call)
+        call[0].append(job)
+        call[1].update(job.seeds)
+    return [call_jobs for call_jobs, _ in calls]

@@ -1,0 +1,35 @@
+"""Seconds per weight sync from the trainer's GPU to an engine on another GPU: NCCL broadcast vs disk.
+
+The same measurement as `benchmarks/weight_sync_cpu.py` (see its docstring), on a 2-GPU machine, for
+randomly initialised Qwen3-0.6B- and Qwen3-4B-shaped models in bfloat16 with 512 MiB buckets
+(upstream's --update-weight-buffer-size):
+
+- broadcast: `BroadcastPublisher` on cuda:0 → `BroadcastReceiver` in an engine process on cuda:1,
+  over an NCCL weight-sync group (the transport of `--rollout-weight-transport broadcast`);
+- disk: safetensors written from cuda:0 and loaded into an engine on cuda:1 (the fallback transport);
+- in_process: the colocated copy into an engine on the trainer's own GPU, for reference.
+
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.weight_sync_gpu     # writes results/weight_sync_gpu.json
+"""
+
+from __future__ import annotations
+
+from benchmarks import weight_sync_cpu
+
+QWEN3_0_6B = {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
+QWEN3_4B = {"vocab_size": 151_936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}
+
+
+def main() -> None:
+    weight_sync_cpu.SHAPES.update({"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B})
+    weight_sync_cpu.main(defaults={
+        "models": "qwen3-0.6b,qwen3-4b", "dtype": "bfloat16", "bucket_mib": 512, "trainer_device": "cuda:0",
+        "engine_device": "cuda:1", "name": "weight_sync_gpu",
+        "output": weight_sync_cpu.ROOT / "benchmarks" / "results" / "weight_sync_gpu.json",
+    }, description=__doc__)
+
+
+if __name__ == "__main__":
+    main()

