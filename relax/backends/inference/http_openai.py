@@ -121,8 +121,11 @@ class OpenAIHTTPEngine(InferenceEngine):
                                   f"{len(log_probs)} log-probs", self.base_url, "/v1/completions")
         finish = choice.get("finish_reason")
         reason: FinishReason = finish if finish in ("stop", "length", "abort") else "stop"
-        return GenerationOutput(request.request_id, output_ids, log_probs, reason, self._weight_version,
-                                text=choice.get("text") or "")
+        # The server's text keeps special tokens (we ask for them, to get every id back): "951<|im_end|>" would fail
+        # rule rewards such as exact_match. With a tokenizer, decode as the embedded engine does.
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer is not None \
+            else choice.get("text") or ""
+        return GenerationOutput(request.request_id, output_ids, log_probs, reason, self._weight_version, text=text)
 
     def _token_id(self, token: str) -> int:
         if token.startswith(TOKEN_ID_PREFIX):

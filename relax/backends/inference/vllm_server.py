@@ -274,10 +274,6 @@ class VLLMServerEngine(InferenceEngine):
         outputs = await self.client.generate(requests)
         for output in outputs:
             output.weight_version = self._weight_version  # the OpenAI protocol has none; this engine knows
-            if self.tokenizer is not None:
-                # vLLM's text keeps special tokens ("951<|im_end|>"; the client asks for them), which fails rule
-                # rewards such as exact_match; decode as the embedded engine does.
-                output.text = self.tokenizer.decode(output.output_ids, skip_special_tokens=True)
         return outputs
 
     async def abort(self, request_ids: Sequence[str]) -> None:

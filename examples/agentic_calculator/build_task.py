@@ -1,0 +1,327 @@
+"""Build the agentic calculator task offline, deterministically: data, a tiny Qwen3 with a chat template, a warm start.
+
+The task is exact multiplication of 3-4 digit numbers (products of 5-8 digits). A 2.4 M-parameter model cannot
+multiply such numbers itself (its greedy accuracy without the tool is printed, and is 0), but it can learn to hand the
+product to a calculator tool and copy the result back:
+
+    user:      What is 4821*937? Use the calculator, then answer <answer>N</answer>.
+    assistant: <tool_call>{"name":"calculator","arguments":{"expression":"4821*937"}}</tool_call>
+    tool:      <tool_response>\n4517277\n</tool_response>
+    assistant: <answer>4517277</answer>
+
+The warm start is supervised training on a FEW such traces (loss on the assistant turns only, cut into turns by relax's
+own multi-turn SFT code), stopped while the model is still clearly imperfect: it copies a digit of an operand or of the
+result wrongly, or breaks the call's JSON, often enough that held-out accuracy starts low and multi-turn GRPO has room
+to raise it (see README.md).
+
+Outputs (under ``--out``, default: this script's folder):
+  data/train.jsonl   RL prompts: {"input": [user message], "tools": ["calculator"], "label": "4517277"}
+  data/test.jsonl    held-out problems, disjoint from the RL prompts and the SFT traces; the same rows plus
+                     "metadata": {"split": "test"}
+  data/sft.jsonl     the warm-start traces, as relax SFT conversation rows
+  model/             Qwen3ForCausalLM + tokenizer (with the chat template) + generation_config.json
+
+Usage: python examples/agentic_calculator/build_task.py [--out DIR] [--watch-every N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quickstart"))
+from build_quickstart import build_model, build_tokenizer, write_jsonl  # the shared tiny Qwen3
+from reward import final_answer  # graded as the RL reward grades
+
+from relax.data.sft_dataset import conversation_segments
+from relax.engine.agentic.multi_turn import ObservationEncoder
+from relax.engine.agentic.tool_env import ToolEnv
+from relax.engine.agentic.tool_parser import format_tool_responses, get_tool_call_parser
+from relax.engine.agentic.tools import calculator_tool
+
+SEED = 4321
+
+# Operands of 3 or 4 digits (each length equally likely): products of 5 to 8 digits, far beyond what the tiny model
+# can compute (it does not even add 4-digit numbers reliably, see the quickstart), trivial for the calculator.
+DIGIT_LENGTHS = (3, 4)
+NUM_TRAIN = 4000
+NUM_TEST = 200
+
+# The dial of the warm start: few traces, a fixed number of steps. Chosen so the held-out accuracy with the tool starts
+# low (the script prints it) and the mistakes left are the ones RL can fix: copying digits and the call format.
+NUM_SFT_TRACES = 128
+SFT_STEPS = 200
+SFT_BATCH_SIZE = 32
+SFT_LR = 1e-3
+SFT_WARMUP_STEPS = 10
+
+# The per-turn token budget of the builder's own greedy evaluation: config.yaml's --rollout-max-response-len.
+# A call takes about 62 tokens and an answer up to 26.
+TURN_MAX_TOKENS = 72
+
+CALCULATOR = calculator_tool()  # relax's built-in tool: the RL run executes exactly this one
+TOOL_MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+QUESTION = "What is {a}*{b}? Use the calculator, then answer <answer>N</answer>."
+TOOL_CALL_PARSER = "hermes"
+
+# ChatML without newlines between turns, so a turn is exactly what the model writes, ending at <|im_end|> (its eos),
+# and an observation appended by the multi-turn loop starts with <|im_start|>. The tools are listed by name only: a
+# character-level model pays one token per character, and the full JSON schema would triple the prompt. The template
+# leaves a tool message's content as it is: relax's tool environment already wraps results in <tool_response>.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: "
+    "{%- for tool in tools %} {{ tool.function.name }}{%- endfor %}<|im_end|>{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def sample_operand(rng: random.Random) -> int:
+    digits = rng.choice(DIGIT_LENGTHS)
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def sample_disjoint_problems(rng: random.Random, sizes: list[int]) -> list[list[tuple[int, int]]]:
+    """Distinct (a, b) pairs cut into groups of the given sizes, so the test set shares no problem with the RL prompts
+    or the SFT traces."""
+    seen: set[tuple[int, int]] = set()
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < sum(sizes):
+        pair = (sample_operand(rng), sample_operand(rng))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(pairs[start : start + size])
+        start += size
+    return groups
+
+
+def tool_call_text(expression: str) -> str:
+    """A Hermes tool call, as the model writes it (compact JSON: fewer characters to learn and to generate)."""
+    call = {"name": CALCULATOR.name, "arguments": {"expression": expression}}
+    return "<tool_call>" + json.dumps(call, separators=(",", ":")) + "</tool_call>"
+
+
+def answer_text(answer: str) -> str:
+    return f"<answer>{answer}</answer>"
+
+
+def prompt_row(pair: tuple[int, int]) -> dict:
+    """An RL prompt row: the user turn, the tool offered (by name; relax expands it to the tool's spec), the exact
+    product as the label."""
+    a, b = pair
+    return {"input": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "tools": [CALCULATOR.name],
+            "label": str(a * b)}
+
+
+def trace_row(pair: tuple[int, int]) -> dict:
+    """A successful tool-use trace for SFT: call the calculator, read its result, answer with it."""
+    a, b = pair
+    messages = prompt_row(pair)["input"] + [
+        {"role": "assistant", "content": tool_call_text(f"{a}*{b}")},
+        {"role": "tool", "content": format_tool_responses([str(a * b)])},  # as the tool environment writes it
+        {"role": "assistant", "content": answer_text(str(a * b))},
+    ]
+    return {"input": messages, "tools": [CALCULATOR.name]}
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer, model
+
+
+def build_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The quickstart's character tokenizer plus the tool markup as single tokens (as in Qwen3's real vocabulary)
+    and the chat template above."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(TOOL_MARKUP_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tool_specs(row: dict) -> list[dict]:
+    """The specs the chat template gets for a row's tool names, as relax's dataset loader passes them (every row of
+    this task offers the calculator alone)."""
+    return [CALCULATOR.spec() for _ in row["tools"]]
+
+
+# ---------------------------------------------------------------------------------------------------------- SFT
+
+
+def encode_trace(tokenizer: PreTrainedTokenizerFast, row: dict) -> tuple[list[int], list[int]]:
+    """Token ids of a trace and their labels (-100 outside the assistant turns), cut by relax's SFT code so the warm
+    start learns exactly what ``relax train --loss-type sft`` would."""
+    segments = conversation_segments(row["input"], tokenizer, {"tools": tool_specs(row)})
+    ids, labels = [], []
+    for text, learn in segments:
+        segment_ids = tokenizer.encode(text)
+        ids += segment_ids
+        labels += segment_ids if learn else [-100] * len(segment_ids)
+    return ids, labels
+
+
+def collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in encoded)
+    return {
+        "input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in encoded]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in encoded]),
+        "labels": torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in encoded]),
+    }
+
+
+def run_sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, traces: list[dict], rng: random.Random,
+            on_step=None) -> None:
+    """AdamW over the few traces, reshuffled each epoch; ``on_step(step)`` lets the caller watch progress."""
+    encoded = [encode_trace(tokenizer, row) for row in traces]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / SFT_WARMUP_STEPS))
+    order: list[int] = []
+    for step in range(SFT_STEPS):
+        if len(order) < SFT_BATCH_SIZE:
+            epoch = list(range(len(encoded)))
+            rng.shuffle(epoch)
+            order += epoch
+        batch, order = [encoded[i] for i in order[:SFT_BATCH_SIZE]], order[SFT_BATCH_SIZE:]
+        model.train()
+        loss = model(**collate(batch, tokenizer.pad_token_id)).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == SFT_STEPS - 1:
+            print(f"sft step {step:4d}  loss {loss.item():.4f}", flush=True)
+        if on_step is not None:
+            on_step(step + 1)
+    model.eval()
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, row: dict, suffix: str = "") -> list[int]:
+    text = tokenizer.apply_chat_template(row["input"], tools=tool_specs(row), add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text + suffix)
+
+
+def tool_step(encoder: ObservationEncoder, turn_ids: list[int], turn_text: str) -> tuple[bool, list[int]]:
+    """Relax's tool environment on one model turn: (did the calculator run successfully, the observation tokens the
+    multi-turn loop appends; none when the turn made no call and so ends the episode)."""
+    env = ToolEnv([CALCULATOR], get_tool_call_parser(TOOL_CALL_PARSER), timeout_s=5.0, chat_template=CHAT_TEMPLATE)
+    observation, done, info = asyncio.run(env.step(turn_text))
+    succeeded = info["tool_stats"]["successful_calls"] > 0
+    if done:
+        return succeeded, []
+    ids, _ = encoder.encode(env.format_observation(observation))
+    return succeeded, encoder.close_turn(turn_ids) + ids
+
+
+@torch.no_grad()
+def greedy_turns(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, contexts: list[list[int]],
+                 max_new_tokens: int) -> list[list[int]]:
+    """One greedy model turn per context: the new ids up to and including eos (all of them when eos never came)."""
+    width = max(len(ids) for ids in contexts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in contexts])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in contexts])
+    generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                               max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    turns = []
+    for row in generated[:, width:].tolist():
+        turns.append(row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row)
+    return turns
+
+
+def evaluate_with_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> dict:
+    """Greedy two-turn episodes as the RL run plays them (``--max-turns 2``): held-out accuracy and the share of
+    episodes whose calculator call ran successfully."""
+    encoder = ObservationEncoder(tokenizer, {})
+    contexts = [prompt_ids(tokenizer, row) for row in rows]
+    call_turns = greedy_turns(model, tokenizer, contexts, TURN_MAX_TOKENS)
+    steps = [tool_step(encoder, turn, tokenizer.decode(turn, skip_special_tokens=True)) for turn in call_turns]
+    answers = [final_answer(tokenizer.decode(turn, skip_special_tokens=True)) for turn in call_turns]
+    continuing = [i for i, (_, observation) in enumerate(steps) if observation]
+    if continuing:
+        second = greedy_turns(model, tokenizer, [contexts[i] + call_turns[i] + steps[i][1] for i in continuing],
+                              TURN_MAX_TOKENS)
+        for i, turn in zip(continuing, second):
+            answers[i] = final_answer(tokenizer.decode(turn, skip_special_tokens=True))
+    correct = sum(answer == row["label"] for answer, row in zip(answers, rows))
+    return {"accuracy": correct / len(rows), "tool_call_success": sum(ok for ok, _ in steps) / len(rows)}
+
+
+def evaluate_without_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> float:
+    """Accuracy when the model must answer by itself: its first turn is forced to open with ``<answer>``."""
+    turns = greedy_turns(model, tokenizer, [prompt_ids(tokenizer, row, "<answer>") for row in rows],
+                         TURN_MAX_TOKENS)
+    answers = [final_answer("<answer>" + tokenizer.decode(turn, skip_special_tokens=True)) for turn in turns]
+    return sum(answer == row["label"] for answer, row in zip(answers, rows)) / len(rows)
+
+
+# --------------------------------------------------------------------------------------------------------- main
+
+
+def make_deterministic() -> None:
+    """Same seed, one thread, deterministic kernels: re-running the script rewrites identical files."""
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def build(out_dir: Path, watch_every: int | None = None) -> dict:
+    """Write the data and the warm-started model under ``out_dir``; return the held-out measurements."""
+    make_deterministic()
+    rng = random.Random(SEED)
+    train_pairs, test_pairs, sft_pairs = sample_disjoint_problems(rng, [NUM_TRAIN, NUM_TEST, NUM_SFT_TRACES])
+    # The split lets the reward log tell held-out episodes from training ones (see reward.py).
+    test_rows = [{**prompt_row(p), "metadata": {"split": "test"}} for p in test_pairs]
+    traces = [trace_row(p) for p in sft_pairs]
+    write_jsonl(out_dir / "data" / "train.jsonl", [prompt_row(p) for p in train_pairs])
+    write_jsonl(out_dir / "data" / "test.jsonl", test_rows)
+    write_jsonl(out_dir / "data" / "sft.jsonl", traces)
+
+    tokenizer = build_chat_tokenizer()
+    model = build_model(tokenizer)
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}", flush=True)
+
+    def watch(step: int) -> None:  # tuning aid: held-out figures during the warm start
+        if watch_every and step % watch_every == 0:
+            print(f"  step {step}: {evaluate_with_tool(model, tokenizer, test_rows)}", flush=True)
+
+    run_sft(model, tokenizer, traces, rng, on_step=watch)
+
+    model_dir = out_dir / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)  # no stale files from an earlier configuration
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return {**evaluate_with_tool(model, tokenizer, test_rows),
+            "accuracy_without_tool": evaluate_without_tool(model, tokenizer, test_rows)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="output folder")
+    parser.add_argument("--watch-every", type=int, default=None,
+                        help="also print held-out figures every this many SFT steps (for tuning)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    measured = build(args.out, args.watch_every)
+    print(f"held-out ({NUM_TEST} problems, greedy, two turns): accuracy {measured['accuracy']:.1%}, "
+          f"valid calculator calls {measured['tool_call_success']:.1%}; "
+          f"accuracy without the tool {measured['accuracy_without_tool']:.1%}")
+    print(f"wrote {args.out}/data and {args.out}/model in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
