@@ -10,7 +10,7 @@ weights, activation checkpointing) on random prompts, twice:
 - **fully_async**: rollout on GPU 1 in a `relax serve` process, training on GPU 0 in
   ``relax train --fully-async --max-staleness 1 --rollout-external``; the server generates step
   s+1 while the trainer trains step s, and weights reach it over an NCCL broadcast group
-  (``--rollout-weight-transport broadcast``).
+  (``--weight-sync-transport broadcast``).
 
 Seconds per step are the mean of the trainer's ``perf/step_s`` after ``--warmup`` steps. The
 speedup is colocate / fully_async. Decoding is memory-bound, so half the batch per GPU decodes
@@ -92,7 +92,7 @@ def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Names
         wait_for_server(url, server, args.timeout)
         command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), "--fully-async",
                    "--max-staleness", "1", "--rollout-external", "--rollout-external-engine-addrs", url,
-                   "--rollout-weight-transport", "broadcast"]
+                   "--weight-sync-transport", "broadcast"]
         try:
             run(command, environment("0" if args.device == "cuda" else ""), "fully_async", args.timeout)
         finally:

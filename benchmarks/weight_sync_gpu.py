@@ -5,7 +5,7 @@ randomly initialised Qwen3-0.6B- and Qwen3-4B-shaped models in bfloat16 with 512
 (upstream's --update-weight-buffer-size):
 
 - broadcast: `BroadcastPublisher` on cuda:0 → `BroadcastReceiver` in an engine process on cuda:1,
-  over an NCCL weight-sync group (the transport of `--rollout-weight-transport broadcast`);
+  over an NCCL weight-sync group (the transport of `--weight-sync-transport broadcast`);
 - disk: safetensors written from cuda:0 and loaded into an engine on cuda:1 (the fallback transport);
 - in_process: the colocated copy into an engine on the trainer's own GPU, for reference.
 

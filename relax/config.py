@@ -296,18 +296,10 @@ class RelaxConfig(BaseModel):
         "must read it at the same path (a shared filesystem). Default: <output-dir>/engine_weights.",
         "engines",
     )
-    rollout_weight_transport: Literal["disk", "broadcast"] = _field(
-        "disk",
-        "How new weights reach the external servers: `disk` (versioned safetensors under --rollout-weights-dir, "
-        "loaded through /update_weights_from_disk) or `broadcast` (a torch.distributed group of the trainer and "
-        "the servers, NCCL when the trainer runs on CUDA, else gloo, joined through /init_weights_update_group "
-        "and fed through /update_weights_from_distributed; no shared filesystem needed).",
-        "engines",
-    )
     rollout_weight_sync_address: str = _field(
         "127.0.0.1",
-        "With --rollout-weight-transport broadcast: the trainer's address the servers connect to for the "
-        "weight-sync group (the trainer binds it).",
+        "With --rollout-external and --weight-sync-transport broadcast: the trainer's address the servers "
+        "connect to for the weight-sync group (the trainer binds it).",
         "engines",
     )
 
@@ -339,7 +331,7 @@ class RelaxConfig(BaseModel):
         if not self.rollout_external:
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",
-                                                 "rollout_weight_transport", "rollout_weight_sync_address")
+                                                 "rollout_weight_sync_address")
                          if name in self.model_fields_set]
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
@@ -358,8 +350,8 @@ class RelaxConfig(BaseModel):
                 a.rstrip("/").startswith("http://127.0.0.1:") for a in self.rollout_external_engine_addrs):
             raise ValueError(f"{flag('rollout_engine_protocol')} vllm starts the servers on this machine: every "
                              f"{flag('rollout_external_engine_addrs')} must be http://127.0.0.1:PORT")
-        if self.rollout_weight_transport == "broadcast" and self.rollout_engine_protocol != "sglang":
-            raise ValueError(f"{flag('rollout_weight_transport')} broadcast needs {flag('rollout_engine_protocol')} "
+        if self.weight_sync_transport == "broadcast" and self.rollout_engine_protocol != "sglang":
+            raise ValueError(f"{flag('weight_sync_transport')} broadcast needs {flag('rollout_engine_protocol')} "
                              "sglang (OpenAI-protocol servers have no /init_weights_update_group)")
         if self.multimodal_keys:
             raise ValueError(f"{flag('rollout_external')} does not take {flag('multimodal_keys')} yet (media are not "
@@ -565,11 +557,13 @@ class RelaxConfig(BaseModel):
         None, "With --placement ray: join this running Ray cluster (e.g. `auto` or `127.0.0.1:6379`) instead of "
         "starting a local Ray bound to 127.0.0.1.", "placement",
     )
-    weight_sync_transport: Literal["broadcast", "disk"] = _field(
-        "broadcast",
-        "With --placement ray: how new weights reach the rollout process. `broadcast`: torch.distributed broadcast "
-        "over a dedicated group (gloo on CPU, NCCL on GPU); `disk`: versioned safetensors under "
-        "<output-dir>/weight_sync.",
+    weight_sync_transport: Literal["broadcast", "disk"] | None = _field(
+        None,
+        "How new weights reach engines in other processes. `broadcast`: torch.distributed broadcast over a "
+        "dedicated group (gloo on CPU, NCCL on GPU; external servers join it through /init_weights_update_group); "
+        "`disk`: versioned safetensors (under <output-dir>/weight_sync with --placement ray, under "
+        "--rollout-weights-dir for external servers, which must see that path). Default: `broadcast` with "
+        "--placement ray, `disk` with --rollout-external.",
         "placement",
     )
 
@@ -599,8 +593,8 @@ class RelaxConfig(BaseModel):
             for name in ("resource", "ray_address"):
                 if getattr(self, name):
                     raise ValueError(f"{flag(name)} needs --placement ray")
-            if self.weight_sync_transport != "broadcast":
-                raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray")
+            if self.weight_sync_transport is not None and not self.rollout_external:
+                raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray or --rollout-external")
         elif self.loss_type == "sft" or self.use_opd:
             raise ValueError(f"--placement ray does not support {'--loss-type sft' if self.loss_type == 'sft' else '--use-opd'} "
                              "yet; use --placement in_process")
@@ -793,6 +787,13 @@ class RelaxConfig(BaseModel):
     def steps_per_rollout(self) -> int:
         """Optimizer steps taken on each rollout batch."""
         return self.samples_per_step // self.train_batch_size
+
+    @property
+    def resolved_weight_sync_transport(self) -> str:
+        """--weight-sync-transport, or its default: disk for external servers, broadcast for Ray processes."""
+        if self.weight_sync_transport is not None:
+            return self.weight_sync_transport
+        return "disk" if self.rollout_external else "broadcast"
 
     @property
     def save_dir(self) -> Path:

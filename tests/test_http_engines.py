@@ -282,7 +282,7 @@ def test_train_with_external_engines(servers, tiny_workspace, tmp_path):
 
 
 def test_weight_update_over_a_broadcast_group(servers, model_dir, tmp_path):
-    """--rollout-weight-transport broadcast: the router pushes versions to every server over one gloo group (no
+    """--weight-sync-transport broadcast: the router pushes versions to every server over one gloo group (no
     disk); the group is rebuilt when the set of servers changes."""
     from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 
@@ -313,7 +313,7 @@ def test_train_with_broadcast_weight_sync(servers, tiny_workspace, tmp_path):
     (server,) = servers(1)
     result = run_relax("train", *tiny_train_args(
         tiny_workspace, tmp_path / "run", "--num-rollout", "2", "--rollout-external", "--rollout-external-engine-addrs",
-        server.url, "--rollout-engine-api-key", API_KEY, "--rollout-weight-transport", "broadcast"), timeout=120)
+        server.url, "--rollout-engine-api-key", API_KEY, "--weight-sync-transport", "broadcast"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert server.health()["weight_version"] == 2
     assert not (tmp_path / "run" / "engine_weights").exists()
@@ -345,9 +345,9 @@ def test_abort_and_pause_through_the_router(servers):
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "http://a:1/"], "listed twice"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "grpc"],
      "rollout_engine_protocol"),
-    (["--rollout-weight-transport", "broadcast"], "--rollout-weight-transport needs --rollout-external"),
+    (["--weight-sync-transport", "broadcast"], "--weight-sync-transport needs --placement ray or --rollout-external"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "openai",
-      "--rollout-weight-transport", "broadcast"], "broadcast needs --rollout-engine-protocol sglang"),
+      "--weight-sync-transport", "broadcast"], "broadcast needs --rollout-engine-protocol sglang"),
 ])
 def test_external_engine_flags_are_checked(args, message):
     from relax.cli.args import parse_config

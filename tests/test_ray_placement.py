@@ -43,7 +43,7 @@ def test_placement_flags_are_validated_naming_the_flag(tiny_workspace, tmp_path)
     base = tiny_train_args(tiny_workspace, tmp_path)
     cases = [
         (["--resource", '{"actor": [1, 1]}'], "--resource needs --placement ray"),
-        (["--weight-sync-transport", "disk"], "--weight-sync-transport needs --placement ray"),
+        (["--weight-sync-transport", "disk"], "--weight-sync-transport needs --placement ray or --rollout-external"),
         (["--placement", "ray", "--resource", '{"judge": [1, 1]}'], "unknown role 'judge'"),
         (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "only 1 replica"),
         (["--placement", "ray", "--resource", '{"actor": [1, -1]}'], "gpus_per_replica >= 0"),

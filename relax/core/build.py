@@ -103,7 +103,7 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
         engines = [SGLangHTTPEngine(address, api_key=key, weights_dir=weights_dir)
                    for address in cfg.rollout_external_engine_addrs]
     transport = None
-    if cfg.rollout_weight_transport == "broadcast":
+    if cfg.resolved_weight_sync_transport == "broadcast":
         backend = "nccl" if resolve_device(cfg).type == "cuda" else "gloo"
         transport = BroadcastWeightTransport(cfg.rollout_weight_sync_address, backend)
     logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,

@@ -101,7 +101,7 @@ class RayService:
             self._start_workers(roles)
             if self.async_mode:
                 self._start_transfer_queue()
-            if cfg.weight_sync_transport == "broadcast":
+            if cfg.resolved_weight_sync_transport == "broadcast":
                 self._join_weight_sync_group()
             health = self._wait(self.workers["rollout"].health.remote())
         except BaseException:
@@ -188,7 +188,7 @@ class RayService:
         import asyncio
 
         started = time.perf_counter()
-        transport = self.cfg.weight_sync_transport
+        transport = self.cfg.resolved_weight_sync_transport
         dtype = str(self.sync_dtype).removeprefix("torch.")
         root = str(self.weight_root) if transport == "disk" else None
         actor, rollout = self.workers["actor"], self.workers["rollout"]
