@@ -373,7 +373,7 @@ def check_data_parallel_rollout(cfg: RelaxConfig) -> None:
         return
     unsupported = [flag(name) for name in ("fully_async", "hybrid", "rollout_external", "rollout_api_port",
                                            "rollout_interaction_env_path", "custom_generate_function_path")
-                   if getattr(cfg, name, None)]
+                   if getattr(cfg, name)]
     if unsupported:
         raise ConfigError(f"{', '.join(unsupported)}: not supported with {world_size()} training ranks (torchrun); "
                           "multi-GPU colocated runs use the sync loop, and fully-async runs keep the trainer on "

@@ -105,18 +105,13 @@ class HTTPClient:
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._http: httpx.AsyncClient | None = None  # created and used on the HTTP loop only
 
     def _client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None or client.is_closed:
-            # Clients of loops that have closed are dropped (their connections died with the loop).
-            self._clients = {key: c for key, c in self._clients.items() if not key.is_closed() and not c.is_closed}
-            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self.timeout,
-                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-            self._clients[loop] = client
-        return client
+        if self._http is None or self._http.is_closed:
+            self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self.timeout,
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._http
 
     async def request(self, method: str, endpoint: str, json: Any = None, timeout_s: float | None = None,
                       allow_404: bool = False) -> Any:
@@ -152,8 +147,8 @@ class HTTPClient:
                                   self.base_url, endpoint, response.status_code) from None
 
     async def aclose(self) -> None:
-        client = self._clients.pop(io_loop(), None)
-        if client is not None:
+        if self._http is not None:
+            client, self._http = self._http, None
             await on_io_loop(client.aclose())
 
 
@@ -234,10 +229,6 @@ class SGLangHTTPEngine(InferenceEngine):
                                           f"(request {request.request_id})")
         if not requests:
             return []
-        if len(requests) == 1:
-            body = {"input_ids": list(requests[0].input_ids), "sampling_params": _sampling_body(requests[0]),
-                    "return_logprob": True, "rid": requests[0].request_id}
-            return [self._parse_generation(requests[0], await self.http.request("POST", "/generate", json=body))]
         body = {"input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [_sampling_body(r) for r in requests], "return_logprob": True,
                 "rid": [r.request_id for r in requests]}
@@ -248,8 +239,6 @@ class SGLangHTTPEngine(InferenceEngine):
         return [self._parse_generation(request, result) for request, result in zip(requests, results)]
 
     def _parse_generation(self, request: GenerationRequest, result: Any) -> GenerationOutput:
-        if isinstance(result, list) and len(result) == 1:
-            result = result[0]
         if not isinstance(result, dict) or not isinstance(result.get("meta_info"), dict):
             raise EngineHTTPError(f"POST {self.base_url}/generate: unexpected answer for request "
                                   f"{request.request_id}: {str(result)[:200]}", self.base_url, "/generate")
