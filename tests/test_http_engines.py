@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -317,6 +318,25 @@ def test_train_with_broadcast_weight_sync(servers, tiny_workspace, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert server.health()["weight_version"] == 2
     assert not (tmp_path / "run" / "engine_weights").exists()
+
+
+def test_fully_async_with_an_external_engine(servers, tiny_workspace, tmp_path):
+    """The fully-async loop with the rollout on a server: the trainer computes on its worker thread
+    (relax.core.compute_thread) while the producer generates the next step over HTTP."""
+    (server,) = servers(1)
+    run_dir = tmp_path / "run"
+    result = run_relax("train", *tiny_train_args(
+        tiny_workspace, run_dir, "--num-rollout", "3", "--fully-async", "--max-staleness", "1", "--rollout-external",
+        "--rollout-external-engine-addrs", server.url, "--rollout-engine-api-key", API_KEY,
+        "--weight-sync-transport", "broadcast"), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert server.health()["weight_version"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "perf/step_s" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    # Every step trained on a full batch; with --max-staleness 1 some step was generated a version ahead.
+    assert all(row["data/consumed_groups"] == 4 for row in steps)
+    assert max(row["perf/rollout_version_lag"] for row in steps) == 1
 
 
 def test_abort_and_pause_through_the_router(servers):

@@ -24,11 +24,13 @@ devices while fully-async puts them on separate ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 from relax.config import RelaxConfig
 from relax.core.build import Roles
+from relax.core.compute_thread import ComputeThread, OffLoopRole
 from relax.core.controller import SyncController
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
@@ -55,6 +57,14 @@ def mask_older_tokens(samples: list[Sample]) -> int:
 
 class AsyncController(SyncController):
     def __init__(self, cfg: RelaxConfig, roles: Roles, tracker: Tracker, plane: DataPlane | None = None):
+        # With the engines in other processes the producer only waits on HTTP, so the trainer's compute
+        # moves off the event loop and the two overlap (see relax.core.compute_thread).
+        self._compute_thread = None
+        if cfg.rollout_external and cfg.placement == "in_process":
+            self._compute_thread = ComputeThread(roles.device)
+            roles = dataclasses.replace(roles, **{
+                name: OffLoopRole(getattr(roles, name), self._compute_thread)
+                for name in ("actor", "reference", "critic") if getattr(roles, name) is not None})
         super().__init__(cfg, roles, tracker)
         self.plane = plane or InProcessDataPlane(StalenessGate(cfg.max_staleness))
         self.gate = self.plane.gate
@@ -167,6 +177,8 @@ class AsyncController(SyncController):
                 producer.cancel()
                 await asyncio.gather(producer, return_exceptions=True)
             await self.plane.close()
+            if self._compute_thread is not None:
+                self._compute_thread.close()
         return last
 
     async def _evaluate_between_steps(self, step: int) -> dict[str, float]:

@@ -1,0 +1,70 @@
+"""The trainer's compute on a worker thread, so that the event loop stays free for the rollout producer.
+
+In the asynchronous loops with in-process placement, the rollout producer and the trainer share one
+event loop. The in-process roles' coroutines (`Actor.train`, `ActorFwd.compute_log_probs`, ...) do
+their compute synchronously, so a training step blocks the loop for its whole length: the producer
+can neither start the next generation when the staleness gate opens nor take in a finished one. On
+2 GPUs (rollout served by `relax serve` on one, training on the other) that serialized the two and
+made fully-async slower than colocated (``benchmarks/modes_gpu.py``: 0.78x).
+
+`ComputeThread` runs those coroutines on one dedicated thread (always the same one, so CUDA's
+per-thread current device and the order of collective calls stay as they were), each in a
+short-lived event loop of that thread; `OffLoopRole` wraps a role so that its coroutine methods go
+there while everything else (attributes, plain methods such as `Actor.weight_buckets` and `save`)
+stays on the caller's thread. The trainer still awaits each call, so role calls never overlap each other.
+
+It is used only when the rollout runs in other processes (``--rollout-external``): an embedded
+engine decodes on the loop thread, and two threads of torch compute in one process compete for the
+CPU (measured 1.7x slower per step on CPU, see `relax.backends.inference.embedded`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class ComputeThread:
+    """One worker thread that runs coroutines to completion, one at a time."""
+
+    def __init__(self, device: torch.device):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-trainer-compute",
+                                            initializer=_bind_device, initargs=(device,))
+
+    async def run(self, coroutine_function, *args, **kwargs) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor,
+                                          functools.partial(asyncio.run, coroutine_function(*args, **kwargs)))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def _bind_device(device: torch.device) -> None:
+    # The current CUDA device is per thread; a new thread starts on device 0.
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class OffLoopRole:
+    """A role whose coroutine methods run on a `ComputeThread`; any other attribute is the role's own."""
+
+    def __init__(self, role: Any, thread: ComputeThread):
+        self._role = role
+        self._thread = thread
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._role, name)
+        if not inspect.iscoroutinefunction(attribute):
+            return attribute
+
+        @functools.wraps(attribute)
+        async def off_loop(*args, **kwargs):
+            return await self._thread.run(attribute, *args, **kwargs)
+
+        return off_loop
