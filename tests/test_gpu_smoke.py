@@ -66,3 +66,21 @@ def test_multimodal_paths_on_cuda(kind, tmp_path):
         "--num-rollout", "2", "--use-tis", "--dump-samples", "0", "--output-dir", str(tmp_path / "run"),
     ])
     _two_steps(cfg)
+
+
+def test_fully_async_with_an_external_engine_on_cuda(tiny_workspace, tmp_path):
+    """The fully-async trainer on CUDA with the rollout on a `relax serve` app: the trainer roles compute on the
+    worker thread (relax.core.compute_thread), which must bind the CUDA device of the process."""
+    from tests.http_servers import API_KEY, Server
+
+    server = Server(tiny_workspace / "model")
+    try:
+        cfg = parse_config(tiny_train_args(
+            tiny_workspace, tmp_path, "--num-rollout", "2", "--device", "cuda", "--skip-eval-before-train",
+            "--dump-samples", "0", "--use-tis", "--fully-async", "--max-staleness", "1", "--rollout-external",
+            "--rollout-external-engine-addrs", server.url, "--rollout-engine-api-key", API_KEY,
+            "--rollout-weights-dir", str(tmp_path / "weights")))
+        _two_steps(cfg)
+        assert server.health()["weight_version"] == 2
+    finally:
+        server.stop()

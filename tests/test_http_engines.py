@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 from safetensors.torch import load_file
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
@@ -22,34 +21,11 @@ from relax.backends.inference.embedded import EmbeddedEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import EngineUnavailableError, SGLangHTTPEngine, distinct_seeds
 from relax.backends.inference.router import EngineRouter, group_key
-from relax.serving.app import create_app
 from tests.conftest import run_relax, tiny_train_args
-from tests.test_serving import API_KEY, free_port, wait_until
+from tests.http_servers import API_KEY, Server, free_port, wait_until
 from tests.tiny_assets import build_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Server:
-    """`relax serve`'s app on a uvicorn thread; ``engine`` is the served engine (to inspect its weights)."""
-
-    def __init__(self, model_dir: Path, api_key: str | None = API_KEY) -> None:
-        self.engine = EmbeddedEngine.from_pretrained(str(model_dir))
-        app = create_app(self.engine, self.engine.tokenizer, model_name="tiny", model_path=str(model_dir),
-                         api_key=api_key, batch_window_s=0.005)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.uv.started, 20, "the server to start")
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,25 +21,11 @@ from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.distributed.weight_disk import DiskPublisher
 from relax.serving.app import create_app
+from tests.http_servers import API_KEY, free_port, wait_until
 from tests.tiny_assets import build_tiny_model_dir
 
-API_KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

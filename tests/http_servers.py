@@ -1,0 +1,52 @@
+"""Real `relax serve` apps for tests: uvicorn on 127.0.0.1 in a thread, the served engine at hand."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from relax.backends.inference.embedded import EmbeddedEngine
+from relax.serving.app import create_app
+
+API_KEY = "test-secret-key"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Server:
+    """`relax serve`'s app on a uvicorn thread; ``engine`` is the served engine (to inspect its weights)."""
+
+    def __init__(self, model_dir: Path, api_key: str | None = API_KEY) -> None:
+        self.engine = EmbeddedEngine.from_pretrained(str(model_dir))
+        app = create_app(self.engine, self.engine.tokenizer, model_name="tiny", model_path=str(model_dir),
+                         api_key=api_key, batch_window_s=0.005)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.uv.started, 20, "the server to start")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(10)
