@@ -40,6 +40,7 @@ MODEL = QUICKSTART / "model"
 # after an in-place reload. 1e-4 leaves a 10x margin for other batch shapes and thread counts and is far below what
 # a half-applied update gives (a stale tied lm_head: mean 0.14, max 1.8).
 LOGPROB_ATOL = 1e-4
+API_KEY = "vllm-test-secret"
 SAMPLES_PER_PROMPT = 8  # the quickstart's n_samples_per_prompt and rollout_max_response_len
 MAX_RESPONSE_LEN = 8
 
@@ -50,7 +51,7 @@ def engine(tmp_path_factory):
         pytest.skip(f"no quickstart model: run `python {QUICKSTART / 'build_quickstart.py'}`")
     engine = VLLMServerEngine(MODEL, tmp_path_factory.mktemp("vllm_weights"), served_model_name="quickstart",
                               tokenizer=AutoTokenizer.from_pretrained(MODEL),
-                              settings=VLLMServerSettings(dtype="float32", max_model_len=512))
+                              settings=VLLMServerSettings(dtype="float32", max_model_len=512), api_key=API_KEY)
     try:
         asyncio.run(engine.start())
         yield engine
@@ -125,13 +126,25 @@ def test_after_a_training_step_vllm_serves_the_new_weights(engine):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_the_api_key_guards_vllm_and_stays_out_of_its_command_line(engine):
+    """--rollout-engine-api-key reaches the server through its environment, and the adapter sends it."""
+    models = httpx.get(f"{engine.base_url}/v1/models", timeout=10)
+    assert models.status_code == 401
+    authorized = httpx.get(f"{engine.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert authorized.status_code == 200
+    assert API_KEY not in " ".join(engine.server.command(engine.base_model_dir))
+    assert API_KEY not in engine.server.log_tail(lines=10_000)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_relax_train_quickstart_with_vllm_rollouts(tmp_path):
     """Three GRPO steps of the quickstart config with a vLLM server that `relax train` starts and stops."""
     port = free_port()
     run = run_relax("train", "--config", str(QUICKSTART / "config.yaml"), "--num-rollout", "3",
                     "--rollout-batch-size", "4", "--micro-batch-size", "32", "--eval-interval", "3",
                     "--save-interval", "1000", "--rollout-external", "--rollout-engine-protocol", "vllm",
-                    "--rollout-external-engine-addrs", f"http://127.0.0.1:{port}",
+                    "--rollout-external-engine-addrs", f"http://127.0.0.1:{port}", "--rollout-engine-api-key", API_KEY,
                     "--output-dir", str(tmp_path / "run"), timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -145,6 +158,7 @@ def test_relax_train_quickstart_with_vllm_rollouts(tmp_path):
     log = next((tmp_path / "run" / "engine_weights").glob("vllm_server_*.log")).read_text()
     assert log.count("Reloading weights inplace") >= 1  # weights reached vLLM in place, with no restart
     assert log.count("starting vLLM on") == 1
+    assert API_KEY not in log + run.stdout + run.stderr
     with pytest.raises(httpx.TransportError):  # the run stopped its server on exit
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 

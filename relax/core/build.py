@@ -118,7 +118,7 @@ def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_
     dtype = str(resolve_dtype(cfg, resolve_device(cfg))).removeprefix("torch.")
     return VLLMServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
                             served_model_name=Path(cfg.hf_checkpoint).name, tokenizer=tokenizer,
-                            settings=VLLMServerSettings(dtype=dtype))
+                            settings=VLLMServerSettings(dtype=dtype), api_key=cfg.rollout_engine_api_key)
 
 
 def eval_sampling(cfg: RelaxConfig) -> SamplingParams:

@@ -125,8 +125,9 @@ class VLLMServerProcess:
     """One ``vllm.entrypoints.openai.api_server`` process on ``host:port``, serving ``model_dir``."""
 
     def __init__(self, host: str, port: int, served_model_name: str, settings: VLLMServerSettings,
-                 log_path: Path) -> None:
+                 log_path: Path, api_key: str | None = None) -> None:
         self.host, self.port = host, port
+        self.api_key = api_key
         self.url = f"http://{host}:{port}"
         self.served_model_name = served_model_name
         self.settings = settings
@@ -143,7 +144,9 @@ class VLLMServerProcess:
                 *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []), *s.extra_args]
 
     def environment(self) -> dict[str, str]:
-        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib),
+        # The key goes through the environment, not --api-key: a command line is readable by every local user.
+        key = {"VLLM_API_KEY": self.api_key} if self.api_key else {}
+        return {**os.environ, **key, "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_gib),
                 # Without it vLLM's message queue binds the machine's external address.
                 "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                 # Enables /collective_rpc (weight reload) and /reset_prefix_cache.
@@ -212,17 +215,19 @@ class VLLMServerEngine(InferenceEngine):
 
     def __init__(self, model_dir: str | Path, weights_dir: str | Path, *, host: str = "127.0.0.1",
                  port: int | None = None, served_model_name: str = "relax", tokenizer: Any = None,
-                 settings: VLLMServerSettings | None = None, timeout_s: float = 600.0) -> None:
+                 settings: VLLMServerSettings | None = None, timeout_s: float = 600.0,
+                 api_key: str | None = None) -> None:
         self.base_model_dir = Path(model_dir).resolve()
         self.weights_dir = Path(weights_dir).resolve()
         self.settings = settings or VLLMServerSettings()
         port = port or free_port(host)
         self.server = VLLMServerProcess(host, port, served_model_name, self.settings,
-                                        self.weights_dir / f"vllm_server_{port}.log")
+                                        self.weights_dir / f"vllm_server_{port}.log", api_key=api_key)
         self.base_url = self.server.url
         self.tokenizer = tokenizer
-        self.client = OpenAIHTTPEngine(self.base_url, served_model_name, tokenizer=tokenizer, timeout_s=timeout_s)
-        self._control = HTTPClient(self.base_url, None, timeout_s)
+        self.client = OpenAIHTTPEngine(self.base_url, served_model_name, api_key=api_key, tokenizer=tokenizer,
+                                       timeout_s=timeout_s)
+        self._control = HTTPClient(self.base_url, api_key, timeout_s)
         self._tied = ties_embeddings(read_config(self.base_model_dir))
         self._weight_version = 0
         self._start_lock: asyncio.Lock | None = None
