@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -78,10 +79,17 @@ def cmd_train(argv: list[str]) -> int:
             else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
-            last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
+            with controller.graceful_stop.installed():
+                last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
     finally:
         if service is not None:
             service.shutdown()
+    stop = controller.graceful_stop
+    if stop.stopped_after_step is not None:
+        if primary:
+            print(f"stopped by {signal.Signals(stop.signal_number).name} after step {stop.stopped_after_step}, "
+                  f"checkpoint saved; continue with the same command plus --load {cfg.save_dir}", file=sys.stderr)
+        return stop.exit_code
     if not primary:
         return 0
     first = _first_eval_accuracy(run_dir)

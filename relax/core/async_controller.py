@@ -34,6 +34,7 @@ from relax.core.compute_thread import ComputeThread, OffLoopRole
 from relax.core.controller import SyncController
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
+from relax.utils.aio import cancel_and_wait
 from relax.utils.tracking import Tracker
 
 logger = logging.getLogger("relax")
@@ -71,7 +72,8 @@ class AsyncController(SyncController):
         # Held by the producer while a generation runs; a weight push takes it unless partial rollout is on.
         self._generating = asyncio.Lock()
         self._rollout_metrics: dict[int, dict[str, float]] = {}
-        self._cursor_after: dict[int, dict[str, int]] = {}  # data-source state once step s was generated
+        # The data-source state once rollout index s (0-based; trained as step s + 1) was generated.
+        self._cursor_after: dict[int, dict[str, int]] = {}
         self._producer_error: BaseException | None = None
 
     # ---- producer -------------------------------------------------------------------------
@@ -161,8 +163,16 @@ class AsyncController(SyncController):
         return metrics
 
     def trainer_state(self, step: int) -> dict:
-        # The producer may have run ahead: save the data cursor as it was after the trained step.
-        return {**super().trainer_state(step), **self._cursor_after.pop(step, {})}
+        # The producer may have run ahead: save the data cursor as it was after the last trained step, whose
+        # rollout index is step - 1, so that a resumed run generates the untrained steps again.
+        for index in [index for index in self._cursor_after if index < step - 1]:
+            del self._cursor_after[index]
+        cursor = self._cursor_after.get(step - 1)
+        if cursor is None:  # a remote rollout's reply still on its way: only the live cursor is left
+            logger.warning("step %d: the data cursor after its rollout is not recorded yet; the checkpoint keeps the "
+                           "current one, so a resumed run may skip prompts generated but not trained", step)
+            cursor = {}
+        return {**super().trainer_state(step), **cursor}
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self) -> dict[str, float]:
@@ -171,11 +181,10 @@ class AsyncController(SyncController):
         producer = asyncio.create_task(self._produce(start, self.roles.total_steps))
         try:
             last = await self._train_steps(start, last)
-            await producer
+            if self.graceful_stop.stopped_after_step is None:  # stopped early: the finally cancels the producer
+                await producer
         finally:
-            if not producer.done():
-                producer.cancel()
-                await asyncio.gather(producer, return_exceptions=True)
+            await cancel_and_wait(producer)
             await self.plane.close()
             if self._compute_thread is not None:
                 self._compute_thread.close()

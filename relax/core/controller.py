@@ -17,6 +17,7 @@ from tqdm import tqdm
 from relax.config import RelaxConfig
 from relax.core import checkpoint
 from relax.core.build import Roles
+from relax.core.graceful_stop import GracefulStop
 from relax.data.sample import Sample
 from relax.distributed.process_group import rank
 from relax.distributed.weight_sync import sync_weights_in_process
@@ -42,6 +43,7 @@ class SyncController:
         self.roles = roles
         self.tracker = tracker
         self.save_root = cfg.save_dir
+        self.graceful_stop = GracefulStop()  # the entrypoint routes SIGTERM/SIGINT to it
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
@@ -144,6 +146,12 @@ class SyncController:
             if self._due(step, cfg.save_interval):
                 self.save(step)
             last = metrics
+            if step < total and self.graceful_stop.agreed():
+                if not self._due(step, cfg.save_interval):
+                    self.save(step)
+                self.graceful_stop.stopped_after_step = step
+                logger.warning("stopped after step %d of %d; resume with --load %s", step, total, self.save_root)
+                break
         return last
 
     async def _evaluate_between_steps(self, step: int) -> dict[str, float]:

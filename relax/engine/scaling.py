@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from relax.backends.inference.base import InferenceEngine
 from relax.backends.inference.router import EngineRouter, engine_name
+from relax.utils.aio import cancel_and_wait
 
 
 class ScaleStatus(str, enum.Enum):
@@ -270,8 +271,7 @@ class ScaleManager:
             raise ScaleRejectedError(f"{request_id} is already {op.status.value}")
         task = self._tasks.get(request_id)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         return op
 
     # ---- scale in ---------------------------------------------------------------------------------------------

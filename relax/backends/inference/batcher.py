@@ -18,12 +18,12 @@ tokens; requests inside the engine are aborted there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.utils.aio import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,7 @@ class RequestBatcher:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
 
     @property
     def weight_version(self) -> int:
