@@ -21,7 +21,7 @@ Outputs (under ``--out``, default: this script's folder):
   data/sft.jsonl     the warm-start traces, as relax SFT conversation rows
   model/             Qwen3ForCausalLM + tokenizer (with the chat template) + generation_config.json
 
-Usage: python examples/agentic_calculator/build_task.py [--out DIR] [--watch-every N]
+Usage: python examples/agentic_calculator/build_task.py [--out DIR] [--watch-every N] [--sft-steps N]
 """
 
 from __future__ import annotations
@@ -60,6 +60,14 @@ NUM_TEST = 200
 # low (the script prints it) and the mistakes left are the ones RL can fix: copying digits and the call format.
 NUM_SFT_TRACES = 128
 SFT_STEPS = 200
+# The demonstrator is imperfect: it answers products of two operands of at most this many digits from memory, without
+# the calculator (right, in its traces). The warm model learns that habit but cannot multiply, so on those prompts it
+# guesses and is always wrong: room for RL to make it call the tool there too. 0 (the default): every trace calls the
+# tool. Tried with 3 (README.md, "Attempts to give the call success room to rise").
+MEMORY_MAX_DIGITS = 0
+# ...but every this-many-th such product it still hands to the calculator, so the warm model keeps a chance of calling
+# the tool there that sampled RL episodes can find (with no such trace it was 0.05%, with every third 8.5%).
+MEMORY_CALL_EVERY = 3
 SFT_BATCH_SIZE = 32
 SFT_LR = 1e-3
 SFT_WARMUP_STEPS = 10
@@ -127,6 +135,13 @@ def prompt_row(pair: tuple[int, int]) -> dict:
             "label": str(a * b)}
 
 
+def direct_row(pair: tuple[int, int]) -> dict:
+    """A trace that answers at once, without the calculator."""
+    a, b = pair
+    return {"input": prompt_row(pair)["input"] + [{"role": "assistant", "content": answer_text(str(a * b))}],
+            "tools": [CALCULATOR.name]}
+
+
 def trace_row(pair: tuple[int, int]) -> dict:
     """A successful tool-use trace for SFT: call the calculator, read its result, answer with it."""
     a, b = pair
@@ -181,13 +196,14 @@ def collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str
 
 
 def run_sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, traces: list[dict], rng: random.Random,
-            on_step=None) -> None:
-    """AdamW over the few traces, reshuffled each epoch; ``on_step(step)`` lets the caller watch progress."""
+            steps: int = SFT_STEPS, on_step=None) -> None:
+    """AdamW over the few traces, reshuffled each epoch; ``on_step(step)`` lets the caller watch progress. The
+    learning rate warms up, then stays constant, so the model after N steps does not depend on ``steps``."""
     encoded = [encode_trace(tokenizer, row) for row in traces]
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / SFT_WARMUP_STEPS))
     order: list[int] = []
-    for step in range(SFT_STEPS):
+    for step in range(steps):
         if len(order) < SFT_BATCH_SIZE:
             epoch = list(range(len(encoded)))
             rng.shuffle(epoch)
@@ -199,7 +215,7 @@ def run_sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, traces:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == SFT_STEPS - 1:
+        if step % 50 == 0 or step == steps - 1:
             print(f"sft step {step:4d}  loss {loss.item():.4f}", flush=True)
         if on_step is not None:
             on_step(step + 1)
@@ -258,7 +274,8 @@ def evaluate_with_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFa
         for i, turn in zip(continuing, second):
             answers[i] = final_answer(tokenizer.decode(turn, skip_special_tokens=True))
     correct = sum(answer == row["label"] for answer, row in zip(answers, rows))
-    return {"accuracy": correct / len(rows), "tool_call_success": sum(ok for ok, _ in steps) / len(rows)}
+    return {"accuracy": correct / len(rows), "tool_call_success": sum(ok for ok, _ in steps) / len(rows),
+            "called_tool": len(continuing) / len(rows)}
 
 
 def evaluate_without_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> float:
@@ -279,14 +296,26 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def build(out_dir: Path, watch_every: int | None = None) -> dict:
+def answered_from_memory(pairs: list[tuple[int, int]], memory_max_digits: int, call_every: int) -> list[bool]:
+    """Which traces answer without the calculator: those whose operands all have at most ``memory_max_digits``
+    digits, except every ``call_every``-th of them."""
+    small = [all(len(str(operand)) <= memory_max_digits for operand in pair) for pair in pairs]
+    rank = [sum(small[: i + 1]) - 1 for i in range(len(pairs))]
+    return [is_small and rank[i] % call_every != 0 for i, is_small in enumerate(small)]
+
+
+def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_STEPS,
+          sft_traces: int = NUM_SFT_TRACES, memory_max_digits: int = MEMORY_MAX_DIGITS,
+          memory_call_every: int = MEMORY_CALL_EVERY) -> dict:
     """Write the data and the warm-started model under ``out_dir``; return the held-out measurements."""
     make_deterministic()
     rng = random.Random(SEED)
-    train_pairs, test_pairs, sft_pairs = sample_disjoint_problems(rng, [NUM_TRAIN, NUM_TEST, NUM_SFT_TRACES])
+    train_pairs, test_pairs, sft_pairs = sample_disjoint_problems(rng, [NUM_TRAIN, NUM_TEST, sft_traces])
     # The split lets the reward log tell held-out episodes from training ones (see reward.py).
     test_rows = [{**prompt_row(p), "metadata": {"split": "test"}} for p in test_pairs]
-    traces = [trace_row(p) for p in sft_pairs]
+    from_memory = answered_from_memory(sft_pairs, memory_max_digits, memory_call_every)
+    traces = [direct_row(p) if direct else trace_row(p) for p, direct in zip(sft_pairs, from_memory)]
+    print(f"SFT traces: {len(traces)}, {sum(from_memory)} of them answered from memory", flush=True)
     write_jsonl(out_dir / "data" / "train.jsonl", [prompt_row(p) for p in train_pairs])
     write_jsonl(out_dir / "data" / "test.jsonl", test_rows)
     write_jsonl(out_dir / "data" / "sft.jsonl", traces)
@@ -299,7 +328,7 @@ def build(out_dir: Path, watch_every: int | None = None) -> dict:
         if watch_every and step % watch_every == 0:
             print(f"  step {step}: {evaluate_with_tool(model, tokenizer, test_rows)}", flush=True)
 
-    run_sft(model, tokenizer, traces, rng, on_step=watch)
+    run_sft(model, tokenizer, traces, rng, steps=sft_steps, on_step=watch)
 
     model_dir = out_dir / "model"
     shutil.rmtree(model_dir, ignore_errors=True)  # no stale files from an earlier configuration
@@ -314,10 +343,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="output folder")
     parser.add_argument("--watch-every", type=int, default=None,
                         help="also print held-out figures every this many SFT steps (for tuning)")
+    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS,
+                        help=f"warm-start steps (default {SFT_STEPS}): the dial of how good the start model is")
+    parser.add_argument("--sft-traces", type=int, default=NUM_SFT_TRACES,
+                        help=f"warm-start traces (default {NUM_SFT_TRACES})")
+    parser.add_argument("--memory-max-digits", type=int, default=MEMORY_MAX_DIGITS,
+                        help="traces whose operands all have at most this many digits answer without the tool "
+                             f"(default {MEMORY_MAX_DIGITS}; 0: none)")
+    parser.add_argument("--memory-call-every", type=int, default=MEMORY_CALL_EVERY,
+                        help=f"...except every this-many-th of them (default {MEMORY_CALL_EVERY})")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    measured = build(args.out, args.watch_every)
+    measured = build(args.out, args.watch_every, args.sft_steps, args.sft_traces, args.memory_max_digits,
+                     args.memory_call_every)
     print(f"held-out ({NUM_TEST} problems, greedy, two turns): accuracy {measured['accuracy']:.1%}, "
+          f"episodes with a call {measured['called_tool']:.1%}, "
           f"valid calculator calls {measured['tool_call_success']:.1%}; "
           f"accuracy without the tool {measured['accuracy_without_tool']:.1%}")
     print(f"wrote {args.out}/data and {args.out}/model in {time.perf_counter() - started:.0f} s")
