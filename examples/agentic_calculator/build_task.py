@@ -60,12 +60,17 @@ NUM_TEST = 200
 # low (the script prints it) and the mistakes left are the ones RL can fix: copying digits and the call format.
 NUM_SFT_TRACES = 128
 SFT_STEPS = 200
-# The demonstrator is imperfect: it answers products of two operands of at most this many digits from memory, without
-# the calculator (right, in its traces). The warm model learns that habit but cannot multiply, so on those prompts it
-# guesses and is always wrong: room for RL to make it call the tool there too. 0 (the default): every trace calls the
-# tool. Tried with 3 (README.md, "Attempts to give the call success room to rise").
-MEMORY_MAX_DIGITS = 0
-# ...but every this-many-th such product it still hands to the calculator, so the warm model keeps a chance of calling
+# The demonstrator can be imperfect: on the problems a rule picks it answers from memory, without the calculator (right,
+# in its traces). The warm model learns that habit but cannot multiply, so on those prompts it guesses and is always
+# wrong: room for RL to make it call the tool there too. "none" (the default): every trace calls the tool. "3x3": both
+# operands have 3 digits. "even": the first operand is even, a cue unrelated to how hard the call is to copy.
+MEMORY_RULES = {
+    "none": lambda pair: False,
+    "3x3": lambda pair: all(len(str(operand)) == 3 for operand in pair),
+    "even": lambda pair: pair[0] % 2 == 0,
+}
+MEMORY_RULE = "none"
+# ...but every this-many-th such problem it still hands to the calculator, so the warm model keeps a chance of calling
 # the tool there that sampled RL episodes can find (with no such trace it was 0.05%, with every third 8.5%).
 MEMORY_CALL_EVERY = 3
 SFT_BATCH_SIZE = 32
@@ -296,16 +301,16 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def answered_from_memory(pairs: list[tuple[int, int]], memory_max_digits: int, call_every: int) -> list[bool]:
-    """Which traces answer without the calculator: those whose operands all have at most ``memory_max_digits``
-    digits, except every ``call_every``-th of them."""
-    small = [all(len(str(operand)) <= memory_max_digits for operand in pair) for pair in pairs]
-    rank = [sum(small[: i + 1]) - 1 for i in range(len(pairs))]
-    return [is_small and rank[i] % call_every != 0 for i, is_small in enumerate(small)]
+def answered_from_memory(pairs: list[tuple[int, int]], rule: str, call_every: int) -> list[bool]:
+    """Which traces answer without the calculator: those ``MEMORY_RULES[rule]`` picks, except every
+    ``call_every``-th of them."""
+    picked = [MEMORY_RULES[rule](pair) for pair in pairs]
+    rank = [sum(picked[: i + 1]) - 1 for i in range(len(pairs))]
+    return [is_picked and rank[i] % call_every != 0 for i, is_picked in enumerate(picked)]
 
 
 def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_STEPS,
-          sft_traces: int = NUM_SFT_TRACES, memory_max_digits: int = MEMORY_MAX_DIGITS,
+          sft_traces: int = NUM_SFT_TRACES, memory_rule: str = MEMORY_RULE,
           memory_call_every: int = MEMORY_CALL_EVERY) -> dict:
     """Write the data and the warm-started model under ``out_dir``; return the held-out measurements."""
     make_deterministic()
@@ -313,7 +318,7 @@ def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_ST
     train_pairs, test_pairs, sft_pairs = sample_disjoint_problems(rng, [NUM_TRAIN, NUM_TEST, sft_traces])
     # The split lets the reward log tell held-out episodes from training ones (see reward.py).
     test_rows = [{**prompt_row(p), "metadata": {"split": "test"}} for p in test_pairs]
-    from_memory = answered_from_memory(sft_pairs, memory_max_digits, memory_call_every)
+    from_memory = answered_from_memory(sft_pairs, memory_rule, memory_call_every)
     traces = [direct_row(p) if direct else trace_row(p) for p, direct in zip(sft_pairs, from_memory)]
     print(f"SFT traces: {len(traces)}, {sum(from_memory)} of them answered from memory", flush=True)
     write_jsonl(out_dir / "data" / "train.jsonl", [prompt_row(p) for p in train_pairs])
@@ -347,14 +352,13 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"warm-start steps (default {SFT_STEPS}): the dial of how good the start model is")
     parser.add_argument("--sft-traces", type=int, default=NUM_SFT_TRACES,
                         help=f"warm-start traces (default {NUM_SFT_TRACES})")
-    parser.add_argument("--memory-max-digits", type=int, default=MEMORY_MAX_DIGITS,
-                        help="traces whose operands all have at most this many digits answer without the tool "
-                             f"(default {MEMORY_MAX_DIGITS}; 0: none)")
+    parser.add_argument("--memory-rule", choices=sorted(MEMORY_RULES), default=MEMORY_RULE,
+                        help=f"which traces answer without the tool (default {MEMORY_RULE}; see MEMORY_RULES)")
     parser.add_argument("--memory-call-every", type=int, default=MEMORY_CALL_EVERY,
                         help=f"...except every this-many-th of them (default {MEMORY_CALL_EVERY})")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    measured = build(args.out, args.watch_every, args.sft_steps, args.sft_traces, args.memory_max_digits,
+    measured = build(args.out, args.watch_every, args.sft_steps, args.sft_traces, args.memory_rule,
                      args.memory_call_every)
     print(f"held-out ({NUM_TEST} problems, greedy, two turns): accuracy {measured['accuracy']:.1%}, "
           f"episodes with a call {measured['called_tool']:.1%}, "
