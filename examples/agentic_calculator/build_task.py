@@ -9,10 +9,11 @@ product to a calculator tool and copy the result back:
     tool:      <tool_response>\n4517277\n</tool_response>
     assistant: <answer>4517277</answer>
 
-The warm start is supervised training on a FEW such traces (loss on the assistant turns only, cut into turns by relax's
-own multi-turn SFT code), stopped while the model is still clearly imperfect: it copies a digit of an operand or of the
-result wrongly, or breaks the call's JSON, often enough that held-out accuracy starts low and multi-turn GRPO has room
-to raise it (see README.md).
+The warm start is supervised training on a few such traces (loss on the assistant turns only, cut into turns by relax's
+own multi-turn SFT code) from an imperfect demonstrator: on about a quarter of the traces (first operand even) it
+answers from memory instead of calling the tool. The warm model copies that habit, cannot multiply, and is wrong on
+those prompts; it also copies operands wrongly now and then. Held-out accuracy and the tool-call rate therefore start
+low, and multi-turn GRPO with an exact-match reward has room to raise both (see README.md).
 
 Outputs (under ``--out``, default: this script's folder):
   data/train.jsonl   RL prompts: {"input": [user message], "tools": ["calculator"], "label": "4517277"}
@@ -58,21 +59,22 @@ NUM_TEST = 200
 
 # The dial of the warm start: few traces, a fixed number of steps. Chosen so the held-out accuracy with the tool starts
 # low (the script prints it) and the mistakes left are the ones RL can fix: copying digits and the call format.
-NUM_SFT_TRACES = 128
+NUM_SFT_TRACES = 200
 SFT_STEPS = 200
 # The demonstrator can be imperfect: on the problems a rule picks it answers from memory, without the calculator (right,
 # in its traces). The warm model learns that habit but cannot multiply, so on those prompts it guesses and is always
-# wrong: room for RL to make it call the tool there too. "none" (the default): every trace calls the tool. "3x3": both
-# operands have 3 digits. "even": the first operand is even, a cue unrelated to how hard the call is to copy.
+# wrong: room for RL to make it call the tool there too. "none": every trace calls the tool. "3x3": both operands have
+# 3 digits. "even" (the default): the first operand is even, a cue unrelated to how hard the call is to copy.
 MEMORY_RULES = {
     "none": lambda pair: False,
     "3x3": lambda pair: all(len(str(operand)) == 3 for operand in pair),
     "even": lambda pair: pair[0] % 2 == 0,
 }
-MEMORY_RULE = "none"
+MEMORY_RULE = "even"
 # ...but every this-many-th such problem it still hands to the calculator, so the warm model keeps a chance of calling
-# the tool there that sampled RL episodes can find (with no such trace it was 0.05%, with every third 8.5%).
-MEMORY_CALL_EVERY = 3
+# the tool there that sampled RL episodes can find (on 3x3 problems the chance that a warm model's first token opens
+# a call was 0.05% with no such trace, 8.5% with every third, 30% with every second).
+MEMORY_CALL_EVERY = 2
 SFT_BATCH_SIZE = 32
 SFT_LR = 1e-3
 SFT_WARMUP_STEPS = 10
