@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -11,15 +10,10 @@ import httpx
 import uvicorn
 
 from relax.backends.inference.embedded import EmbeddedEngine
+from relax.distributed.process_group import free_port
 from relax.serving.app import create_app
 
 API_KEY = "test-secret-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:

@@ -21,7 +21,6 @@ from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.vllm_server import (
     VLLMServerEngine,
     VLLMServerSettings,
-    free_port,
     load_checkpoint_tensors,
     read_config,
     ties_embeddings,
@@ -30,6 +29,7 @@ from relax.backends.inference.vllm_server import (
 )
 from relax.backends.training.base import TrainBatch
 from relax.cli.args import parse_config
+from relax.distributed.process_group import free_port
 from tests.conftest import ROOT, run_relax
 from tests.test_fsdp_backend import LOSS, make_backend
 

@@ -60,10 +60,7 @@ class RequestBatcher:
         self._dispatcher = asyncio.create_task(self._dispatch_forever())
 
     async def stop(self) -> None:
-        tasks = [task for task in (self._dispatcher, *self._running) if task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        for task in [task for task in (self._dispatcher, *self._running) if task is not None]:
             await cancel_and_wait(task)
 
     @property

@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import weakref
@@ -43,6 +42,7 @@ from safetensors.torch import load_file
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import EngineHTTPError, EngineUnavailableError, HTTPClient
+from relax.distributed.process_group import free_port
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
 
 logger = logging.getLogger("relax")
@@ -62,12 +62,6 @@ def vllm_python() -> Path:
 
 def vllm_available() -> bool:
     return vllm_python().is_file()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
