@@ -28,7 +28,6 @@ def test_a_task_whose_cancellation_is_lost_is_still_stopped():
 
     task = asyncio.run(scenario())
     assert task.cancelled()
-    assert len(rounds) >= 1
 
 
 def test_a_finished_or_failing_task_is_left_as_it_is():
