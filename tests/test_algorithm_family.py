@@ -84,12 +84,9 @@ def test_reinforce_plus_plus_baseline_pipeline():
 def test_grpo_family_broadcasts_the_grpo_values_unchanged():
     rewards = [1.0, 0.0, 0.0, 1.0]
     expected = compute_grpo_advantages(torch.tensor(rewards), 2)
-    for name in ("grpo", "gspo", "sapo", "cispo"):
+    for name in ("grpo", "gspo", "sapo", "cispo", "m2po"):
         out = get_algorithm(name).compute_advantages(_inputs(rewards, 2, masks=[torch.ones(3)] * 4))
         torch.testing.assert_close(torch.stack(out), expected[:, None].expand(4, 3))
-    # m2po keeps the raw reward
-    out = get_algorithm("m2po").compute_advantages(_inputs([0.5, 2.0], 2))
-    torch.testing.assert_close(torch.stack(out), torch.tensor([[0.5, 0.5], [2.0, 2.0]]))
 
 
 @pytest.mark.parametrize("name", ["gspo", "sapo", "cispo", "rloo", "reinforce_plus_plus_baseline"])
@@ -159,13 +156,13 @@ def test_cispo_clips_the_weight_and_keeps_every_gradient():
     log_probs = torch.log(ratios).requires_grad_()
     advantages = torch.tensor([[1.0, -1.0, -1.0]])
     terms = compute_cispo_loss(log_probs, torch.zeros(1, 3), advantages, eps_clip=0.2, eps_clip_high=0.28)
-    # coef: A≥0 -> min(1.5, 1.28) = 1.28; A<0 -> max(0.5, 0.8) = 0.8; A<0 -> max(1.5, 0.8) = 1.5
-    coef = torch.tensor([[1.28, 0.8, 1.5]])
+    # MiniMax-M1 eq. 5: coef = clip(r, 0.8, 1.28) whatever the sign of A: [1.28, 0.8, 1.28]
+    coef = torch.tensor([[1.28, 0.8, 1.28]])
     torch.testing.assert_close(terms.loss, -coef * advantages * torch.log(ratios))
-    assert terms.clipped.tolist() == [[1.0, 1.0, 0.0]]
+    assert terms.clipped.tolist() == [[1.0, 1.0, 1.0]]
     terms.loss.sum().backward()
     # sg(coef)·sg(A): the gradient on log π is exactly -coef·A, also on the truncated tokens
-    torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.28, 0.8, 1.5]]))
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.28, 0.8, 1.28]]))
 
 
 def test_rloo_loss_is_unclipped_reinforce():

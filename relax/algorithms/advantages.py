@@ -58,27 +58,37 @@ def group_rewards(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _grouped(rewards: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    """``[num_groups, group_size]`` in float64: group statistics in float32 are off by an ulp (eight rewards
+    of 0.7 have a float32 mean 6e-8 away from 0.7), enough to turn a group with no signal into a push."""
     if group_size < 2:
         raise ValueError(f"{name} needs at least 2 samples per prompt, got {group_size}")
     check_finite_rewards(rewards)
-    return group_rewards(rewards.float(), group_size)
+    return group_rewards(rewards.double(), group_size)
+
+
+def _centered(grouped: torch.Tensor) -> torch.Tensor:
+    """``r - mean(group)``, exactly 0 for a group whose rewards are all equal (rounding cannot leave a
+    residue that the std division would blow up)."""
+    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(grouped), grouped - grouped.mean(dim=1, keepdim=True))
 
 
 # ---- reward normalizers -------------------------------------------------------------------
 def compute_grpo_advantages(
     rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """GRPO (Shao et al., 2024): ``A_i = (r_i - mean(group)) / (std(group) + eps)``.
+    """GRPO (Shao et al., 2024): ``A_i = (r_i - mean(group)) / (std(group) + eps)``, float32 ``[N]``.
 
     ``rewards`` is ``[N]`` with consecutive groups of ``group_size``; ``std`` is the unbiased
     sample std, as upstream. ``normalize_std=False`` gives Dr.GRPO (Liu et al., 2025), which keeps
-    only the mean baseline. Groups whose rewards are all equal get zero advantages.
+    only the mean baseline. Groups whose rewards are all equal get exactly zero advantages (the
+    statistics are taken in float64, and a constant group is zero by construction).
     """
     grouped = _grouped(rewards, group_size, "GRPO")
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    centered = _centered(grouped)
     if normalize_std:
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    return centered.flatten()
+    return centered.flatten().float()
 
 
 def group_mean_baseline(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
@@ -86,8 +96,7 @@ def group_mean_baseline(rewards: torch.Tensor, group_size: int, normalize_std: b
 
     The scale is fixed later by global token-level whitening, so ``normalize_std`` is not used.
     """
-    grouped = _grouped(rewards, group_size, "the group-mean baseline")
-    return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    return _centered(_grouped(rewards, group_size, "the group-mean baseline")).flatten().float()
 
 
 def group_leave_one_out(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
@@ -97,11 +106,11 @@ def group_leave_one_out(rewards: torch.Tensor, group_size: int, normalize_std: b
     ``normalize_std`` is not used.
     """
     grouped = _grouped(rewards, group_size, "RLOO")
-    return (group_size / (group_size - 1) * (grouped - grouped.mean(dim=1, keepdim=True))).flatten()
+    return (group_size / (group_size - 1) * _centered(grouped)).flatten().float()
 
 
 def raw_rewards(rewards: torch.Tensor, group_size: int, normalize_std: bool = True) -> torch.Tensor:
-    """No normalization (M2PO, REINFORCE++): the reward itself, checked finite."""
+    """No normalization (REINFORCE++, PPO): the reward itself, checked finite."""
     check_finite_rewards(rewards)
     return rewards.float()
 
@@ -116,15 +125,14 @@ def reinforce_plus_plus_returns(inputs: AdvantageInputs) -> list[torch.Tensor]:
     """REINFORCE++ (Hu et al., 2025) discounted returns with the KL penalty in the reward.
 
     Token rewards ``r_t = -kl_coef·kl_t·mask_t``, plus the scalar reward on the last valid token;
-    ``G_t = r_t + γ·G_{t+1}`` (``G_T = 0``). A sample with no valid token gets zeros.
+    ``G_t = r_t + γ·G_{t'}`` over the valid tokens only, ``t'`` the next valid token (``G = 0`` past the last).
+    Environment tokens (mask 0) are not actions: they are skipped, never discounted, and get 0. This is GAE
+    with ``V ≡ 0`` and ``λ = 1``, so the masked-token rule is the one of
+    :func:`relax.algorithms.gae.compute_gae_batch`. A sample with no valid token gets zeros.
     """
-    returns = []
-    for token_rewards in ppo_token_rewards(inputs.rewards, inputs.response_masks, inputs.kl, inputs.kl_coef):
-        running, out = 0.0, torch.zeros_like(token_rewards)
-        for t in range(token_rewards.numel() - 1, -1, -1):
-            running = token_rewards[t] + inputs.gamma * running
-            out[t] = running
-        returns.append(out)
+    token_rewards = ppo_token_rewards(inputs.rewards, inputs.response_masks, inputs.kl, inputs.kl_coef)
+    zeros = [torch.zeros_like(r) for r in token_rewards]
+    returns, _ = compute_gae(token_rewards, zeros, inputs.response_masks, inputs.gamma, 1.0)
     return returns
 
 

@@ -147,7 +147,7 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss per token (PPO; the form of verl and OpenAI baselines), all ``[B, T]``.
 
-        ``V_clip = V_old + clip(V − V_old, −value_clip, +value_clip)``
+        ``V_clip = clip(V, V_old − value_clip, V_old + value_clip)``
         ``loss_t = 0.5 · max((V − R)², (V_clip − R)²)``
 
     The factor 0.5 IS applied (as verl does; upstream Relax/slime omit it, which doubles the
@@ -166,7 +166,9 @@ def compute_value_loss(
         return 0.5 * unclipped, torch.zeros_like(unclipped)
     if value_clip < 0:
         raise ValueError(f"value_clip must be >= 0, got {value_clip}")
-    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    # clamp(V, V_old ± c), not V_old + clamp(V - V_old, ±c): inside the range the latter differs from V by a
+    # rounding step, which made the clipped term "larger" on tokens that were never clipped.
+    clipped_values = torch.clamp(values, old_values - value_clip, old_values + value_clip)
     clipped_term = (clipped_values - returns) ** 2
     loss = 0.5 * torch.maximum(unclipped, clipped_term)
     return loss, (clipped_term > unclipped).to(unclipped.dtype)

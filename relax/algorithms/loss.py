@@ -133,6 +133,10 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
             "clipfrac": agg(terms.clipped).detach(),
             "ppo_kl": agg(terms.ppo_kl).detach(),
             "entropy": agg(entropy.detach()),
+            # Tokens whose log-ratio hit its numerical bound (policy_loss.MAX_TOKEN_LOG_RATIO); a count, so the
+            # sum over micro-batches and ranks is the step's. Anything above 0 means the policy moved by tens of
+            # nats on some token since it was sampled: a mismatch worth looking at.
+            "log_ratio_clamped_tokens": (terms.ratio_clamped * mb.mask).sum().detach(),
         })
         if settings.opd_loss_coef:
             kl = opd_token_kl(settings.opd_kl_type, settings.opd_norm_mode, log_probs, mb.fields["teacher_log_probs"],

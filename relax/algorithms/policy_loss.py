@@ -8,14 +8,35 @@ from dataclasses import dataclass
 import torch
 
 
+# Bounds on the log importance ratio before it is exponentiated. One token whose log-prob moved by 25 nats (a
+# near-zero probability under the old policy) would otherwise give exp(25)·|A| = 7e10 of loss, and 100 nats an
+# infinity that poisons the whole step. The token ratio is clamped as verl does (±20); GSPO's sequence ratio, a mean
+# over the sequence, tighter (±10), as verl's GSPO. A clamped token passes no gradient through the ratio.
+MAX_TOKEN_LOG_RATIO = 20.0
+MAX_SEQUENCE_LOG_RATIO = 10.0
+
+
 @dataclass
 class PolicyLossTerms:
     """Per-token pieces of a policy loss, all ``[B, T]``: the loss, whether the clipped branch was
-    active, and the policy's drift from the sampling policy (``old - new`` log-prob)."""
+    active, the policy's drift from the sampling policy (``old - new`` log-prob, unclamped), and
+    whether the log-ratio hit its numerical bound (:data:`MAX_TOKEN_LOG_RATIO`)."""
 
     loss: torch.Tensor
     clipped: torch.Tensor
     ppo_kl: torch.Tensor
+    ratio_clamped: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.ratio_clamped is None:
+            self.ratio_clamped = torch.zeros_like(self.loss)
+
+
+def bounded_log_ratio(log_ratio: torch.Tensor, bound: float = MAX_TOKEN_LOG_RATIO) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_ratio`` clamped to ``[-bound, bound]`` (NaN stays NaN: it is a bug upstream of the loss, not an
+    outlier), and a float 0/1 tensor marking the clamped entries."""
+    clamped = log_ratio.clamp(-bound, bound)
+    return clamped, (log_ratio.abs() > bound).to(log_ratio.dtype)
 
 
 def compute_ppo_clip_loss(
@@ -28,13 +49,20 @@ def compute_ppo_clip_loss(
 ) -> PolicyLossTerms:
     """PPO-clip (Schulman et al., 2017) with asymmetric range (DAPO clip-higher) and dual-clip.
 
-    ``ratio = exp(log_probs - old_log_probs)``;
+    ``ratio = exp(clamp(log_probs - old_log_probs, ±20))``;
     ``loss = max(-ratio·A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high)·A)``;
     with dual-clip (Ye et al., 2020), tokens with ``A < 0`` are further bounded:
     ``loss = min(loss, -eps_clip_c·A)``.
     """
     ppo_kl = old_log_probs - log_probs
-    ratio = torch.exp(-ppo_kl)
+    log_ratio, ratio_clamped = bounded_log_ratio(-ppo_kl)
+    loss, clipped = _ppo_clip(torch.exp(log_ratio), advantages, eps_clip, eps_clip_high, eps_clip_c)
+    return PolicyLossTerms(loss=loss, clipped=clipped, ppo_kl=ppo_kl, ratio_clamped=ratio_clamped)
+
+
+def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float,
+              eps_clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip's per-token loss and clipped indicator for a given (token or sequence) ratio."""
     unclipped = -ratio * advantages
     clipped_branch = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     loss = torch.maximum(unclipped, clipped_branch)
@@ -44,7 +72,7 @@ def compute_ppo_clip_loss(
         dual_active = (advantages < 0) & (loss > dual_bound)
         loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
         clipped = clipped | dual_active
-    return PolicyLossTerms(loss=loss, clipped=clipped.float(), ppo_kl=ppo_kl)
+    return loss, clipped.float()
 
 
 def sequence_mean_ppo_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -60,10 +88,11 @@ def compute_gspo_loss(
     eps_clip: float, eps_clip_high: float,
 ) -> PolicyLossTerms:
     """GSPO (Zheng et al., 2025): PPO-clip on the sequence-level ratio
-    ``s_i = exp(mean_t(log π - log π_old))``, the same for every token of sequence ``i``."""
-    seq_log_ratio = -sequence_mean_ppo_kl(log_probs, old_log_probs, mask)
-    # compute_ppo_clip_loss takes (new, old); a zero "old" makes its log-ratio the sequence one.
-    return compute_ppo_clip_loss(seq_log_ratio, torch.zeros_like(seq_log_ratio), advantages, eps_clip, eps_clip_high)
+    ``s_i = exp(clamp(mean_t(log π - log π_old), ±10))``, the same for every token of sequence ``i``."""
+    seq_ppo_kl = sequence_mean_ppo_kl(log_probs, old_log_probs, mask)
+    seq_log_ratio, ratio_clamped = bounded_log_ratio(-seq_ppo_kl, MAX_SEQUENCE_LOG_RATIO)
+    loss, clipped = _ppo_clip(torch.exp(seq_log_ratio), advantages, eps_clip, eps_clip_high, None)
+    return PolicyLossTerms(loss=loss, clipped=clipped, ppo_kl=seq_ppo_kl, ratio_clamped=ratio_clamped)
 
 
 def compute_sapo_loss(
@@ -77,27 +106,32 @@ def compute_sapo_loss(
     (the gate's slope has fallen below 0.9).
     """
     ppo_kl = old_log_probs - log_probs
-    ratio = torch.exp(-ppo_kl)
+    log_ratio, ratio_clamped = bounded_log_ratio(-ppo_kl)
+    ratio = torch.exp(log_ratio)
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     p = torch.sigmoid(tau * (ratio - 1.0))
     loss = -(4.0 / tau) * p * advantages
-    return PolicyLossTerms(loss=loss, clipped=(4 * p * (1 - p) < 0.9).float(), ppo_kl=ppo_kl)
+    return PolicyLossTerms(loss=loss, clipped=(4 * p * (1 - p) < 0.9).float(), ppo_kl=ppo_kl,
+                           ratio_clamped=ratio_clamped)
 
 
 def compute_cispo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, eps_clip: float,
     eps_clip_high: float,
 ) -> PolicyLossTerms:
-    """CISPO (MiniMax-M1, 2025): clip the importance weight, never the gradient.
+    """CISPO (MiniMax-M1, 2025, eq. 4-5): clip the importance weight, never the gradient.
 
-    ``coef = min(r, 1 + eps_high)`` if ``A ≥ 0`` else ``max(r, 1 - eps)``;
+    ``coef = clip(r, 1 - eps_clip, 1 + eps_clip_high)`` for every token, whatever the sign of ``A``;
     ``loss = -sg(coef)·sg(A)·log π``, so every token keeps a gradient ``-coef·A`` on its log-prob.
+    Upstream bounds the weight on one side only (``min(r, 1+eps_high)`` for A ≥ 0, ``max(r, 1-eps)``
+    for A < 0), which leaves a negative-advantage token with a large ratio an unbounded weight.
     """
     ppo_kl = old_log_probs - log_probs
-    ratio = torch.exp(-ppo_kl).detach()
-    coef = torch.where(advantages >= 0, ratio.clamp(max=1.0 + eps_clip_high), ratio.clamp(min=1.0 - eps_clip))
+    log_ratio, ratio_clamped = bounded_log_ratio(-ppo_kl.detach())
+    ratio = torch.exp(log_ratio)
+    coef = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     loss = -coef * advantages.detach() * log_probs
-    return PolicyLossTerms(loss=loss, clipped=(coef != ratio).float(), ppo_kl=ppo_kl)
+    return PolicyLossTerms(loss=loss, clipped=(coef != ratio).float(), ppo_kl=ppo_kl, ratio_clamped=ratio_clamped)
 
 
 def compute_rloo_loss(
@@ -149,7 +183,7 @@ def compute_m2po_loss(
     Upstream takes the statistic over every token of the micro-batch; here padding is excluded.
     """
     ppo_kl = (old_log_probs - log_probs).detach()
-    ratio = torch.exp(-ppo_kl)
+    ratio = torch.exp(-ppo_kl.clamp(-MAX_TOKEN_LOG_RATIO, MAX_TOKEN_LOG_RATIO))
     harmful = (((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1))) & mask.bool()
     delta_sq = ppo_kl[harmful].square()
     m2_before = float(delta_sq.mean()) if delta_sq.numel() else 0.0
@@ -164,8 +198,8 @@ def compute_m2po_loss(
     eps_high = max(math.exp(tau) - 1.0, miniclip_high)
     m2_after = float(delta_sq.clamp(max=cap).mean()) if delta_sq.numel() else 0.0
     terms = compute_ppo_clip_loss(log_probs, old_log_probs, advantages, eps_low, eps_high)
-    return M2POTerms(loss=terms.loss, clipped=terms.clipped, ppo_kl=terms.ppo_kl, eps_low=eps_low, eps_high=eps_high,
-                     m2_before=m2_before, m2_after=m2_after)
+    return M2POTerms(loss=terms.loss, clipped=terms.clipped, ppo_kl=terms.ppo_kl, ratio_clamped=terms.ratio_clamped,
+                     eps_low=eps_low, eps_high=eps_high, m2_before=m2_before, m2_after=m2_after)
 
 
 @dataclass
@@ -180,7 +214,9 @@ def compute_tis_weights(
     old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip_low: float, clip_high: float
 ) -> TISWeights:
     """Truncated importance sampling (Yao et al., 2025) for the engine/trainer mismatch:
-    ``w = clamp(exp(old_logp - rollout_logp), clip_low, clip_high)``, detached."""
-    raw = torch.exp(old_log_probs.detach() - rollout_log_probs)
+    ``w = clamp(exp(old_logp - rollout_logp), clip_low, clip_high)``, detached (the log-ratio bounded
+    by :data:`MAX_TOKEN_LOG_RATIO` first, so an extreme token gives ``clip_high``, never inf·0)."""
+    log_ratio, _ = bounded_log_ratio(old_log_probs.detach() - rollout_log_probs)
+    raw = torch.exp(log_ratio)
     weights = raw.clamp(clip_low, clip_high)
     return TISWeights(weights=weights, clipped=(weights != raw).float())

@@ -78,10 +78,10 @@ ALGORITHM_SPECS: dict[str, AlgorithmSpec] = {
     "gspo": _group_relative("gspo", "gspo", "Zheng et al. 2025, Group Sequence Policy Optimization (arXiv 2507.18071)"),
     "sapo": _group_relative("sapo", "sapo", "Gao et al. 2025, Soft Adaptive Policy Optimization (SAPO, Qwen team)"),
     "cispo": _group_relative("cispo", "cispo", "MiniMax 2025, MiniMax-M1 (arXiv 2506.13585)"),
-    "m2po": AlgorithmSpec(
-        name="m2po", reward_normalizer=raw_rewards, advantage_fn=broadcast_advantages, policy_loss="m2po",
-        paper="Zheng et al. 2025, Prosperity before Collapse: off-policy RL with stale data (M2PO)",
-    ),
+    # M2PO's paper and its authors' code train on group-normalised (GRPO) advantages; upstream passes raw rewards,
+    # which with 0/1 rewards leaves no negative signal at all.
+    "m2po": _group_relative(
+        "m2po", "m2po", "Zheng et al. 2025, Prosperity before Collapse: off-policy RL with stale data (M2PO)"),
     "rloo": AlgorithmSpec(
         name="rloo", reward_normalizer=group_leave_one_out, advantage_fn=broadcast_advantages, policy_loss="rloo",
         min_group_size=2, requires_on_policy_updates=True,
