@@ -496,6 +496,15 @@ class RelaxConfig(BaseModel):
     group_rm: bool = _field(
         False, "Call the custom reward once per prompt group: `fn(args, samples) -> list`.", "reward"
     )
+    reward_timeout: float = _field(
+        5.0,
+        "Seconds one reward call (one sample, or one group with --group-rm) may take; past it the sample gets 0, "
+        "is counted in reward/num_timeouts and the step goes on. The math rewards run in worker processes that "
+        "are killed at the limit; other rewards are abandoned (a thread cannot be killed).",
+        "reward",
+        gt=0,
+        allow_inf_nan=False,
+    )
     overlong_buffer_len: int | None = _field(
         None,
         "DAPO soft overlong punishment: a response of l tokens longer than M - L (M = --rollout-max-response-len, "

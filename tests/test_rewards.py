@@ -208,7 +208,8 @@ def test_register_reward_adds_a_name_and_refuses_duplicates(monkeypatch):
     def short(response, label, metadata):
         return float(len(response) <= 5)
 
-    assert get_reward_fn("length_at_most_5") is short
+    assert get_reward_fn("length_at_most_5")("hello", None, {}) == 1.0
+    assert get_reward_fn("length_at_most_5")("hello world", None, {}) == 0.0
     assert get_reward_fn("boxed_length_at_most_5")(r"\boxed{hi}", None, {}) == 1.0
     with pytest.raises(ValueError, match="already registered"):
         register_reward("math")(short)
@@ -278,7 +279,7 @@ def test_custom_sync_reward_runs_in_a_worker_thread_with_args():
     samples = [Sample(index=0, response="4", label="4"), Sample(index=1, response="5", label="4")]
     rewards = run_scoring(computer, samples)
     assert rewards == [{"score": 1.5, "thread_is_main": 0.0}, {"score": 0.5, "thread_is_main": 0.0}]
-    assert computer.pop_metrics() == {"reward/num_errors": 0}
+    assert computer.pop_metrics() == {"reward/num_errors": 0, "reward/num_timeouts": 0}
 
 
 def test_custom_async_reward_is_awaited_concurrently():
@@ -312,7 +313,7 @@ def test_group_reward_of_the_wrong_length_fails_the_whole_group(caplog):
     samples = [Sample(index=i, group_index=7, response="x", reward=5.0) for i in range(3)]
     with caplog.at_level(logging.ERROR, logger="relax.rewards"):
         assert run_scoring(computer, samples) == [0.0, 0.0, 0.0]
-    assert computer.pop_metrics() == {"reward/num_errors": 3}
+    assert computer.pop_metrics() == {"reward/num_errors": 3, "reward/num_timeouts": 0}
     assert "samples 0, 1, 2 (group 7)" in caplog.text
 
 
@@ -346,7 +347,7 @@ def test_a_missing_label_is_a_counted_error_naming_the_sample(caplog):
     samples = [Sample(index=0, response="#### 3", label="3"), Sample(index=5, response="#### 3", label=None)]
     with caplog.at_level(logging.ERROR, logger="relax.rewards"):
         assert run_scoring(computer, samples) == [1.0, 0.0]
-    assert computer.pop_metrics() == {"reward/num_errors": 1}
+    assert computer.pop_metrics() == {"reward/num_errors": 1, "reward/num_timeouts": 0}
     [record] = caplog.records
     assert "sample 5" in record.getMessage()
     assert "'gsm8k' compares the response with a label" in record.getMessage()
@@ -366,7 +367,7 @@ def test_failing_rewards_give_zero_are_counted_and_each_message_is_logged_once(c
     samples = [Sample(index=i, response=response) for i, response in enumerate(responses)]
     with caplog.at_level(logging.ERROR, logger="relax.rewards"):
         assert run_scoring(computer, samples) == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-        assert computer.pop_metrics() == {"reward/num_errors": 5}
+        assert computer.pop_metrics() == {"reward/num_errors": 5, "reward/num_timeouts": 0}
         assert computer.error_counts == {
             "RuntimeError: reward server said boom": 3,
             "ValueError: a reward must be finite, got nan": 1,
@@ -381,6 +382,6 @@ def test_failing_rewards_give_zero_are_counted_and_each_message_is_logged_once(c
         again = [Sample(index=10, response="boom")]
         assert run_scoring(computer, again) == [0.0]
     assert caplog.records == []  # already reported: counted only
-    assert computer.pop_metrics() == {"reward/num_errors": 1}
-    assert computer.pop_metrics() == {"reward/num_errors": 0}
+    assert computer.pop_metrics() == {"reward/num_errors": 1, "reward/num_timeouts": 0}
+    assert computer.pop_metrics() == {"reward/num_errors": 0, "reward/num_timeouts": 0}
     assert computer.error_counts["RuntimeError: reward server said boom"] == 4

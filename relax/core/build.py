@@ -143,7 +143,8 @@ def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> Multimoda
 
 def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
     try:
-        return RewardComputer(cfg.rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg)
+        return RewardComputer(cfg.rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
+                              timeout_s=cfg.reward_timeout)
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
 

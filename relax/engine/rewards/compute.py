@@ -3,23 +3,42 @@
 One bad sample must not stop a rollout, and a broken reward must not pass unnoticed: a reward
 that raises (or returns something that is not a finite number) gives that sample 0.0, is
 counted in ``reward/num_errors``, and its message is logged once with the sample index.
+
+No reward call may hang a rollout either: each one is bounded by ``timeout_s`` (``--reward-timeout``).
+Past it the sample gets 0.0, is counted in ``reward/num_timeouts`` and logged once, and the step goes on.
+Rule rewards that can compute without bound (``math``: math-verify's symbolic comparison, whose own
+time limit uses SIGALRM and so works only on a main thread) run in worker processes that are killed
+at the timeout. Other synchronous rewards run in threads, which cannot be killed: the rollout stops
+waiting for them and gives their slot to the next call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
+import multiprocessing
 import numbers
+import os
+import threading
+import weakref
 from collections import Counter
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from relax.data.sample import Sample
 from relax.engine.rewards.custom import load_custom_reward
 from relax.engine.rewards.registry import get_reward_fn
+
+DEFAULT_REWARD_TIMEOUT_S = 5.0
+# Processes of the pool of isolated rule rewards; each imports math-verify and sympy once (about a second).
+MAX_REWARD_PROCESSES = 4
+
+
+class RewardTimeoutError(TimeoutError):
+    """A reward call ran past ``--reward-timeout``."""
 
 logger = logging.getLogger("relax.rewards")
 
@@ -37,7 +56,8 @@ class RewardComputer:
       group as ``fn(args, samples) -> list[float | dict]``, samples grouped by ``group_index``.
 
     Synchronous functions run in a pool of ``max_workers`` threads so the event loop (and the
-    rollout it drives) keeps running; ``async def`` functions are awaited concurrently.
+    rollout it drives) keeps running; ``async def`` functions are awaited concurrently; isolated
+    rule rewards run in worker processes. Every call is bounded by ``timeout_s`` (module doc).
     ``args`` is passed unchanged to custom functions.
     """
 
@@ -49,6 +69,7 @@ class RewardComputer:
         group_rm: bool = False,
         args: Any = None,
         max_workers: int = 16,
+        timeout_s: float = DEFAULT_REWARD_TIMEOUT_S,
     ) -> None:
         if rm_type is None and custom_rm_path is None:
             raise ValueError("no reward configured: set --rm-type to a rule reward or --custom-rm-path to a function")
@@ -61,14 +82,20 @@ class RewardComputer:
             raise ValueError("--group-rm scores whole groups and needs a --custom-rm-path function")
         if rm_type is not None:
             get_reward_fn(rm_type)  # an unknown type fails here, before any rollout
+        if not timeout_s > 0 or not math.isfinite(timeout_s):
+            raise ValueError(f"--reward-timeout must be a positive number of seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
         self._rm_type = rm_type
         self._custom_fn = load_custom_reward(custom_rm_path) if custom_rm_path is not None else None
         self._custom_fn_is_async = inspect.iscoroutinefunction(self._custom_fn)
         self._group_rm = group_rm
         self._args = args
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="relax-reward")
+        self._max_workers = max_workers
+        self._thread_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._processes = None  # the pebble.ProcessPool of isolated rule rewards, started on first use
         self.error_counts: Counter[str] = Counter()  # "ExceptionType: message" -> failed samples, over the run
         self._errors_since_metrics = 0
+        self._timeouts_since_metrics = 0
 
     async def score(self, samples: Sequence[Sample]) -> None:
         """Set ``reward`` on every sample; never raises for a failing reward (see the module doc)."""
@@ -81,14 +108,18 @@ class RewardComputer:
             await asyncio.gather(*(self._score_sample(sample) for sample in samples))
 
     def pop_metrics(self) -> dict[str, int]:
-        """``reward/num_errors``: samples whose reward failed since the previous call."""
-        metrics = {"reward/num_errors": self._errors_since_metrics}
-        self._errors_since_metrics = 0
+        """``reward/num_errors`` and ``reward/num_timeouts``: samples whose reward failed, and those of them
+        whose reward ran past the timeout, since the previous call."""
+        metrics = {"reward/num_errors": self._errors_since_metrics, "reward/num_timeouts": self._timeouts_since_metrics}
+        self._errors_since_metrics = self._timeouts_since_metrics = 0
         return metrics
 
     def close(self) -> None:
-        """Stop the worker threads once no more scoring will be requested."""
-        self._pool.shutdown(cancel_futures=True)
+        """Stop the worker processes once no more scoring will be requested."""
+        if self._processes is not None:
+            self._processes.stop()
+            self._processes.join(timeout=10)
+            self._processes = None
 
     async def _score_sample(self, sample: Sample) -> None:
         try:
@@ -118,17 +149,78 @@ class RewardComputer:
 
     async def _call_rule_reward(self, sample: Sample) -> Any:
         rm_type = sample.metadata.get("rm_type") or self._rm_type
-        score = get_reward_fn(rm_type)
+        reward = get_reward_fn(rm_type)
         if sample.label is None:
             raise ValueError(f"reward type {rm_type!r} compares the response with a label, but the sample has none")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, score, sample.response, sample.label, sample.metadata)
+        if reward.isolated:
+            return await self._in_process(reward, sample.response, sample.label, sample.metadata)
+        return await self._in_thread(reward, sample.response, sample.label, sample.metadata)
 
     async def _call_custom_fn(self, sample_or_group: Sample | list[Sample]) -> Any:
         if self._custom_fn_is_async:
-            return await self._custom_fn(self._args, sample_or_group)
+            try:
+                return await asyncio.wait_for(self._custom_fn(self._args, sample_or_group), self.timeout_s)
+            except TimeoutError:
+                raise self._timeout_error() from None
+        return await self._in_thread(self._custom_fn, self._args, sample_or_group)
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a thread of its own, at most ``max_workers`` at a time, bounded by the timeout from
+        the moment it starts. A thread cannot be killed: past the timeout it is abandoned (a daemon, so it never
+        holds up the exit) and its slot goes to the next call, so a hung reward never starves the others."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._custom_fn, self._args, sample_or_group)
+        async with self._slots_of(loop):
+            result: asyncio.Future = loop.create_future()
+
+            def deliver(outcome: Callable[[], None]) -> None:
+                try:
+                    loop.call_soon_threadsafe(lambda: None if result.done() else outcome())
+                except RuntimeError:  # the loop closed while an abandoned reward ran on
+                    pass
+
+            def call() -> None:
+                try:
+                    value = fn(*args)
+                except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+                    deliver(functools.partial(result.set_exception, err))  # `err` is unbound after this block
+                else:
+                    deliver(functools.partial(result.set_result, value))
+
+            threading.Thread(target=call, name="relax-reward", daemon=True).start()
+            try:
+                return await asyncio.wait_for(result, self.timeout_s)
+            except TimeoutError:
+                raise self._timeout_error() from None
+
+    def _slots_of(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
+        # One semaphore per event loop (an asyncio primitive belongs to the loop it first waited on).
+        slots = self._thread_slots.get(loop)
+        if slots is None:
+            slots = self._thread_slots[loop] = asyncio.Semaphore(self._max_workers)
+        return slots
+
+    async def _in_process(self, fn: Callable[..., Any], *args: Any) -> Any:
+        future = self._process_pool().schedule(fn, args=args, timeout=self.timeout_s)  # killed past the timeout
+        try:
+            return await asyncio.wrap_future(future)
+        except TimeoutError:
+            raise self._timeout_error() from None
+        except asyncio.CancelledError:
+            future.cancel()  # the rollout was cancelled: free the worker
+            raise
+
+    def _process_pool(self):
+        if self._processes is None:
+            from pebble import ProcessPool
+
+            # spawn: a forked copy of a process that holds CUDA, Ray or torch threads is not safe.
+            self._processes = ProcessPool(max_workers=min(MAX_REWARD_PROCESSES, os.cpu_count() or 1),
+                                          initializer=_configure_reward_process,
+                                          context=multiprocessing.get_context("spawn"))
+        return self._processes
+
+    def _timeout_error(self) -> RewardTimeoutError:
+        return RewardTimeoutError(f"the reward took longer than --reward-timeout {self.timeout_s:g} s")
 
     def _record_failure(self, samples: list[Sample], err: Exception) -> None:
         """Give the samples reward 0.0, count the error, and log its message the first time it is seen."""
@@ -143,10 +235,20 @@ class RewardComputer:
                 "in reward/num_errors)",
                 where,
                 message,
-                exc_info=err,
+                exc_info=None if isinstance(err, RewardTimeoutError) else err,
             )
         self.error_counts[message] += len(samples)
         self._errors_since_metrics += len(samples)
+        if isinstance(err, RewardTimeoutError):
+            self._timeouts_since_metrics += len(samples)
+
+
+def _configure_reward_process() -> None:
+    """In a worker process: no time limit of math-verify's own (which would end an overrun silently as a wrong
+    answer); the pool's kill at --reward-timeout is the one bound, so every overrun is counted."""
+    from relax.engine.rewards import math_rewards
+
+    math_rewards.MATH_VERIFY_TIMEOUT_S = None
 
 
 def _checked_reward(value: Any) -> Reward:

@@ -12,43 +12,71 @@ import threading
 from decimal import Decimal
 from typing import Any
 
-from relax.engine.rewards.boxed import last_boxed_content
+from relax.engine.rewards.boxed import boxed_or_whole, has_box, last_boxed_content, last_tag_content
 from relax.engine.rewards.registry import register_reward
 
-# math-verify's default limit for parsing and for comparing one pair of answers.
-MATH_VERIFY_TIMEOUT_S = 5
+# math-verify's limit for parsing and for comparing one pair of answers (its default), for direct calls on a main
+# thread. `RewardComputer`'s worker processes set it to None: there the kill at --reward-timeout bounds each call.
+MATH_VERIFY_TIMEOUT_S: int | None = 5
+
+# Characters that mean "minus" in model output; a number reader that skips them loses the sign ("−3" read as 3).
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+_PERCENT = re.compile(r"\\?%\s*$")
 
 
 def _math_verify_timeout_s() -> int | None:
     """math-verify enforces its timeout with SIGALRM, which only the main thread may set (in any
     other thread the call fails and math-verify reports "no answer"). Off the main thread the
-    check runs without a time limit."""
+    check runs without a time limit of its own: `RewardComputer` bounds it from outside."""
     return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-@register_reward("math")
-def score_math(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 if the final answer equals the label symbolically, else 0.0.
+def _as_latex_box(answer: str) -> str:
+    """An extracted answer in the form math-verify reads: inside ``\\boxed{}`` (bare LaTeX such as
+    ``\\frac{1}{2}`` parses only inside math delimiters). A trailing percent sign is dropped: ``50\\%``
+    equals 50 (not 0.5), as the MATH answer normalisation does."""
+    answer = _PERCENT.sub("", answer.strip())
+    return answer if "$" in answer.replace("\\$", "") else f"\\boxed{{{answer}}}"
 
-    The final answer is the last ``\\boxed{}`` if there is one; otherwise math-verify extracts
-    it from the whole response. A label math-verify cannot read raises: that is a data error,
-    not a wrong answer.
+
+def extract_math_answer(response: str) -> str | None:
+    """What math-verify is given: the last ``\\boxed{}``, else the last ``<answer>...</answer>`` (as a box), else
+    the whole response (math-verify finds the answer itself). None when the response was cut off inside its
+    last box or answer tag: an earlier box is a stale answer, not this one."""
+    if has_box(response):
+        boxed = last_boxed_content(response)
+        return None if boxed is None else _as_latex_box(boxed)
+    if "<answer>" in response:
+        tagged = last_tag_content(response, "answer")
+        return None if tagged is None else _as_latex_box(tagged)
+    return response
+
+
+def _extract_boxed_math_answer(response: str) -> str | None:
+    boxed = last_boxed_content(response)
+    return None if boxed is None else _as_latex_box(boxed)
+
+
+@register_reward("math", extract=extract_math_answer, extract_boxed=_extract_boxed_math_answer, isolated=True)
+def grade_math(answer: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if ``answer`` (math-verify input, see `extract_math_answer`) equals the label symbolically, else 0.0.
+
+    A label math-verify cannot read raises: that is a data error, not a wrong answer.
     """
     # Imported here: math-verify pulls in sympy (about a second), which runs without the math reward need not pay.
     from math_verify import parse, verify
 
     timeout_s = _math_verify_timeout_s()
-    gold_text = str(label)
+    gold_text = _PERCENT.sub("", str(label).strip())
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"  # math-verify reads bare LaTeX such as x^2+1 only inside math delimiters
     gold = parse(gold_text, parsing_timeout=timeout_s)
     if not gold:
         raise ValueError(f"math-verify cannot parse the label {str(label)!r}")
-    boxed = last_boxed_content(response)
-    answer = parse(f"\\boxed{{{boxed}}}" if boxed is not None else response, parsing_timeout=timeout_s)
-    if not answer:
+    parsed = parse(answer, parsing_timeout=timeout_s)
+    if not parsed:
         return 0.0
-    return 1.0 if verify(gold, answer, timeout_seconds=timeout_s) else 0.0
+    return 1.0 if verify(gold, parsed, timeout_seconds=timeout_s) else 0.0
 
 
 GSM8K_ANSWER_MARKER = "####"
@@ -56,8 +84,9 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 def _numbers(text: str) -> list[Decimal]:
-    """Numbers in ``text``, thousands separators removed ("$1,200.50" gives 1200.50)."""
-    return [Decimal(match.replace(",", "")) for match in _NUMBER.findall(text)]
+    """Numbers in ``text``, thousands separators removed ("$1,200.50" gives 1200.50); a Unicode minus
+    (U+2212 and its look-alikes) is a minus."""
+    return [Decimal(match.replace(",", "")) for match in _NUMBER.findall(text.translate(_MINUS_SIGNS))]
 
 
 def _gsm8k_answer(text: str) -> Decimal | None:
@@ -69,9 +98,10 @@ def _gsm8k_answer(text: str) -> Decimal | None:
     return numbers[-1] if numbers else None
 
 
-@register_reward("gsm8k")
-def score_gsm8k(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 if the response's answer equals the label's number exactly, else 0.0.
+@register_reward("gsm8k", extract=boxed_or_whole)
+def grade_gsm8k(answer: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the answer's number (after the last ``####``, else the last one) equals the label's, else 0.0.
+    The answer is the last box's content when the response has a box (none if it was cut off inside it).
 
     The label may be the bare answer or a full GSM8K solution ending in ``#### N``. Decimal
     comparison makes "18" equal "18.00" without float rounding.
@@ -79,7 +109,7 @@ def score_gsm8k(response: str, label: Any, metadata: dict[str, Any]) -> float:
     expected = _gsm8k_answer(str(label))
     if expected is None:
         raise ValueError(f"the gsm8k label has no number: {str(label)!r}")
-    return 1.0 if _gsm8k_answer(response) == expected else 0.0
+    return 1.0 if _gsm8k_answer(answer) == expected else 0.0
 
 
 # DAPO grades only the tail of a response: the longest MATH-500 answer is 159 characters.
@@ -112,7 +142,7 @@ _DAPO_UNWRAPPINGS = (
 def normalize_dapo_answer(answer: str) -> str:
     """Minerva/DAPO normalization: keep the right-hand side of an equation, drop spaces, units
     and text wrappers, expand shorthand TeX and thousands separators ("1,000" becomes "1000")."""
-    answer = answer.split("=")[-1]
+    answer = answer.translate(_MINUS_SIGNS).split("=")[-1]
     for before, after in _DAPO_SUBSTITUTIONS:
         answer = answer.replace(before, after)
     for expression in _DAPO_REMOVED_EXPRESSIONS:
@@ -125,13 +155,14 @@ def normalize_dapo_answer(answer: str) -> str:
     return answer.strip()
 
 
-@register_reward("dapo")
-def score_dapo(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 if the normalized text after the last ``Answer:`` equals the normalized label, else -1.0.
-
-    A response without an ``Answer:`` line is wrong (-1.0), as in DAPO.
-    """
+def extract_dapo_answer(response: str) -> str | None:
+    """The text after the last ``Answer:`` in the response's tail, or None (DAPO's format)."""
     answer_lines = _DAPO_ANSWER_LINE.findall(response[-DAPO_RESPONSE_TAIL_CHARS:])
-    if not answer_lines:
-        return -1.0
-    return 1.0 if normalize_dapo_answer(answer_lines[-1]) == normalize_dapo_answer(str(label)) else -1.0
+    return answer_lines[-1] if answer_lines else None
+
+
+@register_reward("dapo", extract=extract_dapo_answer, no_answer=-1.0)
+def grade_dapo(answer: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the normalized answer equals the normalized label, else -1.0 (as DAPO; a response with no
+    ``Answer:`` line, or with ``boxed_dapo`` no box, is wrong too)."""
+    return 1.0 if normalize_dapo_answer(answer) == normalize_dapo_answer(str(label)) else -1.0

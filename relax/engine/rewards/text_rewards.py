@@ -7,7 +7,7 @@ import string
 from collections import Counter
 from typing import Any
 
-from relax.engine.rewards.boxed import last_boxed_content
+from relax.engine.rewards.boxed import has_box, last_boxed_content
 from relax.engine.rewards.registry import register_reward
 
 CHOICE_LETTERS = "ABCDEFGHIJ"
@@ -25,13 +25,11 @@ _BOXED_CHOICE = re.compile(rf"^\s*(?:\\text\{{)?\(?([{CHOICE_LETTERS}])\b")
 def extract_choice(response: str) -> str | None:
     """The choice letter (A-J) a response settles on, or None if it names none.
 
-    A ``\\boxed{}`` answer wins; then ``Answer: X``, then a letter standing alone at the very
-    end, then the last ``(X)``.
+    A ``\\boxed{}`` answer wins (a last box that was never closed is no answer); then ``Answer: X``,
+    then a letter standing alone at the very end, then the last ``(X)``.
     """
-    boxed = last_boxed_content(response)
-    if boxed is not None:
-        match = _BOXED_CHOICE.match(boxed)
-        return match.group(1) if match else None
+    if has_box(response):
+        return _boxed_choice(response)
     for pattern in _CHOICE_PATTERNS:
         matches = pattern.findall(response)
         if matches:
@@ -39,13 +37,19 @@ def extract_choice(response: str) -> str | None:
     return None
 
 
-@register_reward("multiple_choice")
-def score_multiple_choice(response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 if the response's choice letter equals the label letter ("B", "b", "(B)" or "B."), else 0.0."""
+def _boxed_choice(response: str) -> str | None:
+    boxed = last_boxed_content(response)
+    match = _BOXED_CHOICE.match(boxed) if boxed is not None else None
+    return match.group(1) if match else None
+
+
+@register_reward("multiple_choice", extract=extract_choice, extract_boxed=_boxed_choice)
+def grade_multiple_choice(choice: str, label: Any, metadata: dict[str, Any]) -> float:
+    """1.0 if the chosen letter equals the label letter ("B", "b", "(B)" or "B."), else 0.0."""
     expected = str(label).strip().strip("().").upper()
     if len(expected) != 1 or expected not in CHOICE_LETTERS:
         raise ValueError(f"the multiple_choice label must be one letter A-J, got {str(label)!r}")
-    return 1.0 if extract_choice(response) == expected else 0.0
+    return 1.0 if choice == expected else 0.0
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
