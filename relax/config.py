@@ -312,8 +312,17 @@ class RelaxConfig(BaseModel):
         le=65535,
     )
     rollout_api_key: str | None = _field(
-        None, "Bearer token the scaling API's control endpoints require (never logged; hidden in the saved config).",
+        None, "Bearer token the scaling API's control endpoints require (default: $RELAX_API_KEY, as `relax serve` "
+        "and `relax scale`; never logged, hidden in the saved config).",
         "engines",
+    )
+    scale_out_max_engines: int = _field(
+        32,
+        "Most rollout engines a scale-out may bring the run to (each embedded engine holds a copy of the model); "
+        "a larger num_replicas is rejected.",
+        "engines",
+        ge=1,
+        le=1024,
     )
     scale_in_drain_timeout: float = _field(
         60.0, "Seconds a scale-in waits for an engine's requests before it leaves the router (they still finish).",
@@ -326,8 +335,12 @@ class RelaxConfig(BaseModel):
         if self.rollout_api_port is not None and self.placement != "in_process":
             raise ValueError(f"{flag('rollout_api_port')} needs the in-process placement (the engines live in the "
                              f"trainer's process); drop {flag('placement')} ray")
-        if self.rollout_api_key and self.rollout_api_port is None:
-            raise ValueError(f"{flag('rollout_api_key')} needs {flag('rollout_api_port')}")
+        if self.rollout_api_port is None:
+            set_flags = [flag(name) for name in ("rollout_api_key", "scale_out_max_engines", "scale_in_drain_timeout")
+                         if name in self.model_fields_set and getattr(self, name) is not None]
+            if set_flags:
+                raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
+                                 f"{flag('rollout_api_port')}")
         if not self.rollout_external:
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",

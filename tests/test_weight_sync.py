@@ -34,7 +34,7 @@ from relax.distributed.weight_sync import (
     WeightSyncError,
     bucketize,
     check_manifest,
-    engine_weight_shapes,
+    engine_weight_specs,
     sync_weights_in_process,
 )
 from tests.test_fsdp_backend import LOSS, make_backend, make_batch
@@ -291,7 +291,7 @@ def test_disk_manifest_mismatch_leaves_the_engine_on_its_previous_version(tiny_w
 
 def test_check_manifest_names_the_tensor_and_version(tiny_workspace):
     engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
-    shapes = engine_weight_shapes(engine)
+    shapes = engine_weight_specs(engine)
     good = Manifest.from_buckets(7, list(bucketize(engine_state(engine).items(), BUCKET_BYTES)))
     check_manifest(good, 7, shapes)
     twice = Manifest(7, good.buckets + (good.buckets[0],))

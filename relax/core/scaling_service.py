@@ -1,8 +1,9 @@
 """The elastic-scaling REST API on a running training (in-process placement, `--rollout-api-port`).
 
-The API server runs on the training's own event loop, beside the engines it adds and removes: requests are
-answered whenever the loop is free (between decode steps, and between training steps). New engines are embedded
-engines built like the first one; they load the trainer's current weights before they join the router.
+The API answers from a thread and event loop of its own, so it stays responsive while a training step holds the
+training's loop; the operations it starts run on the training's loop, beside the engines they add and remove. New
+engines are embedded engines built like the first one (in a worker thread, so `timeout_secs` holds while a model
+loads); they load the trainer's current weights before they join the router.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from relax.backends.inference.router import EngineRouter
 from relax.config import RelaxConfig
 from relax.core.build import Roles, build_engine
 from relax.engine.scaling import ScaleManager
+from relax.serving.server import resolve_api_key
 
 logger = logging.getLogger("relax")
 
@@ -25,13 +27,14 @@ START_TIMEOUT_S = 30.0
 WEIGHT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
-def scale_manager(cfg: RelaxConfig, roles: Roles) -> ScaleManager:
+def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoop) -> ScaleManager:
     router = roles.rollout.engine
     if not isinstance(router, EngineRouter):
         raise TypeError("the scaling API needs the rollout engines behind a router (build with --rollout-api-port)")
 
     async def create_engine():
-        engine = build_engine(Path(cfg.hf_checkpoint), roles.tokenizer, cfg, roles.device, roles.inference_dtype)
+        engine = await asyncio.to_thread(build_engine, Path(cfg.hf_checkpoint), roles.tokenizer, cfg, roles.device,
+                                         roles.inference_dtype)
         return engine, None
 
     def current_weights():
@@ -40,7 +43,7 @@ def scale_manager(cfg: RelaxConfig, roles: Roles) -> ScaleManager:
         return version, itertools.chain.from_iterable(buckets)
 
     return ScaleManager(router, weights=current_weights, factory=create_engine,
-                        drain_timeout_s=cfg.scale_in_drain_timeout)
+                        drain_timeout_s=cfg.scale_in_drain_timeout, max_engines=cfg.scale_out_max_engines, loop=loop)
 
 
 @asynccontextmanager
@@ -49,24 +52,21 @@ async def scaling_api(cfg: RelaxConfig, roles: Roles) -> AsyncIterator[ScaleMana
     if cfg.rollout_api_port is None:
         yield None
         return
-    import uvicorn
-
     from relax.serving.scaling_api import create_scaling_app
+    from relax.utils.http_server import ThreadedServer
 
-    manager = scale_manager(cfg, roles)
-    server = uvicorn.Server(uvicorn.Config(create_scaling_app(manager, cfg.rollout_api_key), host="127.0.0.1",
-                                           port=cfg.rollout_api_port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_TIMEOUT_S
-    while not server.started:
-        if task.done() or loop.time() > deadline:
-            raise RuntimeError(f"the scaling API did not start on 127.0.0.1:{cfg.rollout_api_port} "
-                               f"(--rollout-api-port): {task.exception() if task.done() else 'timeout'}")
-        await asyncio.sleep(0.01)
-    logger.info("scaling API on http://127.0.0.1:%d (docs/engines.md)", cfg.rollout_api_port)
+    manager = scale_manager(cfg, roles, asyncio.get_running_loop())
+    api_key = resolve_api_key(cfg.rollout_api_key)
+    server = ThreadedServer(create_scaling_app(manager, api_key), "127.0.0.1", cfg.rollout_api_port,
+                            name="relax-scaling-api")
+    try:
+        server.start(START_TIMEOUT_S)
+    except RuntimeError as error:
+        raise RuntimeError(f"{error} (--rollout-api-port)") from None
+    logger.warning("scaling API on http://127.0.0.1:%d (docs/engines.md); its control endpoints %s",
+                   cfg.rollout_api_port, "need a bearer token" if api_key else "are open: no --rollout-api-key or "
+                   "$RELAX_API_KEY set")
     try:
         yield manager
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        server.stop()

@@ -40,7 +40,7 @@ from relax.distributed.weight_sync import (
     WeightSyncError,
     apply_to_engine,
     check_manifest,
-    engine_weight_shapes,
+    engine_weight_specs,
 )
 
 TRAINER_RANK = 0
@@ -176,7 +176,7 @@ class BroadcastReceiver:
         started = time.perf_counter()
         stream = _BucketStream(self.group, manifest)
         try:
-            check_manifest(manifest, expected_version, engine_weight_shapes(self.engine))
+            check_manifest(manifest, expected_version, engine_weight_specs(self.engine), self.engine.weight_version)
             await apply_to_engine(self.engine, manifest.version, stream)
         except BaseException:
             stream.drain()

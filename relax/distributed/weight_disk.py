@@ -40,7 +40,7 @@ from relax.distributed.weight_sync import (
     apply_to_engine,
     check_bucket,
     check_manifest,
-    engine_weight_shapes,
+    engine_weight_specs,
 )
 
 MANIFEST_NAME = "manifest.json"
@@ -51,6 +51,7 @@ SAFETENSORS_DTYPES = {
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
 }
+TORCH_DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_DTYPES.items()}
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -187,13 +188,19 @@ class DiskReceiver:
                                    f"{self.root} within {timeout_s} s")
             await asyncio.sleep(interval_s)
 
-    async def apply(self, version: int) -> SyncMetrics:
-        """Check version ``version``'s manifest and bucket headers, then load it into the engine."""
-        started = time.perf_counter()
+    def check(self, version: int) -> Manifest:
+        """Version ``version``'s manifest, checked against the engine and against every bucket file's header
+        (raises `WeightSyncError`); nothing is loaded."""
         manifest = self.read_manifest(version)
-        check_manifest(manifest, version, engine_weight_shapes(self.engine))
+        check_manifest(manifest, version, engine_weight_specs(self.engine), self.engine.weight_version)
         for index in range(len(manifest.buckets)):
             self._check_bucket_header(manifest, index)
+        return manifest
+
+    async def apply(self, version: int) -> SyncMetrics:
+        """Check version ``version`` (`check`), then load it into the engine."""
+        started = time.perf_counter()
+        manifest = self.check(version)
         await apply_to_engine(self.engine, version, self._stream(manifest))
         return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes,
                            len(manifest.buckets))
@@ -238,14 +245,39 @@ class DiskReceiver:
             yield from bucket
 
 
-def _read_header(path: Path, version: int) -> dict[str, dict]:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+# safetensors itself refuses headers over 100 MB; a length beyond the file is a corrupt or hostile file.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors file's JSON header (8-byte little-endian length, then JSON), each with a
+    ``dtype`` code and a ``shape``; raises ValueError saying what is wrong with a file that is not one."""
     try:
         with open(path, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
+            size = os.fstat(file.fileno()).st_size
+            prefix = file.read(8)
+            if len(prefix) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"claims a {length}-byte header in a {size}-byte file")
             header = json.loads(file.read(length))
-    except (OSError, struct.error, ValueError) as error:
-        raise WeightSyncError(f"weight sync version {version}: cannot read bucket file {path} ({error})",
-                              version=version) from error
+    except OSError as error:
+        raise ValueError(f"cannot be read ({error.strerror or error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("has no valid JSON header (not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise ValueError("has a header that is not a JSON object")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+                and all(isinstance(d, int) and d >= 0 for d in entry["shape"])):
+            raise ValueError(f"has a malformed header entry for tensor {name!r}")
     return header
+
+
+def _read_header(path: Path, version: int) -> dict[str, dict]:
+    try:
+        return read_safetensors_header(path)
+    except ValueError as error:
+        raise WeightSyncError(f"weight sync version {version}: bucket file {path} {error}", version=version) from error

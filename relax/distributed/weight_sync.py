@@ -20,7 +20,7 @@ tensor data (broadcast) or write it last as the commit marker (disk).
 
 1. It gets the manifest and checks it (`check_manifest`) *before touching the engine*: the version
    is the one expected, no tensor is named twice, and, when the engine exposes its model
-   (`engine_weight_shapes`), every tensor exists there with the same shape.
+   (`engine_weight_specs`), every tensor exists there with the same shape and a compatible dtype.
 2. It calls `apply_to_engine`: ``pause()`` (no new decode step; the embedded engine stops at a step
    boundary, and steps run on the caller's loop, so none is running once ``pause`` returns),
    ``flush_cache()`` when the engine has one (an HTTP engine's KV/prefix cache holds activations of
@@ -61,7 +61,7 @@ from typing import Any, Protocol
 
 import torch
 
-from relax.backends.inference.base import InferenceEngine
+from relax.backends.inference.base import PAUSE_WEIGHT_UPDATE, InferenceEngine
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 # Upstream's --update-weight-buffer-size default.
@@ -157,43 +157,54 @@ class Manifest:
             raise WeightSyncError(f"unreadable weight-sync manifest: {error}") from error
 
 
-def engine_weight_shapes(engine: Any) -> dict[str, tuple[int, ...]] | None:
-    """Names and shapes of the weights an engine can take, when it holds its model in this process
+def engine_weight_specs(engine: Any) -> dict[str, TensorSpec] | None:
+    """Names, shapes and dtypes of the weights an engine can take, when it holds its model in this process
     (`EmbeddedEngine.model`); None for engines that check names themselves (HTTP adapters)."""
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         return None
     named = itertools.chain(model.named_buffers(remove_duplicate=False), model.named_parameters(remove_duplicate=False))
-    return {name: tuple(tensor.shape) for name, tensor in named}
+    return {name: TensorSpec.of(name, tensor) for name, tensor in named}
 
 
 def check_manifest(
-    manifest: Manifest, expected_version: int | None = None, shapes: dict[str, tuple[int, ...]] | None = None
+    manifest: Manifest, expected_version: int | None = None, expected: dict[str, TensorSpec] | None = None,
+    served_version: int | None = None,
 ) -> None:
     """Raise `WeightSyncError` if ``manifest`` cannot be applied as a whole; checked before the
-    engine is touched, so a rejected version leaves it serving the previous one."""
+    engine is touched, so a rejected version leaves it serving the previous one. With ``expected``
+    (`engine_weight_specs`), every tensor must exist there with the same shape, and a floating-point
+    target must get floating-point values (any precision: the engine casts). A version older than
+    ``served_version`` is refused: versions never go backwards."""
     version = manifest.version
     if expected_version is not None and version != expected_version:
         raise WeightSyncError(
             f"weight sync: manifest says version {version}, the receiver expected version {expected_version}",
             version=version,
         )
+    if served_version is not None and version < served_version:
+        raise WeightSyncError(f"weight sync: version {version} is older than the served version {served_version}",
+                              version=version)
     seen: set[str] = set()
     for spec in manifest.tensor_specs():
         if spec.name in seen:
             raise WeightSyncError(f"weight sync version {version}: tensor {spec.name!r} appears twice in the manifest",
                                   version=version, tensor=spec.name)
         seen.add(spec.name)
-        spec.torch_dtype  # noqa: B018 - raises on an unknown dtype
-        if shapes is None:
+        dtype = spec.torch_dtype  # raises on an unknown dtype
+        if expected is None:
             continue
-        if spec.name not in shapes:
+        target = expected.get(spec.name)
+        if target is None:
             raise WeightSyncError(f"weight sync version {version}: the engine's model has no tensor named "
                                   f"{spec.name!r}", version=version, tensor=spec.name)
-        if shapes[spec.name] != spec.shape:
+        if target.shape != spec.shape:
             raise WeightSyncError(f"weight sync version {version}: tensor {spec.name!r} has shape {spec.shape} in "
-                                  f"the manifest, the engine expects {shapes[spec.name]}",
+                                  f"the manifest, the engine expects {target.shape}",
                                   version=version, tensor=spec.name)
+        if target.torch_dtype.is_floating_point and not dtype.is_floating_point:
+            raise WeightSyncError(f"weight sync version {version}: tensor {spec.name!r} is {spec.dtype}, the engine "
+                                  f"holds {target.dtype} (a floating-point tensor)", version=version, tensor=spec.name)
 
 
 def check_bucket(manifest: Manifest, index: int, bucket: NamedTensors) -> None:
@@ -260,14 +271,14 @@ async def apply_to_engine(engine: InferenceEngine, version: int, named_tensors: 
     ``named_tensors`` may be a lazy stream (a receiver pulling buckets off the wire); it is consumed
     inside one ``update_weights`` call so the version switches only once the last bucket landed.
     """
-    await engine.pause()
+    await engine.pause(PAUSE_WEIGHT_UPDATE)  # its own hold: an operator's pause outlives the update
     try:
         flush_cache = getattr(engine, "flush_cache", None)
         if flush_cache is not None:
             await flush_cache()
         await engine.update_weights(named_tensors, version)
     finally:
-        await engine.resume()
+        await engine.resume(PAUSE_WEIGHT_UPDATE)
 
 
 # ----------------------------------------------------------------------------- trainer side

@@ -11,27 +11,32 @@ Upstream's semantics (relax-upstream.md §5), kept here:
   last-in-first-out; draining waits ``timeout_secs`` for in-flight requests (``force`` skips the wait), after which
   the engine leaves the router and finishes what it holds (upstream aborts them; here no request is lost); ``dry_run`` reports the selection without removing anything. Removals that succeeded stay removed.
 - One operation at a time (a second one while another runs is a conflict, HTTP 409); a request that changes
-  nothing (the target already met, the URLs already serving) is ``NOOP``. Requests are idempotent by ``request_id``:
-  sending the same id again returns the existing operation instead of starting another.
+  nothing (the target already met, the URLs already serving) is ``NOOP``; one that breaks a rule is ``REJECTED``
+  (terminal: it never blocks the next one). Requests are idempotent by ``request_id``: the same id with the same
+  kind and body returns the existing operation; the same id with another kind or body is a conflict.
+- The manager may be called from any thread (the API serves from its own): operations run on the engines' event
+  loop (``loop``), so the API answers at once even while that loop is busy, and cancelling is a request the
+  operation honours at its next await (it rolls back, then ends ``CANCELLED``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from relax.backends.inference.base import InferenceEngine
 from relax.backends.inference.router import EngineRouter, engine_name
-from relax.utils.aio import cancel_and_wait
 
 
 class ScaleStatus(str, enum.Enum):
@@ -64,22 +69,37 @@ class ScaleRejectedError(ValueError):
 
 
 # ---- request / response bodies (upstream's schemas) ------------------------------------------------------------
-class ScaleOutRequest(BaseModel):
-    model_name: str = "default"
-    num_replicas: int = Field(0, ge=0, description="ray_native: the total number of engines wanted")
-    engine_urls: list[str] = Field(default_factory=list, description="external: engines to connect")
-    timeout_secs: float | None = Field(None, gt=0)
-    request_id: str | None = Field(None, description="idempotency key: the same id returns the same operation")
+# Bounds of a request body: a schema bound on top of --scale-out-max-engines, and the longest wait a request may ask.
+MAX_REPLICAS = 1024
+MAX_TIMEOUT_S = 86400.0
+DEFAULT_MAX_ENGINES = 32  # upstream's autoscaler ceiling
+RequestId = Field(None, min_length=1, max_length=128,
+                  description="idempotency key: the same id with the same body returns the same operation")
 
 
-class ScaleInRequest(BaseModel):
+class _ScaleBody(BaseModel):
+    # Strict: "2" is not a count and "yes" is not a boolean; an unknown field is a typo, not an option.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class ScaleOutRequest(_ScaleBody):
     model_name: str = "default"
-    num_replicas: int | None = Field(None, ge=0, description="engines that remain (wins over engine_urls)")
-    engine_urls: list[str] = Field(default_factory=list)
+    num_replicas: int = Field(0, ge=0, le=MAX_REPLICAS, description="ray_native: the total number of engines wanted")
+    engine_urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS,
+                                   description="external: engines to connect")
+    timeout_secs: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    request_id: str | None = RequestId
+
+
+class ScaleInRequest(_ScaleBody):
+    model_name: str = "default"
+    num_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS,
+                                     description="engines that remain (wins over engine_urls)")
+    engine_urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
     force: bool = False
-    timeout_secs: float | None = Field(None, gt=0)
+    timeout_secs: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     dry_run: bool = False
-    request_id: str | None = None
+    request_id: str | None = RequestId
 
 
 class ScaleOperation(BaseModel):
@@ -119,13 +139,22 @@ WeightSource = Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]]]
 
 
 class ScaleManager:
-    """Runs scale operations against an `EngineRouter`, one at a time."""
+    """Runs scale operations against an `EngineRouter`, one at a time.
+
+    ``loop`` is the event loop the router's engines run on (default: the loop of the first scale call);
+    ``max_engines`` caps a scale-out's target (each engine may be a whole model in memory).
+    """
 
     def __init__(self, router: EngineRouter, weights: WeightSource, factory: EngineFactory | None = None,
                  connector: EngineConnector | None = None, failure_policy: str = "rollback_all",
-                 drain_timeout_s: float = 60.0, health_timeout_s: float = 30.0):
+                 drain_timeout_s: float = 60.0, health_timeout_s: float = 30.0,
+                 max_engines: int = DEFAULT_MAX_ENGINES, loop: asyncio.AbstractEventLoop | None = None):
         if failure_policy not in ("rollback_all", "keep_partial"):
             raise ValueError(f"failure_policy must be rollback_all or keep_partial, got {failure_policy!r}")
+        self.loop = loop
+        self.max_engines = max_engines
+        self._lock = threading.Lock()  # the API's thread registers operations, the engines' loop moves them
+        self._bodies: dict[str, tuple[str, dict[str, Any]]] = {}  # request_id -> (kind, body): idempotency
         self.router = router
         self.weights = weights
         self.factory = factory
@@ -138,7 +167,7 @@ class ScaleManager:
             EngineRecord(self._engine_id(e), e, url=getattr(e, "base_url", None), initial=True) for e in router.engines
         ]
         self.operations: dict[str, ScaleOperation] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, concurrent.futures.Future] = {}
         self._counter = itertools.count(1)
 
     # ---- queries ----------------------------------------------------------------------------------------------
@@ -165,11 +194,37 @@ class ScaleManager:
     def _running(self) -> ScaleOperation | None:
         return next((op for op in self.operations.values() if op.status not in TERMINAL), None)
 
-    def _new(self, kind: str, request_id: str | None, **fields) -> ScaleOperation:
-        op = ScaleOperation(request_id=request_id or f"{kind}-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
+    def _new(self, kind: str, request: ScaleOutRequest | ScaleInRequest, **fields) -> ScaleOperation:
+        op = ScaleOperation(request_id=request.request_id or f"{kind}-{next(self._counter)}-{uuid.uuid4().hex[:8]}",
                             kind=kind, status=ScaleStatus.PENDING, **fields)
         self.operations[op.request_id] = op
+        self._bodies[op.request_id] = (kind, request.model_dump(exclude={"request_id"}))
         return op
+
+    def _replay(self, kind: str, request: ScaleOutRequest | ScaleInRequest) -> ScaleOperation | None:
+        """The operation an earlier request with this ``request_id`` started, if it was the same request;
+        a conflict if the id was used for another kind or body."""
+        if request.request_id is None or request.request_id not in self._bodies:
+            return None
+        if self._bodies[request.request_id] != (kind, request.model_dump(exclude={"request_id"})):
+            raise ScaleConflictError(f"request_id {request.request_id!r} was already used for a different "
+                                     f"{self._bodies[request.request_id][0]} request; use a new request_id")
+        return self.operations[request.request_id]
+
+    def _check_idle(self) -> None:
+        running = self._running()
+        if running is not None:
+            raise ScaleConflictError(f"scale operation {running.request_id} is still running")
+
+    def _reject(self, op: ScaleOperation, message: str) -> ScaleOperation:
+        self._move(op, ScaleStatus.REJECTED, error_message=message)
+        return op
+
+    def _start(self, op: ScaleOperation, runner: Awaitable[None], timeout_s: float) -> None:
+        """Run the operation on the engines' loop; the API's thread only registers it."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        self._tasks[op.request_id] = asyncio.run_coroutine_threadsafe(self._guard(op, runner, timeout_s), self.loop)
 
     @staticmethod
     def _move(op: ScaleOperation, status: ScaleStatus, **fields) -> None:
@@ -179,45 +234,52 @@ class ScaleManager:
             setattr(op, name, value)
 
     async def wait(self, request_id: str, timeout_s: float = 300.0) -> ScaleOperation:
-        """Wait until the operation reaches a terminal state (bounded)."""
-        task = self._tasks.get(request_id)
-        if task is not None:
-            await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        return self.get(request_id)
+        """Wait until the operation reaches a terminal state (bounded; TimeoutError past it)."""
+        op = self.get(request_id)
+        deadline = time.monotonic() + timeout_s
+        while op.status not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"scale operation {request_id} is still {op.status.value} after {timeout_s} s")
+            await asyncio.sleep(0.01)
+        return op
 
     # ---- scale out --------------------------------------------------------------------------------------------
     def scale_out(self, request: ScaleOutRequest) -> ScaleOperation:
-        if request.request_id and request.request_id in self.operations:
-            return self.operations[request.request_id]  # idempotent retry
-        if self._running() is not None:
-            raise ScaleConflictError(f"scale operation {self._running().request_id} is still running")
-        if request.num_replicas > 0:
-            missing = request.num_replicas - len(self.engines)
-            op = self._new("scale_out", request.request_id, model_name=request.model_name,
-                           num_replicas=request.num_replicas)
-            if missing <= 0:
-                self._move(op, ScaleStatus.NOOP, message=f"{len(self.engines)} engines already serve")
-                return op
-            if self.factory is None:
-                raise ScaleRejectedError("this service cannot create engines (ray_native); pass engine_urls")
-            runner = self._create_engines(op, missing)
-        else:
-            known = {r.url for r in self.engines}
-            urls = [u.rstrip("/") for u in request.engine_urls]
-            new_urls = [u for u in dict.fromkeys(urls) if u not in known]
-            op = self._new("scale_out", request.request_id, model_name=request.model_name, engine_urls=urls)
-            if not urls:
-                self._move(op, ScaleStatus.REJECTED, error_message="give num_replicas > 0 or engine_urls")
-                return op
-            if not new_urls:
-                self._move(op, ScaleStatus.NOOP, message="every URL already serves")
-                return op
-            if self.connector is None:
-                raise ScaleRejectedError("this service cannot connect external engines")
-            runner = self._connect_engines(op, new_urls)
-        timeout = request.timeout_secs or max(self.health_timeout_s * 4, 60.0)
-        self._tasks[op.request_id] = asyncio.create_task(self._guard(op, runner, timeout))
-        return op
+        with self._lock:
+            replayed = self._replay("scale_out", request)
+            if replayed is not None:
+                return replayed  # idempotent retry
+            self._check_idle()
+            if request.num_replicas > 0:
+                op = self._new("scale_out", request, model_name=request.model_name, num_replicas=request.num_replicas)
+                missing = request.num_replicas - len(self.engines)
+                if missing <= 0:
+                    self._move(op, ScaleStatus.NOOP, message=f"{len(self.engines)} engines already serve")
+                    return op
+                if request.num_replicas > self.max_engines:
+                    return self._reject(op, f"num_replicas {request.num_replicas} is above the limit of "
+                                            f"{self.max_engines} engines (--scale-out-max-engines)")
+                if self.factory is None:
+                    return self._reject(op, "this service cannot create engines (ray_native); pass engine_urls")
+                runner = self._create_engines(op, missing)
+            else:
+                known = {r.url for r in self.engines}
+                urls = [u.rstrip("/") for u in request.engine_urls]
+                new_urls = [u for u in dict.fromkeys(urls) if u not in known]
+                op = self._new("scale_out", request, model_name=request.model_name, engine_urls=urls)
+                if not urls:
+                    return self._reject(op, "give num_replicas > 0 or engine_urls")
+                if not new_urls:
+                    self._move(op, ScaleStatus.NOOP, message="every URL already serves")
+                    return op
+                if len(self.engines) + len(new_urls) > self.max_engines:
+                    return self._reject(op, f"{len(new_urls)} more engines would exceed the limit of "
+                                            f"{self.max_engines} (--scale-out-max-engines)")
+                if self.connector is None:
+                    return self._reject(op, "this service cannot connect external engines")
+                runner = self._connect_engines(op, new_urls)
+            self._start(op, runner, request.timeout_secs or max(self.health_timeout_s * 4, 60.0))
+            return op
 
     async def _create_engines(self, op: ScaleOperation, count: int) -> None:
         self._move(op, ScaleStatus.CREATING)
@@ -250,7 +312,10 @@ class ScaleManager:
 
     async def _guard(self, op: ScaleOperation, runner: Awaitable[None], timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(runner, timeout_s)
+            try:
+                await asyncio.wait_for(runner, timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"not done within timeout_secs {timeout_s:g} s") from None
         except asyncio.CancelledError:
             await self._rollback(op)
             self._move(op, ScaleStatus.CANCELLED, message="cancelled; engines added by it were removed")
@@ -265,52 +330,55 @@ class ScaleManager:
             await self.router.remove_engine(record.engine, drain=False)
             self.engines.remove(record)
 
-    async def cancel(self, request_id: str) -> ScaleOperation:
-        op = self.get(request_id)
-        if op.status in TERMINAL:
-            raise ScaleRejectedError(f"{request_id} is already {op.status.value}")
-        task = self._tasks.get(request_id)
-        if task is not None:
-            await cancel_and_wait(task)
-        return op
+    def cancel(self, request_id: str) -> ScaleOperation:
+        """Ask a running operation to stop; it rolls back and ends CANCELLED at its next await on the engines'
+        loop (at once when it has not started)."""
+        with self._lock:
+            op = self.get(request_id)
+            if op.status in TERMINAL:
+                raise ScaleRejectedError(f"{request_id} is already {op.status.value}")
+            task = self._tasks.get(request_id)
+            if task is None or not task.cancel():  # never started, or finished this instant
+                if op.status not in TERMINAL:
+                    self._move(op, ScaleStatus.CANCELLED, message="cancelled before it started")
+                return op
+            op.message = "cancelling: engines added by it are being removed"
+            return op
 
     # ---- scale in ---------------------------------------------------------------------------------------------
     def scale_in(self, request: ScaleInRequest) -> ScaleOperation:
-        if request.request_id and request.request_id in self.operations:
-            return self.operations[request.request_id]
-        if self._running() is not None:
-            raise ScaleConflictError(f"scale operation {self._running().request_id} is still running")
-        op = self._new("scale_in", request.request_id, model_name=request.model_name,
-                       num_replicas=request.num_replicas, engine_urls=request.engine_urls)
-        removable = sorted((r for r in self.engines if not r.initial), key=lambda r: r.added_at, reverse=True)
-        initial = len(self.engines) - len(removable)
-        if request.num_replicas is not None:
-            if request.num_replicas < initial:
-                self._move(op, ScaleStatus.REJECTED, error_message=f"target {request.num_replicas} is below the "
-                           f"{initial} initial engines, which are protected")
+        with self._lock:
+            replayed = self._replay("scale_in", request)
+            if replayed is not None:
+                return replayed
+            self._check_idle()
+            op = self._new("scale_in", request, model_name=request.model_name, num_replicas=request.num_replicas,
+                           engine_urls=request.engine_urls)
+            removable = sorted((r for r in self.engines if not r.initial), key=lambda r: r.added_at, reverse=True)
+            initial = len(self.engines) - len(removable)
+            if request.num_replicas is not None:
+                if request.num_replicas < initial:
+                    return self._reject(op, f"target {request.num_replicas} is below the {initial} initial engines, "
+                                            "which are protected")
+                selected = removable[: max(len(self.engines) - request.num_replicas, 0)]  # last in, first out
+            elif request.engine_urls:
+                wanted = {u.rstrip("/") for u in request.engine_urls}
+                protected = [r.url for r in self.engines if r.initial and r.url in wanted]
+                if protected:
+                    return self._reject(op, f"initial engines are protected: {protected}")
+                selected = [r for r in removable if r.url in wanted]
+            else:
+                return self._reject(op, "give num_replicas or engine_urls")
+            op.selected_engines = [r.engine_id for r in selected]
+            if not selected:
+                self._move(op, ScaleStatus.NOOP, message="nothing to remove")
                 return op
-            selected = removable[: max(len(self.engines) - request.num_replicas, 0)]  # last in, first out
-        elif request.engine_urls:
-            wanted = {u.rstrip("/") for u in request.engine_urls}
-            protected = [r.url for r in self.engines if r.initial and r.url in wanted]
-            if protected:
-                self._move(op, ScaleStatus.REJECTED, error_message=f"initial engines are protected: {protected}")
+            if request.dry_run:
+                self._move(op, ScaleStatus.NOOP, message=f"dry run: would remove {op.selected_engines}")
                 return op
-            selected = [r for r in removable if r.url in wanted]
-        else:
-            self._move(op, ScaleStatus.REJECTED, error_message="give num_replicas or engine_urls")
+            drain = 0.0 if request.force else (request.timeout_secs or self.drain_timeout_s)
+            self._start(op, self._remove(op, selected, drain), drain + max(self.health_timeout_s, 30.0))
             return op
-        op.selected_engines = [r.engine_id for r in selected]
-        if not selected:
-            self._move(op, ScaleStatus.NOOP, message="nothing to remove")
-            return op
-        if request.dry_run:
-            self._move(op, ScaleStatus.NOOP, message=f"dry run: would remove {op.selected_engines}")
-            return op
-        drain = 0.0 if request.force else (request.timeout_secs or self.drain_timeout_s)
-        self._tasks[op.request_id] = asyncio.create_task(
-            self._guard(op, self._remove(op, selected, drain), drain + max(self.health_timeout_s, 30.0)))
-        return op
 
     async def _remove(self, op: ScaleOperation, selected: list[EngineRecord], drain_s: float) -> None:
         self._move(op, ScaleStatus.DRAINING)

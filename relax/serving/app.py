@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -21,13 +21,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
 from relax.backends.inference.batcher import RequestBatcher
 from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
+from relax.serving.auth import bearer_token_dependency
 from relax.serving.protocol import (
     NEW_TOKEN_FIELDS,
     TOKEN_ID_MARKER,
@@ -135,8 +135,10 @@ def create_app(
     model_path: str | None = None,
     api_key: str | None = None,
     batch_window_s: float = 0.005,
+    weight_update_root: str | None = None,
 ) -> FastAPI:
-    """Build the app; the engine must run on the event loop that serves the app (uvicorn's)."""
+    """Build the app; the engine must run on the event loop that serves the app (uvicorn's).
+    ``weight_update_root``: /update_weights_from_disk refuses paths outside it (`relax.serving.weights`)."""
     batcher = RequestBatcher(engine, window_s=batch_window_s)
     limits = ModelLimits.of(engine)
 
@@ -162,18 +164,7 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi_with_limits
-    bearer = HTTPBearer(auto_error=False)
-
-    async def require_api_key(
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 - FastAPI's idiom
-    ) -> None:
-        if api_key is None:
-            return
-        given = credentials.credentials if credentials is not None else ""
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
-
-    control = [Depends(require_api_key)]
+    control = [Depends(bearer_token_dependency(api_key))]
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -254,10 +245,13 @@ def create_app(
         request = GenerationRequest(f"health-{uuid.uuid4().hex}", prompt,
                                     SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
         try:
-            await asyncio.wait_for(batcher.generate([request]), HEALTH_GENERATE_TIMEOUT_S)
+            [output] = await asyncio.wait_for(batcher.generate([request]), HEALTH_GENERATE_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure means unhealthy
             await batcher.abort([request.request_id])
             return JSONResponse(_error_body(f"generation failed: {type(error).__name__}: {error}", 503),
+                                status_code=503)
+        if not all(math.isfinite(lp) for lp in output.output_log_probs):  # NaN weights generate garbage
+            return JSONResponse(_error_body("generation failed: the served weights give non-finite log-probs", 503),
                                 status_code=503)
         return JSONResponse({"status": "ok", "weight_version": engine.weight_version})
 
@@ -290,11 +284,12 @@ def create_app(
     @app.post("/update_weights_from_disk", dependencies=control)
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> JSONResponse:
         try:
-            version = await update_weights_from_path(engine, body.model_path, body.weight_version)
+            version = await update_weights_from_path(engine, body.model_path, body.weight_version, weight_update_root)
         except (WeightPathError, WeightSyncError, KeyError, ValueError) as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-            return JSONResponse({"success": False, "message": f"model_path: {message}",
-                                 **_error_body(f"model_path: {message}", 400, "model_path")}, status_code=400)
+            param = getattr(error, "param", "model_path")
+            return JSONResponse({"success": False, "message": f"{param}: {message}",
+                                 **_error_body(f"{param}: {message}", 400, param)}, status_code=400)
         return JSONResponse({"success": True, "message": f"serving weight version {version}",
                              "weight_version": version})
 
@@ -382,7 +377,7 @@ def create_app(
         outputs = await run(requests)
         choices = [_choice(index, output, params, chat, want_logprobs) for index, output in enumerate(outputs)]
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model or model_name, "choices": choices, "usage": _usage(requests, outputs)}
+                "model": body.model or model_name, "choices": choices, "usage": _usage(prompts, outputs)}
 
     def _choice(index: int, output: GenerationOutput, params: SamplingParams, chat: bool, logprobs: bool) -> dict:
         text = trimmed_text(output, params.stop)
@@ -396,13 +391,13 @@ def create_app(
             if chat:
                 choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                                    "top_logprobs": []}
-                                                  for t, lp in zip(tokens, output.output_log_probs)]}
+                                                  for t, lp in zip(tokens, json_log_probs(output))]}
             else:
                 offsets, position = [], 0
                 for token in tokens:
                     offsets.append(position)
                     position += len(token)
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": output.output_log_probs,
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": json_log_probs(output),
                                       "top_logprobs": None, "text_offset": offsets}
         return choice
 
@@ -468,15 +463,21 @@ def create_app(
             end.update({"delta": {}} if chat else {"text": ""})
             yield chunk([end])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=_usage(requests, outputs))
+            yield chunk([], usage=_usage([r.input_ids for r in requests[::body.n]], outputs))
         yield "data: [DONE]\n\n"
 
     return app
 
 
-def _usage(requests: list[GenerationRequest], outputs: list[GenerationOutput]) -> dict[str, int]:
-    # n samples of one prompt count the prompt once, as OpenAI does.
-    prompt_tokens = sum(len(ids) for ids in {tuple(r.input_ids): None for r in requests})
+def json_log_probs(output: GenerationOutput) -> list[float | None]:
+    """Log-probs as JSON allows them: a non-finite one (only broken weights give one) becomes null, not the
+    `NaN` literal that no JSON parser accepts."""
+    return [lp if math.isfinite(lp) else None for lp in output.output_log_probs]
+
+
+def _usage(prompts: list[list[int]], outputs: list[GenerationOutput]) -> dict[str, int]:
+    # Every prompt of the request counts, repeated ones too; n samples of one prompt count it once, as OpenAI does.
+    prompt_tokens = sum(len(ids) for ids in prompts)
     completion_tokens = sum(len(output.output_ids) for output in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -506,7 +507,7 @@ def _sglang_result(output: GenerationOutput, request: GenerationRequest, params:
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, token, None]
-                                         for lp, token in zip(output.output_log_probs, output.output_ids)]
+                                         for lp, token in zip(json_log_probs(output), output.output_ids)]
         if output.output_weight_versions is not None:
             meta["output_token_weight_versions"] = output.output_weight_versions
     return {"text": trimmed_text(output, stop), "output_ids": output.output_ids, "meta_info": meta}

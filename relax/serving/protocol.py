@@ -20,7 +20,8 @@ from relax.backends.inference.base import SamplingParams
 class _Body(BaseModel):
     # Strict: a body that breaks the published schema (`false` as a token id, "16" as max_new_tokens) is a
     # client bug, answered with 400 rather than silently coerced. JSON integers still fill float fields.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # No NaN or infinity in any number (Python's JSON reader accepts the literals `NaN` and `Infinity`).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -49,6 +50,8 @@ PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields that count new tokens: the app publishes the model's context length as their maximum.
 NEW_TOKEN_FIELDS = {"SGLangSamplingParams": ["max_new_tokens"], "CompletionRequest": ["max_tokens"],
                     "ChatCompletionRequest": ["max_tokens", "max_completion_tokens"]}
+# A rendezvous longer than a day is a typo; the bound also keeps timedelta(seconds=...) from overflowing.
+MAX_GROUP_TIMEOUT_S = 86400.0
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]; outside it torch raises an error that names no field.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
@@ -241,7 +244,7 @@ class InitWeightsUpdateGroupRequest(_Body):
     world_size: int = Field(ge=2)
     backend: Literal["gloo", "nccl"] = "gloo"
     group_name: str = "weight_sync"
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0, le=MAX_GROUP_TIMEOUT_S)
 
 
 class UpdateWeightsFromDistributedRequest(_Body):

@@ -9,12 +9,9 @@ Errors are FastAPI's ``{"detail": ...}``; a bad body or query is 400 with the fi
 
 from __future__ import annotations
 
-import secrets
-
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from relax.engine.scaling import (
@@ -26,6 +23,7 @@ from relax.engine.scaling import (
     ScaleRejectedError,
     ScaleStatus,
 )
+from relax.serving.auth import bearer_token_dependency
 from relax.serving.protocol import describe_validation_errors
 
 
@@ -37,11 +35,7 @@ class ScalingError(BaseModel):
 
 
 def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRouter:
-    bearer = HTTPBearer(auto_error=False)
-
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
-        if api_key and (credentials is None or not secrets.compare_digest(credentials.credentials, api_key)):
-            raise HTTPException(401, "missing or wrong bearer token")
+    authorized = bearer_token_dependency(api_key)
 
     def started(op: ScaleOperation) -> ScaleOperation:
         if op.status == ScaleStatus.REJECTED:
@@ -84,7 +78,7 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
     async def cancel(request_id: str) -> dict:
         find(request_id, "scale_out")
         try:
-            op = await manager.cancel(request_id)
+            op = manager.cancel(request_id)
         except ScaleRejectedError as err:
             raise HTTPException(400, str(err)) from None
         return {"request_id": request_id, "status": op.status, "message": op.message}

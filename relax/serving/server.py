@@ -28,23 +28,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
-          max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info") -> None:
+          max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info",
+          weight_update_root: str | None = None) -> None:
     """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
-    control endpoints."""
+    control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load."""
     import uvicorn
 
     from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.utils.http_server import uvicorn_config
     from relax.serving.app import create_app
 
     path = Path(hf_checkpoint)
     if not (path / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {path}: not a Hugging Face model folder (no config.json)")
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(api_key)
+    if weight_update_root is not None and not Path(weight_update_root).is_dir():
+        raise ValueError(f"--weight-update-root {weight_update_root}: not a directory")
     torch_device = resolve_device(device)
     engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
                                             max_batch_size=max_batch_size)
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
-                     api_key=api_key, batch_window_s=batch_window_ms / 1000)
-    logger.warning("relax serve: %s on http://%s:%d (control endpoints %s)", path, host, port,
-                   "need a bearer token" if api_key else "are open: no API key set")
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+                     api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root)
+    logger.warning("relax serve: %s on http://%s:%d (control endpoints %s; weight updates from %s)", path, host,
+                   port, "need a bearer token" if api_key else "are open: no API key set",
+                   weight_update_root or "any path")
+    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+
+
+def resolve_api_key(flag_value: str | None) -> str | None:
+    """One rule for every server Relax starts: the flag, else $RELAX_API_KEY, else none (open)."""
+    return flag_value or os.environ.get(API_KEY_ENV) or None

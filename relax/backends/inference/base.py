@@ -26,6 +26,38 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        # An empty stop string "matches" after the first token; no client means that, so it is no stop string.
+        self.stop = [stop for stop in self.stop if stop]
+
+
+# Who paused an engine. An engine stays paused while any owner holds a pause, so a weight update (which pauses
+# around its copy) never lifts the pause an operator set with /pause_generation, nor the other way round.
+PAUSE_OPERATOR = "operator"
+PAUSE_WEIGHT_UPDATE = "weight_update"
+
+
+class PauseHolds:
+    """The owners currently pausing an engine; truthy while any holds."""
+
+    def __init__(self) -> None:
+        self._owners: set[str] = set()
+
+    def hold(self, owner: str) -> bool:
+        """Add ``owner``'s hold; True when this paused an engine that ran."""
+        was_running = not self._owners
+        self._owners.add(owner)
+        return was_running
+
+    def release(self, owner: str) -> bool:
+        """Drop ``owner``'s hold; True when this let a paused engine run again."""
+        was_paused = bool(self._owners)
+        self._owners.discard(owner)
+        return was_paused and not self._owners
+
+    def __bool__(self) -> bool:
+        return bool(self._owners)
+
 
 @dataclass
 class GenerationRequest:
@@ -90,12 +122,13 @@ class InferenceEngine(abc.ABC):
         """Stop the named in-flight requests; they finish with ``finish_reason == "abort"``."""
 
     @abc.abstractmethod
-    async def pause(self) -> None:
-        """Stop admitting new work and let in-flight work reach a safe point."""
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        """Stop admitting new work and let in-flight work reach a safe point. Pauses are held per ``owner``
+        (`PauseHolds`): the engine runs again once every owner that paused it resumed it."""
 
     @abc.abstractmethod
-    async def resume(self) -> None:
-        """Undo `pause`."""
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        """Drop ``owner``'s pause."""
 
     @abc.abstractmethod
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

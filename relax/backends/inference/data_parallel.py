@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
 from relax.backends.inference.router import group_key
 
 
@@ -57,11 +57,11 @@ class DataParallelEngine(InferenceEngine):
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.engine.abort(request_ids)
 
-    async def pause(self) -> None:
-        await self.engine.pause()
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self.engine.pause(owner)
 
-    async def resume(self) -> None:
-        await self.engine.resume()
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self.engine.resume(owner)
 
     async def health(self) -> dict[str, Any]:
         return {**await self.engine.health(), "rank": self.rank, "world_size": self.world_size}

@@ -52,7 +52,9 @@ from relax.backends.inference.base import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    PAUSE_OPERATOR,
     InferenceEngine,
+    PauseHolds,
     SamplingParams,
     ScoreOutput,
     ScoreRequest,
@@ -203,7 +205,7 @@ class EmbeddedEngine(InferenceEngine):
         }
         self._weight_version = 0
         self._decode_steps = 0
-        self._paused = False
+        self._pauses = PauseHolds()
         self._in_flight_ids: Counter[str] = Counter()
         self._aborted_ids: set[str] = set()
 
@@ -301,13 +303,13 @@ class EmbeddedEngine(InferenceEngine):
         keeping the tokens generated so far. Ids that are not in flight are ignored."""
         self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
 
-    async def pause(self) -> None:
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
         """Hold new and in-flight batches at their next step boundary. No step is running when
         this returns: steps run on this loop, between awaits."""
-        self._paused = True
+        self._pauses.hold(owner)
 
-    async def resume(self) -> None:
-        self._paused = False
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        self._pauses.release(owner)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy each tensor (any dtype or device; cast to the target's) into the model parameter
@@ -337,7 +339,7 @@ class EmbeddedEngine(InferenceEngine):
             "status": "ok",
             "weight_version": self._weight_version,
             "device": str(self.device),
-            "paused": self._paused,
+            "paused": bool(self._pauses),
             "in_flight_requests": sum(self._in_flight_ids.values()),
             # Grows by one per decode step (prefill included) of any batch: a liveness signal.
             "decode_steps": self._decode_steps,
@@ -469,7 +471,7 @@ class EmbeddedEngine(InferenceEngine):
         """Let other coroutines run, wait while paused, and return the batch's aborted request ids
         (an empty set means: run the next step)."""
         await asyncio.sleep(0)
-        while self._paused and not self._aborted_ids & live_request_ids:
+        while self._pauses and not self._aborted_ids & live_request_ids:
             await asyncio.sleep(PAUSE_POLL_S)
         return self._aborted_ids & live_request_ids
 

@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from relax.backends.inference.base import FinishReason, GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import (
+    PAUSE_OPERATOR,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    PauseHolds,
+)
 from relax.backends.inference.http_sglang import (
     EngineHTTPError,
     HTTPClient,
@@ -54,7 +61,7 @@ class OpenAIHTTPEngine(InferenceEngine):
         self._weights.http = self.http
         self.weights_dir = self._weights.weights_dir
         self._weight_version = 0
-        self._paused = False
+        self._pauses = PauseHolds()
         self._tasks: dict[str, asyncio.Task] = {}
         self._token_ids: dict[str, int | None] | None = None
 
@@ -94,7 +101,7 @@ class OpenAIHTTPEngine(InferenceEngine):
         if request.multimodal_inputs:
             raise NotImplementedError(f"{self!r}: multimodal requests are not supported over HTTP yet "
                                       f"(request {request.request_id})")
-        while self._paused:
+        while self._pauses:
             await asyncio.sleep(0.01)
         p = request.sampling_params
         body: dict[str, Any] = {
@@ -157,22 +164,22 @@ class OpenAIHTTPEngine(InferenceEngine):
             if task is not None:
                 task.cancel()
 
-    async def pause(self) -> None:
-        self._paused = True
-        await self.http.request("POST", "/pause_generation", json={}, timeout_s=self.control_timeout_s,
-                                allow_404=True)
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        if self._pauses.hold(owner):
+            await self.http.request("POST", "/pause_generation", json={}, timeout_s=self.control_timeout_s,
+                                    allow_404=True)
 
-    async def resume(self) -> None:
-        self._paused = False
-        await self.http.request("POST", "/continue_generation", json={}, timeout_s=self.control_timeout_s,
-                                allow_404=True)
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        if self._pauses.release(owner):
+            await self.http.request("POST", "/continue_generation", json={}, timeout_s=self.control_timeout_s,
+                                    allow_404=True)
 
     async def health(self) -> dict[str, Any]:
         await self.http.request("GET", "/v1/models", timeout_s=self.control_timeout_s)
         info = await self.http.request("GET", "/get_model_info", timeout_s=self.control_timeout_s, allow_404=True)
         if isinstance(info, dict) and "weight_version" in info:
             self._weight_version = _as_version(info["weight_version"], self._weight_version)
-        return {"status": "ok", "url": self.base_url, "weight_version": self._weight_version, "paused": self._paused}
+        return {"status": "ok", "url": self.base_url, "weight_version": self._weight_version, "paused": bool(self._pauses)}
 
     # ---------------------------------------------------------------------------- weights
 

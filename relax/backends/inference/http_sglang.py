@@ -29,7 +29,14 @@ from typing import Any
 import httpx
 import torch
 
-from relax.backends.inference.base import FinishReason, GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import (
+    PAUSE_OPERATOR,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    PauseHolds,
+)
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
 
 logger = logging.getLogger(__name__)
@@ -204,6 +211,7 @@ class SGLangHTTPEngine(InferenceEngine):
         self.weights_timeout_s = weights_timeout_s
         self.keep_last_versions = keep_last_versions
         self._weight_version = 0
+        self._pauses = PauseHolds()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -272,11 +280,13 @@ class SGLangHTTPEngine(InferenceEngine):
         await asyncio.gather(*(self.http.request("POST", "/abort_request", json={"rid": rid},
                                                  timeout_s=self.control_timeout_s) for rid in request_ids))
 
-    async def pause(self) -> None:
-        await self.http.request("POST", "/pause_generation", json={}, timeout_s=self.control_timeout_s)
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        if self._pauses.hold(owner):  # the server is paused once, whoever else holds a pause here
+            await self.http.request("POST", "/pause_generation", json={}, timeout_s=self.control_timeout_s)
 
-    async def resume(self) -> None:
-        await self.http.request("POST", "/continue_generation", json={}, timeout_s=self.control_timeout_s)
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        if self._pauses.release(owner):
+            await self.http.request("POST", "/continue_generation", json={}, timeout_s=self.control_timeout_s)
 
     async def health(self) -> dict[str, Any]:
         body = await self.http.request("GET", "/health", timeout_s=self.control_timeout_s)

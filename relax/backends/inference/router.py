@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
 from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_sglang import distinct_seeds
 from relax.distributed.weight_sync import bucketize
@@ -265,15 +265,15 @@ class EngineRouter(InferenceEngine):
         targets = [(slot, sorted(ids & slot.in_flight)) for slot in self._slots]
         await asyncio.gather(*(slot.engine.abort(names) for slot, names in targets if names))
 
-    async def pause(self) -> None:
-        await self._fan_out("pause")
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self._fan_out("pause", owner)
 
-    async def resume(self) -> None:
-        await self._fan_out("resume")
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self._fan_out("resume", owner)
 
-    async def _fan_out(self, method: str) -> None:
+    async def _fan_out(self, method: str, *args) -> None:
         slots = [s for s in self._slots if s.healthy]
-        results = await asyncio.gather(*(getattr(s.engine, method)() for s in slots), return_exceptions=True)
+        results = await asyncio.gather(*(getattr(s.engine, method)(*args) for s in slots), return_exceptions=True)
         for slot, result in zip(slots, results):
             if isinstance(result, BaseException):
                 if not is_retryable(result):

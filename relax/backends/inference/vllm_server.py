@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import EngineHTTPError, EngineUnavailableError, HTTPClient
 from relax.distributed.process_group import free_port
@@ -278,11 +278,11 @@ class VLLMServerEngine(InferenceEngine):
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.client.abort(request_ids)
 
-    async def pause(self) -> None:
-        await self.client.pause()
+    async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self.client.pause(owner)
 
-    async def resume(self) -> None:
-        await self.client.resume()
+    async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
+        await self.client.resume(owner)
 
     async def health(self) -> dict[str, Any]:
         await self._ensure_started()

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
 from relax.engine.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
+from relax.utils.http_server import EmbeddedServer
 
 logger = logging.getLogger("relax.agent_gateway")
 
@@ -398,14 +399,6 @@ def openai_tool_calls(parser: ToolCallParser) -> Callable[[str], tuple[str, list
     return split
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves SIGINT/SIGTERM to the run it is embedded in."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 class AgentGateway:
     """Serves ``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1 (a free port) in the running event loop.
 
@@ -436,7 +429,7 @@ class AgentGateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        self._server = _EmbeddedServer(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        self._server = EmbeddedServer(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
         while not self._server.started:
