@@ -27,10 +27,11 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> N
 class Server:
     """`relax serve`'s app on a uvicorn thread; ``engine`` is the served engine (to inspect its weights)."""
 
-    def __init__(self, model_dir: Path, api_key: str | None = API_KEY) -> None:
+    def __init__(self, model_dir: Path, api_key: str | None = API_KEY, weight_update_root: Path | None = None) -> None:
         self.engine = EmbeddedEngine.from_pretrained(str(model_dir))
         app = create_app(self.engine, self.engine.tokenizer, model_name="tiny", model_path=str(model_dir),
-                         api_key=api_key, batch_window_s=0.005)
+                         api_key=api_key, batch_window_s=0.005,
+                         weight_update_root=None if weight_update_root is None else str(weight_update_root))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

@@ -8,8 +8,10 @@ naming the field path.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,8 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+import torch
 import uvicorn
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -36,6 +41,7 @@ from relax.backends.inference.router import EngineRouter
 from relax.distributed.process_group import free_loopback_port
 from relax.engine.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
+from tests.http_servers import Server
 
 TOKEN = "fuzz-token-7Qx2vLm9"  # distinctive, so that finding it anywhere cannot be a coincidence
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -164,6 +170,12 @@ def test_relax_serve_bad_bodies_get_400_naming_the_field(serve, path, body, para
     assert error["param"] == param and param in error["message"]
 
 
+def test_a_token_in_the_query_string_is_refused_and_never_logged(serve):
+    response = httpx.post(f"{serve[0]}/pause_generation", params={"api_key": TOKEN, "token": TOKEN}, timeout=30)
+    assert response.status_code == 401
+    # relax serve logs at debug level, access log included: test_relax_serve_never_logs_the_token reads it next
+
+
 def test_relax_serve_never_logs_the_token(serve):
     """Runs after the fuzzing above: the whole debug log of the server holds neither the token nor a traceback."""
     log = serve[1].read_text()
@@ -229,9 +241,8 @@ def scaling(tiny_workspace):
 
 def test_scaling_api_survives_fuzzing(scaling):
     def run_case(case) -> None:
-        # Its bodies (relax.engine.scaling, upstream's schemas) coerce like pydantic's lax mode ("2" for 2), so
-        # the negative_data_rejection check is not run here.
-        case.call_and_validate(headers=AUTH, checks=[*CHECKS, token_never_echoed], timeout=60)
+        case.call_and_validate(headers=AUTH, checks=[*CHECKS, negative_data_rejection, token_never_echoed],
+                               timeout=60)
 
     assert fuzz_every_operation(f"{scaling[0]}/openapi.json", run_case) == 8
 
@@ -254,3 +265,196 @@ def test_scaling_server_never_logs_the_token(scaling):
     lines = scaling[1].lines
     assert any(line.startswith("uvicorn") for line in lines)  # the recorder really saw the server
     assert not any(TOKEN in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- weight, pause and group endpoints
+# Bodies that reach the file system and the process-group code, against an in-process `relax serve` app whose
+# engine is at hand: every rejected update must leave every weight and the version exactly as they were.
+
+FILE_KINDS = ("valid",) * 8 + ("random_bytes", "huge_header", "truncated", "unknown_tensor", "wrong_shape",
+                               "int_dtype", "nan", "empty", "directory")
+
+
+@pytest.fixture(scope="module")
+def weights_server(tiny_workspace, tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight_root")
+    recorder = _Recorder()
+    logging.getLogger().addHandler(recorder)
+    server = Server(tiny_workspace / "model", api_key=TOKEN, weight_update_root=root)
+    try:
+        yield server, root, recorder
+    finally:
+        server.stop()
+        logging.getLogger().removeHandler(recorder)
+
+
+def _snapshot(engine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+
+
+_folders = iter(range(10**9))
+
+
+def _new_folder(root: Path) -> Path:
+    folder = root / f"case-{next(_folders)}"
+    folder.mkdir()
+    return folder
+
+
+def _write_weight_file(path: Path, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+    if kind == "directory":
+        path.mkdir()
+        return
+    if kind == "empty":
+        path.write_bytes(b"")
+        return
+    if kind == "random_bytes":
+        path.write_bytes(os.urandom(64))
+        return
+    if kind == "huge_header":
+        path.write_bytes((2**62).to_bytes(8, "little") + b"{}")
+        return
+    tensors = dict(tensors)
+    name = next(iter(tensors))
+    if kind == "unknown_tensor":
+        tensors["model.no_such_layer.weight"] = torch.zeros(2)
+    elif kind == "wrong_shape":
+        tensors[name] = torch.zeros(3, 5)
+    elif kind == "int_dtype":
+        tensors[name] = tensors[name].to(torch.int32)
+    elif kind == "nan":
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(path))
+    if kind == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 16])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(kinds=st.lists(st.sampled_from(FILE_KINDS), min_size=1, max_size=3),
+       version=st.one_of(st.none(), st.sampled_from([-1, 0, 1]), st.integers(0, 2**64)),
+       noise=st.floats(0.001, 1.0))
+def test_weight_updates_from_disk_are_all_or_nothing(weights_server, kinds, version, noise):
+    """A folder of 1-3 files, any of them broken (bytes, header, data, names, shapes, dtypes, values): the update
+    is applied whole, or rejected with a 400 that leaves every weight and the version as they were."""
+    server, root, _ = weights_server
+    engine = server.engine
+    before, served = _snapshot(engine), engine.weight_version
+    folder = _new_folder(root)
+    names = sorted(before)
+    for index, kind in enumerate(kinds):
+        share = names[index::len(kinds)] or names[:1]
+        tensors = {name: before[name] + noise * torch.randn_like(before[name]) for name in share}
+        _write_weight_file(folder / f"part-{index}.safetensors", kind, tensors)
+    body = {"model_path": folder.name} if version is None else {"model_path": folder.name, "weight_version": version}
+    response = httpx.post(f"{server.url}/update_weights_from_disk", json=body, headers=AUTH, timeout=60)
+    assert response.status_code in (200, 400), response.text
+    assert TOKEN not in response.text
+    # a directory named *.safetensors is not a weight file: it is ignored, not loaded
+    loadable = (all(kind in ("valid", "directory") for kind in kinds) and "valid" in kinds
+                and (version is None or version >= served))
+    if response.status_code == 400:
+        assert not loadable, response.text
+        assert engine.weight_version == served
+        after = _snapshot(engine)
+        assert all(torch.equal(before[name], after[name]) for name in before), "a rejected update changed weights"
+    else:
+        assert loadable, response.text
+        assert engine.weight_version == (served + 1 if version is None else version)
+    assert not server.health()["paused"]
+    shutil.rmtree(folder)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(model_path=st.one_of(
+    st.sampled_from(["/", "/etc", "/proc/self", "..", "../..", "../../etc", "nowhere", "link-out", "a-file",
+                     "x.safetensors", "case-0/../../..", "\x00", "a\x00b", "~", "." * 300, "\u00fc" * 200]),
+    st.text(min_size=1, max_size=400),
+    st.lists(st.sampled_from(["..", ".", "a", "x" * 255, "link-out"]), min_size=1, max_size=8).map("/".join)))
+def test_weight_paths_outside_the_root_get_400(weights_server, model_path):
+    server, root, _ = weights_server
+    (root / "a-file").touch()
+    (root / "x.safetensors").mkdir(exist_ok=True)
+    if not (root / "link-out").is_symlink():
+        (root / "link-out").symlink_to("/etc")
+    version = server.engine.weight_version
+    response = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": model_path}, headers=AUTH,
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    assert server.engine.weight_version == version
+
+
+def test_missing_and_forbidden_paths_get_the_same_message(weights_server):
+    server, root, _ = weights_server
+
+    def message(path: str) -> str:
+        response = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": path}, headers=AUTH)
+        assert response.status_code == 400
+        return response.json()["error"]["message"].replace(repr(path), "PATH")
+
+    assert message("/etc") == message("/no/such/dir") == message("../../..") == message("a" * 300)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(timeout=st.one_of(st.floats(0.05, 0.3), st.sampled_from([0, -1, 1e300, 86400.5, float("inf"), float("nan")])),
+       port=st.one_of(st.integers(-5, 70000), st.integers()), rank=st.integers(-2, 2**64),
+       world=st.integers(-2, 2**64), address=st.sampled_from(["127.0.0.1", "", "256.0.0.1", "\u00fc.invalid", "x" * 300]),
+       backend=st.sampled_from(["gloo", "nccl", "mpi"]))
+def test_group_endpoints_answer_4xx_at_the_limits(weights_server, timeout, port, rank, world, address, backend):
+    server, _, _ = weights_server
+    body = json.dumps({"master_address": address, "master_port": port, "rank_offset": rank, "world_size": world,
+                       "backend": backend, "timeout_s": timeout})  # json.dumps writes Infinity and NaN literals
+    response = httpx.post(f"{server.url}/init_weights_update_group", content=body, timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    distributed = httpx.post(f"{server.url}/update_weights_from_distributed", headers=AUTH, timeout=60,
+                             json={"group_name": address, "weight_version": 1})
+    assert distributed.status_code == 400, distributed.text
+
+
+def test_a_weight_update_keeps_the_operators_pause(weights_server):
+    server, root, _ = weights_server
+    folder = _new_folder(root)
+    _write_weight_file(folder / "model.safetensors", "valid", _snapshot(server.engine))
+    assert httpx.post(f"{server.url}/pause_generation", headers=AUTH).status_code == 200
+    result = {}
+
+    def held_generation():
+        result["response"] = httpx.post(f"{server.url}/generate", timeout=60,
+                                        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+
+    thread = threading.Thread(target=held_generation)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while server.health()["in_flight_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        update = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": folder.name}, headers=AUTH)
+        assert update.status_code == 200, update.text
+        assert server.health()["paused"] is True
+        thread.join(0.5)
+        assert thread.is_alive() and "response" not in result, "a held request ran before /continue_generation"
+    finally:
+        assert httpx.post(f"{server.url}/continue_generation", headers=AUTH).status_code == 200
+        thread.join(30)
+    assert result["response"].status_code == 200
+
+
+def test_weight_endpoints_never_log_the_token_or_a_traceback(weights_server):
+    lines = weights_server[2].lines
+    assert not any(TOKEN in line for line in lines)
+    assert not any("Traceback" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- headers that are not ASCII
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(value=st.binary(min_size=1, max_size=40).map(lambda b: bytes(c for c in b if c >= 0x21 and c != 0x7f)),
+       scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic "]))
+def test_non_ascii_authorization_headers_get_401(scaling, serve, value, scheme):
+    """Any byte a header may carry (latin-1 beyond ASCII included) is a wrong token, never a 500."""
+    header = {"Authorization": (scheme + value).strip() or b"x"}
+    for url in (f"{scaling[0]}/scale_out", f"{serve[0]}/pause_generation"):
+        response = httpx.post(url, json={"num_replicas": 1} if "scale" in url else {}, headers=header, timeout=30)
+        assert response.status_code == 401, response.text

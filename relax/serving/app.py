@@ -302,7 +302,7 @@ def create_app(
         try:  # the rendezvous blocks until every rank joined: off the loop, so the server keeps serving
             group = await asyncio.to_thread(WeightSyncGroup.init, body.master_address, body.master_port,
                                             body.rank_offset, body.world_size, body.backend, body.timeout_s)
-        except (RuntimeError, ValueError) as error:
+        except (RuntimeError, ValueError, OSError) as error:  # unreachable, unresolvable, refused, timed out
             return JSONResponse({"success": False, **_error_body(f"init_weights_update_group: {error}", 400,
                                                                  "master_address")}, status_code=400)
         if body.group_name in weight_groups:

@@ -52,6 +52,7 @@ NEW_TOKEN_FIELDS = {"SGLangSamplingParams": ["max_new_tokens"], "CompletionReque
                     "ChatCompletionRequest": ["max_tokens", "max_completion_tokens"]}
 # A rendezvous longer than a day is a typo; the bound also keeps timedelta(seconds=...) from overflowing.
 MAX_GROUP_TIMEOUT_S = 86400.0
+MAX_GROUP_SIZE = 65536  # members of one weight-sync group (one trainer and its engines)
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1]; outside it torch raises an error that names no field.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
@@ -240,8 +241,8 @@ class InitWeightsUpdateGroupRequest(_Body):
 
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    rank_offset: int = Field(ge=1, le=MAX_GROUP_SIZE)
+    world_size: int = Field(ge=2, le=MAX_GROUP_SIZE)
     backend: Literal["gloo", "nccl"] = "gloo"
     group_name: str = "weight_sync"
     timeout_s: float = Field(120.0, gt=0, le=MAX_GROUP_TIMEOUT_S)
