@@ -40,8 +40,10 @@ OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef",
 OPD_TYPE_ALIASES = {"sglang": "engine", "megatron": "trainer"}  # upstream's names for the same placements
 
 
-def _field(default: Any, help: str, section: str, **kwargs: Any) -> Any:
-    return Field(default, description=help, json_schema_extra={"section": section}, **kwargs)
+def _field(default: Any, help: str, section: str, *, secret: bool = False, **kwargs: Any) -> Any:
+    """A setting. ``secret`` marks a value that never leaves the process: it is logged as set or unset, and the saved
+    config leaves it out (`RelaxConfig.shareable_settings`)."""
+    return Field(default, description=help, json_schema_extra={"section": section, "secret": secret}, **kwargs)
 
 
 class RelaxConfig(BaseModel):
@@ -287,8 +289,8 @@ class RelaxConfig(BaseModel):
         "engines",
     )
     rollout_engine_api_key: str | None = _field(
-        None, "Bearer token of the external servers' control endpoints (never logged; hidden in the saved config).",
-        "engines",
+        None, "Bearer token of the external servers' control endpoints (never logged, never saved).",
+        "engines", secret=True,
     )
     rollout_weights_dir: str | None = _field(
         None,
@@ -313,8 +315,8 @@ class RelaxConfig(BaseModel):
     )
     rollout_api_key: str | None = _field(
         None, "Bearer token the scaling API's control endpoints require (default: $RELAX_API_KEY, as `relax serve` "
-        "and `relax scale`; never logged, hidden in the saved config).",
-        "engines",
+        "and `relax scale`; never logged, never saved).",
+        "engines", secret=True,
     )
     scale_out_max_engines: int = _field(
         32,
@@ -337,7 +339,7 @@ class RelaxConfig(BaseModel):
                              f"trainer's process); drop {flag('placement')} ray")
         if self.rollout_api_port is None:
             set_flags = [flag(name) for name in ("rollout_api_key", "scale_out_max_engines", "scale_in_drain_timeout")
-                         if name in self.model_fields_set and getattr(self, name) is not None]
+                         if self.changed(name)]
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
                                  f"{flag('rollout_api_port')}")
@@ -345,7 +347,7 @@ class RelaxConfig(BaseModel):
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",
                                                  "rollout_weight_sync_address")
-                         if name in self.model_fields_set]
+                         if self.changed(name)]
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
                                  f"{flag('rollout_external')}")
@@ -535,7 +537,9 @@ class RelaxConfig(BaseModel):
         "Held-out sets, as `name path` pairs on the command line or a name: path mapping in YAML.",
         "eval",
     )
-    eval_interval: int | None = _field(None, "Evaluate every this many rollout steps (and after the last).", "eval", ge=1)
+    eval_interval: int | None = _field(
+        None, "Evaluate every this many rollout steps. With --eval-prompt-data the run is always evaluated before "
+        "the first step (unless --skip-eval-before-train) and after the last.", "eval", ge=1)
     eval_temperature: float = _field(
         0.0, "Sampling temperature for evaluation (0: greedy, a stable accuracy measure).", "eval", ge=0
     )
@@ -553,8 +557,16 @@ class RelaxConfig(BaseModel):
     load: str | None = _field(
         None, "Resume from the newest checkpoint in this checkpoint directory or run directory.", "run"
     )
-    save_interval: int | None = _field(None, "Save a checkpoint every this many rollout steps (and after the last).", "run", ge=1)
+    save_interval: int | None = _field(
+        None, "Save a checkpoint every this many rollout steps. The last step is always saved.", "run", ge=1)
     no_save_optim: bool = _field(False, "Save model weights only (such a checkpoint cannot resume training).", "run")
+    overwrite: bool = _field(
+        False,
+        "Start afresh in an --output-dir that holds an earlier run, deleting that run's files (config, metrics, "
+        "logs, plots, samples, TensorBoard events, checkpoints). Without it, such a directory is refused unless "
+        "--load resumes the run in it.",
+        "run",
+    )
     use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
     wandb_project: str | None = _field(None, "W&B project name.", "run")
@@ -587,6 +599,15 @@ class RelaxConfig(BaseModel):
         "--rollout-weights-dir for external servers, which must see that path). Default: `broadcast` with "
         "--placement ray, `disk` with --rollout-external.",
         "placement",
+    )
+
+    update_weight_buffer_size: int = _field(
+        512 * 1024 * 1024,
+        "Bytes per bucket of a weight sync (upstream's flag and default, 512 MiB): the trainer gathers and sends "
+        "its weights one bucket at a time, so this bounds the extra memory a sync takes and the size of each "
+        "collective or safetensors file.",
+        "placement",
+        ge=1024 * 1024,
     )
 
     @field_validator("resource", mode="before")
@@ -714,6 +735,9 @@ class RelaxConfig(BaseModel):
             raise ValueError(
                 f"{flag('tis_clip_low')} ({self.tis_clip_low}) is above {flag('tis_clip')} ({self.tis_clip})"
             )
+        if self.rm_type and self.loss_type != "sft" and not self.label_key:
+            raise ValueError(f"{flag('rm_type')} {self.rm_type} compares every response with a label: set "
+                             f"{flag('label_key')}")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
             raise ValueError(f"{flag('kl_loss_coef')} > 0 has no effect without {flag('use_kl_loss')}")
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
@@ -732,13 +756,13 @@ class RelaxConfig(BaseModel):
         return self
 
     def _check_critic_and_distillation(self, spec) -> None:
-        set_critic = [flag(name) for name in CRITIC_FIELDS if name in self.model_fields_set]
+        set_critic = [flag(name) for name in CRITIC_FIELDS if self.changed(name)]
         if set_critic and not spec.needs_critic:
             raise ValueError(
                 f"PPO critic options ({', '.join(set_critic)}) need {flag('advantage_estimator')} ppo, "
                 f"not {spec.name}"
             )
-        set_opd = [flag(name) for name in OPD_FIELDS if name in self.model_fields_set]
+        set_opd = [flag(name) for name in OPD_FIELDS if self.changed(name)]
         if set_opd and not self.use_opd:
             raise ValueError(f"distillation options ({', '.join(set_opd)}) need {flag('use_opd')}")
         if self.use_opd:
@@ -784,6 +808,27 @@ class RelaxConfig(BaseModel):
                              f"with {flag('fully_async')} or {flag('hybrid')}")
         if asynchronous and self.loss_type == "sft":
             raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
+
+    # Settings as given ---------------------------------------------------------------------
+    def changed(self, name: str) -> bool:
+        """Whether setting ``name`` was given a value other than its default. A rule that a setting needs some
+        feature asks this, not whether it was named: a saved config spells out every default, and re-running it
+        must not count the defaults of switched-off features as set."""
+        return name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default
+
+    @classmethod
+    def secret_fields(cls) -> tuple[str, ...]:
+        return tuple(name for name, info in cls.model_fields.items() if info.json_schema_extra.get("secret"))
+
+    def shareable_settings(self) -> tuple[dict[str, Any], list[str]]:
+        """Every setting with the secret ones emptied (None), and the names of the secrets that were set: what
+        config.yaml, the console and the trackers get. Only the fields marked secret are hidden, so the dump
+        keeps every other setting and re-runs as it is."""
+        settings = self.model_dump()
+        set_secrets = [name for name in self.secret_fields() if settings[name] is not None]
+        for name in set_secrets:
+            settings[name] = None
+        return settings, set_secrets
 
     # Derived values ------------------------------------------------------------------------
     @property

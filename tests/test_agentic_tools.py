@@ -310,12 +310,12 @@ def test_bad_tool_columns_name_the_row_and_field(tmp_path):
                     json.dumps({"input": "b", "tools": ["calculator", "search"]}) + "\n")
     tokenizer.chat_template = QWEN_STYLE_TEMPLATE
     fmt = PromptFormat(apply_chat_template=True, **prompt_tool_settings(tool_args(tool_key="tools")))
-    with pytest.raises(DatasetError, match=r"d.jsonl: row 1: field 'tools': unknown tool 'search'; known: calculator"):
+    with pytest.raises(DatasetError, match=r"d.jsonl: row 2: field 'tools': unknown tool 'search'; known: calculator"):
         load_prompt_samples(str(path), tokenizer, fmt)
     path.write_text(json.dumps({"input": "a", "tools": "{not json"}) + "\n")
-    with pytest.raises(DatasetError, match=r"row 0: field 'tools': invalid JSON"):
+    with pytest.raises(DatasetError, match=r"row 1: field 'tools': invalid JSON"):
         load_prompt_samples(str(path), tokenizer, fmt)
     path.write_text(json.dumps({"input": "a", "tools": ["calculator"]}) + "\n")
     tokenizer.chat_template = build_tokenizer().chat_template  # plain ChatML: it would drop the tools
-    with pytest.raises(DatasetError, match="row 0.*does not render `tools`"):
+    with pytest.raises(DatasetError, match="row 1.*does not render `tools`"):
         load_prompt_samples(str(path), tokenizer, fmt)

@@ -59,7 +59,7 @@ def test_long_prompts_are_dropped(tmp_path, tokenizer):
 
 def test_missing_prompt_key_names_file_row_and_field(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": "1+1="}, {"question": "2+2="}])
-    with pytest.raises(DatasetError, match=r"d.jsonl: row 1: missing prompt field 'input' \(set --input-key\)"):
+    with pytest.raises(DatasetError, match=r"d.jsonl: row 2: missing prompt field 'input' \(set --input-key\)"):
         load_prompt_samples(str(path), tokenizer, PromptFormat())
 
 
@@ -82,7 +82,7 @@ def test_empty_file_invalid_json_and_unreadable_parquet(tmp_path, tokenizer):
 
 def test_message_list_without_chat_template_is_an_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": [{"role": "user", "content": "x"}]}])
-    with pytest.raises(DatasetError, match="row 0: field 'input': a message-list prompt needs --apply-chat-template"):
+    with pytest.raises(DatasetError, match="row 1: field 'input': a message-list prompt needs --apply-chat-template"):
         load_prompt_samples(str(path), tokenizer, PromptFormat())
 
 

@@ -209,7 +209,7 @@ def test_media_error_message_names_row_and_field_and_pickles(png, tmp_path):
     config = RowProcessingConfig(keys={"image": "images"})
     with pytest.raises(MediaError) as info:
         process_row(row, 12, config)
-    assert str(info.value) == "row 12, field 'images'[1]: corrupt image (cannot identify image file)"
+    assert str(info.value) == "row 13, field 'images'[1]: corrupt image (cannot identify image file)"
     clone = pickle.loads(pickle.dumps(info.value))
     assert (clone.row, clone.field, clone.index, str(clone)) == (12, "images", 1, str(info.value))
 
@@ -276,14 +276,14 @@ def test_chat_messages_with_typed_items_and_inline_media():
 def test_placeholder_without_media_names_row_and_column():
     with pytest.raises(MediaError) as info:
         resolve_row({"prompt": "<image> <image>", "images": ["only one"]}, KEYS, row_index=5)
-    assert str(info.value) == "row 5, field 'images'[1]: <image> placeholder #2 has no media (column holds 1)"
+    assert str(info.value) == "row 6, field 'images'[1]: <image> placeholder #2 has no media (column holds 1)"
 
 
 def test_media_left_without_placeholder_names_row_and_column():
     with pytest.raises(MediaError) as info:
         resolve_row({"prompt": "<audio>", "audios": ["a", "b", "c"]}, KEYS, row_index=7)
     assert str(info.value) == (
-        "row 7, field 'audios'[1]: 2 audio item(s) left without a placeholder (1 placeholders for 3 items)"
+        "row 8, field 'audios'[1]: 2 audio item(s) left without a placeholder (1 placeholders for 3 items)"
     )
 
 

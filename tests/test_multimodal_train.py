@@ -119,7 +119,7 @@ def test_bad_media_names_the_row_and_field_or_is_skipped_and_counted(tmp_path):
     cfg = parse_config(_args(model, rows, tmp_path / "run", "image", "--rollout-batch-size", "8"))
     roles = build_roles(cfg)
     with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
-        with pytest.raises(MediaError, match=r"row 2, field 'images'\[0\]"):
+        with pytest.raises(MediaError, match=r"row 3, field 'images'\[0\]"):
             asyncio.run(SyncController(cfg, roles, tracker).train_step(0))
     cfg = parse_config(_args(model, rows, tmp_path / "run2", "image", "--rollout-batch-size", "8",
                              "--skip-bad-samples"))
@@ -128,8 +128,8 @@ def test_bad_media_names_the_row_and_field_or_is_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda r: r[1].__setitem__("images", []), r"row 1.*'images'"),  # a placeholder without media
-    (lambda r: r[3].__setitem__("prompt", "How many?"), r"row 3.*'images'"),  # media without a placeholder
+    (lambda r: r[1].__setitem__("images", []), r"row 2.*'images'"),  # a placeholder without media
+    (lambda r: r[3].__setitem__("prompt", "How many?"), r"row 4.*'images'"),  # media without a placeholder
 ])
 def test_placeholder_mismatch_fails_at_load_naming_the_row(tmp_path, change, message):
     rows = make_image_rows(tmp_path, 6)

@@ -268,7 +268,7 @@ def test_bad_row_raises_or_is_skipped_and_counted(rows):
     batch = [rows[1], bad, rows[2]]
     with (
         MultimodalProcessor(keys=KEYS, max_workers=2) as proc,
-        pytest.raises(MediaError, match=r"^row 1, field 'images'\[0\]: corrupt image"),
+        pytest.raises(MediaError, match=r"^row 2, field 'images'\[0\]: corrupt image"),
     ):
         proc.process_batch(batch)
     with MultimodalProcessor(keys=KEYS, max_workers=2, skip_bad_samples=True) as proc:
@@ -303,7 +303,7 @@ def test_process_pool_executor_round_trips_results_and_errors(rows):
     with MultimodalProcessor(keys=KEYS, max_workers=2, executor="process") as proc:
         result = proc.process_batch(rows[1:])
         assert result.rows[0].model_inputs["image_grid_thw"].tolist() == [[1, 4, 6]]
-        with pytest.raises(MediaError, match=r"^row 4, field 'audios'\[0\]: unreadable audio"):
+        with pytest.raises(MediaError, match=r"^row 5, field 'audios'\[0\]: unreadable audio"):
             proc.process_batch([bad], indices=[4])
 
 

@@ -210,7 +210,7 @@ def test_sft_conversation_masks_exactly_the_assistant_turns(tmp_path):
     assert tokenizer.decode(masked) == "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n"
     (plain,) = load_sft_samples(f"{path}@[1:2]", tokenizer, PromptFormat(input_key="input", label_key="label"))
     assert tokenizer.decode(plain.response_tokens) == "7<|im_end|>" and plain.loss_mask == [1, 1]
-    with pytest.raises(DatasetError, match="row 1: missing target field 'answer'"):
+    with pytest.raises(DatasetError, match="row 2: missing target field 'answer'"):
         load_sft_samples(f"{path}@[1:2]", tokenizer, PromptFormat(input_key="input", label_key="answer"))
 
 

@@ -193,3 +193,147 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
     assert [r["step"] for r in trained] == list(range(1, 251))
     assert all(r["data/produced_groups"] == r["data/consumed_groups"] == 4 for r in trained)
     assert TOKEN not in stderr
+
+
+# ---- hard to break (issue 14, items 19-22) ----------------------------------------------------------------------
+def test_a_rejected_request_never_wedges_the_api(service):
+    client, manager, router, created, _ = service
+    rejected = client.post("/scale_out", json={"engine_urls": ["http://127.0.0.1:9"], "request_id": "ext-1"})
+    assert rejected.status_code == 400 and "cannot connect external engines" in rejected.json()["detail"]
+    assert client.get("/scale_out/ext-1").json()["status"] == "REJECTED"
+    assert client.post("/scale_out/ext-1/cancel").status_code == 400  # nothing to cancel: it never ran
+    too_many = client.post("/scale_out", json={"num_replicas": manager.max_engines + 1})
+    assert too_many.status_code == 400 and "--scale-out-max-engines" in too_many.json()["detail"]
+    later = client.post("/scale_out", json={"num_replicas": 2})
+    assert later.status_code == 200, later.text
+    assert _wait_terminal(client, "scale_out", later.json()["request_id"])["status"] == "ACTIVE"
+
+
+def test_the_idempotency_key_is_tied_to_kind_and_body(service):
+    client, *_ = service
+    first = client.post("/scale_in", json={"num_replicas": 1, "request_id": "key-1"})
+    assert first.status_code == 200 and first.json()["status"] == "NOOP"
+    assert client.post("/scale_in", json={"num_replicas": 1, "request_id": "key-1"}).json() == first.json()
+    other_kind = client.post("/scale_out", json={"num_replicas": 2, "request_id": "key-1"})
+    assert other_kind.status_code == 409 and "key-1" in other_kind.json()["detail"]
+    other_body = client.post("/scale_in", json={"num_replicas": 1, "force": True, "request_id": "key-1"})
+    assert other_body.status_code == 409
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"num_replicas": "2"}, "num_replicas"), ({"num_replicas": 2.0}, "num_replicas"),
+    ({"num_replicas": True}, "num_replicas"), ({"num_replicas": 10**6}, "num_replicas"),
+    ({"num_replicas": 2, "timeout_secs": "5"}, "timeout_secs"), ({"num_replicas": 2, "replicas": 3}, "replicas"),
+    ({"num_replicas": 2, "request_id": ""}, "request_id"),
+])
+def test_scale_out_bodies_are_strict(service, body, param):
+    response = service[0].post("/scale_out", json=body)
+    assert response.status_code == 400 and response.json()["param"] == param, response.text
+
+
+def test_scale_in_bodies_are_strict(service):
+    response = service[0].post("/scale_in", json={"num_replicas": 1, "force": "yes"})
+    assert response.status_code == 400 and response.json()["param"] == "force"
+
+
+def test_timeout_secs_holds_while_engines_are_created(service):
+    client, manager, router, created, _ = service
+    build = manager.factory
+
+    async def slow_factory():  # loading a model in a worker thread, as the training's factory does
+        import asyncio
+
+        await asyncio.to_thread(time.sleep, 1.0)
+        return await build()
+
+    manager.factory = slow_factory
+    op = client.post("/scale_out", json={"num_replicas": 8, "timeout_secs": 0.2}).json()
+    final = _wait_terminal(client, "scale_out", op["request_id"])
+    assert final["status"] == "FAILED" and "timeout_secs 0.2" in final["error_message"]
+    assert len(router.engines) == 1
+
+
+def test_the_api_answers_while_the_engines_loop_is_busy(tiny_workspace):
+    """Production wiring: the API on its own thread, operations on the engines' loop. A blocked engine loop (a
+    training step) delays the operation, never the answers."""
+    import asyncio
+
+    from relax.utils.http_server import ThreadedServer
+
+    engine_loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=engine_loop.run_forever, daemon=True)
+    loop_thread.start()
+    model_dir = tiny_workspace / "model"
+    router = EngineRouter([EmbeddedEngine.from_pretrained(str(model_dir))])
+
+    async def factory():
+        return EmbeddedEngine.from_pretrained(str(model_dir)), None
+
+    manager = ScaleManager(router, weights=lambda: (1, []), factory=factory, loop=engine_loop)
+    server = ThreadedServer(create_scaling_app(manager, api_key=TOKEN), "127.0.0.1", free_loopback_port())
+    server.start()
+    released, finished = threading.Event(), threading.Event()
+
+    async def training_step():  # holds the loop without awaiting, as a compute-bound step does
+        released.wait(30)
+        finished.set()
+
+    try:
+        asyncio.run_coroutine_threadsafe(training_step(), engine_loop)
+        with httpx.Client(base_url=f"http://{server.address}", timeout=30,
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+            assert client.get("/engines").status_code == 200
+            op = client.post("/scale_out", json={"num_replicas": 3}).json()
+            assert op["status"] == "PENDING"
+            cancel = client.post(f"/scale_out/{op['request_id']}/cancel")
+            assert cancel.status_code == 200 and "cancel" in cancel.json()["message"]
+            assert not finished.is_set(), "the answers waited for the engines' loop"
+            released.set()
+            assert _wait_terminal(client, "scale_out", op["request_id"])["status"] == "CANCELLED"
+        assert len(router.engines) == 1
+    finally:
+        released.set()
+        server.stop()
+        engine_loop.call_soon_threadsafe(engine_loop.stop)
+        loop_thread.join(10)
+
+
+def test_relax_train_takes_the_scaling_token_from_the_environment(tiny_workspace, tmp_path):
+    """One rule for every server: the flag, else $RELAX_API_KEY; the log says whether auth is on, never the key."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT, tiny_train_args
+
+    port, out = free_loopback_port(), tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RELAX_API_KEY": TOKEN}
+    train = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "train", *tiny_train_args(
+            tiny_workspace, out, "--num-rollout", "500", "--skip-eval-before-train", "--dump-samples", "0",
+            "--rollout-api-port", str(port))],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
+            time.sleep(0.1)
+        assert httpx.post(f"{url}/scale_out", json={"num_replicas": 2}).status_code == 401
+        authorized = httpx.post(f"{url}/scale_in", json={"num_replicas": 1},
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+        assert authorized.status_code == 200 and authorized.json()["status"] == "NOOP"
+    finally:
+        train.send_signal(signal.SIGTERM)
+        _, stderr = train.communicate(timeout=120)
+    assert "scaling API on" in stderr and "need a bearer token" in stderr
+    assert TOKEN not in stderr and TOKEN not in (out / "run.log").read_text()
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout_api_key"] is None

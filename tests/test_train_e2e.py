@@ -153,7 +153,7 @@ def test_missing_prompt_key_fails_naming_the_row(tiny_workspace, tmp_path):
     result = run_relax("train", *tiny_train_args(tiny_workspace, tmp_path / "r", "--num-rollout", "1",
                                                  "--input-key", "question"))
     assert result.returncode == 2
-    assert "train.jsonl: row 0: missing prompt field 'question' (set --input-key)" in result.stderr
+    assert "train.jsonl: row 1: missing prompt field 'question' (set --input-key)" in result.stderr
 
 
 def test_a_reward_that_raises_gives_zero_is_counted_and_logged_once(tiny_workspace, tmp_path):

@@ -39,7 +39,9 @@ def _add_field_argument(group: argparse._ArgumentGroup, name: str) -> None:
     annotation = _unwrap_optional(info.annotation)
     origin = typing.get_origin(annotation)
     kwargs: dict[str, Any] = {"dest": name, "help": f"{info.description} (default: {info.default!r})"}
-    if annotation is bool:
+    if annotation is bool and name.startswith("no_"):
+        kwargs["action"] = "store_true"  # --no-save-optim, not also --no-no-save-optim
+    elif annotation is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif origin is typing.Literal:
         kwargs["choices"] = typing.get_args(annotation)
@@ -104,13 +106,50 @@ def config_from_settings(settings: dict[str, Any]) -> RelaxConfig:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
-def parse_config(argv: list[str] | None = None, prog: str = "relax train") -> RelaxConfig:
-    """Defaults, then the YAML file of --config, then flags."""
+def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
+    """The flags given; an unknown one is refused naming the closest known flags (argparse names none)."""
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        known = [option for action in parser._actions for option in action.option_strings]
+        problems = []
+        for token in unknown:
+            name = token.split("=", 1)[0]
+            if not name.startswith("-"):
+                problems.append(f"unexpected argument {token!r}")
+                continue
+            hints = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+            problems.append(f"unknown flag {name}" + (f"; did you mean {' or '.join(hints)}?" if hints else ""))
+        raise ConfigError("; ".join(problems) + f" ({parser.prog} --help lists every setting)")
+    return vars(namespace)
+
+
+# What `relax eval --load RUN` takes from the run's saved config: everything but where and how the run ran.
+NOT_INHERITED_SECTIONS = ("run", "placement", "engines", "mode")
+
+
+def saved_run_settings(load: str | Path) -> dict[str, Any]:
+    """The settings of the run whose checkpoints ``load`` names (its config.yaml), minus the sections of
+    `NOT_INHERITED_SECTIONS`; {} when there is no saved config."""
+    path = Path(load)
+    for candidate in (path / "config.yaml", path.parent / "config.yaml"):
+        if candidate.is_file():
+            inherited = {name for section, names in fields_by_section().items()
+                         if section not in NOT_INHERITED_SECTIONS for name in names}
+            return {k: v for k, v in read_yaml_settings(candidate).items() if k in inherited}
+    return {}
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "relax train", inherit_from_load: bool = False
+                 ) -> RelaxConfig:
+    """Defaults, then (with ``inherit_from_load``) the saved settings of the ``--load`` run, then the YAML file of
+    --config, then flags."""
     parser = build_parser(prog)
-    namespace = vars(parser.parse_args(argv))
+    namespace = parse_flags(parser, argv)
     config_file = namespace.pop("config_file", None)
     settings = read_yaml_settings(config_file) if config_file else {}
     settings.update(namespace)
+    if inherit_from_load and settings.get("load"):
+        settings = {**saved_run_settings(settings["load"]), **settings}
     return config_from_settings(settings)
 
 

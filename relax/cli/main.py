@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import signal
@@ -44,12 +45,18 @@ def setup_logging(run_dir: Path | None) -> None:
     handlers[0].setLevel(logging.WARNING)
 
 
-def write_resolved_config(cfg, run_dir: Path) -> None:
-    from relax.utils.tracking import redact_secrets
+def resolved_config_text(cfg) -> str:
+    """config.yaml: every setting, so that `relax train --config` re-runs it; a secret that was set is left out (and
+    said so in a comment), never written."""
+    settings, set_secrets = cfg.shareable_settings()
+    notes = "".join(f"# {name}: set for this run, not saved (give {flag_of(name)} again)\n" for name in set_secrets)
+    return notes + yaml.safe_dump(settings, sort_keys=False)
 
-    text = yaml.safe_dump(redact_secrets(cfg.model_dump()), sort_keys=False)
-    (run_dir / "config.yaml").write_text(text)
-    print(f"resolved config ({run_dir / 'config.yaml'}):\n{text}", file=sys.stderr)
+
+def flag_of(name: str) -> str:
+    from relax.config import flag
+
+    return flag(name)
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -58,24 +65,37 @@ def cmd_train(argv: list[str]) -> int:
     cfg = parse_config(argv, prog="relax train")
     run_dir = Path(cfg.output_dir)
     primary = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes the run directory
-    setup_logging(run_dir if primary else None)
     _quiet_libraries()
-    from relax.core.build import build_roles
-    from relax.utils.tracking import NullTracker, Tracker, redact_secrets
+    from relax.core.build import build_roles, preflight
+    from relax.core.run_dir import prepare_run_dir, remove_if_unused
+    from relax.utils.tracking import NullTracker, Tracker
 
+    preflight(cfg)  # settings that fail without loading anything fail here, before a run directory exists
+    created = prepare_run_dir(cfg) if primary else False
+    setup_logging(run_dir if primary else None)
+    config_text = resolved_config_text(cfg)
     if primary:
-        write_resolved_config(cfg, run_dir)
+        (run_dir / "config.yaml").write_text(config_text)
     service = None
-    if cfg.placement == "ray":
-        from relax.core.service import RayService
+    try:
+        if cfg.placement == "ray":
+            from relax.core.service import RayService
 
-        service = RayService(cfg)
-        roles = service.start()
-    else:
-        roles = build_roles(cfg)
+            service = RayService(cfg)
+            roles = service.start()
+        else:
+            roles = build_roles(cfg)
+    except BaseException:
+        if service is not None:
+            service.shutdown()
+        if primary:
+            remove_if_unused(run_dir, created)  # a start that failed leaves nothing behind
+        raise
+    if primary:
+        print(f"resolved config ({run_dir / 'config.yaml'}):\n{config_text}", file=sys.stderr)
     try:
         tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
-                          wandb_project=cfg.wandb_project, config=redact_secrets(cfg.model_dump())) if primary \
+                          wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0]) if primary \
             else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
@@ -96,7 +116,9 @@ def cmd_train(argv: list[str]) -> int:
     if "eval/accuracy" in last and first is not None:
         print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
               f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
-    print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/, checkpoints/)")
+    print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/)")
+    print(f"final checkpoint: {controller.last_checkpoint} (relax export {run_dir} OUT_DIR writes a Hugging Face "
+          "folder)")
     return 0
 
 
@@ -137,7 +159,7 @@ def cmd_eval(argv: list[str]) -> int:
     from relax.cli.args import parse_config
     from relax.config import ConfigError, flag
 
-    cfg = parse_config(argv, prog="relax eval")
+    cfg = parse_config(argv, prog="relax eval", inherit_from_load=True)
     setup_logging(None)
     _quiet_libraries()
     import torch
@@ -149,18 +171,24 @@ def cmd_eval(argv: list[str]) -> int:
     from relax.core.build import (
         build_generation,
         build_reward_computer,
+        check_data_files,
         eval_sampling,
         load_eval_sets,
         load_generate_function,
+        preflight,
         resolve_device,
         resolve_dtype,
     )
     from relax.core.checkpoint import load_hf_model_from_checkpoint
 
     if not cfg.eval_prompt_data:
-        raise ConfigError(f"{flag('eval_prompt_data')} is required")
+        raise ConfigError(f"{flag('eval_prompt_data')} is required (or --load a run that has one)")
+    if not cfg.load:
+        preflight(cfg, training=False)  # a bad path, reward or plugin fails before the model loads
+    else:
+        check_data_files(cfg, training=False)
+        load_generate_function(cfg)
     rewards = build_reward_computer(cfg)
-    load_generate_function(cfg)  # a bad environment or generate path fails before the model loads
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     if cfg.load:
@@ -264,18 +292,31 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve":
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        hints = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {hints[0]!r}?)" if hints else ""
+        print(f"relax: unknown command {argv[0]!r}{hint}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return _run_command(argv[0], argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (start-up, eval, export)
+        print(f"\nrelax {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_command(command: str, argv: list[str]) -> int:
     from relax.config import ConfigError
     from relax.core.checkpoint import CheckpointError
     from relax.data.dataset import DatasetError
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[command](argv)
     except (ConfigError, DatasetError, CheckpointError) as err:
-        print(f"relax {argv[0]}: error: {err}", file=sys.stderr)
+        print(f"relax {command}: error: {err}", file=sys.stderr)
         return 2
 
 

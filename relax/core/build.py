@@ -31,7 +31,8 @@ from relax.components.critic import Critic
 from relax.components.distillation import EngineTeacher, OnPolicyDistillation, TrainerTeacher
 from relax.components.rollout import DynamicSampling, OverlongPenalty, Rollout
 from relax.config import ConfigError, RelaxConfig, flag
-from relax.data.dataset import PromptFormat, load_prompt_samples
+from relax.core import checkpoint
+from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.data.multimodal import MultimodalSettings
 from relax.data.sft_dataset import load_sft_samples
 from relax.distributed.process_group import world_size
@@ -71,12 +72,66 @@ def check_model_path(cfg: RelaxConfig) -> Path:
     return path
 
 
+def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
+    """Every data file named exists (a slice spec is parsed, so a malformed one is named as such)."""
+    specs = dict(cfg.eval_prompt_data)
+    if training:
+        if not cfg.prompt_data:
+            raise ConfigError(f"{flag('prompt_data')} is required for training")
+        specs = {"": cfg.prompt_data, **specs}
+    for name, spec in specs.items():
+        where = flag("prompt_data") if not name else f"{flag('eval_prompt_data')} {name}"
+        try:
+            path, _ = parse_data_spec(spec)
+        except DatasetError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        if not path.is_file():
+            raise ConfigError(f"{where}: {path}: file not found")
+
+
+def check_context_length(cfg: RelaxConfig, model_path: Path) -> None:
+    """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
+    computes garbage with positions it was never trained on)."""
+    limit = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+    if not limit:
+        return
+    for name in ("rollout_max_response_len", "eval_max_response_len", "rollout_max_context_len"):
+        value = getattr(cfg, name)
+        if value is not None and value >= limit:
+            raise ConfigError(f"{flag(name)} {value}: the model at {model_path} has {limit} positions "
+                              "(max_position_embeddings), which must hold the prompt too")
+    if cfg.rollout_max_prompt_len is not None and cfg.rollout_max_prompt_len + cfg.rollout_max_response_len > limit:
+        raise ConfigError(f"{flag('rollout_max_prompt_len')} {cfg.rollout_max_prompt_len} + "
+                          f"{flag('rollout_max_response_len')} {cfg.rollout_max_response_len} exceed the "
+                          f"{limit} positions of the model at {model_path}")
+
+
+def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
+    """The checks a run's settings allow without loading a model or data, done before a run directory exists:
+    the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
+    paths. Returns the model folder."""
+    model_path = check_model_path(cfg)
+    check_context_length(cfg, model_path)
+    check_data_files(cfg, training)
+    if cfg.load:
+        try:
+            checkpoint.resolve_checkpoint_root(cfg.load)
+        except checkpoint.CheckpointError as error:
+            raise ConfigError(f"{flag('load')} {error}") from None
+    build_reward_computer(cfg).close()
+    build_dynamic_sampling(cfg)
+    load_generate_function(cfg)
+    return model_path
+
+
 def prompt_format(cfg: RelaxConfig) -> PromptFormat:
     return PromptFormat(
         input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
         apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
+        # A rule reward compares every response with the row's label: a row without one is refused at load.
+        required_label_for=cfg.rm_type if cfg.loss_type != "sft" else None,
         **prompt_tool_settings(cfg),
     )
 
@@ -109,7 +164,7 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,
                 ", ".join(cfg.rollout_external_engine_addrs),
                 f"{transport.backend} broadcast" if transport else weights_dir)
-    return EngineRouter(engines, weight_transport=transport)
+    return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size)
 
 
 def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_dir: Path) -> VLLMServerEngine:

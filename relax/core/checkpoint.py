@@ -40,7 +40,7 @@ def resolve_checkpoint_root(path: str | Path) -> Path:
     for candidate in (path, path / "checkpoints"):
         if (candidate / LATEST_FILE).is_file():
             return candidate
-    raise CheckpointError(f"--load {path}: no checkpoint found (expected {LATEST_FILE} in it or in its checkpoints/)")
+    raise CheckpointError(f"{path}: no checkpoint found (expected {LATEST_FILE} in it or in its checkpoints/)")
 
 
 def latest_step(root: Path) -> int:
@@ -87,6 +87,9 @@ def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dty
 
     root = resolve_checkpoint_root(root)
     step = latest_step(root) if step is None else step
+    if not (iteration_dir(root, step) / "model_optim").is_dir():
+        saved = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*") if p.name[5:].isdigit())
+        raise CheckpointError(f"{root}: no checkpoint of step {step} (saved steps: {saved or 'none'})")
     config = AutoConfig.from_pretrained(root / "hf")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {f"hf_model.{name}": tensor for name, tensor in model.state_dict().items()}

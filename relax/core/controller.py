@@ -26,7 +26,6 @@ from relax.utils.tracking import Tracker
 
 logger = logging.getLogger("relax")
 
-WEIGHT_SYNC_BUCKET_BYTES = 512 * 1024 * 1024  # upstream's --update-weight-buffer-size default
 
 
 def rollout_log_probs(sample: Sample) -> torch.Tensor:
@@ -43,6 +42,7 @@ class SyncController:
         self.roles = roles
         self.tracker = tracker
         self.save_root = cfg.save_dir
+        self.last_checkpoint: Path | None = None  # the newest checkpoint this run saved
         self.graceful_stop = GracefulStop()  # the entrypoint routes SIGTERM/SIGINT to it
 
     # ---- one step ------------------------------------------------------------------------
@@ -104,7 +104,8 @@ class SyncController:
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         return await sync_weights_in_process(
-            self.roles.actor, self.roles.rollout, version, self.roles.inference_dtype, WEIGHT_SYNC_BUCKET_BYTES
+            self.roles.actor, self.roles.rollout, version, self.roles.inference_dtype,
+            self.cfg.update_weight_buffer_size
         )
 
     async def evaluate(self, step: int) -> dict[str, float]:
@@ -158,7 +159,9 @@ class SyncController:
         return await self.evaluate(step)
 
     def _due(self, step: int, interval: int | None) -> bool:
-        return interval is not None and (step % interval == 0 or step == self.roles.total_steps)
+        """Every ``interval`` steps, and always at the last step (a run ends with a checkpoint and, with eval
+        sets, an evaluation, whether or not an interval was asked for)."""
+        return step == self.roles.total_steps or (interval is not None and step % interval == 0)
 
     @staticmethod
     def _postfix(metrics: dict[str, float]) -> dict[str, str]:
@@ -177,6 +180,7 @@ class SyncController:
             checkpoint.save_trainer_state(directory, self.trainer_state(step))
             checkpoint.mark_latest(self.save_root, step)
             plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
+        self.last_checkpoint = directory
         logger.info("saved checkpoint %s", directory)
 
     def trainer_state(self, step: int) -> dict:

@@ -24,7 +24,6 @@ from relax.serving.server import resolve_api_key
 logger = logging.getLogger("relax")
 
 START_TIMEOUT_S = 30.0
-WEIGHT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoop) -> ScaleManager:
@@ -39,7 +38,7 @@ def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoo
 
     def current_weights():
         version = max(engine.weight_version for engine in router.engines)
-        buckets = roles.actor.weight_buckets(roles.inference_dtype, WEIGHT_BUCKET_BYTES)
+        buckets = roles.actor.weight_buckets(roles.inference_dtype, cfg.update_weight_buffer_size)
         return version, itertools.chain.from_iterable(buckets)
 
     return ScaleManager(router, weights=current_weights, factory=create_engine,

@@ -37,7 +37,6 @@ logger = logging.getLogger("relax")
 
 START_TIMEOUT_S = 300.0  # building a role (model load) in its process
 SYNC_GROUP_TIMEOUT_S = 120.0
-WEIGHT_SYNC_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 @dataclass
@@ -192,7 +191,7 @@ class RayService:
         dtype = str(self.sync_dtype).removeprefix("torch.")
         root = str(self.weight_root) if transport == "disk" else None
         actor, rollout = self.workers["actor"], self.workers["rollout"]
-        publish = actor.publish_weights.remote(version, transport, dtype, WEIGHT_SYNC_BUCKET_BYTES, root)
+        publish = actor.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
         if transport == "broadcast":
             sent, received = await asyncio.gather(publish, rollout.receive_weights.remote(version, transport))
         else:  # the receiver reads a version only once its manifest is committed

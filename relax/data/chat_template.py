@@ -17,6 +17,9 @@ def render_prompt(
     string becomes one user message, ``system_prompt`` is put first, and the template adds the
     generation prompt and renders ``tools`` (OpenAI-style function specs) the way the model was
     trained to see them."""
+    if not isinstance(prompt, (str, list)):
+        kind = "null" if prompt is None else type(prompt).__name__
+        raise ValueError(f"a prompt is a string or a list of {{role, content}} messages, got {kind}")
     if not apply_chat_template:
         if not isinstance(prompt, str):
             raise ValueError("a message-list prompt needs --apply-chat-template")

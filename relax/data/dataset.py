@@ -1,6 +1,8 @@
 """Prompt datasets: read jsonl/parquet rows and turn them into prompt `Sample`s.
 
-Errors name the file, the row and the field, so a bad row is found without guessing.
+Errors name the file, the row and the field, so a bad row is found without guessing. Rows are numbered
+from 1 in every message, like the lines of a jsonl file (`row_label`); `Sample.index` stays the 0-based
+position in the file.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ class DatasetError(ValueError):
     """The data is unusable; the message names the file and, where known, the row and field."""
 
 
+def row_label(path: Path | str, row_index: int) -> str:
+    """``file: row N`` for the 0-based ``row_index``, counted from 1 as lines are."""
+    return f"{path}: row {row_index + 1}"
+
+
 def parse_data_spec(spec: str) -> tuple[Path, slice]:
-    """``file.jsonl@[10:20]`` → (path, slice(10, 20)); a plain path selects every row."""
+    """``file.jsonl@[10:20]`` → (path, slice(10, 20)) (0-based, end excluded, as Python slices); a plain path
+    selects every row."""
     match = _SLICE.match(spec)
     if not match:
+        if "@[" in spec and not Path(spec).exists():
+            raise DatasetError(f"{spec}: malformed row slice; expected FILE@[START:STOP] with integers (either may "
+                               "be left out), e.g. data.jsonl@[0:100]")
         return Path(spec), slice(None)
     to_int = lambda text: int(text) if text else None  # noqa: E731
     return Path(match["path"]), slice(to_int(match["start"]), to_int(match["stop"]))
@@ -89,6 +100,7 @@ class PromptFormat:
     tool_key: str | None = None  # column of the tools a row offers (--tool-key): names or OpenAI-style specs
     tool_specs: dict[str, dict[str, Any]] | None = None  # every executable tool's spec, by name
     default_tools: tuple[str, ...] = ()  # tool names offered by rows without the column (--tools)
+    required_label_for: str | None = None  # the rule reward (--rm-type) that compares every response with a label
 
 
 def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
@@ -105,10 +117,10 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         return _multimodal_prompt_samples(path, indexed, fmt)
     samples, too_long = [], 0
     for row_index, row in indexed:
-        where = f"{path}: row {row_index}"
+        where = row_label(path, row_index)
         if fmt.input_key not in row:
             raise DatasetError(f"{where}: missing prompt field {fmt.input_key!r} (set --input-key); row has {sorted(row)}")
-        label = row.get(fmt.label_key) if fmt.label_key else None
+        label = _label(row, fmt, where)
         metadata = row.get(fmt.metadata_key) or {}
         if not isinstance(metadata, dict):
             raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
@@ -132,6 +144,17 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
     if not samples:
         raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
     return samples
+
+
+def _label(row: dict[str, Any], fmt: PromptFormat, where: str) -> Any:
+    """The row's label; with a rule reward a missing (or null, or empty) one is a data error here, at load, rather
+    than a reward of 0 for every response to it."""
+    label = row.get(fmt.label_key) if fmt.label_key else None
+    if fmt.required_label_for and (label is None or label == ""):
+        state = "is empty" if label == "" else "is null" if fmt.label_key in row else "is missing"
+        raise DatasetError(f"{where}: label field {fmt.label_key!r} {state}; --rm-type {fmt.required_label_for} "
+                           "compares every response with a label (set --label-key, or score with --custom-rm-path)")
+    return label
 
 
 def _row_tool_specs(row: dict[str, Any], fmt: PromptFormat, where: str) -> list[dict[str, Any]] | None:
@@ -189,7 +212,8 @@ def _multimodal_prompt_samples(path: Path, indexed: list[tuple[int, dict[str, An
     samples, skipped = [], 0
     for row_index, row in indexed:
         if fmt.input_key not in row:
-            raise DatasetError(f"{path}: row {row_index}: missing prompt field {fmt.input_key!r} (set --input-key)")
+            raise DatasetError(f"{row_label(path, row_index)}: missing prompt field {fmt.input_key!r} (set --input-key)")
+        label = _label(row, fmt, row_label(path, row_index))
         media = {kind: [_relative_to(path.parent, item) for item in column_items(row, column)]
                  for kind, column in fmt.multimodal_keys.items()}
         try:
@@ -202,8 +226,7 @@ def _multimodal_prompt_samples(path: Path, indexed: list[tuple[int, dict[str, An
                 continue
             raise DatasetError(f"{path}: {err}") from None
         metadata = row.get(fmt.metadata_key) or {}
-        samples.append(Sample(index=row_index, prompt=row[fmt.input_key],
-                              label=row.get(fmt.label_key) if fmt.label_key else None,
+        samples.append(Sample(index=row_index, prompt=row[fmt.input_key], label=label,
                               metadata=dict(metadata) if isinstance(metadata, dict) else {},
                               multimodal_inputs={kind: items for kind, items in media.items() if items}))
     if skipped:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax.data.chat_template import render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, parse_data_spec, read_rows
+from relax.data.dataset import DatasetError, PromptFormat, parse_data_spec, read_rows, row_label
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -90,7 +90,7 @@ def load_sft_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sampl
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the SFT targets with")
     samples = []
     for row_index, row in indexed:
-        where = f"{path}: row {row_index}"
+        where = row_label(path, row_index)
         if fmt.input_key not in row:
             raise DatasetError(f"{where}: missing field {fmt.input_key!r} (set --input-key); row has {sorted(row)}")
         value = row[fmt.input_key]

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_PREFIX = re.compile(r"^g(\d+)-")
 MAX_STICKY_GROUPS = 100_000
-BROADCAST_BUCKET_BYTES = 512 * 1024 * 1024  # one collective per bucket; bounds the flat copy it needs
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024  # one collective per bucket; bounds the flat copy it needs
 
 
 class NoEngineAvailableError(RuntimeError):
@@ -85,7 +85,8 @@ class _Slot:
 class EngineRouter(InferenceEngine):
     def __init__(self, engines: Sequence[InferenceEngine], max_retries: int = 3, retry_down_after_s: float = 5.0,
                  wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0,
-                 weight_transport: BroadcastWeightTransport | None = None) -> None:
+                 weight_transport: BroadcastWeightTransport | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self._slots: list[_Slot] = []
         for engine in engines:
             self._slots.append(_Slot(engine))
@@ -93,6 +94,7 @@ class EngineRouter(InferenceEngine):
         self.retry_down_after_s = retry_down_after_s
         self.wait_for_engine_s = wait_for_engine_s
         self.health_timeout_s = health_timeout_s
+        self.bucket_bytes = bucket_bytes
         self._sticky: OrderedDict[str, _Slot] = OrderedDict()
         self._version: int | None = None  # the last version pushed by update_weights
         # Pushes versions to every (HTTP) engine over one broadcast group instead of through the disk.
@@ -288,7 +290,7 @@ class EngineRouter(InferenceEngine):
         slots = list(self._slots)
         if self.weight_transport is not None:
             await self.weight_transport.update([slot.engine for slot in slots],
-                                               list(bucketize(tensors, BROADCAST_BUCKET_BYTES)), version)
+                                               list(bucketize(tensors, self.bucket_bytes)), version)
             self._version = version if self._version is None else max(self._version, version)
             return
         by_dir: dict[str, list[_Slot]] = {}

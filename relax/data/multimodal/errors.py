@@ -31,7 +31,7 @@ class MediaError(ValueError):
     def _format(self) -> str:
         where = []
         if self.row is not None:
-            where.append(f"row {self.row}")
+            where.append(f"row {self.row + 1}")  # `row` is the 0-based position; shown from 1, as lines are
         if self.field is not None:
             where.append(f"field '{self.field}'" + (f"[{self.index}]" if self.index is not None else ""))
         return f"{', '.join(where)}: {self.reason}" if where else self.reason
