@@ -144,7 +144,8 @@ class RelaxConfig(BaseModel):
 
     # --- mode ----------------------------------------------------------------------------
     colocate: bool = _field(
-        False, "Synchronous colocated training (the default mode; the flag is accepted for upstream's scripts).", "mode"
+        False, "Synchronous colocated training, the default mode; refused with the async modes. Upstream's flag also "
+        "offloads the models between phases, which Relax does not do yet (docs/modes.md).", "mode"
     )
     fully_async: bool = _field(
         False,
@@ -153,8 +154,9 @@ class RelaxConfig(BaseModel):
     )
     hybrid: bool = _field(
         False,
-        "Rollout streams through the data plane while reference/actor forwards and advantages run with the "
-        "trainer over whole steps; weights are pushed between generations. Exclusive with --fully-async.",
+        "Today the --fully-async pipeline with --partial-rollout refused (weights pushed between generations); "
+        "upstream's hybrid placement of the reference and advantages is not built yet (docs/modes.md). Exclusive "
+        "with --fully-async.",
         "mode",
     )
     max_staleness: int = _field(

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-relax train --config examples/quickstart/config.yaml "$@"
+# --overwrite: running the quickstart again starts it afresh in runs/quickstart (a plain `relax train` refuses a
+# used run directory).
+relax train --config examples/quickstart/config.yaml --overwrite "$@"

@@ -5,7 +5,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from relax.distributed.process_group import free_loopback_port
+from relax.distributed.process_group import free_loopback_port, shutdown_process_group
 from tests.test_fsdp_backend import LOSS, make_backend, make_batch
 
 
@@ -24,7 +24,7 @@ def _train_on_rank(rank: int, world_size: int, port: int, model_dir: str, out: s
     state = backend.full_state_dict()
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads, "state": state}, out)
-    torch.distributed.destroy_process_group()
+    shutdown_process_group()
 
 
 def test_two_process_fsdp_step_equals_the_single_process_step(tiny_workspace, tmp_path):
@@ -66,7 +66,7 @@ def _save_or_load_on_rank(rank: int, world_size: int, port: int, model_dir: str,
     state = _step_with_checkpoint(model_dir, checkpoint, action)
     if rank == 0:
         torch.save(state, out)
-    torch.distributed.destroy_process_group()
+    shutdown_process_group()
 
 
 def _one_process(model_dir, checkpoint, action, out):

@@ -254,7 +254,8 @@ def test_train_with_external_engines(servers, tiny_workspace, tmp_path):
     assert a.health()["batched_requests"] > 0 and b.health()["batched_requests"] > 0
     assert API_KEY not in result.stderr + result.stdout
     saved = (run_dir / "config.yaml").read_text()
-    assert API_KEY not in saved and "rollout_engine_api_key: '***'" in saved
+    assert API_KEY not in saved and "rollout_engine_api_key: null" in saved
+    assert "# rollout_engine_api_key: set for this run, not saved" in saved
     assert API_KEY not in (run_dir / "run.log").read_text() if (run_dir / "run.log").exists() else True
 
 

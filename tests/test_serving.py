@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 import pytest
 import uvicorn
 from openai import OpenAI
@@ -320,3 +321,95 @@ def test_update_weights_over_a_distributed_group(server, model_dir, tmp_path, re
     with httpx.Client(base_url=server, timeout=60) as http:
         unknown = http.post("/update_weights_from_distributed", json={"group_name": "nope"}, headers=AUTH)
     assert unknown.status_code == 400 and "init_weights_update_group" in unknown.text
+
+
+# ---- issue 14, items 12-17 ----------------------------------------------------------------------------------------
+def test_a_weight_update_never_moves_the_version_backwards(client, model_dir, tmp_path):
+    served = client.get("/health").json()["weight_version"]
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=max(served - 1, 0)))
+    if served == 0:  # nothing is older than version 0: take the served one up first
+        client.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": 2}, headers=AUTH)
+        served = 2
+        asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=1))
+    for body in ({"model_path": str(tmp_path / "old")},
+                 {"model_path": str(model_dir), "weight_version": served - 1}):
+        response = client.post("/update_weights_from_disk", json=body, headers=AUTH)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "weight_version", response.text
+    assert client.get("/health").json()["weight_version"] == served
+
+
+def test_the_first_bad_file_of_a_folder_leaves_the_model_untouched(model_dir, tmp_path):
+    """Item 14: a valid first file and a second naming an unknown parameter: 400, the same greedy output."""
+    from safetensors.torch import save_file
+
+    from tests.http_servers import Server
+
+    server = Server(model_dir)
+    try:
+        prompt = {"input_ids": [5, 6, 7], "sampling_params": greedy(6), "return_logprob": True}
+        before = httpx.post(f"{server.url}/generate", json=prompt).json()
+        tensors = {name: t + 0.5 for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+        folder = tmp_path / "half"
+        folder.mkdir()
+        save_file(tensors, str(folder / "a.safetensors"))
+        save_file({"model.layers.99.mlp.weight": torch.zeros(2)}, str(folder / "b.safetensors"))
+        response = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(folder)},
+                              headers=AUTH)
+        assert response.status_code == 400 and "model.layers.99.mlp.weight" in response.text
+        after = httpx.post(f"{server.url}/generate", json=prompt).json()
+        assert after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+        assert server.health()["weight_version"] == 0
+    finally:
+        server.stop()
+
+
+def test_nan_weights_are_refused_and_a_nan_model_is_unhealthy(model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.http_servers import Server
+
+    server = Server(model_dir)
+    try:
+        tensors = {name: torch.full_like(t, float("nan")) for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+        folder = tmp_path / "nan"
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        response = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": str(folder)},
+                              headers=AUTH)
+        assert response.status_code == 400 and "NaN or infinite" in response.text
+        assert httpx.get(f"{server.url}/health_generate").status_code == 200
+        with torch.no_grad():  # weights broken behind the server's back (a bad broadcast): health says so
+            for parameter in server.engine.model.parameters():
+                parameter.fill_(float("nan"))
+        assert httpx.get(f"{server.url}/health_generate").status_code == 503
+        body = httpx.post(f"{server.url}/generate", json={"input_ids": [5], "return_logprob": True,
+                                                         "sampling_params": greedy(2)})
+        assert body.status_code == 200 and json.loads(body.text)  # valid JSON: null, never a NaN literal
+    finally:
+        server.stop()
+
+
+def test_empty_stop_strings_are_no_stop_strings(client, reference):
+    prompt = reference.tokenizer("3+4=")["input_ids"]
+    expected = reference_generate(reference, prompt, 6)
+    for stop in ("", [""], ["", "\u00fcnreachable"]):
+        body = client.post("/generate", json={"input_ids": prompt, "sampling_params": {**greedy(6), "stop": stop}})
+        assert body.json()["output_ids"] == expected.output_ids, stop
+
+
+def test_usage_counts_every_prompt_of_a_batch(client):
+    body = client.post("/v1/completions", json={"prompt": ["a", "a"], "max_tokens": 2, "temperature": 0}).json()
+    single = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0}).json()
+    assert body["usage"]["prompt_tokens"] == 2 * single["usage"]["prompt_tokens"]
+    n_samples = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "n": 3}).json()
+    assert n_samples["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]  # n samples of one prompt: once
+
+
+@pytest.mark.parametrize("literal", ["Infinity", "-Infinity", "NaN", "1e999"])
+def test_no_infinity_or_nan_in_any_number(client, literal):
+    for path, body in (("/generate", '{"input_ids": [5], "sampling_params": {"temperature": %s}}'),
+                       ("/v1/completions", '{"prompt": "a", "top_p": %s}')):
+        response = client.post(path, content=body % literal, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (path, literal, response.text)

@@ -14,11 +14,10 @@ Weight updates and in-flight generation:
   version of each token, and ``--mask-offpolicy-in-partial-rollout`` keeps only the tokens of the
   newest version in the loss.
 
-``--hybrid`` is the same pipeline with the reference/actor-forward passes in the trainer and the
-advantages computed over the whole step (as the sync loop does), and weights pushed between
-generations (no partial rollout). In one process the two modes differ only in those rules; with
-Ray placement (roles in separate processes) hybrid also colocates actor and rollout on the same
-devices while fully-async puts them on separate ones.
+``--hybrid`` is this same pipeline with ``--partial-rollout`` refused: weights are pushed between
+generations. In both modes the reference/actor-forward passes and the advantages run inside the
+trainer's step over the whole step (as the sync loop does); upstream's placements that move them
+out (streaming roles) are not built yet, with in-process or Ray placement alike (docs/modes.md).
 """
 
 from __future__ import annotations

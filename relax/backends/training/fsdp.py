@@ -35,7 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from relax.algorithms.loss import LossFn, MicroBatchTensors
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, freeze_towers, load_model
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
-from relax.distributed.process_group import ensure_process_group
+from relax.distributed.process_group import ensure_process_group, release_before_shutdown
 from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger("relax")
@@ -183,6 +183,12 @@ class FSDPTrainBackend(TrainBackend):
                     step, settings.lr_warmup_steps, settings.total_optimizer_steps, settings.lr_decay_style, min_ratio
                 ),
             )
+        release_before_shutdown(self.release)
+
+    def release(self) -> None:
+        """Drop the model and optimizer (before the process group goes; `shutdown_process_group`). The backend
+        cannot be used after it."""
+        self.model = self.optimizer = self.scheduler = None
 
     @property
     def hf_config(self):
