@@ -68,6 +68,19 @@ def _wait_terminal(client, kind, request_id, timeout_s=60):
     raise AssertionError(f"{kind} {request_id} did not finish within {timeout_s} s")
 
 
+def _wait_for_scaling_api(url: str, train) -> None:
+    """Until `relax train --rollout-api-port` answers (bounded; fails if the training exits first)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
+        time.sleep(0.1)
+
+
 def test_scale_out_to_three_and_back_to_one(service):
     client, manager, router, created, trained = service
     response = client.post("/scale_out", json={"num_replicas": 3, "request_id": "out-1"})
@@ -162,15 +175,7 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
-            time.sleep(0.1)
+        _wait_for_scaling_api(url, train)
 
         scaled = run_relax("scale", "out", "--url", url, "--num-replicas", "3", "--api-key", TOKEN)
         assert scaled.returncode == 0, scaled.stderr
@@ -318,15 +323,7 @@ def test_relax_train_takes_the_scaling_token_from_the_environment(tiny_workspace
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
-            time.sleep(0.1)
+        _wait_for_scaling_api(url, train)
         assert httpx.post(f"{url}/scale_out", json={"num_replicas": 2}).status_code == 401
         authorized = httpx.post(f"{url}/scale_in", json={"num_replicas": 1},
                                 headers={"Authorization": f"Bearer {TOKEN}"})
