@@ -167,12 +167,46 @@ class _DecodeBatch:
         self._seed_groups = None
 
 
+@dataclass(frozen=True)
+class CoreSettings:
+    """How the engine core (`relax.backends.inference.core`) is sized.
+
+    ``mode``: ``auto`` runs the core on CUDA for the models it supports and the Hugging Face path otherwise;
+    ``on`` wherever it supports the model (CPU included), ``off`` never. ``mem_fraction_static``: on CUDA the KV
+    pool takes what is left of this fraction of the device's memory after everything allocated so far (the
+    weights, and a colocated trainer's); ``max_total_tokens`` sets the pool's size in tokens instead (default on
+    CPU: 65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
+    most. ``page_size``: token slots per KV block. ``cuda_graphs``: decode in CUDA graphs up to
+    ``max_graph_batch`` sequences.
+    """
+
+    mode: str = "auto"
+    mem_fraction_static: float = 0.4
+    max_total_tokens: int | None = None
+    max_prefill_tokens: int = 8192
+    page_size: int = 16
+    cuda_graphs: bool = True
+    max_graph_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on", "off"):
+            raise ValueError(f"engine core mode must be auto, on or off, got {self.mode!r}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+
+CPU_KV_TOKENS = 65536
+CPU_KV_BYTES = 256 * 1024 * 1024
+
+
 class EmbeddedEngine(InferenceEngine):
     """`InferenceEngine` over a Hugging Face causal LM held in this process.
 
     ``model`` is put in eval mode with gradients off; it stays on its device and dtype.
-    ``max_batch_size`` caps the rows decoded together; a longer `generate` call is split into
-    consecutive batches of at most that many requests (None: one batch per call).
+    ``max_batch_size`` caps the rows decoded together (the core's running requests; on the Hugging Face path a
+    longer `generate` call is split into consecutive batches). Text models the engine core supports run on it
+    (``core``, `CoreSettings`): a paged KV pool, continuous batching, CUDA graphs; the others, and requests
+    with media, run on the Hugging Face path below.
     """
 
     def __init__(
@@ -180,6 +214,7 @@ class EmbeddedEngine(InferenceEngine):
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         max_batch_size: int | None = None,
+        core: CoreSettings | None = None,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -208,6 +243,8 @@ class EmbeddedEngine(InferenceEngine):
         self._pauses = PauseHolds()
         self._in_flight_ids: Counter[str] = Counter()
         self._aborted_ids: set[str] = set()
+        self.core_unavailable_reason: str | None = None
+        self.core = self._build_core(core or CoreSettings())
 
     @classmethod
     def from_pretrained(
@@ -216,24 +253,70 @@ class EmbeddedEngine(InferenceEngine):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_batch_size: int | None = None,
+        core: CoreSettings | None = None,
     ) -> EmbeddedEngine:
         """Load a model folder (or hub id) with its tokenizer onto ``device`` in ``dtype``."""
         model = load_model(path, dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, max_batch_size=max_batch_size)
+        return cls(model, tokenizer, max_batch_size=max_batch_size, core=core)
+
+    def _build_core(self, settings: CoreSettings):
+        """The engine core for this model, or None (the Hugging Face path serves every request)."""
+        from relax.backends.inference.core.block_manager import BlockManager
+        from relax.backends.inference.core.decoder import TextDecoder, unsupported_reason
+        from relax.backends.inference.core.engine_core import EngineCore
+        from relax.backends.inference.core.model_runner import ModelRunner
+        from relax.backends.inference.core.scheduler import Scheduler
+
+        if settings.mode == "off" or (settings.mode == "auto" and self.device.type != "cuda"):
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            self.core_unavailable_reason = reason
+            return None
+        config = self.model.config
+        max_positions = int(config.max_position_embeddings)
+        decoder = TextDecoder(self.model, max_positions)
+        dtype = next(self.model.parameters()).dtype
+        token_bytes = 2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * dtype.itemsize
+        tokens = settings.max_total_tokens or self._default_pool_tokens(token_bytes, settings)
+        page = settings.page_size
+        num_blocks = tokens // page + 1  # + the reserved block
+        blocks_per_sequence = -(-max_positions // page)
+        runner = ModelRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
+                             cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch)
+        blocks = BlockManager(num_blocks, page)
+        running = self.max_batch_size or 1024
+        scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
+                              reserve_tokens=page)
+        return EngineCore(runner, blocks, scheduler, self.tokenizer, self._eos_token_ids, self._pauses,
+                          lambda: self._weight_version)
+
+    def _default_pool_tokens(self, token_bytes: int, settings: CoreSettings) -> int:
+        if self.device.type != "cuda":
+            return max(1024, min(CPU_KV_TOKENS, CPU_KV_BYTES // token_bytes))
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * settings.mem_fraction_static) - (total - free)
+        if budget < 64 * token_bytes * settings.page_size:
+            raise ValueError(f"mem_fraction_static {settings.mem_fraction_static}: {(total - free) / 2**30:.1f} GiB of "
+                             f"the device's {total / 2**30:.1f} GiB are in use, which leaves no room for a KV pool")
+        return budget // token_bytes
 
     @property
     def weight_version(self) -> int:
         return self._weight_version
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        """Decode every request (in batches of at most ``max_batch_size``) with one generator per
-        distinct seed (see the module doc); outputs in request order."""
+        """Decode every request; outputs in request order. On the core (text requests of a supported model) the
+        requests join the running batch; on the Hugging Face path they decode in batches of at most
+        ``max_batch_size`` with one generator per distinct seed (see the module doc)."""
         requests = list(requests)
         for request in requests:
             _validate_request(request)
         if not requests:
             return []
+        if self.core is not None and not any(r.multimodal_inputs for r in requests):
+            return await self.core.generate(requests)
         request_ids = [request.request_id for request in requests]
         self._in_flight_ids.update(request_ids)
         try:
@@ -302,6 +385,8 @@ class EmbeddedEngine(InferenceEngine):
         """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,
         keeping the tokens generated so far. Ids that are not in flight are ignored."""
         self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
+        if self.core is not None:
+            self.core.abort(request_ids)
 
     async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
         """Hold new and in-flight batches at their next step boundary. No step is running when
@@ -333,6 +418,8 @@ class EmbeddedEngine(InferenceEngine):
                     )
                 target.copy_(tensor)
         self._weight_version = version
+        if self.core is not None:
+            self.core.on_weights_updated()
 
     async def health(self) -> dict[str, Any]:
         return {
@@ -340,9 +427,10 @@ class EmbeddedEngine(InferenceEngine):
             "weight_version": self._weight_version,
             "device": str(self.device),
             "paused": bool(self._pauses),
-            "in_flight_requests": sum(self._in_flight_ids.values()),
+            "in_flight_requests": sum(self._in_flight_ids.values()) + (self.core.in_flight if self.core else 0),
             # Grows by one per decode step (prefill included) of any batch: a liveness signal.
-            "decode_steps": self._decode_steps,
+            "decode_steps": self._decode_steps + (self.core.steps if self.core else 0),
+            "engine_core": self.core is not None,
         }
 
     # ----------------------------------------------------------------------------- decoding

@@ -79,7 +79,40 @@ class RowGenerators:
         return noise
 
 
-Randomness = Union[torch.Generator, RowGenerators]
+class CounterNoise:
+    """Noise for a batch whose every row has its own stream, keyed by the row's ``seeds [B]`` and ``counters [B]``
+    (int64): a row's draw depends on its seed and counter only, never on the rows beside it or on how many
+    draws came before. The engine core gives each request a seed and uses the token's position as the counter,
+    so a seeded request samples the same tokens whatever shares its steps (continuous batching).
+
+    On CUDA one Triton kernel draws every row (Philox, keyed by a 32-bit mix of seed and counter); elsewhere each
+    row seeds a generator of its own.
+    """
+
+    def __init__(self, seeds: torch.Tensor, counters: torch.Tensor) -> None:
+        self.seeds = seeds
+        self.counters = counters
+
+    def row_keys(self) -> torch.Tensor:
+        """A 63-bit key per row mixing seed and counter (splitmix64's constants), (B,) int64."""
+        key = self.seeds * -7046029254386353131 + self.counters * -4658895280553007687  # wraps, as intended
+        key = key ^ (key >> 31)
+        return key & 0x7FFFFFFFFFFFFFFF
+
+    def exponential_like(self, weights: torch.Tensor) -> torch.Tensor:
+        keys = self.row_keys()
+        if weights.is_cuda:
+            from relax.backends.inference.core.triton_sampling import exponential_noise
+
+            return exponential_noise(keys, weights.shape[1])
+        noise = torch.empty_like(weights)
+        for row, key in enumerate(keys.tolist()):
+            generator = torch.Generator(device=weights.device).manual_seed(key)
+            noise[row].exponential_(generator=generator)
+        return noise
+
+
+Randomness = Union[torch.Generator, RowGenerators, CounterNoise]
 
 
 def sample_next_tokens(
@@ -131,7 +164,7 @@ def _exponential_race(probs: torch.Tensor, generator: Randomness) -> torch.Tenso
     The weights need not be normalized. This equals multinomial sampling and, unlike
     ``torch.multinomial``, is one elementwise pass plus an argmax.
     """
-    if isinstance(generator, RowGenerators):
+    if isinstance(generator, (RowGenerators, CounterNoise)):
         noise = generator.exponential_like(probs)
     else:
         noise = torch.empty_like(probs).exponential_(generator=generator)

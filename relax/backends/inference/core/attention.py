@@ -1,0 +1,133 @@
+"""Attention over the paged KV pool.
+
+The pool of one layer is a key tensor and a value tensor of ``[num_slots, num_kv_heads, head_dim]``; a
+sequence's tokens live at the slots its block table gives (`block_manager`). Every step first writes the new
+tokens' K/V into their slots (`write_kv`), then attends:
+
+- decode (one query per sequence): `decode_attention` reads each sequence's valid blocks only. On CUDA it is a
+  Triton kernel (`relax.backends.inference.core.triton_attention`) that walks the block table, so it has fixed
+  shapes and runs inside CUDA graphs; elsewhere the sequences' K/V are gathered and padded for SDPA.
+- prefill (packed prompts, no padding in the projections and MLP): `prefill_attention` attends each prompt's new
+  tokens to every earlier token of the sequence, the ones already in the pool (a shared prompt prefix) included;
+  the queries and K/V are gathered into a padded batch for SDPA with a causal, per-sequence mask.
+
+`StepMetadata` carries what every layer of a step needs, computed once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class StepMetadata:
+    """Per-step attention inputs (device tensors). ``slot_mapping [T]``: where each input token's K/V goes.
+
+    Decode: ``block_tables [B, max_blocks]`` int32 and ``context_lens [B]`` int32 (the tokens of each sequence,
+    the new one included). Prefill, padded views for SDPA: ``query_rows [B, Lq]`` (index of each padded query
+    row in the packed tokens; ``T`` marks padding), ``key_slots [B, Lk]`` (pool slot of each key position) and
+    ``mask [B, 1, Lq, Lk]`` (True: may attend), ``packed_rows [T]`` (flat index of each packed token in the
+    padded ``[B * Lq]`` rows). For decode without Triton the same ``key_slots`` and ``mask`` are used.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    query_rows: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    packed_rows: torch.Tensor | None = None
+    use_triton: bool = False
+    block_size: int = 0
+
+
+def write_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+             values: torch.Tensor) -> None:
+    """Store ``keys``/``values`` ``[T, Hkv, D]`` at pool ``slots`` ``[T]``."""
+    key_pool.index_copy_(0, slots, keys)
+    value_pool.index_copy_(0, slots, values)
+
+
+def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: list[int], ends: list[int],
+                     device: torch.device) -> StepMetadata:
+    """A prefill step over sequences whose tokens ``starts[i]..ends[i]`` are computed (``0..starts[i]`` are in
+    the pool already)."""
+    query_lens = [end - start for start, end in zip(starts, ends)]
+    total = sum(query_lens)
+    longest_query, longest_key = max(query_lens), max(ends)
+    query_rows = torch.full((len(ends), longest_query), total, dtype=torch.long)
+    key_slots = torch.zeros((len(ends), longest_key), dtype=torch.long)
+    query_positions = torch.full((len(ends), longest_query), -1, dtype=torch.long)
+    slot_mapping, packed_rows = [], []
+    offset = 0
+    for row, (table, start, end) in enumerate(zip(block_tables, starts, ends)):
+        positions = torch.arange(end)
+        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+        key_slots[row, :end] = slots
+        slot_mapping.append(slots[start:end])
+        length = end - start
+        query_rows[row, :length] = torch.arange(offset, offset + length)
+        query_positions[row, :length] = torch.arange(start, end)
+        packed_rows.append(torch.arange(length) + row * longest_query)
+        offset += length
+    key_positions = torch.arange(longest_key)
+    ends_tensor = torch.tensor(ends)
+    # A query at position p attends to keys 0..p of its own sequence; padding rows attend to key 0 (never NaN).
+    mask = (key_positions[None, None, :] <= query_positions[:, :, None]) & (key_positions < ends_tensor[:, None])[:, None]
+    mask[:, :, 0] |= query_positions < 0
+    return StepMetadata(
+        is_prefill=True, slot_mapping=torch.cat(slot_mapping).to(device), query_rows=query_rows.to(device),
+        key_slots=key_slots.to(device), mask=mask[:, None].to(device), packed_rows=torch.cat(packed_rows).to(device),
+    )
+
+
+def decode_metadata(block_size: int, block_tables: list[list[int]], context_lens: list[int], device: torch.device,
+                    use_triton: bool, max_blocks: int | None = None) -> StepMetadata:
+    """A decode step: sequence ``i`` holds ``context_lens[i]`` tokens, its newest at slot ``context_lens[i] - 1``."""
+    width = max_blocks or max(len(t) for t in block_tables)
+    tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
+    for row, table in enumerate(block_tables):
+        tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    last = (lens - 1).long()
+    slot_mapping = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1) * block_size + last % block_size
+    metadata = StepMetadata(is_prefill=False, slot_mapping=slot_mapping.to(device), block_tables=tables.to(device),
+                            context_lens=lens.to(device), use_triton=use_triton, block_size=block_size)
+    if not use_triton:
+        longest = int(lens.max())
+        positions = torch.arange(longest)
+        metadata.key_slots = (tables.long()[:, positions // block_size] * block_size + positions % block_size).to(device)
+        metadata.mask = (positions[None, :] < lens[:, None])[:, None, None].to(device)
+    return metadata
+
+
+def attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, metadata: StepMetadata,
+           scale: float) -> torch.Tensor:
+    """Attention of ``query [T, Hq, D]`` (the step's packed tokens) over the pool; ``[T, Hq * D]``."""
+    if metadata.is_prefill:
+        return _padded_attention(query, key_pool, value_pool, metadata, scale)
+    if metadata.use_triton:
+        from relax.backends.inference.core.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(query, key_pool, value_pool, metadata.block_tables, metadata.context_lens,
+                                      scale, metadata.block_size).flatten(1)
+    return _padded_attention(query, key_pool, value_pool, metadata, scale)
+
+
+def _padded_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                      metadata: StepMetadata, scale: float) -> torch.Tensor:
+    tokens, heads, dim = query.shape
+    if metadata.is_prefill:
+        padded = torch.cat([query, query.new_zeros(1, heads, dim)])[metadata.query_rows]  # [B, Lq, Hq, D]
+    else:
+        padded = query[:, None]  # [B, 1, Hq, D]
+    keys = key_pool[metadata.key_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
+    values = value_pool[metadata.key_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=metadata.mask, scale=scale,
+                                         enable_gqa=heads != keys.shape[1])  # [B, Hq, Lq, D]
+    out = out.transpose(1, 2).reshape(-1, heads * dim)
+    return out[metadata.packed_rows] if metadata.is_prefill else out

@@ -1,0 +1,103 @@
+"""The forward of the text decoders the core runs, over the Hugging Face model's own modules and weights.
+
+Qwen3, Qwen2 and Llama (and their fine-tunes) share one layer shape: RMSNorm, q/k/v projections (Qwen3 also
+normalises q and k per head), rotary positions, attention, o projection, a gated MLP. The core calls the
+model's norms, projections and MLP as they are and replaces only the attention with the paged one
+(`attention.attend`), over packed tokens ``[T, hidden]`` with no padding. Using the model's parameters in place
+means a weight update (an in-place copy) reaches the core, and CUDA graphs captured on them stay valid.
+
+Rotary embeddings come from the model's own rotary module, evaluated once for every position up to
+``max_position_embeddings`` (position-only rope types: a type whose frequencies depend on the sequence
+length is not supported). Other families (vision-language, omni, mixture-of-experts, sliding windows) run on
+the Hugging Face path of `EmbeddedEngine`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from relax.backends.inference.core.attention import StepMetadata, attend, write_kv
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the core cannot run ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (the core runs {', '.join(SUPPORTED_MODEL_TYPES)})"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model does not have the usual decoder layout (model.embed_tokens/layers/norm/rotary_emb)"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in POSITION_ONLY_ROPE_TYPES:
+        return f"rope type {rope_type!r}"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class TextDecoder:
+    """``forward(input_ids [T], positions [T], pools, metadata) -> hidden [T, hidden]`` after the final norm;
+    `logits` applies the LM head (in the model dtype, then float32, as the training forward does)."""
+
+    def __init__(self, model: nn.Module, max_positions: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the engine core cannot run this model: {reason}")
+        inner = model.model
+        self.model = model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        attention = self.layers[0].self_attn
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(attention, "head_dim", config.hidden_size // config.num_attention_heads)
+        self.scale = getattr(attention, "scaling", self.head_dim ** -0.5)
+        self.has_qk_norm = hasattr(attention, "q_norm")
+        parameter = next(model.parameters())
+        with torch.no_grad():
+            positions = torch.arange(max_positions, device=parameter.device)[None]
+            cos, sin = inner.rotary_emb(parameter[:1].to(parameter.dtype), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim], in the model dtype as in its forward
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
+                value_pools: list[torch.Tensor], metadata: StepMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
+        tokens = hidden.shape[0]
+        for layer, key_pool, value_pool in zip(self.layers, key_pools, value_pools):
+            attention = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            query = attention.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+            key = attention.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+            value = attention.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+            if self.has_qk_norm:
+                query, key = attention.q_norm(query), attention.k_norm(key)
+            query = query * cos + _rotate_half(query) * sin
+            key = key * cos + _rotate_half(key) * sin
+            write_kv(key_pool, value_pool, metadata.slot_mapping, key, value)
+            hidden = residual + attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

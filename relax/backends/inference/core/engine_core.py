@@ -1,0 +1,207 @@
+"""The step loop behind `EmbeddedEngine.generate` for the models the core runs: continuous batching.
+
+Every `generate` call puts its requests into the scheduler's waiting queue and awaits them; one loop task (on
+the event loop of the calls) runs steps while any request waits or runs: at each step boundary it lets other
+coroutines run, holds while the engine is paused, finishes aborted requests, then runs the step the scheduler
+picks (a prefill of newly admitted requests or a decode of all running ones) and hands each request its token.
+So concurrent callers (the router, `relax serve`, the turns of agentic episodes, `RequestBatcher`) share one
+running batch, and a request leaves it the step it finishes.
+
+Sampling. Every request samples from noise keyed by its own seed and the position of the token
+(`CounterNoise`), so a seeded request gets the same tokens whatever shares its steps. A request without a seed
+gets a random one. Requests of one call that carry the same seed get distinct streams (the seed mixed with
+their order among those requests), so the samples of a GRPO group sharing a step seed differ, and the same call
+repeated gives the same samples.
+
+Cost per step: one host synchronization (the sampled tokens and their log-probs, which the stop checks need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import Callable, Sequence as SequenceOf
+
+import torch
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds
+from relax.backends.inference.core.block_manager import BlockManager
+from relax.backends.inference.core.model_runner import ModelRunner
+from relax.backends.inference.core.scheduler import Scheduler, Step
+from relax.backends.inference.core.sequence import Sequence, SequenceStatus
+from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
+
+PAUSE_POLL_S = 0.001
+
+
+def mix_seed(seed: int, occurrence: int) -> int:
+    return seed if occurrence == 0 else (seed * 1_000_003 + 7919 * occurrence) % (2**63)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, tokenizer,
+                 eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int]) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.pauses = pauses
+        self.weight_version = weight_version
+        self.steps = 0  # engine steps run (prefill and decode), a liveness and batching signal
+        self.decode_steps = 0
+        self._arrivals = itertools.count()
+        self._aborted: set[str] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._random = random.Random()
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, requests: SequenceOf[GenerationRequest]) -> list[GenerationOutput]:
+        loop = asyncio.get_running_loop()
+        occurrences: dict[int, int] = {}
+        sequences = []
+        for request in requests:
+            params = request.sampling_params
+            if params.seed is None:
+                seed = self._random.getrandbits(63)
+            else:
+                occurrence = occurrences.get(params.seed, 0)
+                occurrences[params.seed] = occurrence + 1
+                seed = mix_seed(params.seed % (2**63), occurrence)
+            sequences.append(self._new_sequence(request, seed, loop))
+        for sequence in sequences:
+            self.scheduler.add(sequence)  # too long for the pool: raises before anything is queued twice
+        self._ensure_loop(loop)
+        try:
+            await asyncio.gather(*(s.future for s in sequences))
+        except asyncio.CancelledError:
+            self.abort([s.request_id for s in sequences if s.status is not SequenceStatus.FINISHED])
+            raise
+        return [self._output(s) for s in sequences]
+
+    def abort(self, request_ids: SequenceOf[str]) -> None:
+        """Finish these requests at the next step boundary with ``finish_reason == "abort"``."""
+        live = {s.request_id for s in itertools.chain(self.scheduler.waiting, self.scheduler.running)}
+        self._aborted.update(rid for rid in request_ids if rid in live)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def on_weights_updated(self) -> None:
+        self.blocks.reset_prefix_cache()  # K/V cached under the old weights must not serve new prompts
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _ensure_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        task = self._loop_task
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return
+        self._loop_task = loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while self.scheduler.has_work:
+                await asyncio.sleep(0)
+                while self.pauses and not self._aborted:
+                    await asyncio.sleep(PAUSE_POLL_S)
+                self._finish_aborted()
+                if not self.scheduler.has_work:
+                    break
+                self._run_step(self.scheduler.schedule())
+        except BaseException as error:  # noqa: BLE001 - a failed step fails every request it holds
+            self._fail_all(error)
+            if not isinstance(error, Exception):
+                raise
+
+    def _run_step(self, step: Step) -> None:
+        sequences = step.sequences
+        if not sequences:
+            return
+        version = self.weight_version()
+        logits = self.runner.prefill(sequences) if step.prefill else self.runner.decode(sequences)
+        tokens, log_probs = self._sample(logits, sequences)
+        self.steps += 1
+        self.decode_steps += bool(step.decode)
+        for sequence, token, log_prob in zip(sequences, tokens, log_probs):
+            sequence.num_cached = len(sequence)  # every token but the new one has its K/V in the pool now
+            self._append(sequence, int(token), log_prob, version)
+        self._check_stop_strings([s for s in sequences if s.finish_reason != "stop"])  # a stop beats "length"
+        self._complete([s for s in sequences if s.finish_reason is not None])
+
+    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[float], list[float]]:
+        device = logits.device
+        sampling = BatchSampling.from_params([s.params for s in sequences], device)
+        noise = CounterNoise(torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=device),
+                             torch.tensor([len(s) for s in sequences], dtype=torch.int64, device=device))
+        tokens, log_probs = sample_next_tokens(logits, sampling, noise)
+        # The step's one host synchronization. Float64 holds token ids exactly.
+        return torch.stack((tokens.to(torch.float64), log_probs.to(torch.float64))).tolist()
+
+    def _append(self, sequence: Sequence, token: int, log_prob: float, version: int) -> None:
+        sequence.token_ids.append(token)
+        sequence.output_log_probs.append(log_prob)
+        sequence.output_weight_versions.append(version)
+        if sequence.request.on_token is not None:
+            sequence.request.on_token(token, log_prob)
+        if token in sequence.stop_token_ids:
+            sequence.finish_reason = "stop"
+        elif sequence.num_outputs >= sequence.params.max_new_tokens:
+            sequence.finish_reason = "length"
+
+    def _check_stop_strings(self, sequences: list[Sequence]) -> None:
+        """Finish with "stop" the sequences whose output text now holds one of their stop strings (only the tail
+        of each output is decoded, in one batched call; the matching token is kept)."""
+        candidates = [s for s in sequences if s.params.stop]
+        if not candidates:
+            return
+        tails = self.tokenizer.batch_decode([s.output_ids[-s.stop_window_tokens:] for s in candidates],
+                                            skip_special_tokens=True)
+        for sequence, tail in zip(candidates, tails):
+            if any(stop in tail for stop in sequence.params.stop):
+                sequence.finish_reason = "stop"
+
+    def _finish_aborted(self) -> None:
+        if not self._aborted:
+            return
+        aborted = [s for s in itertools.chain(self.scheduler.waiting, self.scheduler.running)
+                   if s.request_id in self._aborted]
+        self._aborted.clear()
+        for sequence in aborted:
+            sequence.finish_reason = "abort"
+        self._complete(aborted)
+
+    def _complete(self, sequences: list[Sequence]) -> None:
+        if not sequences:
+            return
+        self.scheduler.finish(sequences)
+        for sequence in sequences:
+            if sequence.future is not None and not sequence.future.done():
+                sequence.future.set_result(None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        live = list(itertools.chain(self.scheduler.waiting, self.scheduler.running))
+        self.scheduler.finish(live)
+        for sequence in live:
+            if sequence.future is not None and not sequence.future.done():
+                sequence.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _new_sequence(self, request: GenerationRequest, seed: int, loop: asyncio.AbstractEventLoop) -> Sequence:
+        params = request.sampling_params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        # A token decodes to at least one UTF-8 byte (special tokens aside), so a stop string of n bytes ends within
+        # the last n tokens; one more covers a stripped leading space, one more a partial character.
+        window = max((len(stop.encode()) for stop in params.stop), default=0) + 2
+        return Sequence(request=request, seed=seed, stop_token_ids=stop_ids, stop_window_tokens=window,
+                        arrival=next(self._arrivals), future=loop.create_future())
+
+    def _output(self, sequence: Sequence) -> GenerationOutput:
+        versions = sequence.output_weight_versions
+        return GenerationOutput(
+            request_id=sequence.request_id, output_ids=sequence.output_ids,
+            output_log_probs=sequence.output_log_probs, finish_reason=sequence.finish_reason or "abort",
+            weight_version=versions[-1] if versions else self.weight_version(),
+            text=self.tokenizer.decode(sequence.output_ids, skip_special_tokens=True),
+            output_weight_versions=versions,
+        )

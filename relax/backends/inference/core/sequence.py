@@ -1,0 +1,64 @@
+"""One request inside the engine core: its tokens, blocks and outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from relax.backends.inference.base import FinishReason, GenerationRequest, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no KV in the pool (new, or preempted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """``token_ids`` are the prompt then the outputs; the K/V of the first ``num_cached`` of them are in the pool.
+
+    ``seed`` drives the sampling noise of every token of this sequence (with the token's position), so the
+    tokens do not depend on which other sequences share a step. ``stop_token_ids`` includes EOS unless the
+    request ignores it.
+    """
+
+    request: GenerationRequest
+    seed: int
+    stop_token_ids: frozenset[int]
+    stop_window_tokens: int  # stop strings are searched in the decoded text of this many last output tokens
+    arrival: int  # admission order: the youngest running sequence is preempted first
+    future: asyncio.Future | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_log_probs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.input_ids)
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

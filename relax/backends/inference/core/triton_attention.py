@@ -1,0 +1,74 @@
+"""Decode attention over the paged KV pool as a Triton kernel (CUDA).
+
+One program per (sequence, KV head) walks the sequence's block table ``BLOCK_N`` token slots at a time, loads
+those slots' keys and values (rows of the pool gathered through the table), and keeps an online softmax for the
+query heads that share the KV head (grouped-query attention). The query group is padded to 16 rows so that both
+products run on the tensor cores; the padding rows are never stored. Shapes are fixed by the batch and the
+table width, and lengths are read from device memory, so the kernel runs inside CUDA graphs. The bytes it must
+move are the sequences' K/V (and the queries): decode is bound by them, not by arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    length = tl.load(lens_ptr + seq)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    maximum = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, length, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        valid = positions < length
+        blocks = tl.load(tables_ptr + seq * stride_tb + positions // PAGE, mask=valid, other=0)
+        slots = blocks.to(tl.int64) * PAGE + positions % PAGE
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=valid[:, None],
+                    other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(maximum, tl.max(scores, axis=1))
+        correction = tl.exp(maximum - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        total = total * correction + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
+                    other=0.0)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        maximum = new_max
+    out = acc / total[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
+                           block_n: int = 64) -> torch.Tensor:
+    """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
+    ``page``-slot blocks, ``block_tables [B, W]`` int32); ``[B, Hq, D]``."""
+    batch, heads, dim = query.shape
+    kv_heads = key_pool.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(query)
+    _paged_decode_kernel[(batch, kv_heads)](
+        query, key_pool, value_pool, out, block_tables, context_lens, scale,
+        query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
+        value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
+        BLOCK_N=block_n, num_warps=4, num_stages=2,
+    )
+    return out
