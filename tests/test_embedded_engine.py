@@ -11,7 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
-from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARACTERS = string.digits + string.ascii_lowercase + " +-=*/.,:;!?()'\"#<>[]{}_@"
@@ -56,9 +56,24 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()
 
 
+# Every contract test runs on both paths: the Hugging Face loop ("off") and the engine core ("on").
+ENGINE_PATHS = ["hf", "core"]
+
+
+def make_engine(model, tokenizer, path: str, **kwargs) -> EmbeddedEngine:
+    return EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on" if path == "core" else "off"), **kwargs)
+
+
+@pytest.fixture(params=ENGINE_PATHS)
+def engine_path(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def engine(tokenizer) -> EmbeddedEngine:
-    return EmbeddedEngine(make_model(seed=0), tokenizer)
+def engine(tokenizer, engine_path) -> EmbeddedEngine:
+    engine = make_engine(make_model(seed=0), tokenizer, engine_path)
+    assert (engine.core is not None) == (engine_path == "core")
+    return engine
 
 
 def requests_for(tokenizer, prompts=PROMPTS, **params) -> list[GenerationRequest]:
@@ -184,13 +199,13 @@ def test_max_new_tokens_per_row_finishes_with_length(engine, tokenizer):
         assert len(output.output_log_probs) == limit
 
 
-def test_eos_from_generation_config_stops_unless_ignored(tokenizer):
+def test_eos_from_generation_config_stops_unless_ignored(tokenizer, engine_path):
     model = make_model(seed=0)
     request = requests_for(tokenizer, prompts=["hello"], max_new_tokens=12, temperature=0.0, ignore_eos=True)[0]
-    reference = generate(EmbeddedEngine(model, tokenizer), [request])[0].output_ids
+    reference = generate(make_engine(model, tokenizer, engine_path), [request])[0].output_ids
     # The model's generation config may name EOS ids beyond the tokenizer's.
     model.generation_config.eos_token_id = [EOS_ID, reference[3]]
-    engine = EmbeddedEngine(model, tokenizer)
+    engine = make_engine(model, tokenizer, engine_path)
 
     ignored = generate(engine, [request])[0]
     assert ignored.output_ids == reference and ignored.finish_reason == "length"
@@ -279,8 +294,8 @@ def test_abort_while_paused_returns_without_resume(engine, tokenizer):
     assert output.finish_reason == "abort" and len(output.output_ids) >= 3
 
 
-def test_weight_update_while_paused_is_recorded_per_token(tokenizer):
-    engine = EmbeddedEngine(make_model(seed=0), tokenizer)
+def test_weight_update_while_paused_is_recorded_per_token(tokenizer, engine_path):
+    engine = make_engine(make_model(seed=0), tokenizer, engine_path)
     new_weights = list(make_model(seed=1).named_parameters())
 
     async def scenario():

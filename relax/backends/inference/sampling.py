@@ -85,8 +85,8 @@ class CounterNoise:
     draws came before. The engine core gives each request a seed and uses the token's position as the counter,
     so a seeded request samples the same tokens whatever shares its steps (continuous batching).
 
-    On CUDA one Triton kernel draws every row (Philox, keyed by a 32-bit mix of seed and counter); elsewhere each
-    row seeds a generator of its own.
+    On CUDA one Triton kernel draws every row (Philox keyed by the row's key, counter = vocabulary index);
+    elsewhere a vectorised splitmix64 of (row key, vocabulary index) gives the uniforms.
     """
 
     def __init__(self, seeds: torch.Tensor, counters: torch.Tensor) -> None:
@@ -105,11 +105,19 @@ class CounterNoise:
             from relax.backends.inference.core.triton_sampling import exponential_noise
 
             return exponential_noise(keys, weights.shape[1])
-        noise = torch.empty_like(weights)
-        for row, key in enumerate(keys.tolist()):
-            generator = torch.Generator(device=weights.device).manual_seed(key)
-            noise[row].exponential_(generator=generator)
-        return noise
+        columns = torch.arange(1, weights.shape[1] + 1, dtype=torch.int64, device=weights.device)
+        bits = _splitmix64(keys[:, None] + columns * -7046029254386353131)
+        uniform = ((bits >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53  # [0, 1), 53 random bits
+        return (-torch.log1p(-uniform)).to(weights.dtype)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic; logical shifts written as masked ones)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * -4658895280553007687
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * -7723592293110705685
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
 Randomness = Union[torch.Generator, RowGenerators, CounterNoise]

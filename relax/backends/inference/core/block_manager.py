@@ -11,8 +11,9 @@ compute their shared prompt once. Blocks keyed this step are shared by the other
 batch too: K/V is written layer by layer before attention reads it, so a block written by one row of the batch
 is complete before another row's attention at that layer reads it. A freed block keeps its key (and content)
 until the block is handed out again, least recently freed first, so a prompt seen again soon is found again.
-Only full prompt blocks before the block of a prompt's last token are shared, so a sequence writes only into
-blocks it alone holds (no copy-on-write).
+Keyed sharing covers full prompt blocks before the block of a prompt's last token, which no one writes into.
+Sequences with the very same prompt in one prefill step share all its blocks instead (`fork`: the prompt is
+computed once and its logits serve every sample); the first write into a shared block copies it.
 `reset_prefix_cache` forgets every key (new weights make the cached K/V stale).
 """
 
@@ -65,10 +66,10 @@ class BlockManager:
             count += 1
         return count
 
-    def can_allocate(self, tokens: Sequence[int], extra_tokens: int = 0) -> bool:
+    def can_allocate(self, tokens: Sequence[int], extra_tokens: int = 0, share: bool = True) -> bool:
         """Whether `allocate` of ``tokens`` (+ room for ``extra_tokens`` more) would succeed."""
         needed = self.blocks_for(len(tokens) + extra_tokens)
-        cached = self.cached_prefix_blocks(tokens)
+        cached = self.cached_prefix_blocks(tokens) if share else 0
         revived = sum(1 for b in self._cached_blocks(tokens, cached) if self.refcount[b] == 0)
         return needed - cached + revived <= self.num_free
 
@@ -80,7 +81,7 @@ class BlockManager:
 
         The block holding the last token is never taken from the pool: that token is computed again (its logits
         give the next token), and its K/V must land in a block this sequence alone writes."""
-        if not self.can_allocate(tokens):
+        if not self.can_allocate(tokens, share=share):
             raise OutOfBlocks(f"{self.blocks_for(len(tokens))} blocks needed, {self.num_free} free")
         table: list[int] = []
         key = None
@@ -103,10 +104,28 @@ class BlockManager:
             table.append(block)
         return table, cached_tokens
 
-    def append_slot(self, block_table: list[int], num_tokens: int) -> None:
-        """Make room for token ``num_tokens - 1`` (a sequence now ``num_tokens`` long)."""
-        if len(block_table) * self.block_size < num_tokens:
+    def fork(self, block_table: Sequence[int]) -> list[int]:
+        """The same blocks for a second sequence with the same tokens (a GRPO sample of a prompt prefilled this
+        step); the partial last block is copied when either writes into it (`append_slot`)."""
+        for block in block_table:
+            self._take(block)
+        return list(block_table)
+
+    def append_slot(self, block_table: list[int], num_tokens: int) -> tuple[int, int] | None:
+        """Make room for token ``num_tokens - 1`` (a sequence now ``num_tokens`` long). When that slot falls in a
+        block another sequence holds too, the block is replaced by a private one: returns ``(source, copy)``,
+        whose K/V the caller copies before writing (copy-on-write); else None."""
+        index = (num_tokens - 1) // self.block_size
+        if index >= len(block_table):
             block_table.append(self._new_block())
+            return None
+        shared = block_table[index]
+        if self.refcount[shared] == 1:
+            return None
+        copy = self._new_block()
+        self.refcount[shared] -= 1
+        block_table[index] = copy
+        return shared, copy
 
     def free(self, block_table: Sequence[int]) -> None:
         for block in reversed(block_table):

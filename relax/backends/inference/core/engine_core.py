@@ -119,6 +119,7 @@ class EngineCore:
         if not sequences:
             return
         version = self.weight_version()
+        self.runner.copy_blocks(step.copies)
         logits = self.runner.prefill(sequences) if step.prefill else self.runner.decode(sequences)
         tokens, log_probs = self._sample(logits, sequences)
         self.steps += 1

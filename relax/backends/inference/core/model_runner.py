@@ -50,6 +50,7 @@ class ModelRunner:
         self.graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self.prefill_tokens = 0  # tokens computed by prefill steps (a shared prompt prefix is computed once)
         if cuda_graphs and self.use_triton and self.graph_sizes:
             self._capture_graphs()
 
@@ -60,16 +61,30 @@ class ModelRunner:
     # ---- steps ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, sequences: list[Sequence]) -> torch.Tensor:
-        """Compute tokens ``num_cached..len`` of every sequence; the logits after each one's last token, [B, V]."""
-        starts = [s.num_cached for s in sequences]
-        ends = [len(s) for s in sequences]
-        tokens = [t for s, start in zip(sequences, starts) for t in s.token_ids[start:]]
+        """Compute tokens ``num_cached..len`` of every sequence that has any to compute; the logits after each
+        sequence's last token, [B, V] (a sequence sharing a prompt whole, ``prefill_twin_of``, gets its twin's)."""
+        computed = [s for s in sequences if s.prefill_twin_of is None]
+        starts = [s.num_cached for s in computed]
+        ends = [len(s) for s in computed]
+        tokens = [t for s, start in zip(computed, starts) for t in s.token_ids[start:]]
         positions = [p for start, end in zip(starts, ends) for p in range(start, end)]
-        metadata = prefill_metadata(self.block_size, [s.block_table for s in sequences], starts, ends, self.device)
+        metadata = prefill_metadata(self.block_size, [s.block_table for s in computed], starts, ends, self.device)
+        self.prefill_tokens += len(tokens)
         hidden = self.decoder.forward(self._to_device(tokens), self._to_device(positions), self.key_pools,
                                       self.value_pools, metadata)
         last = torch.tensor(ends, dtype=torch.long).sub(torch.tensor(starts)).cumsum(0) - 1
-        return self.decoder.logits(hidden[last.to(self.device)])
+        row_of = {id(s): row for row, s in enumerate(computed)}
+        rows = [row_of[id(s.prefill_twin_of or s)] for s in sequences]
+        return self.decoder.logits(hidden[last[rows].to(self.device)])
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block ``source`` into block ``copy`` for each pair, every layer (copy-on-write)."""
+        if not copies:
+            return
+        page = self.block_size
+        source = torch.tensor([s * page + i for s, _ in copies for i in range(page)], device=self.device)
+        target = torch.tensor([c * page + i for _, c in copies for i in range(page)], device=self.device)
+        self.kv[:, :, target] = self.kv[:, :, source]
 
     @torch.inference_mode()
     def decode(self, sequences: list[Sequence]) -> torch.Tensor:

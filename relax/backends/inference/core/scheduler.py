@@ -32,6 +32,7 @@ class Step:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks to copy before the step
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -49,6 +50,7 @@ class Scheduler:
         self.reserve_tokens = reserve_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     def add(self, sequence: Sequence) -> None:
         if self.blocks.blocks_for(len(sequence) + 1) > self.blocks.num_blocks - 1:
@@ -64,7 +66,7 @@ class Scheduler:
         step = Step(prefill=self._admit())
         if step.prefill:
             return step
-        step.decode, step.preempted = self._decode_set()
+        step.decode, step.preempted, step.copies = self._decode_set()
         return step
 
     def finish(self, sequences: Iterable[Sequence]) -> None:
@@ -80,26 +82,40 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------------
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
+        leaders: dict[tuple[int, ...], Sequence] = {}  # prompts admitted this step, by their tokens
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_running:
             sequence = self.waiting[0]
             prompt = sequence.token_ids
             share = sequence.num_outputs == 0  # a recomputed sequence's outputs are not a prompt to share
-            if not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0):
-                break
-            to_compute = len(prompt) - self.blocks.cached_prefix_blocks(prompt) * self.blocks.block_size
-            if admitted and to_compute > budget:
-                break
-            self.waiting.popleft()
-            sequence.block_table, sequence.num_cached = self.blocks.allocate(prompt, share=share)
+            leader = leaders.get(tuple(prompt)) if share else None
+            if leader is not None:  # a sample of a prompt prefilled this step: its blocks and logits
+                if self.blocks.num_free < self.blocks.blocks_for(self.reserve_tokens):
+                    break
+                self.waiting.popleft()
+                sequence.block_table, sequence.num_cached = self.blocks.fork(leader.block_table), len(prompt)
+                sequence.prefill_twin_of = leader
+            else:
+                if not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share):
+                    break
+                cached = self.blocks.cached_prefix_blocks(prompt) if share else 0
+                to_compute = len(prompt) - cached * self.blocks.block_size
+                if admitted and to_compute > budget:
+                    break
+                self.waiting.popleft()
+                sequence.block_table, sequence.num_cached = self.blocks.allocate(prompt, share=share)
+                sequence.prefill_twin_of = None
+                budget -= to_compute
+                if share:
+                    leaders[tuple(prompt)] = sequence
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             admitted.append(sequence)
-            budget -= to_compute
         return admitted
 
-    def _decode_set(self) -> tuple[list[Sequence], list[Sequence]]:
+    def _decode_set(self) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
         preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
         for sequence in sorted(self.running, key=lambda s: s.arrival):
             if sequence.status is not SequenceStatus.RUNNING:
                 continue  # preempted below to make room for an older one
@@ -110,14 +126,20 @@ class Scheduler:
                     raise RuntimeError(f"the KV pool cannot hold request {sequence.request_id!r} alone")
                 self._preempt(victim)
                 preempted.append(victim)
-            self.blocks.append_slot(sequence.block_table, len(sequence))
+            copy = self.blocks.append_slot(sequence.block_table, len(sequence))
+            if copy is not None:
+                copies.append(copy)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        return sorted(self.running, key=lambda s: s.arrival), preempted
+        return sorted(self.running, key=lambda s: s.arrival), preempted, copies
 
     def _has_slot(self, sequence: Sequence) -> bool:
-        return len(sequence.block_table) * self.blocks.block_size >= len(sequence) or self.blocks.num_free > 0
+        """A free block is needed when the newest token opens a block, or lands in a block held with others."""
+        index = (len(sequence) - 1) // self.blocks.block_size
+        own = index < len(sequence.block_table) and self.blocks.refcount[sequence.block_table[index]] == 1
+        return own or self.blocks.num_free > 0
 
     def _preempt(self, sequence: Sequence) -> None:
+        self.preemptions += 1
         self._release(sequence)
         sequence.status = SequenceStatus.WAITING
         self.waiting.appendleft(sequence)

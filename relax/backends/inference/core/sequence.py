@@ -38,6 +38,8 @@ class Sequence:
     output_log_probs: list[float] = field(default_factory=list)
     output_weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # In a prefill step: the sequence whose prompt this one shares whole, whose logits it samples from.
+    prefill_twin_of: Sequence | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
