@@ -244,3 +244,34 @@ def test_on_cuda_the_core_with_graphs_matches_the_hf_path(tokenizer):
     assert agree >= 18  # bf16: an argmax tie can flip a token, then the rest differs
     first = [a.output_log_probs[0] - b.output_log_probs[0] for a, b in zip(fast, slow)]
     assert max(abs(d) for d in first) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, kv_heads, page", [(16, 8, 16), (32, 8, 16), (4, 4, 8)])
+def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page):
+    from relax.backends.inference.core.triton_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    dim, blocks, batch = 128, 600, 9
+    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    lens = torch.tensor([1, 2, 15, 16, 17, 64, 65, 300, 777], dtype=torch.int32, device="cuda")
+    tables = torch.zeros(batch, 64, dtype=torch.int32, device="cuda")
+    order = (torch.randperm(blocks - 1, device="cuda") + 1).to(torch.int32)
+    used = 0
+    for row, length in enumerate(lens.tolist()):
+        count = -(-length // page)
+        tables[row, :count] = order[used:used + count]
+        used += count
+    query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page)
+    for row, length in enumerate(lens.tolist()):
+        positions = torch.arange(length, device="cuda")
+        slots = tables[row].long()[positions // page] * page + positions % page
+        k = keys[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = values[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", query[row].float(), k) * dim ** -0.5).softmax(-1)
+        expected = torch.einsum("hl,lhd->hd", probs, v)
+        error = (out[row].float() - expected).norm() / expected.norm()
+        assert error < 1e-2, (row, length, error)

@@ -1,0 +1,200 @@
+"""Rollout decoding on a GPU: the engine core beside today's Hugging Face path and `model.generate`.
+
+For each setting (a model shape and a batch size), the same random prompts (``--prompt-len`` tokens, all
+distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temperature 1, EOS ignored) from:
+
+- ``core``: `EmbeddedEngine` on its engine core (paged KV pool, continuous batching, decode in CUDA graphs);
+- ``previous``: `EmbeddedEngine` on the Hugging Face path it used before the core (``CoreSettings(mode="off")``);
+- ``generate``: ``model.generate`` (sampling, static batch), the plain baseline.
+
+Each is timed after a warm-up call (kernels compiled, graphs captured). Tokens/s counts new tokens over the
+wall time of the call (prefill included). The HBM bound of a setting is the decode-only time of reading, at
+every step, the weights once and every sequence's K/V so far, at ``--bandwidth`` bytes/s (4.3 TB/s measured
+copy bandwidth on the H200); the JSON gives each engine's fraction of it.
+
+    python -m benchmarks.engine_gpu                        # the issue's settings, all three engines
+    python -m benchmarks.engine_gpu --only core            # the core alone (quick)
+    python -m benchmarks.engine_gpu --tiny --device cpu    # smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY, word_tokenizer
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=True)
+SETTINGS = [("qwen3-0.6b", 64), ("qwen3-0.6b", 256), ("qwen3-0.6b", 512), ("qwen3-4b", 256)]
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "tiny": TINY}
+
+
+def build_model(shape: dict, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def hbm_bound_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> float:
+    """New tokens over the decode-only time of reading the weights and the K/V so far once per step."""
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                          * next(model.parameters()).element_size())
+    seconds = sum(weight_bytes + batch * (prompt_len + step) * kv_bytes_per_token for step in range(new_tokens))
+    return batch * new_tokens / (seconds / bandwidth)
+
+
+def requests_for(prompts: list[list[int]], new_tokens: int, tag: str) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{tag}-{i}", prompt, SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                                                  ignore_eos=True, seed=i))
+            for i, prompt in enumerate(prompts)]
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    asyncio.run(engine.generate(requests_for(prompts[:8], 8, "warmup")))
+    synchronize(device)
+    steps_before = engine.core.steps if engine.core else None
+    started = time.perf_counter()
+    outputs = asyncio.run(engine.generate(requests_for(prompts, new_tokens, "timed")))
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    produced = sum(len(o.output_ids) for o in outputs)
+    result = {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
+    if steps_before is not None:
+        result["engine_steps"] = engine.core.steps - steps_before
+    return result
+
+
+def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    input_ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+    model.generate(input_ids[:8], **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+    synchronize(device)
+    started = time.perf_counter()
+    out = model.generate(input_ids, **kwargs)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    produced = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+    return {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
+
+
+def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(SHAPES[shape_name], device, dtype)
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(2, model.config.vocab_size, (batch, args.prompt_len), generator=generator).tolist()
+    bound = hbm_bound_tokens_per_s(model, batch, args.prompt_len, args.new_tokens, args.bandwidth)
+    result: dict = {"shape": shape_name, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                    "hbm_bound_tokens_per_s": bound}
+    for name in engines:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if name == "generate":
+            timing = time_generate(model, prompts, args.new_tokens, device)
+        else:
+            mode = "on" if name == "core" else "off"
+            pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
+            engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                                    core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
+            timing = time_engine(engine, prompts, args.new_tokens, device)
+            del engine
+        if device == "cuda":
+            timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        timing["fraction_of_hbm_bound"] = timing["tokens_per_s"] / bound
+        result[name] = timing
+        print(f"{shape_name} batch {batch} {name:9s}: {timing['tokens_per_s']:10,.0f} tokens/s "
+              f"({timing['seconds']:.2f} s; {100 * timing['fraction_of_hbm_bound']:.1f}% of the HBM bound "
+              f"{bound:,.0f})", flush=True)
+    core = result.get("core", {}).get("tokens_per_s")
+    for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
+        if core and baseline in result:
+            result[key] = core / result[baseline]["tokens_per_s"]
+    del model
+    return result
+
+
+def profile_core(setting: tuple[str, int], args) -> None:
+    """Kernel times of a short core run (16 new tokens) of ``setting``, as a table, to ``args.profile``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape_name, batch = setting
+    model = build_model(SHAPES[shape_name], args.device, torch.bfloat16)
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    prompts = torch.randint(2, model.config.vocab_size, (batch, args.prompt_len)).tolist()
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                            core=CoreSettings(mode="on", max_total_tokens=batch * (args.prompt_len + 64) + 4096))
+    asyncio.run(engine.generate(requests_for(prompts, 16, "warm")))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        asyncio.run(engine.generate(requests_for(prompts, 16, "prof")))
+        synchronize(args.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    Path(args.profile).write_text(table + "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    print(table[:4000])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
+    parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
+                        choices=["core", "previous", "generate"])
+    parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s: the card's measured copy rate")
+    parser.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
+    parser.add_argument("--profile", default=None, help="write a torch-profiler table of core decode steps here")
+    args = parser.parse_args()
+    if args.tiny:
+        settings = [("tiny", 8)]
+    elif args.settings:
+        settings = [(s.split(":")[0], int(s.split(":")[1])) for s in args.settings]
+    else:
+        settings = SETTINGS
+    rows = [run_setting(shape, batch, args, args.only) for shape, batch in settings]
+    if args.profile:
+        profile_core(settings[0], args)
+    summary = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+    for row in rows:
+        prefix = f"{row['shape']}_bs{row['batch']}"
+        for name in ("core", "previous", "generate"):
+            if name in row:
+                summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
+        for key in ("speedup_vs_generate", "speedup_vs_previous"):
+            if key in row:
+                summary[f"{prefix}_{key}"] = round(row[key], 2)
+        if "core" in row:
+            summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
+    Path(args.out).write_text(json.dumps({**summary, "settings": rows}, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
