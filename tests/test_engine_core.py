@@ -257,7 +257,7 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
     keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     lens = torch.tensor([1, 2, 15, 16, 17, 64, 65, 300, 777], dtype=torch.int32, device="cuda")
-    tables = torch.zeros(batch, 64, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(batch, 128, dtype=torch.int32, device="cuda")
     order = (torch.randperm(blocks - 1, device="cuda") + 1).to(torch.int32)
     used = 0
     for row, length in enumerate(lens.tolist()):

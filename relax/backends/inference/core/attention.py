@@ -16,10 +16,14 @@ tokens' K/V into their slots (`write_kv`), then attends:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -127,7 +131,10 @@ def _padded_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: t
         padded = query[:, None]  # [B, 1, Hq, D]
     keys = key_pool[metadata.key_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
     values = value_pool[metadata.key_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=metadata.mask, scale=scale,
-                                         enable_gqa=heads != keys.shape[1])  # [B, Hq, Lq, D]
+    # cuDNN attention builds an execution plan per shape (milliseconds each on an H200), and prefill shapes vary.
+    backends = sdpa_kernel(NO_CUDNN) if query.is_cuda else contextlib.nullcontext()
+    with backends:
+        out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=metadata.mask,
+                                             scale=scale, enable_gqa=heads != keys.shape[1])  # [B, Hq, Lq, D]
     out = out.transpose(1, 2).reshape(-1, heads * dim)
     return out[metadata.packed_rows] if metadata.is_prefill else out

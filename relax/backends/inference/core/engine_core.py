@@ -13,7 +13,8 @@ gets a random one. Requests of one call that carry the same seed get distinct st
 their order among those requests), so the samples of a GRPO group sharing a step seed differ, and the same call
 repeated gives the same samples.
 
-Cost per step: one host synchronization (the sampled tokens and their log-probs, which the stop checks need).
+Cost per step: one host synchronization (the sampled tokens and their log-probs, which the stop checks need),
+which on CUDA overlaps the next step: see `_run`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import torch
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds
 from relax.backends.inference.core.block_manager import BlockManager
-from relax.backends.inference.core.model_runner import ModelRunner
-from relax.backends.inference.core.scheduler import Scheduler, Step
+from relax.backends.inference.core.model_runner import ModelRunner, StepOutput
+from relax.backends.inference.core.scheduler import Scheduler
 from relax.backends.inference.core.sequence import Sequence, SequenceStatus
-from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 
 PAUSE_POLL_S = 0.001
 
@@ -100,44 +100,63 @@ class EngineCore:
         self._loop_task = loop.create_task(self._run())
 
     async def _run(self) -> None:
+        """Steps until no request waits or runs. Decode steps are pipelined: step t+1 is launched before the host
+        reads step t's tokens (the device is kept busy while the host appends tokens and checks stops), so a
+        request that finished at step t has one more token computed, which is dropped. The pipeline is drained
+        (step t read) before a prefill, a pause or an abort is handled."""
+        in_flight: StepOutput | None = None
         try:
-            while self.scheduler.has_work:
+            while self.scheduler.has_work or in_flight is not None:
                 await asyncio.sleep(0)
+                if self.pauses or self._aborted or self.scheduler.waiting or not self.scheduler.running:
+                    in_flight = self._drain(in_flight)
                 while self.pauses and not self._aborted:
                     await asyncio.sleep(PAUSE_POLL_S)
                 self._finish_aborted()
                 if not self.scheduler.has_work:
-                    break
-                self._run_step(self.scheduler.schedule())
+                    continue
+                step = self.scheduler.schedule()
+                version = self.weight_version()
+                if step.prefill:
+                    in_flight = self._drain(in_flight)
+                    self._process(self.runner.prefill(step.prefill, version))
+                    self.steps += 1
+                elif step.decode:
+                    self.runner.copy_blocks(step.copies)
+                    launched = self.runner.decode(step.decode, in_flight, version)
+                    for sequence in step.decode:
+                        sequence.pending += 1
+                    self.steps += 1
+                    self.decode_steps += 1
+                    if in_flight is not None:
+                        self._process(in_flight)  # the device runs `launched` meanwhile
+                    in_flight = launched
+                else:  # every running sequence has its last token on the way
+                    in_flight = self._drain(in_flight)
         except BaseException as error:  # noqa: BLE001 - a failed step fails every request it holds
             self._fail_all(error)
             if not isinstance(error, Exception):
                 raise
 
-    def _run_step(self, step: Step) -> None:
-        sequences = step.sequences
-        if not sequences:
-            return
-        version = self.weight_version()
-        self.runner.copy_blocks(step.copies)
-        logits = self.runner.prefill(sequences) if step.prefill else self.runner.decode(sequences)
-        tokens, log_probs = self._sample(logits, sequences)
-        self.steps += 1
-        self.decode_steps += bool(step.decode)
-        for sequence, token, log_prob in zip(sequences, tokens, log_probs):
-            sequence.num_cached = len(sequence)  # every token but the new one has its K/V in the pool now
-            self._append(sequence, int(token), log_prob, version)
-        self._check_stop_strings([s for s in sequences if s.finish_reason != "stop"])  # a stop beats "length"
-        self._complete([s for s in sequences if s.finish_reason is not None])
+    def _drain(self, in_flight: StepOutput | None) -> None:
+        if in_flight is not None:
+            self._process(in_flight)
+        return None
 
-    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> tuple[list[float], list[float]]:
-        device = logits.device
-        sampling = BatchSampling.from_params([s.params for s in sequences], device)
-        noise = CounterNoise(torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=device),
-                             torch.tensor([len(s) for s in sequences], dtype=torch.int64, device=device))
-        tokens, log_probs = sample_next_tokens(logits, sampling, noise)
-        # The step's one host synchronization. Float64 holds token ids exactly.
-        return torch.stack((tokens.to(torch.float64), log_probs.to(torch.float64))).tolist()
+    def _process(self, output: StepOutput) -> None:
+        """Hand each sequence of a finished step its token; finish those that stopped."""
+        tokens, log_probs = output.result()
+        stepped = []
+        for sequence, token, log_prob in zip(output.sequences, tokens, log_probs):
+            sequence.pending = max(sequence.pending - 1, 0)
+            if sequence.status is SequenceStatus.FINISHED or sequence.finish_reason is not None:
+                continue  # finished at the previous step: this token was computed past its end
+            if sequence.status is SequenceStatus.RUNNING:  # a preempted one has nothing in the pool
+                sequence.num_cached = len(sequence)  # every token but the new one has its K/V in the pool
+            self._append(sequence, int(token), log_prob, output.version)
+            stepped.append(sequence)
+        self._check_stop_strings([s for s in stepped if s.finish_reason != "stop"])  # a stop beats "length"
+        self._complete([s for s in stepped if s.finish_reason is not None])
 
     def _append(self, sequence: Sequence, token: int, log_prob: float, version: int) -> None:
         sequence.token_ids.append(token)

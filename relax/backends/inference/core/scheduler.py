@@ -10,7 +10,8 @@ sequence). Waiting sequences are admitted first, between decode steps, as long a
 - the pool has blocks for their prompt plus ``reserve_tokens`` slots of growth (so that admitted sequences do not
   at once preempt each other).
 
-A decode step needs one free slot per running sequence; when the pool runs out, the youngest running sequence
+A decode step needs one free slot per running sequence (lengths count a token sampled on the device that the
+host has not read yet, `Sequence.num_tokens`); when the pool runs out, the youngest running sequence
 is preempted: its blocks are freed and it goes back to the front of the waiting queue with every token it has
 (prompt and outputs), to be prefilled again (recomputed) when blocks free up. Its outputs so far are kept.
 """
@@ -53,8 +54,10 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, sequence: Sequence) -> None:
-        if self.blocks.blocks_for(len(sequence) + 1) > self.blocks.num_blocks - 1:
-            raise ValueError(f"request {sequence.request_id!r}: {len(sequence)} tokens do not fit the KV pool "
+        longest = len(sequence) + sequence.params.max_new_tokens
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks - 1:
+            raise ValueError(f"request {sequence.request_id!r}: {len(sequence)} prompt tokens + "
+                             f"{sequence.params.max_new_tokens} new ones do not fit the KV pool "
                              f"({(self.blocks.num_blocks - 1) * self.blocks.block_size} slots)")
         self.waiting.append(sequence)
 
@@ -119,6 +122,8 @@ class Scheduler:
         for sequence in sorted(self.running, key=lambda s: s.arrival):
             if sequence.status is not SequenceStatus.RUNNING:
                 continue  # preempted below to make room for an older one
+            if sequence.num_outputs + sequence.pending >= sequence.params.max_new_tokens:
+                continue  # its last token is on the way: it finishes when the host reads it
             while not self._has_slot(sequence):
                 victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING and s is not sequence),
                              key=lambda s: s.arrival, default=None)
@@ -126,15 +131,16 @@ class Scheduler:
                     raise RuntimeError(f"the KV pool cannot hold request {sequence.request_id!r} alone")
                 self._preempt(victim)
                 preempted.append(victim)
-            copy = self.blocks.append_slot(sequence.block_table, len(sequence))
+            copy = self.blocks.append_slot(sequence.block_table, sequence.num_tokens)
             if copy is not None:
                 copies.append(copy)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        return sorted(self.running, key=lambda s: s.arrival), preempted, copies
+        decoding = [s for s in self.running if s.num_outputs + s.pending < s.params.max_new_tokens]
+        return sorted(decoding, key=lambda s: s.arrival), preempted, copies
 
     def _has_slot(self, sequence: Sequence) -> bool:
         """A free block is needed when the newest token opens a block, or lands in a block held with others."""
-        index = (len(sequence) - 1) // self.blocks.block_size
+        index = (sequence.num_tokens - 1) // self.blocks.block_size
         own = index < len(sequence.block_table) and self.blocks.refcount[sequence.block_table[index]] == 1
         return own or self.blocks.num_free > 0
 

@@ -40,6 +40,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # In a prefill step: the sequence whose prompt this one shares whole, whose logits it samples from.
     prefill_twin_of: Sequence | None = None
+    # Tokens sampled on the device that the host has not read yet (0 or 1: the engine reads step t while the
+    # device runs step t + 1); they count in `num_tokens`, not in `token_ids`.
+    pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -61,6 +64,11 @@ class Sequence:
     @property
     def num_outputs(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far, a sampled one the host has not read yet included."""
+        return len(self.token_ids) + self.pending
 
     def __len__(self) -> int:
         return len(self.token_ids)
