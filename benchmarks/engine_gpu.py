@@ -75,6 +75,9 @@ def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: in
     asyncio.run(engine.generate(requests_for(prompts[:8], 8, "warmup")))
     synchronize(device)
     steps_before = engine.core.steps if engine.core else None
+    if engine.core:
+        engine.core.host_seconds.clear()
+        engine.core.decode_steps = 0
     started = time.perf_counter()
     outputs = asyncio.run(engine.generate(requests_for(prompts, new_tokens, "timed")))
     synchronize(device)
@@ -83,6 +86,9 @@ def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: in
     result = {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
     if steps_before is not None:
         result["engine_steps"] = engine.core.steps - steps_before
+        decode_steps = max(engine.core.decode_steps, 1)
+        result["host_ms_per_decode_step"] = {phase: 1000 * seconds / decode_steps
+                                             for phase, seconds in engine.core.host_seconds.items()}
     return result
 
 
@@ -128,7 +134,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         result[name] = timing
         print(f"{shape_name} batch {batch} {name:9s}: {timing['tokens_per_s']:10,.0f} tokens/s "
               f"({timing['seconds']:.2f} s; {100 * timing['fraction_of_hbm_bound']:.1f}% of the HBM bound "
-              f"{bound:,.0f})", flush=True)
+              f"{bound:,.0f}) {timing.get('host_ms_per_decode_step', '')}", flush=True)
     core = result.get("core", {}).get("tokens_per_s")
     for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
         if core and baseline in result:

@@ -276,7 +276,9 @@ class EmbeddedEngine(InferenceEngine):
             return None
         config = self.model.config
         max_positions = int(config.max_position_embeddings)
-        decoder = TextDecoder(self.model, max_positions)
+        from relax.backends.inference.core.model_runner import triton_available
+
+        decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device))
         dtype = next(self.model.parameters()).dtype
         token_bytes = 2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * dtype.itemsize
         tokens = settings.max_total_tokens or self._default_pool_tokens(token_bytes, settings)

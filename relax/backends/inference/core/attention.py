@@ -131,6 +131,9 @@ def _padded_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: t
         padded = query[:, None]  # [B, 1, Hq, D]
     keys = key_pool[metadata.key_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
     values = value_pool[metadata.key_slots].transpose(1, 2)
+    if query.is_cuda and keys.shape[1] != heads:  # SDPA's memory-efficient kernel takes a mask but no GQA
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        values = values.repeat_interleave(heads // values.shape[1], dim=1)
     # cuDNN attention builds an execution plan per shape (milliseconds each on an H200), and prefill shapes vary.
     backends = sdpa_kernel(NO_CUDNN) if query.is_cuda else contextlib.nullcontext()
     with backends:

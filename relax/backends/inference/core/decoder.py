@@ -41,6 +41,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _fusable(model: nn.Module) -> bool:
+    layer = model.model.layers[0]
+    return (getattr(model.config, "hidden_act", None) == "silu"
+            and all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+            and all(getattr(norm, "variance_epsilon", None) == model.config.rms_norm_eps
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm)))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -50,7 +58,7 @@ class TextDecoder:
     """``forward(input_ids [T], positions [T], pools, metadata) -> hidden [T, hidden]`` after the final norm;
     `logits` applies the LM head (in the model dtype, then float32, as the training forward does)."""
 
-    def __init__(self, model: nn.Module, max_positions: int) -> None:
+    def __init__(self, model: nn.Module, max_positions: int, fused: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the engine core cannot run this model: {reason}")
@@ -67,6 +75,9 @@ class TextDecoder:
         self.head_dim = getattr(attention, "head_dim", config.hidden_size // config.num_attention_heads)
         self.scale = getattr(attention, "scaling", self.head_dim ** -0.5)
         self.has_qk_norm = hasattr(attention, "q_norm")
+        self.eps = float(config.rms_norm_eps)
+        # The fused kernels (CUDA) assume the layer shape below: gated SiLU MLP, RMSNorms with one epsilon.
+        self.fused = fused and _fusable(model)
         parameter = next(model.parameters())
         with torch.no_grad():
             positions = torch.arange(max_positions, device=parameter.device)[None]
@@ -79,6 +90,8 @@ class TextDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
                 value_pools: list[torch.Tensor], metadata: StepMetadata) -> torch.Tensor:
+        if self.fused:
+            return self._fused_forward(input_ids, positions, key_pools, value_pools, metadata)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
         tokens = hidden.shape[0]
@@ -98,6 +111,29 @@ class TextDecoder:
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
+
+    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
+                       value_pools: list[torch.Tensor], metadata: StepMetadata) -> torch.Tensor:
+        """The same forward with the pointwise stages fused (`triton_ops`): a residual add and the next RMSNorm
+        in one kernel; q/k norms, rotary positions and the K/V store in one."""
+        from relax.backends.inference.core.triton_ops import add_rms_norm, qk_norm_rope_store, silu_mul
+
+        residual = self.embed_tokens(input_ids)
+        hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps)
+        for index, (layer, key_pool, value_pool) in enumerate(zip(self.layers, key_pools, value_pools)):
+            attention = layer.self_attn
+            query = qk_norm_rope_store(
+                attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden),
+                attention.q_norm.weight if self.has_qk_norm else None,
+                attention.k_norm.weight if self.has_qk_norm else None, self.eps, self.cos, self.sin, positions,
+                metadata.slot_mapping, key_pool, value_pool)
+            out = attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+            hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual)
+            mlp = layer.mlp
+            out = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            hidden = add_rms_norm(out, following.weight, self.eps, residual=residual)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

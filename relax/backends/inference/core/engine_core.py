@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence as SequenceOf
 
 import torch
@@ -51,6 +53,9 @@ class EngineCore:
         self.weight_version = weight_version
         self.steps = 0  # engine steps run (prefill and decode), a liveness and batching signal
         self.decode_steps = 0
+        # Host time per phase of the loop (schedule, launch of a decode, processing of the previous decode, whole
+        # prefill steps): with the device busy, "process" includes waiting for it.
+        self.host_seconds: defaultdict[str, float] = defaultdict(float)
         self._arrivals = itertools.count()
         self._aborted: set[str] = set()
         self._loop_task: asyncio.Task | None = None
@@ -115,12 +120,16 @@ class EngineCore:
                 self._finish_aborted()
                 if not self.scheduler.has_work:
                     continue
+                started = time.perf_counter()
                 step = self.scheduler.schedule()
                 version = self.weight_version()
+                scheduled = time.perf_counter()
+                self.host_seconds["schedule"] += scheduled - started
                 if step.prefill:
                     in_flight = self._drain(in_flight)
                     self._process(self.runner.prefill(step.prefill, version))
                     self.steps += 1
+                    self.host_seconds["prefill"] += time.perf_counter() - scheduled
                 elif step.decode:
                     self.runner.copy_blocks(step.copies)
                     launched = self.runner.decode(step.decode, in_flight, version)
@@ -128,8 +137,11 @@ class EngineCore:
                         sequence.pending += 1
                     self.steps += 1
                     self.decode_steps += 1
+                    launched_at = time.perf_counter()
+                    self.host_seconds["launch"] += launched_at - scheduled
                     if in_flight is not None:
                         self._process(in_flight)  # the device runs `launched` meanwhile
+                    self.host_seconds["process"] += time.perf_counter() - launched_at
                     in_flight = launched
                 else:  # every running sequence has its last token on the way
                     in_flight = self._drain(in_flight)

@@ -35,50 +35,73 @@ def _row_key(seed, counter):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, counter_ptr, token_ptr, log_prob_ptr,
-                   vocab: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: log Z of logits / T (online, one pass), then the Gumbel-max draw argmax(s - log E) with the row's
-    Exp(1) noise (greedy: argmax s), and the drawn token's log-prob s - log Z."""
+def _sample_partial_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, counter_ptr, max_ptr, sum_ptr,
+                           score_ptr, index_ptr, vocab: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of one row: the chunk's max and sum of exp of logits / T, and its best Gumbel-max score
+    ``s - log E`` (greedy: ``s``) with the index holding it. One read of the logits."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inverse = tl.where(greedy, 1.0, 1.0 / temperature)
     key = _row_key(tl.load(seed_ptr + row), tl.load(counter_ptr + row))
-    base = logits_ptr + row.to(tl.int64) * stride
-    maximum = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        scaled = tl.load(base + offsets, mask=offsets < vocab, other=float("-inf")).to(tl.float32) * inverse
-        new_max = tl.maximum(maximum, scaled)
-        total = total * tl.exp(maximum - new_max) + tl.where(scaled == float("-inf"), 0.0, tl.exp(scaled - new_max))
-        maximum = new_max
-    row_max = tl.max(maximum, axis=0)
-    log_z = row_max + tl.log(tl.sum(total * tl.exp(maximum - row_max), axis=0))
-    best_score = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_index = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        valid = offsets < vocab
-        scaled = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32) * inverse
-        uniform = tl.rand(key, offsets)
-        noise = -tl.log(1.0 - uniform)
-        score = tl.where(greedy, scaled, scaled - tl.log(tl.maximum(noise, 1.1754943508222875e-38)))
-        score = tl.where(valid, score, float("-inf"))
-        better = score > best_score
-        best_score = tl.where(better, score, best_score)
-        best_index = tl.where(better, offsets, best_index)
-    winner = tl.max(best_score, axis=0)
-    token = tl.min(tl.where(best_score == winner, best_index, vocab), axis=0)
-    chosen = tl.load(base + token).to(tl.float32) * inverse
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = offsets < vocab
+    scaled = tl.load(logits_ptr + row.to(tl.int64) * stride + offsets, mask=valid, other=float("-inf")).to(
+        tl.float32) * inverse
+    maximum = tl.max(scaled, axis=0)
+    total = tl.sum(tl.where(valid, tl.exp(scaled - maximum), 0.0), axis=0)
+    noise = -tl.log(1.0 - tl.rand(key, offsets))
+    score = tl.where(greedy, scaled, scaled - tl.log(tl.maximum(noise, 1.1754943508222875e-38)))
+    score = tl.where(valid, score, float("-inf"))
+    best = tl.max(score, axis=0)
+    index = tl.min(tl.where(score == best, offsets, vocab), axis=0)
+    out = row * CHUNKS + chunk
+    tl.store(max_ptr + out, maximum)
+    tl.store(sum_ptr + out, total)
+    tl.store(score_ptr + out, best)
+    tl.store(index_ptr + out, index)
+
+
+@triton.jit
+def _sample_combine_kernel(logits_ptr, stride, temperature_ptr, max_ptr, sum_ptr, score_ptr, index_ptr, token_ptr,
+                           log_prob_ptr, vocab: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A row's token (the best chunk's, lowest index on ties) and its log-prob ``s - log Z`` from the chunks."""
+    row = tl.program_id(0)
+    chunks = tl.arange(0, BLOCK_C)
+    valid = chunks < CHUNKS
+    base = row * CHUNKS + chunks
+    maxima = tl.load(max_ptr + base, mask=valid, other=float("-inf"))
+    sums = tl.load(sum_ptr + base, mask=valid, other=0.0)
+    scores = tl.load(score_ptr + base, mask=valid, other=float("-inf"))
+    indices = tl.load(index_ptr + base, mask=valid, other=vocab)
+    row_max = tl.max(maxima, axis=0)
+    log_z = row_max + tl.log(tl.sum(tl.where(valid, sums * tl.exp(maxima - row_max), 0.0), axis=0))
+    best = tl.max(scores, axis=0)
+    token = tl.min(tl.where(scores == best, indices, vocab), axis=0)
+    temperature = tl.load(temperature_ptr + row)
+    inverse = tl.where(temperature == 0.0, 1.0, 1.0 / temperature)
+    chosen = tl.load(logits_ptr + row.to(tl.int64) * stride + token).to(tl.float32) * inverse
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(log_prob_ptr + row, chosen - log_z)
+
+
+SAMPLE_BLOCK = 4096
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                   tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
     """Draw one token per row of ``logits [B, V]`` into ``tokens [B]`` (int64) and ``log_probs [B]`` (float32):
     ``temperature [B]`` (0: greedy), noise keyed by ``seeds [B]`` and ``counters [B]`` (int64). No top-k/top-p:
-    rows that filter take `relax.backends.inference.sampling.sample_next_tokens`. Capturable in a CUDA graph."""
-    _sample_kernel[(logits.shape[0],)](logits, logits.stride(0), temperature, seeds, counters, tokens, log_probs,
-                                       vocab=logits.shape[1], BLOCK=2048, num_warps=8)
+    rows that filter take `relax.backends.inference.sampling.sample_next_tokens`. Two launches (chunks of the
+    vocabulary in parallel, then a per-row combine); capturable in a CUDA graph."""
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, SAMPLE_BLOCK)
+    partial = torch.empty((4, rows, chunks), dtype=torch.float32, device=logits.device)
+    index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    _sample_partial_kernel[(rows, chunks)](logits, logits.stride(0), temperature, seeds, counters, partial[0],
+                                           partial[1], partial[2], index, vocab=vocab, CHUNKS=chunks,
+                                           BLOCK=SAMPLE_BLOCK, num_warps=8)
+    _sample_combine_kernel[(rows,)](logits, logits.stride(0), temperature, partial[0], partial[1], partial[2], index,
+                                    tokens, log_probs, vocab=vocab, CHUNKS=chunks,
+                                    BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)

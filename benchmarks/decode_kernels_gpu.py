@@ -1,0 +1,112 @@
+"""The engine core's decode kernels on one layer of the Qwen3-0.6B shape, timed on their own (CUDA events, the
+median of many runs) against the bytes they must move, and checked against the Hugging Face modules in bf16:
+
+- paged decode attention for a few tile sizes (``BLOCK_N``) and warp counts, in GB/s of K/V read;
+- the fused sampler over a [batch, 151936] logits tensor;
+- the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
+
+    python -m benchmarks.decode_kernels_gpu [--batch 256 --context 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
+
+from relax.backends.inference.core import triton_attention, triton_ops, triton_sampling
+
+
+def median_ms(fn, warmup: int = 10, repeat: int = 50) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup, rep=repeat, return_mode="median")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    batch, context, page, heads, kv_heads, dim = args.batch, args.context, 16, 16, 8, 128
+    blocks_per_seq = -(-context // page)
+    keys = torch.randn(batch * blocks_per_seq * page + page, kv_heads, dim, device=device, dtype=dtype)
+    values = torch.randn_like(keys)
+    tables = (torch.randperm(batch * blocks_per_seq, device=device) + 1).to(torch.int32).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, heads, dim, device=device, dtype=dtype)
+    kv_bytes = 2 * batch * context * kv_heads * dim * 2
+    report: dict = {"batch": batch, "context": context, "attention": {}}
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            def run():
+                out = torch.empty_like(query)
+                triton_attention._paged_decode_kernel[(batch, kv_heads)](
+                    query, keys, values, out, tables, lens, dim ** -0.5, query.stride(0), query.stride(1),
+                    keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), out.stride(0), out.stride(1),
+                    tables.stride(0), GROUP=2, GROUP_PAD=16, HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n,
+                    num_warps=warps, num_stages=2)
+            ms = median_ms(run)
+            report["attention"][f"block{block_n}_warps{warps}"] = {"ms": ms, "gb_per_s": kv_bytes / ms / 1e6}
+            print(f"attention BLOCK_N {block_n:3d} warps {warps}: {ms * 1000:7.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+    vocab = 151936
+    logits = torch.randn(batch, vocab, device=device) * 3
+    temperature = torch.ones(batch, device=device)
+    seeds = torch.arange(batch, device=device)
+    counters = torch.full((batch,), 300, device=device)
+    tokens = torch.empty(batch, dtype=torch.int64, device=device)
+    log_probs = torch.empty(batch, device=device)
+    ms = median_ms(lambda: triton_sampling.sample_tokens(logits, temperature, seeds, counters, tokens, log_probs))
+    report["sampler"] = {"ms": ms, "gb_per_s": logits.numel() * 4 / ms / 1e6}
+    print(f"sampler: {ms * 1000:.1f} us ({logits.numel() * 4 / ms / 1e6:.0f} GB/s of logits)")
+    config = Qwen3Config(hidden_size=1024, head_dim=dim)
+    hidden = torch.randn(batch, 1024, device=device, dtype=dtype)
+    residual = torch.randn_like(hidden)
+    norm = Qwen3RMSNorm(1024, eps=config.rms_norm_eps).to(device, dtype)
+    norm.weight.data.normal_(1, 0.1)
+    fused = triton_ops.add_rms_norm(hidden, norm.weight, config.rms_norm_eps, residual=residual.clone())
+    report["rms_norm_error"] = relative_error(fused, norm(hidden + residual))
+    report["rms_norm_us"] = {"fused": 1000 * median_ms(lambda: triton_ops.add_rms_norm(hidden, norm.weight, 1e-6,
+                                                                                          residual=residual)),
+                             "modules": 1000 * median_ms(lambda: norm(hidden + residual))}
+    q = torch.randn(batch, heads * dim, device=device, dtype=dtype)
+    k = torch.randn(batch, kv_heads * dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    q_norm = Qwen3RMSNorm(dim, eps=1e-6).to(device, dtype)
+    k_norm = Qwen3RMSNorm(dim, eps=1e-6).to(device, dtype)
+    positions = torch.randint(0, 4096, (batch,), device=device)
+    inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    angles = torch.arange(4096, device=device)[:, None].float() * inv
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    slots = torch.randperm(keys.shape[0] - 1, device=device)[:batch] + 1
+    out_q = triton_ops.qk_norm_rope_store(q, k, v, q_norm.weight, k_norm.weight, 1e-6, cos, sin, positions, slots,
+                                          keys, values)
+
+    def modules():
+        qq, kk = q_norm(q.view(batch, heads, dim)), k_norm(k.view(batch, kv_heads, dim))
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        qq, kk = qq * c + rotate_half(qq) * s, kk * c + rotate_half(kk) * s
+        keys.index_copy_(0, slots, kk)
+        values.index_copy_(0, slots, v.view(batch, kv_heads, dim))
+        return qq, kk
+
+    ref_q, ref_k = modules()
+    report["qk_rope_error"] = relative_error(out_q, ref_q)
+    report["qk_rope_us"] = {"fused": 1000 * median_ms(lambda: triton_ops.qk_norm_rope_store(
+        q, k, v, q_norm.weight, k_norm.weight, 1e-6, cos, sin, positions, slots, keys, values)),
+        "modules": 1000 * median_ms(modules)}
+    gate, up = torch.randn(batch, 3072, device=device, dtype=dtype), torch.randn(batch, 3072, device=device, dtype=dtype)
+    report["silu_mul_error"] = relative_error(triton_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    print(json.dumps({k: v for k, v in report.items() if k != "attention"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Fused pointwise work of a decoder layer on CUDA (Triton), with the Hugging Face forward's rounding.
+
+A decode step of a small model is a few dozen tiny kernels per layer when written as the Hugging Face modules do
+(an RMSNorm alone is six: cast, square, mean, rsqrt, multiply, weight), each costing a few microseconds
+whatever its size: at batch 256 that was most of a step. These kernels do each stage in one pass:
+
+- `add_rms_norm`: ``residual += x`` (optional) then RMSNorm with the weight, rows of ``[T, H]``;
+- `qk_norm_rope_store`: per head RMSNorm of q and k (Qwen3), rotary positions, and the store of k and v into
+  the KV pool at the tokens' slots, for all heads of all tokens;
+- `silu_mul`: ``silu(gate) * up``.
+
+Each rounds to the model's dtype where the Hugging Face code does (the normalised value before the weight, each
+rotary product and the sum, the SiLU before the product), so the engine's log-probs stay those of the training
+forward up to the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, eps, stride, HIDDEN: tl.constexpr,
+                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < HIDDEN
+    x = tl.load(x_ptr + row * stride + offsets, mask=mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + row * stride + offsets, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride + offsets, x, mask=mask)
+    value = x.to(tl.float32)
+    variance = tl.sum(value * value, axis=0) / HIDDEN
+    normed = (value * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride + offsets, (normed.to(tl.float32) * weight.to(tl.float32)).to(
+        out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """RMSNorm of ``x [T, H]`` (after ``residual += x`` in place when ``residual`` is given: then the norm is of
+    the sum); returns the normalised rows."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    source = x if residual is None else residual
+    _add_rms_norm_kernel[(tokens,)](x, source if residual is not None else x, weight, out, eps, x.stride(0),
+                                    HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None,
+                                    num_warps=4 if hidden <= 2048 else 8)
+    return out
+
+
+@triton.jit
+def _rope_half(x, partner, cos, sin, dtype, FIRST_HALF: tl.constexpr):
+    """One half of ``x * cos + rotate_half(x) * sin`` with the Hugging Face rounding (each product, then the sum)."""
+    rotated = -partner if FIRST_HALF else partner
+    left = (x.to(tl.float32) * cos.to(tl.float32)).to(dtype)
+    right = (rotated.to(tl.float32) * sin.to(tl.float32)).to(dtype)
+    return (left.to(tl.float32) + right.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _head_norm(x1, x2, weight1, weight2, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    if NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        scale = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
+        x1 = ((a * scale).to(x1.dtype).to(tl.float32) * weight1.to(tl.float32)).to(x1.dtype)
+        x2 = ((b * scale).to(x2.dtype).to(tl.float32) * weight2.to(tl.float32)).to(x2.dtype)
+    return x1, x2
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
+                               positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, eps,
+                               stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
+                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, HALF)
+    position = tl.load(positions_ptr + token)
+    cos1 = tl.load(cos_ptr + position * 2 * HALF + half)
+    cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)
+    sin1 = tl.load(sin_ptr + position * 2 * HALF + half)
+    sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)
+    if head < HEADS:
+        base = q_ptr + token * stride_qt + head * 2 * HALF
+        x1, x2 = tl.load(base + half), tl.load(base + HALF + half)
+        if NORM:
+            x1, x2 = _head_norm(x1, x2, tl.load(q_weight_ptr + half), tl.load(q_weight_ptr + HALF + half), eps, HALF,
+                                NORM)
+        out = q_out_ptr + token * stride_ot + head * 2 * HALF
+        tl.store(out + half, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
+        tl.store(out + HALF + half, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
+    else:
+        kv_head = head - HEADS
+        base = k_ptr + token * stride_kt + kv_head * 2 * HALF
+        x1, x2 = tl.load(base + half), tl.load(base + HALF + half)
+        if NORM:
+            x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
+                                NORM)
+        slot = tl.load(slots_ptr + token)
+        target = key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF
+        tl.store(target + half, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
+        tl.store(target + HALF + half, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
+        value = v_ptr + token * stride_vt + kv_head * 2 * HALF
+        value_target = value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF
+        tl.store(value_target + half, tl.load(value + half))
+        tl.store(value_target + HALF + half, tl.load(value + HALF + half))
+
+
+def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, slots: torch.Tensor, key_pool: torch.Tensor,
+                       value_pool: torch.Tensor) -> torch.Tensor:
+    """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs): the rotated queries
+    ``[T, Hq, D]``; the rotated keys and the values go to the pool (``[slots, Hkv, D]``) at ``slots [T]``.
+    ``cos``/``sin`` are the ``[positions, D]`` tables; per-head RMSNorm with ``q_weight``/``k_weight`` if given."""
+    tokens = query.shape[0]
+    kv_heads, dim = key_pool.shape[1], key_pool.shape[2]
+    heads = query.shape[1] // dim
+    q_out = torch.empty((tokens, heads, dim), dtype=query.dtype, device=query.device)
+    norm = q_weight is not None
+    _qk_norm_rope_store_kernel[(tokens, heads + kv_heads)](
+        query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
+        key_pool, value_pool, eps, query.stride(0), key.stride(0), value.stride(0), q_out.stride(0),
+        key_pool.stride(0), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, NORM=norm, num_warps=1,
+    )
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + offsets, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+    return out
