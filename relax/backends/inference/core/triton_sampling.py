@@ -10,12 +10,23 @@ BLOCK = 4096
 
 
 @triton.jit
+def _uniform4(key, counters):
+    """Four uniforms in [0, 1) per Philox counter: entry ``4c + q`` of the vocabulary takes output ``q`` of
+    counter ``c`` (a quarter of the Philox rounds of one call per entry)."""
+    return tl.rand4x(key, counters)
+
+
+@triton.jit
 def _exponential_noise_kernel(keys_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    counters = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     key = tl.load(keys_ptr + row)
-    uniform = tl.rand(key, offsets)  # Philox keyed by the row, counter = vocabulary index: [0, 1)
-    tl.store(out_ptr + row * stride + offsets, -tl.log(1.0 - uniform), mask=offsets < vocab)
+    u0, u1, u2, u3 = _uniform4(key, counters)
+    base = out_ptr + row * stride
+    tl.store(base + 4 * counters, -tl.log(1.0 - u0), mask=4 * counters < vocab)
+    tl.store(base + 4 * counters + 1, -tl.log(1.0 - u1), mask=4 * counters + 1 < vocab)
+    tl.store(base + 4 * counters + 2, -tl.log(1.0 - u2), mask=4 * counters + 2 < vocab)
+    tl.store(base + 4 * counters + 3, -tl.log(1.0 - u3), mask=4 * counters + 3 < vocab)
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -35,27 +46,43 @@ def _row_key(seed, counter):
 
 
 @triton.jit
+def _partial_quarter(logits_row, offsets, uniform, inverse, greedy, vocab):
+    valid = offsets < vocab
+    scaled = tl.load(logits_row + offsets, mask=valid, other=float("-inf")).to(tl.float32) * inverse
+    noise = -tl.log(1.0 - uniform)
+    score = tl.where(greedy, scaled, scaled - tl.log(tl.maximum(noise, 1.1754943508222875e-38)))
+    return scaled, tl.where(valid, score, float("-inf")), valid
+
+
+@triton.jit
 def _sample_partial_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, counter_ptr, max_ptr, sum_ptr,
                            score_ptr, index_ptr, vocab: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one row: the chunk's max and sum of exp of logits / T, and its best Gumbel-max score
-    ``s - log E`` (greedy: ``s``) with the index holding it. One read of the logits."""
+    ``s - log E`` (greedy: ``s``) with the index holding it. One read of the logits; the noise is
+    `_exponential_noise_kernel`'s."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inverse = tl.where(greedy, 1.0, 1.0 / temperature)
     key = _row_key(tl.load(seed_ptr + row), tl.load(counter_ptr + row))
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < vocab
-    scaled = tl.load(logits_ptr + row.to(tl.int64) * stride + offsets, mask=valid, other=float("-inf")).to(
-        tl.float32) * inverse
-    maximum = tl.max(scaled, axis=0)
-    total = tl.sum(tl.where(valid, tl.exp(scaled - maximum), 0.0), axis=0)
-    noise = -tl.log(1.0 - tl.rand(key, offsets))
-    score = tl.where(greedy, scaled, scaled - tl.log(tl.maximum(noise, 1.1754943508222875e-38)))
-    score = tl.where(valid, score, float("-inf"))
-    best = tl.max(score, axis=0)
-    index = tl.min(tl.where(score == best, offsets, vocab), axis=0)
+    counters = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    u0, u1, u2, u3 = _uniform4(key, counters)
+    logits_row = logits_ptr + row.to(tl.int64) * stride
+    s0, g0, v0 = _partial_quarter(logits_row, 4 * counters, u0, inverse, greedy, vocab)
+    s1, g1, v1 = _partial_quarter(logits_row, 4 * counters + 1, u1, inverse, greedy, vocab)
+    s2, g2, v2 = _partial_quarter(logits_row, 4 * counters + 2, u2, inverse, greedy, vocab)
+    s3, g3, v3 = _partial_quarter(logits_row, 4 * counters + 3, u3, inverse, greedy, vocab)
+    maximum = tl.maximum(tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)),
+                         tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
+    total = (tl.sum(tl.where(v0, tl.exp(s0 - maximum), 0.0), axis=0) + tl.sum(tl.where(v1, tl.exp(s1 - maximum), 0.0), axis=0)
+             + tl.sum(tl.where(v2, tl.exp(s2 - maximum), 0.0), axis=0) + tl.sum(tl.where(v3, tl.exp(s3 - maximum), 0.0), axis=0))
+    best = tl.maximum(tl.maximum(tl.max(g0, axis=0), tl.max(g1, axis=0)), tl.maximum(tl.max(g2, axis=0), tl.max(g3, axis=0)))
+    index = tl.minimum(
+        tl.minimum(tl.min(tl.where(g0 == best, 4 * counters, vocab), axis=0),
+                   tl.min(tl.where(g1 == best, 4 * counters + 1, vocab), axis=0)),
+        tl.minimum(tl.min(tl.where(g2 == best, 4 * counters + 2, vocab), axis=0),
+                   tl.min(tl.where(g3 == best, 4 * counters + 3, vocab), axis=0)))
     out = row * CHUNKS + chunk
     tl.store(max_ptr + out, maximum)
     tl.store(sum_ptr + out, total)
