@@ -196,6 +196,32 @@ class RelaxConfig(BaseModel):
     rollout_max_batch_size: int | None = _field(
         None, "Most sequences the embedded engine decodes at once (default: all requests of a step).", "rollout", ge=1
     )
+    engine_core: Literal["auto", "on", "off"] = _field(
+        "auto",
+        "The embedded engine's core (paged KV pool, continuous batching, CUDA graphs; docs/engines.md): `auto` uses "
+        "it on CUDA for the text models it supports, `on` on every device, `off` keeps the Hugging Face decode loop.",
+        "rollout",
+    )
+    mem_fraction_static: float = _field(
+        0.4,
+        "On CUDA, the share of the device's memory the engine may fill with its KV pool, after what is allocated "
+        "when it starts (weights, and a colocated trainer's); SGLang's flag. The default leaves room for training.",
+        "rollout", gt=0, lt=1,
+    )
+    max_total_tokens: int | None = _field(
+        None, "The KV pool's size in tokens, instead of --mem-fraction-static (CPU default: 65,536 tokens, at most "
+        "256 MiB).", "rollout", ge=64,
+    )
+    max_prefill_tokens: int = _field(
+        8192, "Most prompt tokens the engine prefills in one step (a longer single prompt runs alone).", "rollout",
+        ge=16,
+    )
+    page_size: int = _field(16, "Token slots per block of the engine's KV pool.", "rollout", ge=1, le=256)
+    cuda_graph_max_bs: int = _field(
+        256, "Largest decode batch captured in a CUDA graph (larger batches decode eagerly).", "rollout", ge=1,
+        le=512,
+    )
+    disable_cuda_graph: bool = _field(False, "Decode without CUDA graphs (for debugging).", "rollout")
     dynamic_sampling_filter_path: str | None = _field(
         None,
         "DAPO dynamic sampling: dotted path `module:function` of a group filter `fn(args, samples) -> bool | "

@@ -16,7 +16,7 @@ from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn, buil
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.data_parallel import DataParallelEngine
-from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import SGLangHTTPEngine
@@ -136,9 +136,16 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
     )
 
 
+def core_settings(cfg: RelaxConfig) -> CoreSettings:
+    return CoreSettings(mode=cfg.engine_core, mem_fraction_static=cfg.mem_fraction_static,
+                        max_total_tokens=cfg.max_total_tokens, max_prefill_tokens=cfg.max_prefill_tokens,
+                        page_size=cfg.page_size, cuda_graphs=not cfg.disable_cuda_graph,
+                        max_graph_batch=cfg.cuda_graph_max_bs)
+
+
 def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.device, dtype: torch.dtype):
     model = load_model(model_path, dtype).to(device)
-    return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size)
+    return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size, core=core_settings(cfg))
 
 
 def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
