@@ -204,8 +204,10 @@ class RelaxConfig(BaseModel):
     )
     mem_fraction_static: float = _field(
         0.4,
-        "On CUDA, the share of the device's memory the engine may fill with its KV pool, after what is allocated "
-        "when it starts (weights, and a colocated trainer's); SGLang's flag. The default leaves room for training.",
+        "On CUDA, the share of the device memory free when the engine starts (after its weights, a colocated "
+        "trainer's and other engines') that its KV pool takes. SGLang's flag counts a share of the whole device, "
+        "weights included, which suits a server alone on its GPU but fails or starves a colocated trainer. The "
+        "default leaves room for training.",
         "rollout", gt=0, lt=1,
     )
     max_total_tokens: int | None = _field(

@@ -253,7 +253,8 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
         if temperature == 0:
             top2 = logits.topk(2, dim=-1).values
             chosen = logits.gather(1, torch.tensor(out.output_ids, device="cuda")[:, None])[:, 0]
-            assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - top2[:, 1] < 0.05))
+            # within a few bf16 steps of the top logit (the forward of the whole sequence rounds differently)
+            assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - chosen < 0.125))
     assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < 0.5
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -173,9 +174,9 @@ class CoreSettings:
 
     ``mode``: ``auto`` runs the core on CUDA for the models it supports and the Hugging Face path otherwise;
     ``on`` wherever it supports the model (CPU included), ``off`` never. ``mem_fraction_static``: on CUDA the KV
-    pool takes what is left of this fraction of the device's memory after everything allocated so far (the
-    weights, and a colocated trainer's); ``max_total_tokens`` sets the pool's size in tokens instead (default on
-    CPU: 65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
+    pool takes this share of the device memory free when the engine starts (after the weights, a colocated
+    trainer's and other engines'); ``max_total_tokens`` sets the pool's size in tokens instead (default on CPU:
+    65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
     most. ``page_size``: token slots per KV block. ``cuda_graphs``: decode in CUDA graphs up to
     ``max_graph_batch`` sequences.
     """
@@ -297,11 +298,13 @@ class EmbeddedEngine(InferenceEngine):
     def _default_pool_tokens(self, token_bytes: int, settings: CoreSettings) -> int:
         if self.device.type != "cuda":
             return max(1024, min(CPU_KV_TOKENS, CPU_KV_BYTES // token_bytes))
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * settings.mem_fraction_static) - (total - free)
+        gc.collect()  # an engine of an earlier run still in a reference cycle would hold its pool
+        torch.cuda.empty_cache()  # memory the caching allocator holds for no tensor is free for the pool
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * settings.mem_fraction_static)
         if budget < 64 * token_bytes * settings.page_size:
-            raise ValueError(f"mem_fraction_static {settings.mem_fraction_static}: {(total - free) / 2**30:.1f} GiB of "
-                             f"the device's {total / 2**30:.1f} GiB are in use, which leaves no room for a KV pool")
+            raise ValueError(f"mem_fraction_static {settings.mem_fraction_static}: {free / 2**30:.1f} GiB free on "
+                             f"{self.device} leave no room for a KV pool")
         return budget // token_bytes
 
     @property
