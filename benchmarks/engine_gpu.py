@@ -181,9 +181,16 @@ def main() -> None:
         settings = [(s.split(":")[0], int(s.split(":")[1])) for s in args.settings]
     else:
         settings = SETTINGS
-    rows = [run_setting(shape, batch, args, args.only) for shape, batch in settings]
+    rows = []
+    for shape, batch in settings:
+        rows.append(run_setting(shape, batch, args, args.only))
+        write_result(rows, args)  # after every setting: a run cut short keeps what it measured
     if args.profile:
         profile_core(settings[0], args)
+    print(json.dumps(write_result(rows, args), indent=2))
+
+
+def write_result(rows: list[dict], args) -> dict:
     summary = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -199,7 +206,7 @@ def main() -> None:
         if "core" in row:
             summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
     Path(args.out).write_text(json.dumps({**summary, "settings": rows}, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    return summary
 
 
 if __name__ == "__main__":
