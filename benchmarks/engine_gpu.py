@@ -93,13 +93,13 @@ def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: in
 
 
 def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
-    input_ids = torch.tensor(prompts, device=device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
-    model.generate(input_ids[:8], **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
-    synchronize(device)
-    started = time.perf_counter()
-    out = model.generate(input_ids, **kwargs)
+    input_ids = torch.tensor(prompts, device=device)  # equal lengths: no padding, no mask needed
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(input_ids[:8], max_new_tokens=8, min_new_tokens=8, **kwargs)
+        synchronize(device)
+        started = time.perf_counter()
+        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     synchronize(device)
     seconds = time.perf_counter() - started
     produced = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
