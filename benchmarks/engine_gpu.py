@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import time
@@ -117,6 +118,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
                     "hbm_bound_tokens_per_s": bound}
     for name in engines:
         if device == "cuda":
+            gc.collect()  # the previous engine's KV pool, held in reference cycles, goes before the next one starts
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if name == "generate":
