@@ -255,6 +255,9 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long the first waiting request collects others into one engine batch")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
+                        help="the engine core (continuous batching, paged KV, CUDA graphs): auto = on CUDA for the "
+                        "models it supports; on = on CPU too; off = the Hugging Face decode loop")
     parser.add_argument("--weight-update-root", default=None,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
@@ -267,7 +270,7 @@ def cmd_serve(argv: list[str]) -> int:
         serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
               dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
               batch_window_ms=args.batch_window_ms, log_level=args.log_level,
-              weight_update_root=args.weight_update_root)
+              weight_update_root=args.weight_update_root, engine_core=args.engine_core)
     except ValueError as err:
         print(f"relax serve: error: {err}", file=sys.stderr)
         return 2

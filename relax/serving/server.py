@@ -29,12 +29,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
           max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info",
-          weight_update_root: str | None = None) -> None:
+          weight_update_root: str | None = None, engine_core: str = "auto") -> None:
     """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
     control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load."""
     import uvicorn
 
-    from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
     from relax.utils.http_server import uvicorn_config
     from relax.serving.app import create_app
 
@@ -45,8 +45,10 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     if weight_update_root is not None and not Path(weight_update_root).is_dir():
         raise ValueError(f"--weight-update-root {weight_update_root}: not a directory")
     torch_device = resolve_device(device)
+    # Alone on its device, a server may take most of the free memory for its KV pool.
     engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
-                                            max_batch_size=max_batch_size)
+                                            max_batch_size=max_batch_size,
+                                            core=CoreSettings(mode=engine_core, mem_fraction_static=0.85))
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
                      api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root)
     logger.warning("relax serve: %s on http://%s:%d (control endpoints %s; weight updates from %s)", path, host,
