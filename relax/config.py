@@ -637,7 +637,7 @@ class RelaxConfig(BaseModel):
         "its weights one bucket at a time, so this bounds the extra memory a sync takes and the size of each "
         "collective or safetensors file.",
         "placement",
-        ge=1024 * 1024,
+        ge=1,
     )
 
     @field_validator("resource", mode="before")

@@ -209,3 +209,16 @@ def test_ctrl_c_during_start_up_prints_no_traceback(tiny_workspace, tmp_path):
     _, stderr = process.communicate(timeout=120)
     assert process.returncode in (130, -signal.SIGINT), stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_the_weight_buffer_size_sets_the_buckets_of_a_sync(tiny_workspace, tmp_path):
+    """--update-weight-buffer-size (upstream's flag) is the bucket size of every weight sync."""
+    buckets = {}
+    for size in ("536870912", "65536"):
+        out = tmp_path / size
+        result = run_relax("train", *tiny_train_args(tiny_workspace, out, "--num-rollout", "1",
+                                                     "--skip-eval-before-train", "--update-weight-buffer-size", size))
+        assert result.returncode == 0, result.stderr[-3000:]
+        (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "perf/weight_sync_buckets" in r]
+        buckets[size] = row["perf/weight_sync_buckets"]
+    assert buckets["536870912"] == 1 and buckets["65536"] > 1
