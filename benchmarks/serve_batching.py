@@ -17,35 +17,15 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_cpu import DATA, MODEL, free_port
+from benchmarks.serve_cpu import DATA, MODEL, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "serve_batching.json"
-
-
-def start(model: Path, port: int, device: str, engine_core: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model), "--port", str(port),
-               "--device", device, "--engine-core", engine_core, "--log-level", "warning"]
-    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"relax serve exited:\n{server.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("relax serve did not start")
 
 
 async def level(client: httpx.AsyncClient, prompts: list[list[int]], clients: int, requests: int,
@@ -96,7 +76,8 @@ def main() -> None:
                                                         else args.model), "new_tokens": args.new_tokens}
     for mode in modes:
         port = free_port()
-        server = start(args.model, port, args.device, mode)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        server = start_server(port, env, "--device", args.device, "--engine-core", mode, model=args.model)
         try:
             rows = asyncio.run(measure(port, prompts, args))
         finally:

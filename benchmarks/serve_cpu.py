@@ -116,11 +116,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, env: dict[str, str]) -> subprocess.Popen:
+def start_server(port: int, env: dict[str, str], *extra: str, model: Path = MODEL) -> subprocess.Popen:
+    """`relax serve` on 127.0.0.1:``port`` (CPU unless ``extra`` says otherwise), once it answers /health."""
     import httpx
 
-    command = [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(MODEL), "--port", str(port),
-               "--device", "cpu", "--batch-window-ms", str(BATCH_WINDOW_MS), "--log-level", "warning"]
+    command = [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model), "--port", str(port),
+               "--device", "cpu", "--batch-window-ms", str(BATCH_WINDOW_MS), "--log-level", "warning", *extra]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

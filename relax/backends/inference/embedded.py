@@ -61,6 +61,7 @@ from relax.backends.inference.base import (
     ScoreRequest,
 )
 from relax.backends.inference.sampling import BatchSampling, RowGenerators, sample_next_tokens
+from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, load_model, rope_positions
 
 # A batch drops its finished rows (and their KV cache) once at least this fraction of its rows
@@ -469,7 +470,7 @@ class EmbeddedEngine(InferenceEngine):
                             rows[row], int(tokens_host[batch_position]), log_probs_host[batch_position], version
                         )
                         stepped_rows.append(rows[row])
-                self._check_stop_strings(stepped_rows)
+                finish_on_stop_strings(stepped_rows, self.tokenizer)
                 batch.advance(next_tokens)
 
             keep = [position for position, row in enumerate(live_rows) if rows[row].finish_reason is None]
@@ -579,33 +580,10 @@ class EmbeddedEngine(InferenceEngine):
         elif len(row.output_ids) >= row.params.max_new_tokens:
             row.finish_reason = "length"
 
-    def _check_stop_strings(self, rows: list[_RowState]) -> None:
-        """Finish with "stop" those of ``rows`` (rows that just got a token) whose output text now
-        contains one of their stop strings; a stop string beats "length" on the same token.
-
-        Only the tail of each output is decoded, in one batched call; a match found now ends in the
-        newest token, since the previous step's tail had none. The matching token is kept.
-        """
-        candidates = [row for row in rows if row.params.stop and row.finish_reason != "stop"]
-        if not candidates:
-            return
-        tails = self.tokenizer.batch_decode(
-            [row.output_ids[-row.stop_window_tokens :] for row in candidates], skip_special_tokens=True
-        )
-        for row, tail in zip(candidates, tails):
-            if any(stop in tail for stop in row.params.stop):
-                row.finish_reason = "stop"
-
     def _new_row_state(self, request: GenerationRequest) -> _RowState:
         params = request.sampling_params
-        stop_token_ids = frozenset(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_token_ids |= self._eos_token_ids
-        # A token decodes to at least one UTF-8 byte (special tokens aside), so a stop string of n
-        # bytes ends within the last n tokens; one more token covers decoders that strip the
-        # leading space of the first token, one more a partial character before the match.
-        longest_stop_bytes = max((len(stop.encode()) for stop in params.stop), default=0)
-        return _RowState(request=request, stop_token_ids=stop_token_ids, stop_window_tokens=longest_stop_bytes + 2)
+        return _RowState(request=request, stop_token_ids=stop_token_ids(params, self._eos_token_ids),
+                         stop_window_tokens=stop_window_tokens(params))
 
     def _to_output(self, row: _RowState) -> GenerationOutput:
         return GenerationOutput(

@@ -33,6 +33,7 @@ from relax.backends.inference.core.block_manager import BlockManager
 from relax.backends.inference.core.model_runner import ModelRunner, StepOutput
 from relax.backends.inference.core.scheduler import Scheduler
 from relax.backends.inference.core.sequence import Sequence, SequenceStatus
+from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 
 PAUSE_POLL_S = 0.001
 
@@ -167,7 +168,7 @@ class EngineCore:
                 sequence.num_cached = len(sequence)  # every token but the new one has its K/V in the pool
             self._append(sequence, int(token), log_prob, output.version)
             stepped.append(sequence)
-        self._check_stop_strings([s for s in stepped if s.finish_reason != "stop"])  # a stop beats "length"
+        finish_on_stop_strings(stepped, self.tokenizer)
         self._complete([s for s in stepped if s.finish_reason is not None])
 
     def _append(self, sequence: Sequence, token: int, log_prob: float, version: int) -> None:
@@ -180,18 +181,6 @@ class EngineCore:
             sequence.finish_reason = "stop"
         elif sequence.num_outputs >= sequence.params.max_new_tokens:
             sequence.finish_reason = "length"
-
-    def _check_stop_strings(self, sequences: list[Sequence]) -> None:
-        """Finish with "stop" the sequences whose output text now holds one of their stop strings (only the tail
-        of each output is decoded, in one batched call; the matching token is kept)."""
-        candidates = [s for s in sequences if s.params.stop]
-        if not candidates:
-            return
-        tails = self.tokenizer.batch_decode([s.output_ids[-s.stop_window_tokens:] for s in candidates],
-                                            skip_special_tokens=True)
-        for sequence, tail in zip(candidates, tails):
-            if any(stop in tail for stop in sequence.params.stop):
-                sequence.finish_reason = "stop"
 
     def _finish_aborted(self) -> None:
         if not self._aborted:
@@ -221,12 +210,9 @@ class EngineCore:
     # ---- helpers -------------------------------------------------------------------------
     def _new_sequence(self, request: GenerationRequest, seed: int, loop: asyncio.AbstractEventLoop) -> Sequence:
         params = request.sampling_params
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        # A token decodes to at least one UTF-8 byte (special tokens aside), so a stop string of n bytes ends within
-        # the last n tokens; one more covers a stripped leading space, one more a partial character.
-        window = max((len(stop.encode()) for stop in params.stop), default=0) + 2
-        return Sequence(request=request, seed=seed, stop_token_ids=stop_ids, stop_window_tokens=window,
-                        arrival=next(self._arrivals), future=loop.create_future())
+        return Sequence(request=request, seed=seed, stop_token_ids=stop_token_ids(params, self.eos_token_ids),
+                        stop_window_tokens=stop_window_tokens(params), arrival=next(self._arrivals),
+                        future=loop.create_future())
 
     def _output(self, sequence: Sequence) -> GenerationOutput:
         versions = sequence.output_weight_versions
