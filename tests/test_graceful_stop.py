@@ -16,7 +16,9 @@ import pytest
 from relax.utils.tracking import read_metrics
 from tests.conftest import ROOT, run_relax, tiny_train_args
 
-STEPS = 6
+# Enough steps that the signal, sent once step 1 is in metrics.jsonl (polled every 0.1 s; a tiny step takes tens
+# of milliseconds), lands well before the last step, which ends the run normally whatever the signal.
+STEPS = 40
 PROMPTS_PER_STEP = 4  # tiny_train_args' --rollout-batch-size
 
 
