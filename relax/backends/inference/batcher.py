@@ -5,11 +5,13 @@ Callers are the HTTP handlers of `relax serve` and the per-sample generate funct
 A dispatcher task takes the first waiting job, keeps collecting jobs for ``window_s`` seconds,
 then starts ``engine.generate`` calls for everything collected (each as its own task, so the next
 window opens at once; the embedded engine interleaves the steps of concurrent calls on the same
-loop). The embedded engine gives the requests that share a sampling ``seed`` one generator seeded
-with it, so a job is merged only with jobs whose seeds differ from its own: its samples then do not
-depend on its neighbours (for a job of several requests, as long as the engine's
-``max_batch_size`` does not split the merged call). Jobs that share a seed go to separate engine
-calls; unseeded requests merge freely.
+loop; on the embedded engine's core they join one running batch). The embedded engine's Hugging Face
+path gives the requests that share a sampling ``seed`` one generator seeded with it, so a job is
+merged only with jobs whose seeds differ from its own: its samples then do not depend on its
+neighbours (for a job of several requests, as long as the engine's ``max_batch_size`` does not split
+the merged call). Jobs that share a seed go to separate engine calls; unseeded requests merge
+freely. (The core keys each request's noise by its own seed and position, so merging never matters
+there.)
 
 Aborts reach a request wherever it is: queued requests finish at once with ``"abort"`` and no
 tokens; requests inside the engine are aborted there.

@@ -1,7 +1,12 @@
 """The in-process inference engine: batched sampling from a Hugging Face causal LM with a KV cache.
 
 `EmbeddedEngine` runs its own decode loop instead of ``model.generate`` so that it controls
-log-probs, stop conditions, aborts and pauses at every token step.
+log-probs, stop conditions, aborts and pauses at every token step. Text requests of the models the
+engine core supports run on the core (`relax.backends.inference.core`: a paged KV pool, continuous
+batching, CUDA graphs; see `CoreSettings`, docs/engines.md), with the same contract: the rest of
+this docstring describes the Hugging Face path below, which serves every other model and request
+(media, other families); the core's differences are said in `core.engine_core`: concurrent calls
+share one running batch, and each request samples from a stream of its own.
 
 Concurrency model. Everything runs on the caller's event-loop thread: `generate` runs one decode
 step, then yields to the loop, so `abort`, `pause` and `update_weights` (coroutines on the same
