@@ -137,6 +137,30 @@ class RelaxConfig(BaseModel):
         ge=1,
     )
     micro_batch_size: int = _field(1, "Samples per forward/backward pass (gradients accumulate).", "batch", ge=1)
+    use_dynamic_batch_size: bool = _field(
+        False, "Fill each micro-batch with whole samples up to --max-tokens-per-gpu tokens instead of "
+        "--micro-batch-size samples (balanced, so none is a small remainder). The gradient is the same.", "batch"
+    )
+    max_tokens_per_gpu: int | None = _field(
+        None, "Token budget of a training micro-batch with --use-dynamic-batch-size (prompt + response tokens); "
+        "must hold the longest sample.", "batch", ge=1,
+    )
+    log_probs_max_tokens_per_gpu: int | None = _field(
+        None, "Token budget of a micro-batch of the forwards without gradient (old, reference and teacher "
+        "log-probs, values) with --use-dynamic-batch-size. Default: --max-tokens-per-gpu.", "batch", ge=1,
+    )
+    balance_data: bool = _field(
+        False, "With several training processes, give each an equal number of tokens instead of a strided "
+        "share of the samples.", "batch"
+    )
+    sequence_packing: bool = _field(
+        True, "Micro-batches are packed rows of whole samples attended apart (no padding); --no-sequence-packing "
+        "right-pads them instead (the previous layout, kept for comparison).", "batch"
+    )
+    log_probs_chunk_size: int = _field(
+        1024, "Response tokens per chunk of the LM head and log-softmax, so that no full float32 logits exist "
+        "(0: compute the logits of a micro-batch at once, the previous path).", "batch", ge=0,
+    )
     num_rollout: int | None = _field(None, "Rollout steps to train for.", "batch", ge=1)
     num_epoch: int | None = _field(
         None, "Passes over the prompt data; with --num-rollout too, the smaller wins.", "batch", ge=1
@@ -734,7 +758,8 @@ class RelaxConfig(BaseModel):
                 f"{flag('global_batch_size')} ({self.global_batch_size}) must divide {flag('rollout_batch_size')} x "
                 f"{flag('n_samples_per_prompt')} ({samples_per_step})"
             )
-        if self.train_batch_size % self.micro_batch_size:
+        self._check_dynamic_batch_size()
+        if not self.use_dynamic_batch_size and self.train_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"{flag('micro_batch_size')} ({self.micro_batch_size}) must divide the global batch size "
                 f"({self.train_batch_size})"
@@ -784,6 +809,26 @@ class RelaxConfig(BaseModel):
         if self.min_lr > self.lr:
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         return self
+
+    def _check_dynamic_batch_size(self) -> None:
+        if not self.use_dynamic_batch_size:
+            set_budget = [flag(n) for n in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu") if self.changed(n)]
+            if set_budget:
+                raise ValueError(f"{', '.join(set_budget)} need {flag('use_dynamic_batch_size')}")
+            return
+        if self.max_tokens_per_gpu is None:
+            raise ValueError(f"{flag('use_dynamic_batch_size')} needs {flag('max_tokens_per_gpu')}")
+        if self.changed("micro_batch_size"):
+            raise ValueError(f"{flag('use_dynamic_batch_size')} sizes micro-batches by tokens: drop "
+                             f"{flag('micro_batch_size')}")
+        longest = self.rollout_max_context_len or (
+            self.rollout_max_prompt_len + self.rollout_max_response_len if self.rollout_max_prompt_len else None)
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            budget = getattr(self, name)
+            if budget is not None and longest is not None and budget < longest:
+                raise ValueError(f"{flag(name)} ({budget}) must hold the longest sample ({longest} tokens: "
+                                 "--rollout-max-context-len, or --rollout-max-prompt-len + "
+                                 "--rollout-max-response-len)")
 
     def _check_critic_and_distillation(self, spec) -> None:
         set_critic = [flag(name) for name in CRITIC_FIELDS if self.changed(name)]

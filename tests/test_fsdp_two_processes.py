@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -13,13 +14,28 @@ def _gradients(backend):
     return {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)().clone() for n, p in backend.model.named_parameters()}
 
 
-def _train_on_rank(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+def _backend(model_dir, variant: str):
+    """``even``: 8 samples, 2 per micro-batch. ``uneven``: 5 samples (shares of 3 and 2, so one rank has a
+    micro-batch fewer and runs a placeholder). ``budget``: token-budget micro-batches on token-balanced shares."""
+    import dataclasses
+
+    backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
+    if variant == "budget":
+        backend.settings = dataclasses.replace(backend.settings, max_tokens_per_gpu=14, balance_data=True)
+    return backend
+
+
+def _variant_batch(variant: str):
+    return make_batch(num_samples=5) if variant == "uneven" else make_batch()
+
+
+def _train_on_rank(rank: int, world_size: int, port: int, model_dir: str, out: str, variant: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    backend = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
+    backend = _backend(model_dir, variant)
     assert backend.sharded
-    metrics = backend.train_step(make_batch(), LOSS)
+    metrics = backend.train_step(_variant_batch(variant), LOSS)
     grads = _gradients(backend)
     state = backend.full_state_dict()
     if rank == 0:
@@ -27,15 +43,16 @@ def _train_on_rank(rank: int, world_size: int, port: int, model_dir: str, out: s
     shutdown_process_group()
 
 
-def test_two_process_fsdp_step_equals_the_single_process_step(tiny_workspace, tmp_path):
+@pytest.mark.parametrize("variant", ["even", "uneven", "budget"])
+def test_two_process_fsdp_step_equals_the_single_process_step(variant, tiny_workspace, tmp_path):
     model_dir, out = str(tiny_workspace / "model"), str(tmp_path / "rank0.pt")
-    mp.start_processes(_train_on_rank, args=(2, free_loopback_port(), model_dir, out), nprocs=2, join=True,
+    mp.start_processes(_train_on_rank, args=(2, free_loopback_port(), model_dir, out, variant), nprocs=2, join=True,
                        start_method="spawn")
     sharded = torch.load(out, weights_only=False)
 
     single = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
     assert not single.sharded
-    metrics = single.train_step(make_batch(), LOSS)
+    metrics = single.train_step(_variant_batch(variant), LOSS)
     for key in ("loss", "pg_loss", "entropy", "grad_norm"):
         assert abs(sharded["metrics"][key] - metrics[key]) <= 1e-5 * max(1.0, abs(metrics[key])), key
     for name, grad in _gradients(single).items():

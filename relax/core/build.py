@@ -367,6 +367,10 @@ def build_context(cfg: RelaxConfig) -> BuildContext:
         adam_betas=(cfg.adam_beta1, cfg.adam_beta2), adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
         gradient_checkpointing=cfg.gradient_checkpointing, entropy_grad=cfg.entropy_coef > 0,
         freeze_vision_tower=cfg.freeze_vision_tower, freeze_audio_tower=cfg.freeze_audio_tower,
+        sequence_packing=cfg.sequence_packing, log_probs_chunk_size=cfg.log_probs_chunk_size,
+        max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+        log_probs_max_tokens_per_gpu=cfg.log_probs_max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
+        balance_data=cfg.balance_data,
     )
     return BuildContext(cfg, model_path, tokenizer, prompts, total_steps, spec, device, dtype, settings)
 

@@ -1,9 +1,13 @@
 """Training backend on FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
-Every rank receives the whole global batch and trains on its strided share; loss denominators
-count the whole batch, so the gradient equals the single-process one at any world size. The
-model's response logits are computed only at response positions, which keeps the fp32 logits of
-long prompts out of memory.
+Every rank receives the whole global batch and trains on its share (strided, or balanced by tokens
+with ``--balance-data``); loss denominators count the whole batch, so the gradient equals the
+single-process one at any world size and with any split into micro-batches.
+
+A micro-batch is a packed row of whole sequences (`packing`, attended apart by `varlen_attention`),
+or with ``--no-sequence-packing`` a right-padded batch; it holds ``--micro-batch-size`` samples, or
+with ``--use-dynamic-batch-size`` up to ``--max-tokens-per-gpu`` tokens. The LM head runs only at
+response positions and chunk by chunk (`log_probs`), so no full float32 logits exist.
 
 With a single process there is nothing to shard: the model stays a plain module (bf16 compute
 through autocast), which saves FSDP's per-layer hooks and DTensor dispatch (~10% of a CPU step on
@@ -12,10 +16,10 @@ the quickstart model, benchmarks/README.md). The training code is the same at ev
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,15 +37,29 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from relax.algorithms.loss import LossFn, MicroBatchTensors
-from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, freeze_towers, load_model
+from relax.backends.model_family import (
+    MediaTokens,
+    concat_inputs,
+    forward_inputs,
+    freeze_towers,
+    load_model,
+    rope_positions,
+)
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
+from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
+from relax.backends.training.packing import (
+    balanced_partition,
+    pack_sequences,
+    pad_responses,
+    pad_sequences,
+    plan_token_budget,
+    response_mask,
+)
+from relax.backends.training.varlen_attention import PACKING_KWARG, PackedAttention, use_packed_attention
 from relax.distributed.process_group import ensure_process_group, release_before_shutdown
 from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger("relax")
-
-# Logit of tokens the engine never samples (media placeholders): finite, so that 0·logit stays 0 in the entropy.
-SUPPRESSED_LOGIT = -1e9
 
 
 @dataclass(frozen=True)
@@ -64,48 +82,87 @@ class TrainSettings:
     entropy_grad: bool = False  # backpropagate through the entropy (only an entropy bonus needs it)
     freeze_vision_tower: bool = False
     freeze_audio_tower: bool = False
+    sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
+    log_probs_chunk_size: int = 1024  # response tokens per LM-head chunk (0: full logits at once)
+    max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
+    log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
+    balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
+    fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
 
 
-def _hidden_at(base_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               predict_positions: torch.Tensor) -> torch.Tensor:
-    """Last hidden states ``[B, R, H]`` at ``predict_positions`` ``[B, R]``, the positions whose
-    next token is a response token."""
-    hidden = base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    index = predict_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-    return hidden.gather(1, index)
+@dataclass(frozen=True)
+class HeadRequest:
+    """What the LM head computes at the response positions (`token_log_probs`)."""
+
+    ids: torch.Tensor  # [M, K]: the next token, then any extra ids (a teacher's top-k)
+    temperature: float
+    suppressed_ids: torch.Tensor | None
+    chunk_size: int
+    entropy_grad: bool
+    top_k: int
+    compute_dtype: torch.dtype
+
+
+@contextmanager
+def _head_bypassed(hf_model: nn.Module):
+    """The model's forward returns its last hidden states as "logits". The multimodal families merge media
+    features in their top-level forward, and some (the omni thinkers) cannot skip their LM head there."""
+    head = hf_model.get_output_embeddings()
+    hf_model.set_output_embeddings(nn.Identity())
+    try:
+        yield
+    finally:
+        hf_model.set_output_embeddings(head)
+
+
+def _language_model(hf_model: nn.Module) -> nn.Module:
+    """The text decoder (whose attention is packed); vision and audio towers keep their own attention."""
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    return decoder if decoder is not None else hf_model.base_model
+
+
+def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                     predict_index: torch.Tensor, packing: PackedAttention | None,
+                     media: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """Last hidden states ``[M, H]`` at ``predict_index`` (flat positions into ``input_ids``), the
+    positions whose next token is a response token."""
+    extra = {PACKING_KWARG: packing} if packing is not None else {}
+    if position_ids is not None:
+        extra["position_ids"] = position_ids
+    if media:
+        with _head_bypassed(hf_model):
+            hidden = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra,
+                              **media).logits
+    else:
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
+    return hidden.flatten(0, 1).index_select(0, predict_index)
 
 
 class ResponseLogitsModel(nn.Module):
-    """A causal LM that returns logits ``[B, R, V]`` only at the positions that predict response
-    tokens, which keeps the float32 logits of long prompts out of memory.
-
-    With media the whole model's forward runs (the families merge image and audio features in
-    their top-level forward) and its LM head is applied from the first response position on."""
+    """A causal LM that returns log-probs and entropies at the positions that predict response tokens, its
+    head applied chunk by chunk (`token_log_probs`): no logits of prompt tokens, nor full logits of any."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model
-        # Omni thinkers compute the logits of every position (their forward has no logits_to_keep).
-        self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
+        use_packed_attention(_language_model(hf_model))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor,
-                media: dict[str, torch.Tensor] | None = None):
-        if not media:
-            hidden = _hidden_at(self.hf_model.base_model, input_ids, attention_mask, predict_positions)
-            return self.hf_model.get_output_embeddings()(hidden)
-        # Padding entries of predict_positions are 0; they are clamped into range and masked later.
-        first = int(predict_positions[:, 0].min()) if self._keeps_logits else 0
-        keep = {"logits_to_keep": torch.arange(first, input_ids.shape[1], device=input_ids.device)} \
-            if self._keeps_logits else {}
-        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep,
-                               **media).logits
-        index = (predict_positions - first).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
-        return logits.gather(1, index)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                predict_index: torch.Tensor, head: HeadRequest, packing: PackedAttention | None = None,
+                media: dict[str, torch.Tensor] | None = None) -> TokenLogProbs:
+        hidden = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask, position_ids,
+                                  predict_index, packing, media)
+        return token_log_probs(
+            hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
+            suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
+            top_k=head.top_k, compute_dtype=head.compute_dtype,
+        )
 
 
 class ResponseValueModel(nn.Module):
     """PPO's critic: the policy's transformer body with a scalar value head, returning ``V_t``
-    ``[B, R]`` at the positions that predict response tokens (the state before token t).
+    ``[M]`` at the positions that predict response tokens (the state before token t).
 
     The body starts from the policy checkpoint (its LM head is dropped); the head starts at zero,
     so every value starts at 0 and ``--num-critic-only-steps`` can fit it before the policy moves.
@@ -117,9 +174,12 @@ class ResponseValueModel(nn.Module):
         self.value_head = nn.Linear(self.hf_model.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
+        use_packed_attention(self.hf_model)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_positions: torch.Tensor):
-        hidden = _hidden_at(self.hf_model, input_ids, attention_mask, predict_positions)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
+        hidden = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
+                                  predict_index, packing, None)
         return self.value_head(hidden).squeeze(-1)
 
 
@@ -155,6 +215,7 @@ class FSDPTrainBackend(TrainBackend):
         hf_model = load_model(model_path, torch.float32)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
+        self._warned_oversized = False
         media_ids = MediaTokens.of(hf_model.config).ids
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
@@ -172,9 +233,11 @@ class FSDPTrainBackend(TrainBackend):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
+            fused = settings.fused_optimizer and settings.device.type == "cuda"
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.adam_betas, eps=settings.adam_eps,
-                weight_decay=settings.weight_decay, foreach=True,
+                [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.adam_betas,
+                eps=settings.adam_eps, weight_decay=settings.weight_decay, **({"fused": True} if fused else
+                                                                              {"foreach": True}),
             )
             min_ratio = settings.min_lr / settings.lr
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -195,95 +258,118 @@ class FSDPTrainBackend(TrainBackend):
         return self.model.hf_model.config
 
     # ---- forward -------------------------------------------------------------------------
-    def _pack(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ``input_ids``/``attention_mask`` ``[B, T]``, ``predict_positions`` and
-        ``targets`` ``[B, R]``, and ``response_mask`` ``[B, R]`` (1 on real response tokens)."""
+    def _model_inputs(self, mb: TrainBatch) -> tuple[dict[str, object], torch.Tensor]:
+        """The model's keyword arguments for micro-batch ``mb`` (packed or padded) and the next-token
+        ``targets`` ``[M]`` of its response positions, samples in order."""
         device = self.settings.device
-        lengths = [len(t) for t in batch.tokens]
-        max_len, max_resp = max(lengths), max(max(batch.response_lengths), 1)
-        input_ids = torch.full((len(batch), max_len), self.settings.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
-        positions = torch.zeros((len(batch), max_resp), dtype=torch.long)
-        response_mask = torch.zeros((len(batch), max_resp))
-        for row, (tokens, resp_len) in enumerate(zip(batch.tokens, batch.response_lengths)):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens)
-            attention_mask[row, : len(tokens)] = 1
-            prompt_len = len(tokens) - resp_len
-            positions[row, :resp_len] = torch.arange(prompt_len - 1, len(tokens) - 1)
-            response_mask[row, :resp_len] = 1
-        targets = input_ids.gather(1, (positions + 1).clamp(max=max_len - 1))
-        return (input_ids.to(device), attention_mask.to(device), positions.to(device), targets.to(device),
-                response_mask.to(device))
+        raw_media = concat_inputs(mb.multimodal) if mb.multimodal and any(mb.multimodal) else None
+        if raw_media is not None and self.value_head:
+            raise NotImplementedError("a critic on multimodal samples is not supported yet")
+        if self.settings.sequence_packing:
+            packed = pack_sequences(mb.tokens, mb.response_lengths)
+            position_ids = packed.position_ids.to(device)
+            if raw_media is not None:  # multimodal rope: 3-D positions of each sequence, concatenated
+                input_ids, attention_mask, _, _ = pad_sequences(mb.tokens, mb.response_lengths,
+                                                                self.settings.pad_token_id)
+                mask = attention_mask.to(device)
+                positions = rope_positions(self.model.hf_model, input_ids.to(device), mask, raw_media)
+                if positions is not None:
+                    position_ids = positions[:, mask.bool()].unsqueeze(1)
+            inputs = {"input_ids": packed.input_ids.to(device), "attention_mask": None, "position_ids": position_ids,
+                      "predict_index": packed.predict_index.to(device),
+                      "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device)}
+            targets = packed.targets
+        else:
+            input_ids, attention_mask, predict_index, targets = pad_sequences(mb.tokens, mb.response_lengths,
+                                                                              self.settings.pad_token_id)
+            inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+                      "position_ids": None, "predict_index": predict_index.to(device)}
+        if raw_media is not None:
+            # float32 in; each family casts pixel values to its vision tower's dtype itself
+            inputs["media"] = forward_inputs(self.model.hf_model, raw_media, inputs["input_ids"], device, torch.float32)
+        return inputs, targets.to(device)
 
     def _autocast(self):
         """Unsharded models compute in ``compute_dtype`` through autocast (FSDP casts by itself)."""
         enabled = not self.sharded and self.settings.compute_dtype != torch.float32
         return torch.autocast(self.settings.device.type, dtype=self.settings.compute_dtype, enabled=enabled)
 
-
     def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
-        input_ids, attention_mask, positions, targets, response_mask = self._pack(batch)
-        media = self._media_inputs(batch, input_ids)
-        with self._autocast():
-            outputs = self.model(input_ids, attention_mask, positions, media) if media else \
-                self.model(input_ids, attention_mask, positions)
+        device = self.settings.device
+        inputs, targets = self._model_inputs(batch)
+        lengths = batch.response_lengths
+        mask = response_mask(lengths, device)
         if self.value_head:
-            return PerTokenOutputs(outputs.float(), None, response_mask)
-        logits = outputs.float() / self.settings.temperature
-        if self._suppressed_ids is not None:  # the engine never samples media placeholders: same distribution here
-            logits = logits.index_fill(-1, self._suppressed_ids, SUPPRESSED_LOGIT)
-        log_norm = logits.logsumexp(dim=-1)
-        log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
-        gathered = None
+            with self._autocast():
+                values = self.model(**inputs)
+            return PerTokenOutputs(pad_responses(values.float(), lengths), None, mask)
+        ids = targets.unsqueeze(-1)
         if batch.gather_ids is not None:
-            ids = self._pad_gather_ids(batch, response_mask)
-            gathered = logits.gather(-1, ids) - log_norm.unsqueeze(-1)
-        top_log_probs = top_ids = None
-        if top_k:
-            top_logits, top_ids = logits.detach().topk(top_k, dim=-1)
-            top_log_probs = top_logits - log_norm.detach().unsqueeze(-1)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs = torch.softmax(logits, dim=-1)
-            entropy = log_norm - (probs * logits).sum(dim=-1)
-        return PerTokenOutputs(log_probs, entropy, response_mask, gathered, top_log_probs, top_ids)
+            ids = torch.cat([ids, torch.cat([g.long() for g in batch.gather_ids]).to(device)], dim=-1)
+        head = HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
+                           entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype)
+        with self._autocast():
+            out = self.model(**inputs, head=head)
+        gathered = pad_responses(out.log_probs[:, 1:], lengths) if batch.gather_ids is not None else None
+        top_log_probs = pad_responses(out.top_log_probs, lengths) if top_k else None
+        top_ids = pad_responses(out.top_ids, lengths) if top_k else None
+        return PerTokenOutputs(pad_responses(out.log_probs[:, 0], lengths), pad_responses(out.entropy, lengths), mask,
+                               gathered, top_log_probs, top_ids)
 
-    def _media_inputs(self, batch: TrainBatch, input_ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        if not batch.multimodal or not any(batch.multimodal):
-            return None
-        if self.value_head:
-            raise NotImplementedError("a critic on multimodal samples is not supported yet")
-        hf_model = self.model.hf_model
-        # float32 in; each family casts pixel values to its vision tower's dtype itself
-        return forward_inputs(hf_model, concat_inputs(batch.multimodal), input_ids, self.settings.device, torch.float32)
-
-    def _pad_gather_ids(self, batch: TrainBatch, response_mask: torch.Tensor) -> torch.Tensor:
-        """``batch.gather_ids`` (``[T_i, k]`` per sample) right-padded to ``[B, R, k]`` with id 0."""
-        k = batch.gather_ids[0].shape[-1]
-        ids = torch.zeros((*response_mask.shape, k), dtype=torch.long)
-        for row, sample_ids in enumerate(batch.gather_ids):
-            ids[row, : sample_ids.shape[0]] = sample_ids
-        return ids.to(self.settings.device)
-
+    # ---- micro-batches -------------------------------------------------------------------
     def _rank_share(self, batch: TrainBatch) -> TrainBatch:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not self.sharded:
             return batch
-        return batch.select(range(dist.get_rank(), len(batch), dist.get_world_size()))
+        rank = dist.get_rank()
+        if self.settings.balance_data:
+            return batch.select(balanced_partition([len(t) for t in batch.tokens], self.world_size)[rank])
+        return batch.select(range(rank, len(batch), self.world_size))
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
-        size = self.settings.micro_batch_size
-        for start in range(0, len(batch), size):
-            yield batch.select(range(start, min(start + size, len(batch))))
+    def _plan(self, batch: TrainBatch, max_tokens: int | None, at_least: int = 1) -> list[list[int]]:
+        if max_tokens is None:
+            size = self.settings.micro_batch_size
+            groups = [list(range(s, min(s + size, len(batch)))) for s in range(0, len(batch), size)]
+            return groups + [[] for _ in range(at_least - len(groups))]
+        lengths = [len(t) for t in batch.tokens]
+        if max(lengths, default=0) > max_tokens and not self._warned_oversized:
+            self._warned_oversized = True
+            logger.warning("a sample of %d tokens exceeds the micro-batch budget of %d (--max-tokens-per-gpu / "
+                           "--log-probs-max-tokens-per-gpu): it is computed alone; raise the budget if memory allows",
+                           max(lengths), max_tokens)
+        return plan_token_budget(lengths, max_tokens, at_least)
+
+    def _micro_batches(self, batch: TrainBatch, max_tokens: int | None,
+                       same_count_on_all_ranks: bool) -> list[tuple[list[int], TrainBatch | None]]:
+        """``(indices into batch, micro-batch)`` pairs; a micro-batch is None where this rank has nothing
+        left while others still compute (FSDP's collectives need the same number of forwards everywhere)."""
+        plan = self._plan(batch, max_tokens)
+        if same_count_on_all_ranks and self.sharded:
+            count = torch.tensor([len(plan)], device=self.settings.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            if int(count) > len(plan):
+                plan = self._plan(batch, max_tokens, int(count))
+        return [(group, batch.select(group) if group else None) for group in plan]
+
+    @staticmethod
+    def _placeholder(template: TrainBatch, pad_token_id: int) -> TrainBatch:
+        """A two-token sample without loss tokens, for a rank's extra forward."""
+        return TrainBatch(
+            tokens=[[pad_token_id, pad_token_id]], response_lengths=[1], loss_masks=[[0]],
+            fields={name: [torch.zeros_like(values[0][:1])] for name, values in template.fields.items()},
+            gather_ids=None if template.gather_ids is None else [torch.zeros_like(template.gather_ids[0][:1])],
+        )
 
     @torch.no_grad()
-    def _forward_without_grad(self, batch: TrainBatch, top_k: int = 0) -> Iterator[tuple[int, int, PerTokenOutputs]]:
-        """``(row, response_length, outputs)`` per sample, micro-batch by micro-batch, in eval mode."""
+    def _forward_without_grad(self, batch: TrainBatch, top_k: int = 0) -> Iterator[tuple[int, int, int, PerTokenOutputs]]:
+        """``(index in batch, row in its micro-batch, response length, outputs)`` per sample, in eval mode."""
         was_training = self.model.training
         self.model.eval()
+        budget = self.settings.log_probs_max_tokens_per_gpu or self.settings.max_tokens_per_gpu
         try:
-            for mb in self._micro_batches(batch):
+            for indices, mb in self._micro_batches(batch, budget, same_count_on_all_ranks=False):
                 outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
-                for row, resp_len in enumerate(mb.response_lengths):
-                    yield row, resp_len, outputs
+                for row, (index, resp_len) in enumerate(zip(indices, mb.response_lengths)):
+                    yield index, row, resp_len, outputs
         finally:
             self.model.train(was_training)
 
@@ -293,23 +379,23 @@ class FSDPTrainBackend(TrainBackend):
         the same values without a gather."""
         if self.value_head:
             raise TypeError("a critic has no log-probs; use compute_values")
-        result = LogProbs([], [], [] if batch.gather_ids is not None else None,
-                          [] if top_k else None, [] if top_k else None)
-        for row, resp_len, outputs in self._forward_without_grad(batch, top_k):
-            result.log_probs.append(outputs.primary[row, :resp_len].cpu())
-            result.entropy.append(outputs.entropy[row, :resp_len].cpu())
-            if result.gathered is not None:
-                result.gathered.append(outputs.gathered[row, :resp_len].cpu())
-            if top_k:
-                result.top_log_probs.append(outputs.top_log_probs[row, :resp_len].cpu())
-                result.top_ids.append(outputs.top_ids[row, :resp_len].cpu())
-        return result
+        wanted = ["primary", "entropy"] + (["gathered"] if batch.gather_ids is not None else []) + \
+            (["top_log_probs", "top_ids"] if top_k else [])
+        columns: dict[str, list[torch.Tensor | None]] = {name: [None] * len(batch) for name in wanted}
+        for index, row, resp_len, outputs in self._forward_without_grad(batch, top_k):
+            for name in wanted:
+                columns[name][index] = getattr(outputs, name)[row, :resp_len].cpu()
+        return LogProbs(columns["primary"], columns["entropy"], columns.get("gathered"), columns.get("top_log_probs"),
+                        columns.get("top_ids"))
 
     def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The critic's per-sample values ``[T_i]`` of the response tokens."""
         if not self.value_head:
             raise TypeError("this backend has no value head")
-        return [outputs.primary[row, :resp_len].cpu() for row, resp_len, outputs in self._forward_without_grad(batch)]
+        values: list[torch.Tensor | None] = [None] * len(batch)
+        for index, row, resp_len, outputs in self._forward_without_grad(batch):
+            values[index] = outputs.primary[row, :resp_len].cpu()
+        return values
 
     # ---- training ------------------------------------------------------------------------
     def _micro_batch_tensors(self, mb: TrainBatch, response_mask: torch.Tensor, num_samples: int, num_tokens: int):
@@ -328,18 +414,25 @@ class FSDPTrainBackend(TrainBackend):
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         assert self.optimizer is not None and self.scheduler is not None, "a frozen backend cannot train"
         num_samples, num_tokens = len(batch), batch.num_loss_tokens()
-        micro_batches = list(self._micro_batches(self._rank_share(batch)))
+        micro_batches = self._micro_batches(self._rank_share(batch), self.settings.max_tokens_per_gpu,
+                                            same_count_on_all_ranks=True)
         entropy_grad = self.settings.entropy_grad
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for index, mb in enumerate(micro_batches):
+        for index, (_, mb) in enumerate(micro_batches):
             if self.sharded:  # reduce gradients across ranks once, on the last micro-batch
                 self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            placeholder = mb is None
+            if placeholder:
+                mb = self._placeholder(batch, self.settings.pad_token_id)
             outputs = self._per_token_outputs(mb, entropy_grad)
             tensors = self._micro_batch_tensors(mb, outputs.response_mask, num_samples, num_tokens)
             if outputs.gathered is not None:
                 tensors.fields["gathered_log_probs"] = outputs.gathered
             loss, metrics = loss_fn(tensors, outputs.primary, outputs.entropy)
+            if placeholder:  # a forward and backward for the collectives, adding nothing
+                loss = loss * 0.0
+                metrics = {name: value * 0.0 for name, value in metrics.items()}
             # Each rank's loss is its share of the global mean (global denominators): the gradient
             # must be the sum over ranks, and FSDP's reduction averages, hence the factor.
             (loss * self.world_size).backward()

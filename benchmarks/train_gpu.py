@@ -1,0 +1,165 @@
+"""The trainer's speed on RL-shaped batches: the previous path beside the new one, on the same batches.
+
+A randomly initialised Qwen3-shaped model (0.6B and/or 4B) is trained by `FSDPTrainBackend` with the PPO-clip
+loss on one GPU. A batch is 256 sequences of a 256-token prompt and a response whose length is drawn (fixed
+seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer settings run on the same batch:
+
+- ``previous``: right-padded micro-batches of ``--micro-batch-size`` samples and full float32 logits (the path
+  before sequence packing: ``--no-sequence-packing --log-probs-chunk-size 0``), foreach AdamW;
+- ``packed``: packed micro-batches of at most ``--max-tokens-per-gpu`` tokens (``--use-dynamic-batch-size``),
+  FlashAttention varlen, the LM head in chunks of 1024 tokens, fused AdamW.
+
+For each: seconds per optimizer step (after a warm-up step), real (unpadded) tokens/s, model FLOP/s counted as
+6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
+and against what the card measures on bf16 matrix products (~790 TFLOP/s), and peak memory; then the speedup.
+Writes ``benchmarks/results/train_gpu.json``.
+
+    python -m benchmarks.train_gpu                       # both shapes on the H200
+    python -m benchmarks.train_gpu --shapes 0.6b --steps 1
+    python -m benchmarks.train_gpu --tiny --device cpu   # smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY
+from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn
+from relax.backends.training.base import TrainBatch
+from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATASHEET_TFLOPS = 989.0
+MEASURED_TFLOPS = 790.0
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=True)
+SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "tiny": TINY}
+LOSS = build_policy_loss_fn(PolicyLossSettings(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.28,
+                                               eps_clip_c=None, aggregation="token-mean"))
+
+
+def rl_batch(num_samples: int, prompt_len: int, min_response: int, max_response: int, vocab: int,
+             seed: int = 0) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_response, max_response + 1, (num_samples,), generator=generator).tolist()
+    tokens = [torch.randint(2, vocab, (prompt_len + n,), generator=generator).tolist() for n in lengths]
+    fields = {"advantages": [torch.randn(n, generator=generator) for n in lengths],
+              "old_log_probs": [-torch.rand(n, generator=generator) for n in lengths]}
+    return TrainBatch(tokens, lengths, [[1] * n for n in lengths], fields)
+
+
+def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int) -> dict:
+    cuda = settings.device.type == "cuda"
+    backend = FSDPTrainBackend(model_dir, settings)
+    backend.train_step(batch, LOSS)  # warm-up: allocator, kernels' autotuning
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(steps):
+        backend.train_step(batch, LOSS)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / steps
+    tokens = sum(len(t) for t in batch.tokens)
+    flops = 6 * num_params * tokens / seconds
+    result = {
+        "s_per_step": round(seconds, 3), "tokens_per_step": tokens, "tokens_per_s": round(tokens / seconds),
+        "model_tflops": round(flops / 1e12, 1),
+        "mfu_989": round(flops / (DATASHEET_TFLOPS * 1e12), 4), "mfu_790": round(flops / (MEASURED_TFLOPS * 1e12), 4),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+    }
+    backend.release()
+    del backend
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
+    shape = SHAPES[name]
+    model_dir = root / name
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    num_params = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(model_dir)
+    del model
+    batch = rl_batch(args.samples, args.prompt_len, args.min_response, args.max_response, shape["vocab_size"])
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    base = TrainSettings(device=device, compute_dtype=torch.bfloat16 if cuda else torch.float32,
+                         micro_batch_size=args.micro_batch_size or (4 if name == "4b" else 8), temperature=1.0,
+                         pad_token_id=0, lr=1e-6, total_optimizer_steps=100,
+                         gradient_checkpointing=name == "4b" or args.checkpointing)
+    variants = {
+        "previous": dataclasses.replace(base, sequence_packing=False, log_probs_chunk_size=0, fused_optimizer=False),
+        "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu, fused_optimizer=cuda),
+    }
+    results = {}
+    for variant, settings in variants.items():
+        results[variant] = {"settings": {"sequence_packing": settings.sequence_packing,
+                                         "log_probs_chunk_size": settings.log_probs_chunk_size,
+                                         "micro_batch_size": None if settings.max_tokens_per_gpu else
+                                         settings.micro_batch_size,
+                                         "max_tokens_per_gpu": settings.max_tokens_per_gpu,
+                                         "gradient_checkpointing": settings.gradient_checkpointing,
+                                         "fused_optimizer": settings.fused_optimizer},
+                            **run_variant(model_dir, settings, batch, args.steps, num_params)}
+        print(name, variant, json.dumps(results[variant]), flush=True)
+    lengths = batch.response_lengths
+    return {"parameters": num_params, "batch": {"samples": len(batch), "prompt_len": args.prompt_len,
+                                                "response_len_min": min(lengths), "response_len_max": max(lengths),
+                                                "response_len_mean": sum(lengths) / len(lengths)},
+            **results, "speedup": round(results["previous"]["s_per_step"] / results["packed"]["s_per_step"], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shapes", default="0.6b,4b", help="comma-separated: 0.6b, 4b")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (smoke test)")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--min-response", type=int, default=32)
+    parser.add_argument("--max-response", type=int, default=1024)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="previous path (default 8; 4 for 4b)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="packed path's micro-batch budget")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on 0.6b too")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
+    parser.add_argument("--output", type=Path, default=RESULTS / "train_gpu.json")
+    args = parser.parse_args()
+    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    if args.tiny:
+        args.samples, args.prompt_len, args.min_response, args.max_response = 16, 8, 2, 24
+        args.max_tokens_per_gpu = 64
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        per_shape = {name: bench_shape(name, args, Path(tmp)) for name in shapes}
+    headline = {f"{name}_{key}": value for name, result in per_shape.items()
+                for key, value in (("speedup", result["speedup"]), ("mfu_989", result["packed"]["mfu_989"]),
+                                   ("tokens_per_s", result["packed"]["tokens_per_s"]))}
+    out = {
+        "benchmark": "train_gpu", **headline,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "shapes": per_shape, "timed_steps": args.steps, "total_s": round(time.perf_counter() - started, 1),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(headline, indent=2))
+
+
+if __name__ == "__main__":
+    main()
