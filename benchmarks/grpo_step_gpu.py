@@ -38,6 +38,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                   tie_word_embeddings=True)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=True)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
 
@@ -102,7 +105,15 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--shape", default="0.6b", choices=["0.6b", "4b"], help="the Qwen3 shape (random init)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="fixed micro-batches of this many samples (the previous trainer setting: 8)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384,
+                        help="token-budget micro-batches (--use-dynamic-batch-size), unless --micro-batch-size")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--colocate", action="store_true",
+                        help="--colocate: offload the trainer while rolling out and the engine while training")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     parser.add_argument("--output", type=Path, default=RESULTS / "grpo_step_gpu.json")
     parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
@@ -111,7 +122,10 @@ def main() -> None:
                         help="time model.generate on the same prompts too")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    shape = TINY if args.tiny else QWEN3_0_6B
+    shape = TINY if args.tiny else {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B}[args.shape]
+    batching = ({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else
+                {"use_dynamic_batch_size": True, "max_tokens_per_gpu": args.max_tokens_per_gpu})
+    extra = {"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static else {}
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -119,9 +133,10 @@ def main() -> None:
         cfg = RelaxConfig(
             hf_checkpoint=str(model_dir), prompt_data=str(data), custom_rm_path="benchmarks.grpo_step_gpu:parity_reward",
             rollout_batch_size=args.prompts, n_samples_per_prompt=args.samples_per_prompt,
-            rollout_max_response_len=args.new_tokens, micro_batch_size=args.micro_batch_size, lr=1e-6,
-            num_rollout=args.steps, gradient_checkpointing=True, device=args.device, use_tensorboard=False,
-            dump_samples=0, output_dir=str(root / "run"), engine_core=args.engine_core,
+            rollout_max_response_len=args.new_tokens, lr=1e-6, rollout_max_prompt_len=args.prompt_len,
+            num_rollout=args.steps, gradient_checkpointing=args.gradient_checkpointing, device=args.device,
+            use_tensorboard=False, dump_samples=0, output_dir=str(root / "run"), engine_core=args.engine_core,
+            colocate=args.colocate, **batching, **extra,
         )
         roles = build_roles(cfg)
         roles.rollout.sampling = replace(roles.rollout.sampling, ignore_eos=True)
@@ -133,8 +148,11 @@ def main() -> None:
             metrics = asyncio.run(controller.train_step(rollout_id))
             synchronize(args.device)
             steps.append(metrics)
+            memory = " ".join(f"{k.removeprefix('perf/gpu_')} {v:.1f}" for k, v in metrics.items()
+                              if k.startswith("perf/gpu_"))
             print(f"step {rollout_id + 1}: {metrics['perf/step_s']:.2f} s (rollout {metrics['perf/rollout_s']:.2f} s, "
-                  f"train {metrics['perf/train_s']:.2f} s, sync {metrics['perf/weight_sync_s']:.2f} s)", flush=True)
+                  f"train {metrics['perf/train_s']:.2f} s, sync {metrics['perf/weight_sync_s']:.2f} s, offload "
+                  f"{metrics.get('perf/offload_s', 0):.2f} s) {memory}", flush=True)
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
         prompts = [s.tokens for s in roles.rollout.data_source.prompts_for_step(0)]
         repeated = [p for p in prompts for _ in range(args.samples_per_prompt)]
@@ -149,14 +167,18 @@ def main() -> None:
     sequences = args.prompts * args.samples_per_prompt
     generated = sequences * args.new_tokens
     trained = sequences * (args.prompt_len + args.new_tokens)
+    step_s = [round(m["perf/step_s"], 3) for m in steps]
+    phase_keys = sorted({k for m in steps for k in m if k.startswith("perf/gpu_") or k == "perf/offload_s"})
     result = {
-        "model": "Qwen3-0.6B shape, random init" if not args.tiny else "tiny Qwen3",
+        "model": f"Qwen3-{args.shape.upper()} shape, random init" if not args.tiny else "tiny Qwen3",
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "sequences_per_step": sequences, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "micro_batch_size": args.micro_batch_size, "gradient_checkpointing": True,
-        "timed_steps": len(timed),
         "s_per_step": mean("perf/step_s"),
+        "last_to_second_step_ratio": step_s[-1] / step_s[1] if len(step_s) > 2 else None,
+        **{key.removeprefix("perf/"): max(m.get(key, 0.0) for m in timed) for key in phase_keys},
+        "batching": batching, "gradient_checkpointing": args.gradient_checkpointing, "colocate": args.colocate,
+        "timed_steps": len(timed), "step_s": step_s,
         "rollout_s": mean("perf/rollout_s"), "train_s": mean("perf/train_s"),
         "weight_sync_s": mean("perf/weight_sync_s"),
         "rollout_tokens_per_s": generated / mean("perf/rollout_s"),

@@ -5,9 +5,11 @@ loss on one GPU. A batch is 256 sequences of a 256-token prompt and a response w
 seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer settings run on the same batch:
 
 - ``previous``: right-padded micro-batches of ``--micro-batch-size`` samples and full float32 logits (the path
-  before sequence packing: ``--no-sequence-packing --log-probs-chunk-size 0``), foreach AdamW;
+  before sequence packing: ``--no-sequence-packing --log-probs-chunk-size 0``), float32 parameters under
+  autocast, foreach AdamW;
 - ``packed``: packed micro-batches of at most ``--max-tokens-per-gpu`` tokens (``--use-dynamic-batch-size``),
-  FlashAttention varlen, the LM head in chunks of 1024 tokens, fused AdamW.
+  FlashAttention varlen, the LM head in chunks of 1024 tokens, liger-kernel's RMSNorm/SwiGLU/RoPE, fused AdamW
+  (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast).
 
 For each: seconds per optimizer step (after a warm-up step), real (unpadded) tokens/s, model FLOP/s counted as
 6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
@@ -33,7 +35,7 @@ import torch
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY
+from benchmarks.grpo_step_gpu import QWEN3_0_6B, QWEN3_4B, TINY
 from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn
 from relax.backends.training.base import TrainBatch
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
@@ -41,9 +43,6 @@ from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASHEET_TFLOPS = 989.0
 MEASURED_TFLOPS = 790.0
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                tie_word_embeddings=True)
 SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "tiny": TINY}
 LOSS = build_policy_loss_fn(PolicyLossSettings(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.28,
                                                eps_clip_c=None, aggregation="token-mean"))
@@ -59,10 +58,29 @@ def rl_batch(num_samples: int, prompt_len: int, min_response: int, max_response:
     return TrainBatch(tokens, lengths, [[1] * n for n in lengths], fields)
 
 
-def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int) -> dict:
+def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30) -> dict:
+    """One step under the torch profiler: the kernels by total CUDA time, and how busy the GPU was."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train_step(batch, LOSS)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), flush=True)
+    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+    return {"profiled_wall_s": round(wall, 3), "kernel_s": round(kernel_s, 3),
+            "gpu_busy": round(kernel_s / wall, 3)}
+
+
+def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int,
+                profile: bool = False) -> dict:
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
     backend.train_step(batch, LOSS)  # warm-up: allocator, kernels' autotuning
+    profiled = profile_step(backend, batch) if profile and cuda else {}
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -79,6 +97,7 @@ def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, ste
         "model_tflops": round(flops / 1e12, 1),
         "mfu_989": round(flops / (DATASHEET_TFLOPS * 1e12), 4), "mfu_790": round(flops / (MEASURED_TFLOPS * 1e12), 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+        **profiled,
     }
     backend.release()
     del backend
@@ -97,32 +116,40 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
     model.to(torch.bfloat16).save_pretrained(model_dir)
     del model
     batch = rl_batch(args.samples, args.prompt_len, args.min_response, args.max_response, shape["vocab_size"])
-    device = torch.device(args.device)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     base = TrainSettings(device=device, compute_dtype=torch.bfloat16 if cuda else torch.float32,
                          micro_batch_size=args.micro_batch_size or (4 if name == "4b" else 8), temperature=1.0,
                          pad_token_id=0, lr=1e-6, total_optimizer_steps=100,
                          gradient_checkpointing=name == "4b" or args.checkpointing)
     variants = {
-        "previous": dataclasses.replace(base, sequence_packing=False, log_probs_chunk_size=0, fused_optimizer=False),
-        "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu, fused_optimizer=cuda),
+        "previous": dataclasses.replace(base, sequence_packing=False, log_probs_chunk_size=0, fused_optimizer=False,
+                                        fsdp_single_process=False, liger_kernel=False),
+        "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu, fused_optimizer=cuda,
+                                      gradient_checkpointing=base.gradient_checkpointing and not args.no_checkpointing,
+                                      liger_kernel=cuda and not args.no_liger, fsdp_single_process=args.fsdp),
     }
     results = {}
     for variant, settings in variants.items():
+        if variant not in args.variants.split(","):
+            continue
         results[variant] = {"settings": {"sequence_packing": settings.sequence_packing,
                                          "log_probs_chunk_size": settings.log_probs_chunk_size,
                                          "micro_batch_size": None if settings.max_tokens_per_gpu else
                                          settings.micro_batch_size,
                                          "max_tokens_per_gpu": settings.max_tokens_per_gpu,
                                          "gradient_checkpointing": settings.gradient_checkpointing,
-                                         "fused_optimizer": settings.fused_optimizer},
-                            **run_variant(model_dir, settings, batch, args.steps, num_params)}
+                                         "fused_optimizer": settings.fused_optimizer,
+                                         "liger_kernel": settings.liger_kernel,
+                                         "bf16_parameters_fsdp": settings.fsdp_single_process and cuda},
+                            **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile)}
         print(name, variant, json.dumps(results[variant]), flush=True)
     lengths = batch.response_lengths
     return {"parameters": num_params, "batch": {"samples": len(batch), "prompt_len": args.prompt_len,
                                                 "response_len_min": min(lengths), "response_len_max": max(lengths),
                                                 "response_len_mean": sum(lengths) / len(lengths)},
-            **results, "speedup": round(results["previous"]["s_per_step"] / results["packed"]["s_per_step"], 2)}
+            **results, "speedup": round(results["previous"]["s_per_step"] / results["packed"]["s_per_step"], 2)
+            if len(results) == 2 else None}
 
 
 def main() -> None:
@@ -137,6 +164,13 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="previous path (default 8; 4 for 4b)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="packed path's micro-batch budget")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on 0.6b too")
+    parser.add_argument("--no-checkpointing", action="store_true", help="packed path without checkpointing on 4b")
+    parser.add_argument("--variants", default="previous,packed", help="comma-separated: previous, packed")
+    parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="packed path with FSDP2's bf16 parameters at one process instead of float32 ones under "
+                             "autocast (TrainSettings.fsdp_single_process)")
+    parser.add_argument("--profile", action="store_true", help="print a torch-profiler table of one step per variant")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_gpu.json")
     args = parser.parse_args()
@@ -148,8 +182,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         per_shape = {name: bench_shape(name, args, Path(tmp)) for name in shapes}
     headline = {f"{name}_{key}": value for name, result in per_shape.items()
-                for key, value in (("speedup", result["speedup"]), ("mfu_989", result["packed"]["mfu_989"]),
-                                   ("tokens_per_s", result["packed"]["tokens_per_s"]))}
+                for key, value in (("speedup", result["speedup"]),
+                                   ("mfu_989", result.get("packed", {}).get("mfu_989")),
+                                   ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {
         "benchmark": "train_gpu", **headline,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

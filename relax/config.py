@@ -63,6 +63,11 @@ class RelaxConfig(BaseModel):
     gradient_checkpointing: bool = _field(
         False, "Recompute activations in the backward pass to save memory.", "model"
     )
+    liger_kernel: Literal["auto", "on", "off"] = _field(
+        "auto", "liger-kernel's fused RMSNorm, SwiGLU and RoPE kernels in the trainer's language model (Qwen2/3, "
+        "Llama, Mistral families): `auto` uses them on CUDA when liger-kernel is installed, `on` requires them.",
+        "model",
+    )
 
     # --- data ----------------------------------------------------------------------------
     prompt_data: str | None = _field(
@@ -168,8 +173,21 @@ class RelaxConfig(BaseModel):
 
     # --- mode ----------------------------------------------------------------------------
     colocate: bool = _field(
-        False, "Synchronous colocated training, the default mode; refused with the async modes. Upstream's flag also "
-        "offloads the models between phases, which Relax does not do yet (docs/modes.md).", "mode"
+        False, "Synchronous colocated training with the trainer and the engine time-sharing the device: turns on "
+        "--offload-train and --offload-rollout unless they are set (as upstream's). Without it the sync mode "
+        "keeps both resident; refused with the async modes.", "mode"
+    )
+    offload: bool = _field(
+        False, "Both --offload-train and --offload-rollout (unless set on their own).", "mode"
+    )
+    offload_train: bool | None = _field(
+        None, "Move the trainers' weights, gradients and optimizer state (actor, reference, critic, trainer teacher) "
+        "to pinned host memory while rolling out; they come back for training (default: --offload or --colocate).",
+        "mode",
+    )
+    offload_rollout: bool | None = _field(
+        None, "Free the embedded engine's KV pool, CUDA graphs and weights while training; its weights are re-sent "
+        "with the next weight sync (default: --offload or --colocate).", "mode",
     )
     fully_async: bool = _field(
         False,
@@ -810,6 +828,40 @@ class RelaxConfig(BaseModel):
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         return self
 
+    @property
+    def _embedded_rollout(self) -> bool:
+        """The embedded engine shares the trainer's device and process: what offloading between phases needs."""
+        return self.placement == "in_process" and not self.rollout_external and self.rollout_api_port is None
+
+    @property
+    def resolved_offload_train(self) -> bool:
+        if self.offload_train is not None:
+            return self.offload_train
+        return self.offload or (self.colocate and self.placement == "in_process")
+
+    @property
+    def resolved_offload_rollout(self) -> bool:
+        if self.offload_rollout is not None:
+            return self.offload_rollout
+        return self.offload or (self.colocate and self._embedded_rollout)
+
+    def _check_offload(self, asynchronous: bool) -> None:
+        asked = [flag(n) for n in ("offload", "offload_train", "offload_rollout") if getattr(self, n)]
+        if not asked:
+            return
+        if self.loss_type == "sft":
+            raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} sft has no rollout phase to offload around")
+        if self.placement != "in_process":
+            raise ValueError(f"{', '.join(asked)}: offloading between phases needs the in-process placement (the "
+                             f"roles share the device in one process); drop them with {flag('placement')} ray")
+        if asynchronous:
+            raise ValueError(f"{', '.join(asked)}: the async modes overlap rollout and training, so there is no "
+                             "idle phase to offload; drop them or use the sync mode")
+        if self.resolved_offload_rollout and not self._embedded_rollout:
+            raise ValueError(f"{flag('offload_rollout')} (also set by {flag('offload')}) frees the embedded engine's "
+                             f"memory; with {flag('rollout_external')} or {flag('rollout_api_port')} rollout runs "
+                             "elsewhere or on engines added at any time: pass --no-offload-rollout")
+
     def _check_dynamic_batch_size(self) -> None:
         if not self.use_dynamic_batch_size:
             set_budget = [flag(n) for n in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu") if self.changed(n)]
@@ -883,6 +935,7 @@ class RelaxConfig(BaseModel):
                              f"with {flag('fully_async')} or {flag('hybrid')}")
         if asynchronous and self.loss_type == "sft":
             raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
+        self._check_offload(asynchronous)
 
     # Settings as given ---------------------------------------------------------------------
     def changed(self, name: str) -> bool:

@@ -108,3 +108,100 @@ def test_flash_varlen_attention_matches_per_sequence_sdpa_on_cuda():
     (reference * upstream).sum().backward()
     for fast, exact in zip(flash_inputs, reference_inputs):
         torch.testing.assert_close(fast.grad.float(), exact.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
+def test_offloaded_trainer_frees_the_device_and_comes_back_bit_for_bit(tiny_workspace, fsdp):
+    """`--offload-train` on CUDA: after a step the weights and AdamW state go to pinned host memory (the device
+    keeps nothing of them), and the next call brings back exactly what left."""
+    from dataclasses import replace
+
+    from torch.distributed.tensor import DTensor
+
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from tests.test_fsdp_backend import LOSS, make_backend, make_batch
+
+    device = torch.device("cuda", 0)
+    settings = replace(make_backend(tiny_workspace / "model").settings, device=device, compute_dtype=torch.bfloat16,
+                       fsdp_single_process=fsdp)
+    backend = FSDPTrainBackend(tiny_workspace / "model", settings)
+    assert backend.fsdp == fsdp
+    backend.train_step(make_batch(seed=0), LOSS)
+
+    def local(tensor):  # under FSDP2 parameters and their AdamW state are DTensors
+        return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+    def snapshot():
+        params = {n: local(p).detach().clone().cpu() for n, p in backend.model.named_parameters()}
+        optim = [{k: local(v).clone().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+                 for state in backend.optimizer.state.values()]
+        return params, optim
+
+    params, optim = snapshot()
+    before = torch.cuda.memory_allocated(device)
+    backend.offload()
+    assert backend.offloaded
+    assert all(local(p).device.type == "cpu" and local(p).is_pinned() for p in backend.model.parameters())
+    assert all(local(v).is_pinned() for state in backend.optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and local(v).device.type == "cpu" and local(v).numel() > 1)
+    freed = before - torch.cuda.memory_allocated(device)
+    assert freed >= 0.95 * sum(t.numel() * t.element_size() for t in (*params.values(), *(
+        v for state in optim for v in state.values() if torch.is_tensor(v) and v.numel() > 1))), freed
+    backend.reload()
+    assert all(local(p).device == device for p in backend.model.parameters())
+    params_after, optim_after = snapshot()
+    for name, value in params.items():
+        assert torch.equal(params_after[name], value), name
+    for state, state_after in zip(optim, optim_after):
+        for key, value in state.items():
+            assert torch.equal(state_after[key], value) if torch.is_tensor(value) else state_after[key] == value
+    backend.offload()
+    metrics = backend.train_step(make_batch(seed=1), LOSS)  # reloads on its own
+    assert not backend.offloaded and math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+
+
+def test_colocated_grpo_with_offload_on_cuda(tiny_workspace, tmp_path):
+    """`--colocate` on CUDA moves both phases' memory: the engine's KV pool, CUDA graphs and weights while
+    training, the trainer while rolling out; per-phase peaks are logged."""
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--num-rollout", "2", "--device", "cuda",
+                                       "--skip-eval-before-train", "--dump-samples", "0", "--use-tis",
+                                       "--colocate", "--engine-core", "on"))
+    rows = _two_steps(cfg)
+    for row in (r for r in rows if "train/loss" in r):
+        for key in ("perf/gpu_peak_gib_rollout", "perf/gpu_peak_gib_train", "perf/gpu_allocated_gib",
+                    "perf/offload_s"):
+            assert key in row and row[key] >= 0, key
+
+
+def test_liger_kernels_and_bf16_parameters_agree_with_the_autocast_path(tiny_workspace):
+    """liger-kernel's RMSNorm, SwiGLU and RoPE, alone and with FSDP2's bf16 parameters at one process, against
+    the stock modules under autocast: the same log-probs, loss and gradient norm up to bf16 rounding; the
+    kernels go on the trainer's instances only."""
+    from dataclasses import replace
+
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from relax.backends.training.liger import liger_unavailable_reason
+    from tests.test_fsdp_backend import LOSS, make_backend, make_batch
+
+    device = torch.device("cuda", 0)
+    if liger_unavailable_reason(device):
+        pytest.skip(liger_unavailable_reason(device))
+    base = replace(make_backend(tiny_workspace / "model").settings, device=device, compute_dtype=torch.bfloat16,
+                   max_tokens_per_gpu=64, liger_kernel=False)
+    results = {}
+    for name, settings in (("previous", base), ("liger", replace(base, liger_kernel=True)),
+                           ("fsdp-liger", replace(base, liger_kernel=True, fsdp_single_process=True))):
+        backend = FSDPTrainBackend(tiny_workspace / "model", settings)
+        assert backend.fsdp == name.startswith("fsdp")
+        log_probs = backend.compute_log_probs(make_batch()).log_probs
+        metrics = backend.train_step(make_batch(), LOSS)
+        results[name] = (log_probs, metrics)
+    previous_lp, previous = results.pop("previous")
+    for name, (log_probs, metrics) in results.items():
+        for a, b in zip(log_probs, previous_lp):
+            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2, msg=name)
+        assert metrics["loss"] == pytest.approx(previous["loss"], rel=2e-2, abs=2e-3), name
+        assert metrics["grad_norm"] == pytest.approx(previous["grad_norm"], rel=5e-2), name
+    assert modeling_qwen3.Qwen3RMSNorm.forward.__module__ == modeling_qwen3.__name__  # the classes are untouched

@@ -24,6 +24,7 @@ from relax.backends.inference.router import EngineRouter
 from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
 from relax.backends.model_family import load_model
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
+from relax.backends.training.liger import liger_unavailable_reason
 from relax.components.actor import Actor
 from relax.components.actor_fwd import ActorFwd
 from relax.components.advantages import Advantages
@@ -55,6 +56,15 @@ def resolve_device(cfg: RelaxConfig) -> torch.device:
         # Under torchrun each rank takes the GPU of its LOCAL_RANK.
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
+
+
+def use_liger_kernel(cfg: RelaxConfig, device: torch.device) -> bool:
+    if cfg.liger_kernel == "off":
+        return False
+    reason = liger_unavailable_reason(device)
+    if reason and cfg.liger_kernel == "on":
+        raise ConfigError(f"{flag('liger_kernel')} on: {reason}")
+    return reason is None
 
 
 def resolve_dtype(cfg: RelaxConfig, device: torch.device) -> torch.dtype:
@@ -370,7 +380,7 @@ def build_context(cfg: RelaxConfig) -> BuildContext:
         sequence_packing=cfg.sequence_packing, log_probs_chunk_size=cfg.log_probs_chunk_size,
         max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
         log_probs_max_tokens_per_gpu=cfg.log_probs_max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
-        balance_data=cfg.balance_data,
+        balance_data=cfg.balance_data, liger_kernel=use_liger_kernel(cfg, device),
     )
     return BuildContext(cfg, model_path, tokenizer, prompts, total_steps, spec, device, dtype, settings)
 

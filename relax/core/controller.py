@@ -18,6 +18,7 @@ from relax.config import RelaxConfig
 from relax.core import checkpoint
 from relax.core.build import Roles
 from relax.core.graceful_stop import GracefulStop
+from relax.core.phase_memory import build_phase_memory
 from relax.data.sample import Sample
 from relax.distributed.process_group import rank
 from relax.distributed.weight_sync import sync_weights_in_process
@@ -44,13 +45,18 @@ class SyncController:
         self.save_root = cfg.save_dir
         self.last_checkpoint: Path | None = None  # the newest checkpoint this run saved
         self.graceful_stop = GracefulStop()  # the entrypoint routes SIGTERM/SIGINT to it
+        self.memory = build_phase_memory(cfg, roles)  # --offload-train / --offload-rollout
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
+        await self.memory.enter_rollout()
         samples, metrics = await self.roles.rollout.generate(rollout_id)
         metrics["perf/rollout_s"] = time.perf_counter() - started
+        await self.memory.enter_training()
         metrics.update(await self.train_on(rollout_id, samples))
+        await self.memory.enter_rollout()  # the evaluation after this step, and the next step, generate
+        metrics.update(self.memory.step_metrics())
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
         return metrics
@@ -96,8 +102,11 @@ class SyncController:
         if policy_trains:
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
         metrics["perf/train_s"] = time.perf_counter() - train_started
+        engine_needs_weights = await self.memory.before_weight_sync()
         if policy_trains:
             metrics.update(await self.sync_weights(version=rollout_id + 1))
+        elif engine_needs_weights:  # --offload-rollout dropped them: the unchanged ones go back as the same version
+            metrics.update(await self.sync_weights(version=self.roles.rollout.engine.weight_version))
         if cfg.dump_samples:
             self.tracker.dump_samples(rollout_id + 1, samples, cfg.dump_samples)
         return metrics

@@ -138,6 +138,16 @@ class InferenceEngine(abc.ABC):
     async def health(self) -> dict[str, Any]:
         """A small status dict; raises if the engine cannot serve."""
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free device memory while another phase uses the device (SGLang's name and tags: ``weights``,
+        ``kv_cache``; None: all). The engine is idle meanwhile; `resume_memory_occupation` undoes it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory")
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Allocate what `release_memory_occupation` freed. Released weights come back unloaded: the caller
+        sends them (`update_weights`) before the next generation, which refuses to run until then."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory")
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

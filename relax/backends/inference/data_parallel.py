@@ -57,6 +57,12 @@ class DataParallelEngine(InferenceEngine):
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.engine.abort(request_ids)
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.engine.release_memory_occupation(tags)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.engine.resume_memory_occupation(tags)
+
     async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
         await self.engine.pause(owner)
 

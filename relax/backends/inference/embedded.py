@@ -206,6 +206,18 @@ CPU_KV_TOKENS = 65536
 CPU_KV_BYTES = 256 * 1024 * 1024
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def _memory_tags(tags: Sequence[str] | None) -> set[str]:
+    """SGLang's memory tags; None means all of them."""
+    chosen = set(MEMORY_TAGS if tags is None else tags)
+    unknown = chosen - set(MEMORY_TAGS)
+    if unknown:
+        raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {', '.join(MEMORY_TAGS)}")
+    return chosen
+
+
 class EmbeddedEngine(InferenceEngine):
     """`InferenceEngine` over a Hugging Face causal LM held in this process.
 
@@ -251,6 +263,8 @@ class EmbeddedEngine(InferenceEngine):
         self._in_flight_ids: Counter[str] = Counter()
         self._aborted_ids: set[str] = set()
         self.core_unavailable_reason: str | None = None
+        self._released_weights: dict[torch.nn.Parameter, torch.Size] | None = None  # shapes while released
+        self._unloaded_weights: set[torch.nn.Parameter] = set()  # resumed as zeros, not loaded since
         self.core = self._build_core(core or CoreSettings())
 
     @classmethod
@@ -326,6 +340,7 @@ class EmbeddedEngine(InferenceEngine):
             _validate_request(request)
         if not requests:
             return []
+        self._check_weights()
         if self.core is not None and not any(r.multimodal_inputs for r in requests):
             return await self.core.generate(requests)
         request_ids = [request.request_id for request in requests]
@@ -358,6 +373,7 @@ class EmbeddedEngine(InferenceEngine):
         """One forward per batch of at most ``max_batch_size`` right-padded sequences; log-probs
         of each response token (and the ``top_k`` most likely tokens) after temperature scaling."""
         requests = list(requests)
+        self._check_weights()
         batch_size = self.max_batch_size or max(len(requests), 1)
         outputs: list[ScoreOutput] = []
         for start in range(0, len(requests), batch_size):
@@ -407,6 +423,49 @@ class EmbeddedEngine(InferenceEngine):
     async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
         self._pauses.release(owner)
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the core's KV pool and CUDA graphs (tag ``kv_cache``) and the storage of every parameter (tag
+        ``weights``; the graphs point into the weights, so they go too). Buffers such as rotary tables stay:
+        they are small and no weight update carries them. Only between generations."""
+        tags = _memory_tags(tags)
+        busy = sum(self._in_flight_ids.values()) + (self.core.in_flight if self.core else 0)
+        if busy:
+            raise RuntimeError(f"cannot release the engine's memory with {busy} requests in flight")
+        if self.core is not None:
+            self.core.release_memory()
+        if "weights" in tags and self._released_weights is None:
+            self._released_weights = {}
+            for parameter in dict(self.model.named_parameters()).values():  # a tied weight once
+                self._released_weights[parameter] = parameter.shape
+                parameter.data = parameter.data.new_empty(0)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Allocate what `release_memory_occupation` freed. Weights come back as zeros, and generation refuses to
+        run until `update_weights` has loaded every one of them; the KV pool (and the CUDA graphs, captured on the
+        weight tensors that later updates copy into) needs the weights' storage back first."""
+        tags = _memory_tags(tags)
+        if "weights" in tags and self._released_weights is not None:
+            for parameter, shape in self._released_weights.items():
+                parameter.data = parameter.data.new_zeros(shape)
+            self._unloaded_weights = set(self._released_weights)
+            self._released_weights = None
+        if "kv_cache" in tags:
+            if self._released_weights is not None:
+                raise RuntimeError("resume the engine's weights before its KV cache (the CUDA graphs capture them)")
+            if self.core is not None:
+                self.core.resume_memory()
+
+    def _check_weights(self) -> None:
+        if self._released_weights is not None:
+            raise RuntimeError("the engine's weights are released (release_memory_occupation); resume and load "
+                               "them first")
+        if self._unloaded_weights:
+            raise RuntimeError(f"{len(self._unloaded_weights)} of the engine's weights were released and not loaded "
+                               "again: call update_weights after resume_memory_occupation")
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy each tensor (any dtype or device; cast to the target's) into the model parameter
         or buffer of that Hugging Face name, between decode steps, then serve ``version``.
@@ -414,6 +473,9 @@ class EmbeddedEngine(InferenceEngine):
         Raises KeyError for a name the model lacks and ValueError for a shape mismatch; tensors
         before the bad one are already copied and the version is left unchanged.
         """
+        if self._released_weights is not None:
+            raise RuntimeError("update_weights: the engine's weights are released; call resume_memory_occupation "
+                               "first")
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self._weights_by_name.get(name)
@@ -428,6 +490,7 @@ class EmbeddedEngine(InferenceEngine):
                         f"the model expects {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
+                self._unloaded_weights.discard(target)
         self._weight_version = version
         if self.core is not None:
             self.core.on_weights_updated()

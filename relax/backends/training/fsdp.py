@@ -9,9 +9,12 @@ or with ``--no-sequence-packing`` a right-padded batch; it holds ``--micro-batch
 with ``--use-dynamic-batch-size`` up to ``--max-tokens-per-gpu`` tokens. The LM head runs only at
 response positions and chunk by chunk (`log_probs`), so no full float32 logits exist.
 
-With a single process there is nothing to shard: the model stays a plain module (bf16 compute
-through autocast), which saves FSDP's per-layer hooks and DTensor dispatch (~10% of a CPU step on
-the quickstart model, benchmarks/README.md). The training code is the same at every size.
+Precision: a trainable model keeps float32 master weights, gradients and AdamW state. Across processes it
+computes with bf16 parameters through FSDP2's mixed precision; a single process keeps a plain module under
+autocast, which saves FSDP's per-layer gathers, hooks and DTensor dispatch (~10% of a CPU step on the
+quickstart model, benchmarks/README.md; 1.2x the tokens/s of FSDP2 at one process on the H200,
+``fsdp_single_process``). A frozen model (reference, teacher) loads in the compute dtype. ``offload``/``reload`` move a trainer off the device between
+phases (``--offload-train``). The training code is the same at every size.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from relax.algorithms.loss import LossFn, MicroBatchTensors
 from relax.backends.model_family import (
@@ -46,6 +50,7 @@ from relax.backends.model_family import (
     rope_positions,
 )
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
+from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
 from relax.backends.training.packing import (
     balanced_partition,
@@ -88,6 +93,12 @@ class TrainSettings:
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
     fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
+    liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)
+    # One process on CUDA through FSDP2 too, for its mixed precision (bf16 parameters in the forward and backward,
+    # float32 master weights and gradients) instead of float32 parameters under autocast. Off: on the H200 it
+    # measured 0.83x the autocast path's tokens/s on the Qwen3-0.6B shape (FSDP's per-layer gathers and hooks
+    # cost more than the casts they save), for 5 GiB less peak memory (benchmarks/results/train_gpu.json).
+    fsdp_single_process: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,17 +223,35 @@ class FSDPTrainBackend(TrainBackend):
         self.settings = settings
         self.trainable = trainable
         self.value_head = value_head
-        hf_model = load_model(model_path, torch.float32)
+        low_precision = settings.compute_dtype != torch.float32
+        # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
+        hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
+        self._liger = False
+        if settings.liger_kernel:
+            reason = liger_unavailable_reason(settings.device)
+            if reason:
+                raise RuntimeError(f"liger kernels asked for, but {reason}")
+            counts = apply_liger_kernels(_language_model(hf_model))
+            self._liger = bool(counts["rope"])
+            logger.info("liger-kernel: %d RMSNorms, %d SwiGLU MLPs%s", counts["rms_norm"], counts["swiglu"],
+                        ", RoPE" if counts["rope"] else "")
         self._warned_oversized = False
+        self._offloaded = False
+        self._offloaded_state: list[tuple[dict, str]] = []
         media_ids = MediaTokens.of(hf_model.config).ids
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1
-        if self.sharded:
+        # FSDP2 also at one process on CUDA when training in low precision: its mixed precision is the bf16
+        # compute with float32 master weights that autocast over float32 parameters only approximates (slower:
+        # every activation and residual stays float32).
+        self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
+                                     and settings.fsdp_single_process)
+        if self.fsdp:
             _shard_model(self.model, settings.compute_dtype)
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
@@ -247,6 +276,53 @@ class FSDPTrainBackend(TrainBackend):
                 ),
             )
         release_before_shutdown(self.release)
+
+    # ---- memory between phases -------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def offload(self) -> None:
+        """Move the weights and optimizer state to host memory (and drop the last step's gradients) while another phase uses the device
+        (``--offload-train``); the next call that needs them brings them back (`reload`). Pinned host copies
+        where the tensors are plain, so that both moves run at link speed; FSDP2's sharded parameters move with
+        ``Module._apply``, which FSDP2 re-registers."""
+        if self._offloaded or self.settings.device.type == "cpu":
+            return
+        self._offloaded = True
+
+        def to_host(tensor: torch.Tensor) -> torch.Tensor:
+            if isinstance(tensor, DTensor):
+                # Its local shard moves, the sharding spec stays: what `DTensor.to("cpu")` makes, but pinned.
+                # (`DTensor.from_local` would move the shard back to the mesh's device.)
+                return DTensor(to_host(tensor._local_tensor), tensor._spec, requires_grad=tensor.requires_grad)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        if self.optimizer is not None:  # the next step starts from zero gradients: nothing to keep
+            self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.model._apply(to_host)  # parameters and buffers
+            self._offloaded_state = []
+            for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
+                for key, value in state.items():
+                    # fused AdamW keeps its step counts on the device, foreach on the host: move device tensors
+                    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                        state[key] = to_host(value)
+                        self._offloaded_state.append((state, key))
+        torch.cuda.synchronize(self.settings.device)
+        torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if not self._offloaded:
+            return
+        device = self.settings.device
+        with torch.no_grad():
+            self.model._apply(lambda tensor: tensor.to(device, non_blocking=True))
+            for state, key in self._offloaded_state:
+                state[key] = state[key].to(device, non_blocking=True)
+        self._offloaded_state = []
+        self._offloaded = False
 
     def release(self) -> None:
         """Drop the model and optimizer (before the process group goes; `shutdown_process_group`). The backend
@@ -290,9 +366,13 @@ class FSDPTrainBackend(TrainBackend):
         return inputs, targets.to(device)
 
     def _autocast(self):
-        """Unsharded models compute in ``compute_dtype`` through autocast (FSDP casts by itself)."""
-        enabled = not self.sharded and self.settings.compute_dtype != torch.float32
-        return torch.autocast(self.settings.device.type, dtype=self.settings.compute_dtype, enabled=enabled)
+        """Models outside FSDP compute in ``compute_dtype`` through autocast (FSDP casts by itself)."""
+        enabled = not self.fsdp and self.settings.compute_dtype != torch.float32
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(self.settings.device.type, dtype=self.settings.compute_dtype,
+                                           enabled=enabled))
+        stack.enter_context(rope_scope(self._liger))
+        return stack
 
     def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
         device = self.settings.device
@@ -379,6 +459,7 @@ class FSDPTrainBackend(TrainBackend):
         the same values without a gather."""
         if self.value_head:
             raise TypeError("a critic has no log-probs; use compute_values")
+        self.reload()
         wanted = ["primary", "entropy"] + (["gathered"] if batch.gather_ids is not None else []) + \
             (["top_log_probs", "top_ids"] if top_k else [])
         columns: dict[str, list[torch.Tensor | None]] = {name: [None] * len(batch) for name in wanted}
@@ -392,6 +473,7 @@ class FSDPTrainBackend(TrainBackend):
         """The critic's per-sample values ``[T_i]`` of the response tokens."""
         if not self.value_head:
             raise TypeError("this backend has no value head")
+        self.reload()
         values: list[torch.Tensor | None] = [None] * len(batch)
         for index, row, resp_len, outputs in self._forward_without_grad(batch):
             values[index] = outputs.primary[row, :resp_len].cpu()
@@ -413,14 +495,28 @@ class FSDPTrainBackend(TrainBackend):
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         assert self.optimizer is not None and self.scheduler is not None, "a frozen backend cannot train"
+        self.reload()
         num_samples, num_tokens = len(batch), batch.num_loss_tokens()
         micro_batches = self._micro_batches(self._rank_share(batch), self.settings.max_tokens_per_gpu,
                                             same_count_on_all_ranks=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        with rope_scope(self._liger):  # a checkpointed layer recomputes in backward with the kernels it ran with
+            totals = self._accumulate_gradients(batch, micro_batches, loss_fn, num_samples, num_tokens)
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        result = self._all_reduce_sum(totals)
+        result["grad_norm"] = grad_norm
+        result["lr"] = self.scheduler.get_last_lr()[0]
+        return result
+
+    def _accumulate_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn, num_samples: int,
+                              num_tokens: int) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch; the summed metrics."""
         entropy_grad = self.settings.entropy_grad
         totals: dict[str, torch.Tensor] = {}
-        self.optimizer.zero_grad(set_to_none=True)
         for index, (_, mb) in enumerate(micro_batches):
-            if self.sharded:  # reduce gradients across ranks once, on the last micro-batch
+            if self.fsdp:  # reduce gradients across ranks once, on the last micro-batch
                 self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             placeholder = mb is None
             if placeholder:
@@ -438,13 +534,7 @@ class FSDPTrainBackend(TrainBackend):
             (loss * self.world_size).backward()
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value.detach().float()
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.scheduler.step()
-        result = self._all_reduce_sum(totals)
-        result["grad_norm"] = grad_norm
-        result["lr"] = self.scheduler.get_last_lr()[0]
-        return result
+        return totals
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -467,6 +557,7 @@ class FSDPTrainBackend(TrainBackend):
     def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.value_head:
             raise TypeError("a critic's weights are not synced to inference engines")
+        self.reload()
         # Lazily gathered: with FSDP each parameter is unsharded only when its bucket is built.
         full = ((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
                 for name, param in self.model.hf_model.named_parameters())
@@ -474,12 +565,14 @@ class FSDPTrainBackend(TrainBackend):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the unsharded HF state dict on CPU (every rank gets it)."""
+        self.reload()
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # At world size 1 on CPU the "gathered" tensors can alias the live parameters: copy them.
         return {name.removeprefix("hf_model."): tensor.clone() for name, tensor in state.items()}
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, directory: Path, include_optimizer: bool = True) -> None:
+        self.reload()
         directory = Path(directory)
         if include_optimizer and self.optimizer is not None:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -490,6 +583,7 @@ class FSDPTrainBackend(TrainBackend):
             dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=directory / "model_optim")
 
     def load(self, directory: Path, include_optimizer: bool = True) -> None:
+        self.reload()
         directory = Path(directory)
         if include_optimizer and self.optimizer is not None:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)

@@ -64,6 +64,8 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, requests: SequenceOf[GenerationRequest]) -> list[GenerationOutput]:
+        if self.runner.released:
+            raise RuntimeError("the engine's KV pool is released (release_memory_occupation); resume it first")
         loop = asyncio.get_running_loop()
         occurrences: dict[int, int] = {}
         sequences = []
@@ -97,6 +99,16 @@ class EngineCore:
 
     def on_weights_updated(self) -> None:
         self.blocks.reset_prefix_cache()  # K/V cached under the old weights must not serve new prompts
+
+    def release_memory(self) -> None:
+        """Free the KV pool and the CUDA graphs; only between generations."""
+        if self.in_flight:
+            raise RuntimeError(f"cannot release the KV pool with {self.in_flight} requests in flight")
+        self.blocks.reset_prefix_cache()
+        self.runner.release()
+
+    def resume_memory(self) -> None:
+        self.runner.restore()
 
     # ---- the loop ------------------------------------------------------------------------
     def _ensure_loop(self, loop: asyncio.AbstractEventLoop) -> None:

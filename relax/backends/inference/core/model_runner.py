@@ -18,6 +18,7 @@ behind the step; `StepOutput.result` waits for them. So the host can launch step
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,11 +74,11 @@ class ModelRunner:
         self.device = device
         self.max_blocks_per_sequence = max_blocks_per_sequence
         self.use_triton = triton_available(device)
-        shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.key_pools = [self.kv[layer, 0] for layer in range(decoder.num_layers)]
-        self.value_pools = [self.kv[layer, 1] for layer in range(decoder.num_layers)]
+        self._kv_shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
+        self._kv_dtype = dtype
+        self._allocate_pool()
         self.graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
+        self._cuda_graphs = cuda_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = 0  # tokens computed by prefill steps (a shared prompt prefix is computed once)
         self._buffers: dict[str, torch.Tensor] = {}
@@ -90,12 +91,42 @@ class ModelRunner:
                              for _ in range(2)]
             self._outputs = [(torch.zeros(rows, dtype=torch.int64).pin_memory(),
                               torch.zeros(rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
-        if cuda_graphs and self.use_triton and self.graph_sizes:
+        if self._graphs_wanted:
             self._capture_graphs()
 
     @property
+    def _graphs_wanted(self) -> bool:
+        return self._cuda_graphs and self.use_triton and bool(self.graph_sizes)
+
+    def _allocate_pool(self) -> None:
+        self.kv = torch.zeros(self._kv_shape, dtype=self._kv_dtype, device=self.device)
+        self.key_pools = [self.kv[layer, 0] for layer in range(self._kv_shape[0])]
+        self.value_pools = [self.kv[layer, 1] for layer in range(self._kv_shape[0])]
+
+    @property
     def kv_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return math.prod(self._kv_shape) * self._kv_dtype.itemsize
+
+    @property
+    def released(self) -> bool:
+        return self.kv is None
+
+    def release(self) -> None:
+        """Free the KV pool and the CUDA graphs (which point into it and into the weights). The runner cannot
+        step until `restore`."""
+        self.graphs.clear()
+        self._buffers = {}
+        self.kv = None
+        self.key_pools = self.value_pools = []
+
+    def restore(self) -> None:
+        """Allocate the KV pool again and re-capture the CUDA graphs on the model's current weight tensors (a
+        later in-place weight update keeps them valid)."""
+        if not self.released:
+            return
+        self._allocate_pool()
+        if self._graphs_wanted:
+            self._capture_graphs()
 
     # ---- steps ---------------------------------------------------------------------------
     @torch.inference_mode()

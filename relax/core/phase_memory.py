@@ -1,0 +1,127 @@
+"""Device memory handed between the phases of a colocated step (``--offload-train``, ``--offload-rollout``).
+
+A colocated step rolls out, then trains, on one device. With ``--offload-rollout`` the engine frees its KV pool,
+CUDA graphs and weights once generation ends; with ``--offload-train`` the trainers (actor, reference, critic, a
+trainer-side teacher) move their weights and optimizer state to host memory before generation starts. The order
+around the weight sync keeps the peak low: the engine's weights come back (as unloaded storage), the actor sends
+its weights into them, the trainers leave, and only then does the KV pool return.
+
+On CUDA each phase's peak allocation is recorded (``perf/gpu_peak_gib_rollout``, ``perf/gpu_peak_gib_train``), and
+what stays allocated between steps (``perf/gpu_allocated_gib``) shows whether anything grows from step to step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from relax.backends.inference.base import InferenceEngine
+from relax.backends.training.fsdp import FSDPTrainBackend
+
+logger = logging.getLogger("relax")
+
+GIB = 1024 ** 3
+
+
+class PhaseMemory:
+    def __init__(self, trainers: list[FSDPTrainBackend], engine: InferenceEngine | None, device: torch.device,
+                 offload_train: bool, offload_rollout: bool):
+        self.trainers = trainers
+        self.engine = engine
+        self.device = device
+        self.offload_train = offload_train and bool(trainers)
+        self.offload_rollout = offload_rollout and engine is not None
+        self.engine_weights_released = False  # their storage is freed
+        self._engine_kv_released = False
+        self._metrics: dict[str, float] = {}
+        if self.offload_train or self.offload_rollout:
+            logger.info("offloading between phases: %s", ", ".join(
+                name for name, on in (("trainers while rolling out", self.offload_train),
+                                      ("engine while training", self.offload_rollout)) if on))
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _start_peak(self) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _record_peak(self, phase: str) -> None:
+        if self._cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) / GIB
+            key = f"perf/gpu_peak_gib_{phase}"
+            self._metrics[key] = max(self._metrics.get(key, 0.0), peak)
+
+    def _timed(self, key: str, started: float) -> None:
+        self._metrics[key] = self._metrics.get(key, 0.0) + time.perf_counter() - started
+
+    async def enter_rollout(self) -> None:
+        """Before generation: the trainers leave the device, the engine's KV pool comes back."""
+        started = time.perf_counter()
+        if self.offload_train:
+            for trainer in self.trainers:
+                trainer.offload()
+        if self.offload_rollout and self._engine_kv_released:
+            await self.engine.resume_memory_occupation(["kv_cache"])
+            self._engine_kv_released = False
+        self._timed("perf/offload_s", started)
+        self._start_peak()
+
+    async def enter_training(self) -> None:
+        """After generation: the engine frees its memory (the trainers come back as they are used)."""
+        self._record_peak("rollout")
+        started = time.perf_counter()
+        if self.offload_rollout:
+            await self.engine.release_memory_occupation(["weights", "kv_cache"])
+            self.engine_weights_released = self._engine_kv_released = True
+        if self.offload_train:  # back at once rather than on first use, so that the time is counted here
+            for trainer in self.trainers:
+                trainer.reload()
+        self._timed("perf/offload_s", started)
+        self._start_peak()
+
+    async def before_weight_sync(self) -> bool:
+        """The engine's weight storage comes back for the actor to send into (its KV pool stays away); True when
+        the engine's weights must be sent whether or not the policy changed."""
+        self._record_peak("train")
+        if not self.engine_weights_released:
+            return False
+        await self.engine.resume_memory_occupation(["weights"])
+        self.engine_weights_released = False
+        return True
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's figures (once): peaks per phase, time spent moving memory, and what is allocated now."""
+        metrics, self._metrics = self._metrics, {}
+        if self._cuda:
+            metrics["perf/gpu_allocated_gib"] = torch.cuda.memory_allocated(self.device) / GIB
+            metrics["perf/gpu_reserved_gib"] = torch.cuda.memory_reserved(self.device) / GIB
+        if not (self.offload_train or self.offload_rollout):
+            metrics.pop("perf/offload_s", None)
+        return metrics
+
+
+def trainer_backends(roles) -> list[FSDPTrainBackend]:
+    """The in-process trainers of a run's roles, each once."""
+    backends = [roles.actor.backend]
+    if roles.reference is not None:
+        backends.append(roles.reference.backend)
+    if roles.critic is not None:
+        backends.append(roles.critic.backend)
+    teacher = getattr(roles.distillation, "teacher", None)
+    if teacher is not None and hasattr(teacher, "backend"):
+        backends.append(teacher.backend)
+    return [backend for backend in backends if isinstance(backend, FSDPTrainBackend)]
+
+
+def build_phase_memory(cfg, roles) -> PhaseMemory:
+    """From the resolved flags; inert (only the per-phase figures) in the modes that do not offload."""
+    offload_train, offload_rollout = cfg.resolved_offload_train, cfg.resolved_offload_rollout
+    if cfg.loss_type == "sft" or cfg.fully_async or cfg.hybrid or cfg.placement != "in_process":
+        offload_train = offload_rollout = False
+    trainers = trainer_backends(roles) if offload_train else []
+    engine = roles.rollout.engine if offload_rollout else None
+    return PhaseMemory(trainers, engine, roles.device, offload_train, offload_rollout)
