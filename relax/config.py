@@ -360,6 +360,18 @@ class RelaxConfig(BaseModel):
         "and reloads its weights in place; docs/engines.md).",
         "engines",
     )
+    rollout_health_check_interval: float = _field(
+        30.0, "Seconds between health checks of an external engine while it has requests in flight (upstream's "
+        "default); one that fails --rollout-health-check-max-consecutive-failures of them in a row (hung, stopped, "
+        "unreachable) is given up on and its request groups go to another engine.", "engines", gt=0,
+    )
+    rollout_health_check_timeout: float = _field(
+        30.0, "Seconds a health check may take before it counts as failed.", "engines", gt=0,
+    )
+    rollout_health_check_max_consecutive_failures: int = _field(
+        2, "Failed health checks in a row after which an engine with requests in flight is given up on.", "engines",
+        ge=1,
+    )
     rollout_engine_api_key: str | None = _field(
         None, "Bearer token of the external servers' control endpoints (never logged, never saved).",
         "engines", secret=True,
@@ -631,6 +643,15 @@ class RelaxConfig(BaseModel):
     )
     save_interval: int | None = _field(
         None, "Save a checkpoint every this many rollout steps. The last step is always saved.", "run", ge=1)
+    max_checkpoints: int | None = _field(
+        None, "Keep only the newest this many checkpoints, deleting older ones after each save (default: keep all). "
+        "Upstream's --rotate-ckpt rotates only with --async-save; this works with every save.", "run", ge=1,
+    )
+    max_global_restart: int = _field(
+        0, "Supervise the run from a parent process and restart it, at most this many times, when its process dies "
+        "(killed, out of memory, a crash), resuming from its newest intact checkpoint (docs/fault_tolerance.md). "
+        "Upstream's default is 3 with its health manager; 0 here runs without a supervisor.", "run", ge=0,
+    )
     no_save_optim: bool = _field(False, "Save model weights only (such a checkpoint cannot resume training).", "run")
     overwrite: bool = _field(
         False,
@@ -638,6 +659,11 @@ class RelaxConfig(BaseModel):
         "logs, plots, samples, TensorBoard events, checkpoints). Without it, such a directory is refused unless "
         "--load resumes the run in it.",
         "run",
+    )
+    notify_urls: str | None = _field(
+        None, "Apprise URLs, comma separated (tgram://, slack://, mailto://, json:// ...), told when the run starts, "
+        "finishes, is stopped or fails. Secret: never logged or saved, and redacted from the messages.", "run",
+        secret=True,
     )
     use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")

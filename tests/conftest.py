@@ -32,9 +32,11 @@ def tiny_train_args(workspace: Path, output_dir: Path, *extra: str) -> list[str]
     ]
 
 
-def run_relax(*args: str, timeout: float = 300, **popen_kwargs) -> subprocess.CompletedProcess:
-    """`relax ...` in a subprocess from the repository root (so `tests.*` reward paths import)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_relax(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+              **popen_kwargs) -> subprocess.CompletedProcess:
+    """`relax ...` in a subprocess from the repository root (so `tests.*` reward paths import); ``env`` adds
+    variables to this process's environment."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, **popen_kwargs)
 

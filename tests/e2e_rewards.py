@@ -26,3 +26,22 @@ async def hangs(args, sample):
     import asyncio
 
     await asyncio.sleep(3600)
+
+
+_calls = 0
+
+
+def digit_fraction_then_die_once(args, sample):
+    """`digit_fraction`, but the process SIGKILLs itself at call $RELAX_TEST_DIE_AT_CALL, once per marker file
+    $RELAX_TEST_DIE_MARKER (a fault injected into a real run: the supervisor must restart it)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    global _calls
+    _calls += 1
+    marker = Path(os.environ["RELAX_TEST_DIE_MARKER"])
+    if _calls == int(os.environ["RELAX_TEST_DIE_AT_CALL"]) and not marker.exists():
+        marker.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return digit_fraction(args, sample)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ from relax.backends.inference.embedded import EmbeddedEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import EngineUnavailableError, SGLangHTTPEngine, distinct_seeds
 from relax.backends.inference.router import EngineRouter, group_key
+from relax.utils.tracking import read_metrics
 from tests.conftest import run_relax, tiny_train_args
 from tests.http_servers import API_KEY, Server, free_port, wait_until
 from tests.tiny_assets import build_tiny_model_dir
@@ -161,6 +163,13 @@ def serve_subprocess(model_dir: Path) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
+def has_requests_in_flight(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).json()["in_flight_requests"] > 0
+    except (httpx.TransportError, ValueError):
+        return False
+
+
 def test_router_survives_a_killed_server(servers, model_dir):
     process, doomed_url = serve_subprocess(model_dir)
     try:
@@ -172,13 +181,7 @@ def test_router_survives_a_killed_server(servers, model_dir):
         thread = threading.Thread(target=lambda: result.update(out=asyncio.run(router.generate(requests))))
         thread.start()
 
-        def busy() -> bool:
-            try:
-                return httpx.get(f"{doomed_url}/health", timeout=1).json()["in_flight_requests"] > 0
-            except (httpx.TransportError, ValueError):
-                return False
-
-        wait_until(busy, 30, "requests in flight on the doomed server")
+        wait_until(lambda: has_requests_in_flight(doomed_url), 30, "requests in flight on the doomed server")
         process.send_signal(signal.SIGKILL)
         thread.join(60)
         assert not thread.is_alive()
@@ -191,6 +194,46 @@ def test_router_survives_a_killed_server(servers, model_dir):
         health = asyncio.run(router.health())  # still serving on the survivor
         assert [e["healthy"] for e in health["engines"]] == [False, True]
     finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_router_gives_up_on_a_stopped_server_and_resends_its_groups(servers, model_dir):
+    """The issue-17 fault: a SIGSTOPped engine stalled training silently until the HTTP timeout. Health checks of
+    the engine while it holds requests detect it within interval x failures (+ timeouts), and its whole groups
+    are generated on the other engine."""
+    process, stopped_url = serve_subprocess(model_dir)
+    try:
+        (survivor,) = servers(1)
+        stopped = SGLangHTTPEngine(stopped_url, timeout_s=120)
+        router = EngineRouter([stopped, SGLangHTTPEngine(survivor.url, timeout_s=120)], retry_down_after_s=60,
+                              health_check_interval_s=0.5, health_check_timeout_s=0.5, health_check_max_failures=2)
+        requests = [request(f"g{g}-i{g * 2 + k}-{g * 2 + k}", [5 + g, 6], 200) for g in range(4) for k in range(2)]
+        result: dict = {}
+
+        def run() -> None:
+            started = time.monotonic()
+            result["out"] = asyncio.run(router.generate(requests))
+            result["s"] = time.monotonic() - started
+
+        thread = threading.Thread(target=run)
+        thread.start()
+
+        wait_until(lambda: has_requests_in_flight(stopped_url), 30, "requests in flight on the server to stop")
+        process.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert time.monotonic() - stopped_at < 30  # far below the 120 s HTTP timeout
+        outputs = result["out"]
+        assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+        assert all(o.finish_reason == "length" and len(o.output_ids) == 200 for o in outputs), "no request lost"
+        stats = {s["engine"]: s for s in router.stats()}
+        assert stats[stopped_url]["healthy"] is False
+        assert "stopped answering health checks" in stats[stopped_url]["last_error"]
+        assert stats[survivor.url]["served"] == len(requests)
+    finally:
+        process.send_signal(signal.SIGCONT)
         process.kill()
         process.wait(10)
 
@@ -354,3 +397,28 @@ def test_external_engine_flags_are_checked(args, message):
         parse_config(["--hf-checkpoint", "x", *args])
     if info.type is not SystemExit:
         assert message in str(info.value)
+
+
+def test_a_fresh_run_sends_its_weights_before_the_first_evaluation(servers, tiny_workspace, tmp_path):
+    """The issue-17 fault: a fresh --rollout-external run evaluated and rolled out on whatever the server last held.
+    Here the server holds another model at another run's version 7: the run sends its initial weights as version 0
+    (which a new run may do), so step 0's greedy evaluation equals an in-process run's, and its updates follow."""
+    other = build_tiny_model_dir(tmp_path / "other", seed=7)
+    (server,) = servers(1)
+    foreign = {name: p.detach().clone() for name, p in EmbeddedEngine.from_pretrained(str(other)).model.named_parameters()}
+    asyncio.run(server.engine.update_weights(foreign.items(), 7))
+    assert server.health()["weight_version"] == 7
+    rows = {}
+    for name, extra in (("external", ["--rollout-external", "--rollout-external-engine-addrs", server.url,
+                                      "--rollout-engine-api-key", API_KEY,
+                                      "--rollout-weights-dir", str(tmp_path / "weights")]),
+                        ("in-process", [])):
+        run_dir = tmp_path / name
+        result = run_relax("train", *tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "1", *extra),
+                           timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = read_metrics(run_dir / "metrics.jsonl")
+    assert "sent the initial weights (version 0)" in (tmp_path / "external" / "run.log").read_text()
+    assert rows["external"][0]["step"] == 0
+    assert rows["external"][0]["eval/accuracy"] == rows["in-process"][0]["eval/accuracy"]
+    assert server.health()["weight_version"] == 1

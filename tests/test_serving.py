@@ -327,16 +327,19 @@ def test_update_weights_over_a_distributed_group(server, model_dir, tmp_path, re
 def test_a_weight_update_never_moves_the_version_backwards(client, model_dir, tmp_path):
     served = client.get("/health").json()["weight_version"]
     tensors = load_file(str(model_dir / "model.safetensors"))
-    asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=max(served - 1, 0)))
-    if served == 0:  # nothing is older than version 0: take the served one up first
+    if served < 2:  # version 0 starts a new run and is always taken: serve a version with an older non-zero one
         client.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": 2}, headers=AUTH)
         served = 2
-        asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=1))
+    asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=served - 1))
     for body in ({"model_path": str(tmp_path / "old")},
                  {"model_path": str(model_dir), "weight_version": served - 1}):
         response = client.post("/update_weights_from_disk", json=body, headers=AUTH)
         assert response.status_code == 400 and response.json()["error"]["param"] == "weight_version", response.text
     assert client.get("/health").json()["weight_version"] == served
+    # a new run's initial weights (version 0) are taken over any served version
+    restart = client.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": 0},
+                          headers=AUTH)
+    assert restart.status_code == 200 and client.get("/health").json()["weight_version"] == 0
 
 
 def test_the_first_bad_file_of_a_folder_leaves_the_model_untouched(model_dir, tmp_path):

@@ -351,8 +351,9 @@ def test_weight_updates_from_disk_are_all_or_nothing(weights_server, kinds, vers
     assert response.status_code in (200, 400), response.text
     assert TOKEN not in response.text
     # a directory named *.safetensors is not a weight file: it is ignored, not loaded
+    # versions never go backwards, but 0 starts a new run (a fresh trainer's initial weights)
     loadable = (all(kind in ("valid", "directory") for kind in kinds) and "valid" in kinds
-                and (version is None or version >= served))
+                and (version is None or version >= served or version == 0))
     if response.status_code == 400:
         assert not loadable, response.text
         assert engine.weight_version == served

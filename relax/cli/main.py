@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from relax.utils.notify import Notifier, split_urls
+
 USAGE = """usage: relax <command> [options]
 
 commands:
@@ -61,21 +63,47 @@ def flag_of(name: str) -> str:
 
 def cmd_train(argv: list[str]) -> int:
     from relax.cli.args import parse_config
+    from relax.config import ConfigError
 
     cfg = parse_config(argv, prog="relax train")
     run_dir = Path(cfg.output_dir)
     primary = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes the run directory
     _quiet_libraries()
-    from relax.core.build import build_roles, preflight
-    from relax.core.run_dir import prepare_run_dir, remove_if_unused
-    from relax.utils.tracking import NullTracker, Tracker
+    from relax.core.build import preflight
+    from relax.core.run_dir import prepare_run_dir
 
     preflight(cfg)  # settings that fail without loading anything fail here, before a run directory exists
+    from relax.cli.supervisor import SUPERVISED_ENV, supervise
+
+    if cfg.max_global_restart and not os.environ.get(SUPERVISED_ENV):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"{flag_of('max_global_restart')} supervises one process; under torchrun use its own "
+                              "--max-restarts")
+        return supervise(argv, cfg, build_notifier(cfg))
     created = prepare_run_dir(cfg) if primary else False
     setup_logging(run_dir if primary else None)
     config_text = resolved_config_text(cfg)
     if primary:
         (run_dir / "config.yaml").write_text(config_text)
+    notifier = build_notifier(cfg) if primary else Notifier([])
+    try:
+        return _train(cfg, run_dir, primary, created, config_text, notifier)
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt):
+            notifier.failed(str(run_dir), _cause_first(err))
+        raise
+
+
+def build_notifier(cfg) -> Notifier:
+    secrets = [getattr(cfg, name) for name in cfg.secret_fields() if isinstance(getattr(cfg, name), str)]
+    return Notifier(split_urls(cfg.notify_urls), secrets, run_name=Path(cfg.output_dir).name)
+
+
+def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, notifier: Notifier) -> int:
+    from relax.core.build import build_roles
+    from relax.core.run_dir import remove_if_unused
+    from relax.utils.tracking import NullTracker, Tracker
+
     service = None
     try:
         if cfg.placement == "ray":
@@ -93,6 +121,7 @@ def cmd_train(argv: list[str]) -> int:
         raise
     if primary:
         print(f"resolved config ({run_dir / 'config.yaml'}):\n{config_text}", file=sys.stderr)
+    notifier.started(str(run_dir), roles.total_steps, resumed=bool(cfg.load))
     try:
         tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                           wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0]) if primary \
@@ -106,12 +135,14 @@ def cmd_train(argv: list[str]) -> int:
             service.shutdown()
     stop = controller.graceful_stop
     if stop.stopped_after_step is not None:
+        notifier.stopped(str(run_dir), stop.stopped_after_step, signal.Signals(stop.signal_number).name)
         if primary:
             print(f"stopped by {signal.Signals(stop.signal_number).name} after step {stop.stopped_after_step}, "
                   f"checkpoint saved; continue with the same command plus --load {cfg.save_dir}", file=sys.stderr)
         return stop.exit_code
     if not primary:
         return 0
+    notifier.finished(str(run_dir), roles.total_steps, last)
     first = _first_eval_accuracy(run_dir)
     if "eval/accuracy" in last and first is not None:
         print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
@@ -319,8 +350,29 @@ def _run_command(command: str, argv: list[str]) -> int:
     try:
         return COMMANDS[command](argv)
     except (ConfigError, DatasetError, CheckpointError) as err:
+        _log_to_run_file(f"relax {command}: error: {err}")
         print(f"relax {command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        _log_to_run_file(f"relax {command}: failed: {_cause_first(err)}", exc_info=err)
+        raise
+
+
+def _cause_first(err: BaseException) -> str:
+    """The innermost cause of a chained error first (a full disk's OSError rather than the wrapper's message)."""
+    chain = [err]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    return " <- ".join(f"{type(e).__name__}: {e}" for e in reversed(chain))
+
+
+def _log_to_run_file(message: str, exc_info: BaseException | None = None) -> None:
+    """Into run.log (the console gets the message from the caller): a run's fatal error stays with its log."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            record = logging.LogRecord("relax", logging.ERROR, __file__, 0, message, None,
+                                       (type(exc_info), exc_info, exc_info.__traceback__) if exc_info else None)
+            handler.handle(record)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from relax.engine.rewards.custom import load_dotted_function
 from relax.engine.rollout.context import GenerateFunction, PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.multimodal import MultimodalPreparer
+from relax.utils.notify import invalid_url_positions, split_urls
 
 logger = logging.getLogger("relax")
 
@@ -131,7 +132,18 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     build_reward_computer(cfg).close()
     build_dynamic_sampling(cfg)
     load_generate_function(cfg)
+    check_notify_urls(cfg)
     return model_path
+
+
+def check_notify_urls(cfg: RelaxConfig) -> None:
+    urls = split_urls(cfg.notify_urls)
+    if not urls:
+        return
+    bad = invalid_url_positions(urls)
+    if bad:  # by position: the text may hold a token
+        raise ConfigError(f"{flag('notify_urls')}: URL {', '.join(map(str, bad))} of {len(urls)} is not one Apprise "
+                          "knows (https://github.com/caronc/apprise/wiki; the URL is not shown: it may hold a token)")
 
 
 def prompt_format(cfg: RelaxConfig) -> PromptFormat:
@@ -181,7 +193,10 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,
                 ", ".join(cfg.rollout_external_engine_addrs),
                 f"{transport.backend} broadcast" if transport else weights_dir)
-    return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size)
+    return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size,
+                        health_check_interval_s=cfg.rollout_health_check_interval,
+                        health_check_timeout_s=cfg.rollout_health_check_timeout,
+                        health_check_max_failures=cfg.rollout_health_check_max_consecutive_failures)
 
 
 def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_dir: Path) -> VLLMServerEngine:

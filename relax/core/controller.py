@@ -20,7 +20,7 @@ from relax.core.build import Roles
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
 from relax.data.sample import Sample
-from relax.distributed.process_group import rank
+from relax.distributed.process_group import barrier, rank
 from relax.distributed.weight_sync import sync_weights_in_process
 from relax.utils.plots import plot_run
 from relax.utils.tracking import Tracker
@@ -134,6 +134,11 @@ class SyncController:
     async def _begin(self) -> tuple[int, dict[str, float]]:
         """Resume if asked, and evaluate before the first step; returns the first step and its metrics."""
         start = await self.resume() if self.cfg.load else 0
+        if start == 0 and self.cfg.rollout_external:
+            # External servers hold whatever they last loaded (another run's weights, say): every engine serves the
+            # trainer's initial weights before the first evaluation or rollout
+            await self.sync_weights(version=0)
+            logger.info("sent the initial weights (version 0) to the rollout engines")
         last: dict[str, float] = {}
         if start == 0 and self.roles.rollout.eval_sets and not self.cfg.skip_eval_before_train:
             last = await self.evaluate(step=0)
@@ -180,14 +185,31 @@ class SyncController:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, step: int) -> None:
-        directory = checkpoint.iteration_dir(self.save_root, step)
-        self.roles.actor.save(directory, include_optimizer=not self.cfg.no_save_optim)
-        if self.roles.critic is not None:
-            self.roles.critic.save(directory, include_optimizer=not self.cfg.no_save_optim)
+        """A checkpoint of ``step``, staged and sealed (`checkpoint.finish_save`): a kill or an error midway leaves
+        the previous one the newest; an error says its cause first (a full disk: the file it was writing)."""
+        root = self.save_root
         if rank() == 0:
-            checkpoint.save_hf_metadata(self.save_root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
-            checkpoint.save_trainer_state(directory, self.trainer_state(step))
-            checkpoint.mark_latest(self.save_root, step)
+            staging = checkpoint.begin_save(root, step)
+        else:
+            staging = checkpoint.staging_dir(root, step)
+        barrier()  # every rank writes into the staging folder only once rank 0 has cleared it
+        try:
+            self.roles.actor.save(staging, include_optimizer=not self.cfg.no_save_optim)
+            if self.roles.critic is not None:
+                self.roles.critic.save(staging, include_optimizer=not self.cfg.no_save_optim)
+            if rank() == 0:
+                checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+                checkpoint.save_trainer_state(staging, self.trainer_state(step))
+                checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
+        except checkpoint.IO_ERRORS as err:
+            if rank() == 0:
+                checkpoint.abandon_save(root, step)
+            raise checkpoint.CheckpointError(
+                f"saving the checkpoint of step {step} failed: {checkpoint.describe_write_error(err, staging)} "
+                f"(the previous checkpoint, if any, is intact)") from err
+        barrier()
+        directory = checkpoint.iteration_dir(root, step)
+        if rank() == 0:
             plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
         self.last_checkpoint = directory
         logger.info("saved checkpoint %s", directory)
@@ -198,13 +220,16 @@ class SyncController:
 
     async def resume(self) -> int:
         root = checkpoint.resolve_checkpoint_root(self.cfg.load)
-        step = checkpoint.latest_step(root)
-        directory = checkpoint.iteration_dir(root, step)
-        if not (directory / "lr_scheduler.pt").is_file():
-            raise checkpoint.CheckpointError(f"{directory} holds no optimizer state (saved with --no-save-optim)")
-        self.roles.actor.load(directory)
-        if self.roles.critic is not None:
-            self.roles.critic.load(directory)
+        selected = checkpoint.select_checkpoint(root, needs_optimizer=True)
+        step, directory = selected.step, selected.directory
+        for problem in selected.skipped:
+            logger.warning("skipping a damaged checkpoint (%s); resuming from the older %s", problem, directory)
+        try:
+            self.roles.actor.load(directory)
+            if self.roles.critic is not None:
+                self.roles.critic.load(directory)
+        except checkpoint.IO_ERRORS as err:  # DCP and torch.load raise many kinds: name the checkpoint
+            raise checkpoint.CheckpointError(f"{directory}: cannot be loaded ({type(err).__name__}: {err})") from err
         state = checkpoint.load_trainer_state(directory)
         # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor.
         self.roles.rollout.data_source.load_state_dict(

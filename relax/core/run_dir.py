@@ -59,7 +59,8 @@ def clear_run_files(directory: Path, save_dir: Path) -> None:
     for name in RUN_FOLDERS:
         shutil.rmtree(directory / name, ignore_errors=True)
     if save_dir.is_dir():  # a --save elsewhere: only the checkpoints in it
-        for path in [*save_dir.glob("iter_*"), save_dir / "hf"]:
+        for path in [*save_dir.glob("iter_*"), save_dir / checkpoint.HF_DIR,
+                     save_dir / (checkpoint.HF_DIR + checkpoint.PARTIAL_SUFFIX)]:
             shutil.rmtree(path, ignore_errors=True)
         (save_dir / checkpoint.LATEST_FILE).unlink(missing_ok=True)
 

@@ -69,6 +69,12 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """All ranks meet here (nothing to do in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

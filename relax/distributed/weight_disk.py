@@ -42,6 +42,7 @@ from relax.distributed.weight_sync import (
     check_manifest,
     engine_weight_specs,
 )
+from relax.utils.durable import fsync_path
 
 MANIFEST_NAME = "manifest.json"
 VERSION_DIR = re.compile(r"^v(\d{8})$")
@@ -94,14 +95,6 @@ def collect_garbage(root: Path, keep_last: int) -> list[int]:
     return sorted(removed)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -144,7 +137,7 @@ class DiskPublisher:
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in bucket}
         save_file(tensors, path, metadata={"version": str(version), "bucket": str(index)})
         if self.fsync:
-            _fsync(path)
+            fsync_path(path)
         return tuple(TensorSpec.of(name, tensor) for name, tensor in bucket)
 
     def _commit_manifest(self, directory: Path, manifest: Manifest) -> None:
@@ -156,7 +149,7 @@ class DiskPublisher:
                 os.fsync(file.fileno())
         os.replace(temporary, directory / MANIFEST_NAME)
         if self.fsync:
-            _fsync(directory)
+            fsync_path(directory)
 
 
 # ----------------------------------------------------------------------------- engines

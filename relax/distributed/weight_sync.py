@@ -167,6 +167,15 @@ def engine_weight_specs(engine: Any) -> dict[str, TensorSpec] | None:
     return {name: TensorSpec.of(name, tensor) for name, tensor in named}
 
 
+INITIAL_VERSION = 0  # the checkpoint a run starts from: a new run may send it to engines that served a later one
+
+
+def goes_backwards(version: int, served_version: int) -> bool:
+    """Versions never go backwards within a run; version 0 starts a new one (a fresh run pushing its initial weights
+    into servers that served another run's later versions)."""
+    return version != INITIAL_VERSION and version < served_version
+
+
 def check_manifest(
     manifest: Manifest, expected_version: int | None = None, expected: dict[str, TensorSpec] | None = None,
     served_version: int | None = None,
@@ -175,14 +184,14 @@ def check_manifest(
     engine is touched, so a rejected version leaves it serving the previous one. With ``expected``
     (`engine_weight_specs`), every tensor must exist there with the same shape, and a floating-point
     target must get floating-point values (any precision: the engine casts). A version older than
-    ``served_version`` is refused: versions never go backwards."""
+    ``served_version`` is refused: versions never go backwards (`goes_backwards`)."""
     version = manifest.version
     if expected_version is not None and version != expected_version:
         raise WeightSyncError(
             f"weight sync: manifest says version {version}, the receiver expected version {expected_version}",
             version=version,
         )
-    if served_version is not None and version < served_version:
+    if served_version is not None and goes_backwards(version, served_version):
         raise WeightSyncError(f"weight sync: version {version} is older than the served version {served_version}",
                               version=version)
     seen: set[str] = set()

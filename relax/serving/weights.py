@@ -4,7 +4,7 @@ Everything a client names is checked before the engine is touched: the path (ins
 the server has one, with one answer for "missing", "not a directory" and "outside the root", so the endpoint
 cannot be used to probe the file system), every file's header (a real safetensors file), every tensor's name, shape
 and dtype against the served model, every value (no NaN or infinity), and the version (never older than the one
-served). Only then are the weights copied in, with the engine paused under the weight-update hold, so a rejected
+served, but for 0: a new run's initial weights). Only then are the weights copied in, with the engine paused under the weight-update hold, so a rejected
 update leaves the served weights and version exactly as they were.
 """
 
@@ -35,6 +35,7 @@ from relax.distributed.weight_sync import (
     apply_to_engine,
     check_manifest,
     engine_weight_specs,
+    goes_backwards,
 )
 
 
@@ -126,9 +127,9 @@ def _versioned(path: Path, weight_version: int | None, model_path: str, root: Pa
 
 
 def _check_version(engine: InferenceEngine, version: int) -> None:
-    if version < engine.weight_version:
+    if goes_backwards(version, engine.weight_version):
         raise WeightPathError(f"weight_version {version} is older than the served version {engine.weight_version} "
-                              "(versions never go backwards)", "weight_version")
+                              "(versions never go backwards; 0 starts a new run)", "weight_version")
 
 
 def _file_specs(file: Path) -> tuple[TensorSpec, ...]:

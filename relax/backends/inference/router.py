@@ -6,7 +6,9 @@
   key is the ``g<group>-`` prefix of the request id that `relax.engine.rollout.generate` gives the samples
   of one prompt (``g3-i12-0`` is group ``3``); other ids are groups of their own.
 - **Health**: a request that fails with a connection error, a timeout or HTTP 5xx marks its engine down and
-  is retried on another engine (``max_retries`` times), so no request is lost when an engine dies; a down
+  is retried on another engine (``max_retries`` times), so no request is lost when an engine dies. An engine
+  with requests in flight is health-checked every ``health_check_interval_s``; one that stops answering (hung,
+  SIGSTOPped) is given up on after ``health_check_max_failures`` checks and its whole groups go elsewhere. A down
   engine is probed again (``health()``) after ``retry_down_after_s`` and routed to once it answers (after
   catching up to the router's weight version when it can load it from disk).
 - **Fan-out**: `update_weights`, `pause`, `resume` and `abort` go to every engine; the router's
@@ -21,6 +23,7 @@ Requests keep the order of the call; seeds shared by several requests are made d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -45,6 +48,12 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024  # one collective per bucket; bounds th
 
 class NoEngineAvailableError(RuntimeError):
     """Every engine is down (or removed) and none came back within the wait."""
+
+
+class EngineUnresponsiveError(RuntimeError):
+    """An engine with requests in flight stopped answering its health checks (hung, stopped, partitioned)."""
+
+    retryable = True
 
 
 def group_key(request_id: str) -> str:
@@ -86,7 +95,8 @@ class EngineRouter(InferenceEngine):
     def __init__(self, engines: Sequence[InferenceEngine], max_retries: int = 3, retry_down_after_s: float = 5.0,
                  wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0,
                  weight_transport: BroadcastWeightTransport | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, health_check_interval_s: float | None = None,
+                 health_check_timeout_s: float = 30.0, health_check_max_failures: int = 2) -> None:
         self._slots: list[_Slot] = []
         for engine in engines:
             self._slots.append(_Slot(engine))
@@ -95,6 +105,11 @@ class EngineRouter(InferenceEngine):
         self.wait_for_engine_s = wait_for_engine_s
         self.health_timeout_s = health_timeout_s
         self.bucket_bytes = bucket_bytes
+        # While an engine has requests in flight it is health-checked every interval; after max_failures checks in a
+        # row fail, its requests are taken back and sent to another engine (None: only failed calls count).
+        self.health_check_interval_s = health_check_interval_s
+        self.health_check_timeout_s = health_check_timeout_s
+        self.health_check_max_failures = health_check_max_failures
         self._sticky: OrderedDict[str, _Slot] = OrderedDict()
         self._version: int | None = None  # the last version pushed by update_weights
         # Pushes versions to every (HTTP) engine over one broadcast group instead of through the disk.
@@ -255,12 +270,43 @@ class EngineRouter(InferenceEngine):
         ids = {request.request_id for request in batch}
         slot.in_flight.update(ids)
         try:
-            outputs = await slot.engine.generate(batch)
+            outputs = await self._watched(slot, slot.engine.generate(batch))
             slot.served += len(batch)
             return list(zip(positions, outputs))
         finally:
             slot.in_flight.difference_update(ids)
             slot.outstanding -= len(batch)
+
+    async def _watched(self, slot: _Slot, call):
+        """``call`` on ``slot``'s engine, health-checked while it runs: an engine that stops answering (a stopped
+        process, a hung server: its generate call would otherwise wait out the HTTP timeout) is given up on after
+        ``health_check_max_failures`` failed checks in a row, with `EngineUnresponsiveError` (retried elsewhere)."""
+        task = asyncio.ensure_future(call)
+        if self.health_check_interval_s is None:
+            return await task
+        failures, started = 0, time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.health_check_interval_s)
+                if done:
+                    return task.result()
+                try:
+                    await asyncio.wait_for(slot.engine.health(), self.health_check_timeout_s)
+                    failures = 0
+                except Exception as error:  # noqa: BLE001 - any failed check counts
+                    failures += 1
+                    logger.warning("engine %s failed health check %d/%d with requests in flight: %s", slot.name,
+                                   failures, self.health_check_max_failures, f"{type(error).__name__}: {error}"[:200])
+                    if failures >= self.health_check_max_failures:
+                        raise EngineUnresponsiveError(
+                            f"{slot.name} stopped answering health checks ({failures} in a row, every "
+                            f"{self.health_check_interval_s} s, {self.health_check_timeout_s} s each) after "
+                            f"{time.monotonic() - started:.1f} s with requests in flight") from None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         ids = set(request_ids)

@@ -1,0 +1,114 @@
+"""Global restart (``--max-global-restart N``): `relax train` as a supervising parent of the run's process.
+
+The parent starts the run as a child process and waits. A child that ends well, stops on a signal with a
+checkpoint, or fails with an error Relax named (a bad setting, a damaged checkpoint: exit 2, which a restart
+would only repeat) ends the supervision with its exit code. A child that dies otherwise (killed, out of memory,
+a crash) is started again, at most N times, resuming from the newest intact checkpoint of the run
+(``--load <save dir>``) or, when none was saved yet, afresh (``--overwrite``). A resumed run truncates its metrics
+after the checkpoint's step and re-trains the steps after it, so the metrics equal an uninterrupted run's: no step
+trained twice into the record, none skipped.
+
+SIGTERM and SIGINT sent to the parent go to the child (which stops after its step with a checkpoint), so a
+scheduler's stop works as without supervision. Each restart is logged to ``run.log`` and notified
+(``--notify-urls``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relax.core import checkpoint
+
+logger = logging.getLogger("relax")
+
+SUPERVISED_ENV = "RELAX_SUPERVISED"  # set in the child: it runs the training itself
+NOT_RESTARTABLE = {0, 2}  # done; an error Relax named (a restart would repeat it)
+
+
+def _without_flags(argv: list[str], names: set[str], with_value: set[str]) -> list[str]:
+    """``argv`` without the given flags (and the value of those in ``with_value``), in either spelling."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in names:
+            skip = name in with_value and "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def child_argv(argv: list[str], save_dir: Path, restart: int) -> list[str]:
+    """The first start runs ``argv`` as given; a restart resumes from the run's own checkpoints, or starts afresh
+    when there are none yet."""
+    if restart == 0:
+        return list(argv)
+    base = _without_flags(argv, {"--load", "--overwrite", "--no-overwrite"}, {"--load"})
+    try:
+        checkpoint.select_checkpoint(checkpoint.resolve_checkpoint_root(save_dir), needs_optimizer=True)
+    except checkpoint.CheckpointError:
+        return [*base, "--overwrite"]
+    return [*base, "--load", str(save_dir)]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def supervise(argv: list[str], cfg, notifier) -> int:
+    """Run ``relax train argv`` in a child process, restarting it as the module docstring says."""
+    save_dir = Path(cfg.save_dir)
+    env = {**os.environ, SUPERVISED_ENV: "1"}
+    child: subprocess.Popen | None = None
+    stop_signal: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        stop_signal.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for restart in range(cfg.max_global_restart + 1):
+            args = child_argv(argv, save_dir, restart)
+            started = time.monotonic()
+            # Its own process group: a terminal's Ctrl-C or a group-wide SIGTERM reaches the child once, through
+            # `forward` (a second signal would make it stop at once, without its checkpoint)
+            child = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], env=env,
+                                     process_group=0)
+            code = child.wait()
+            if code in NOT_RESTARTABLE or stop_signal or restart == cfg.max_global_restart:
+                if code not in NOT_RESTARTABLE and not stop_signal:
+                    _note(cfg, f"the run died ({_describe(code)}) and --max-global-restart "
+                               f"{cfg.max_global_restart} restarts are used up")
+                return code if code >= 0 else 128 - code
+            cause = f"the run died ({_describe(code)}) after {time.monotonic() - started:.0f} s"
+            _note(cfg, f"{cause}; restart {restart + 1} of {cfg.max_global_restart}")
+            notifier.send("restarting", f"run directory {cfg.output_dir}: {cause}; restart {restart + 1} of "
+                                        f"{cfg.max_global_restart}", failure=True)
+        return 1  # pragma: no cover - the loop always returns
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _note(cfg, message: str) -> None:
+    """To the console and the run's log (the child appends to the same run.log)."""
+    print(f"relax train: {message}", file=sys.stderr, flush=True)
+    run_log = Path(cfg.output_dir) / "run.log"
+    if run_log.parent.is_dir():
+        with run_log.open("a") as handle:
+            handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING relax.supervisor: {message}\n")
