@@ -665,6 +665,15 @@ class RelaxConfig(BaseModel):
         "finishes, is stopped or fails. Secret: never logged or saved, and redacted from the messages.", "run",
         secret=True,
     )
+    stall_warning_s: float | None = _field(
+        600.0, "Report a phase of a step (rollout, training, weight sync, evaluation, checkpoint, a wait for data) "
+        "that has run this long, in the log and to --notify-urls, and again at every further multiple; none: never.",
+        "run", gt=0,
+    )
+    timeline_dump_dir: str | None = _field(
+        None, "Write each step's phases as a Chrome trace (timeline.json, for Perfetto or chrome://tracing) here.",
+        "run",
+    )
     use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
     wandb_project: str | None = _field(None, "W&B project name.", "run")

@@ -45,3 +45,17 @@ def digit_fraction_then_die_once(args, sample):
         marker.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
     return digit_fraction(args, sample)
+
+
+_slept = False
+
+
+def digit_fraction_slow_once(args, sample):
+    """`digit_fraction`, with the first call of the process taking 3 s (a step that stalls for a while)."""
+    import time
+
+    global _slept
+    if not _slept:
+        _slept = True
+        time.sleep(3.0)
+    return digit_fraction(args, sample)

@@ -128,6 +128,7 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
             else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
+            controller.phases.notifier = notifier  # stall reports reach --notify-urls too
             with controller.graceful_stop.installed():
                 last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
     finally:

@@ -68,6 +68,7 @@ class AsyncController(SyncController):
         super().__init__(cfg, roles, tracker)
         self.plane = plane or InProcessDataPlane(StalenessGate(cfg.max_staleness))
         self.gate = self.plane.gate
+        self._waiting_step = 0  # the step the trainer waits for (stall reports)
         # Held by the producer while a generation runs; a weight push takes it unless partial rollout is on.
         self._generating = asyncio.Lock()
         self._rollout_metrics: dict[int, dict[str, float]] = {}
@@ -117,6 +118,7 @@ class AsyncController(SyncController):
 
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
+        self._waiting_step = rollout_id + 1
         samples = await self._bounded(self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} "
                                       f"(partition train_{rollout_id} of the data plane)")
         metrics = self._rollout_metrics.pop(rollout_id, {})
@@ -149,7 +151,8 @@ class AsyncController(SyncController):
     async def _bounded(self, awaitable, what: str):
         """Await ``awaitable`` for at most --data-wait-timeout seconds; a hang becomes an error naming ``what``."""
         try:
-            return await asyncio.wait_for(awaitable, self.cfg.data_wait_timeout)
+            with self.phases.phase("wait", self._waiting_step, what):
+                return await asyncio.wait_for(awaitable, self.cfg.data_wait_timeout)
         except TimeoutError:
             raise TimeoutError(f"waited {self.cfg.data_wait_timeout:g} s for {what} (--data-wait-timeout)") from None
 
@@ -174,7 +177,7 @@ class AsyncController(SyncController):
         return {**super().trainer_state(step), **cursor}
 
     # ---- the loop -------------------------------------------------------------------------
-    async def run(self) -> dict[str, float]:
+    async def _run(self) -> dict[str, float]:
         start, last = await self._begin()
         await self.gate.publish(start)
         producer = asyncio.create_task(self._produce(start, self.roles.total_steps))

@@ -7,6 +7,7 @@ are computed; the actor trains; the new weights are pushed to the engine as the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from relax.core import checkpoint
 from relax.core.build import Roles
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
+from relax.core.phases import PhaseClock
 from relax.data.sample import Sample
 from relax.distributed.process_group import barrier, rank
 from relax.distributed.weight_sync import sync_weights_in_process
@@ -46,24 +48,48 @@ class SyncController:
         self.last_checkpoint: Path | None = None  # the newest checkpoint this run saved
         self.graceful_stop = GracefulStop()  # the entrypoint routes SIGTERM/SIGINT to it
         self.memory = build_phase_memory(cfg, roles)  # --offload-train / --offload-rollout
+        self.phases = PhaseClock(cfg.timeline_dump_dir, cfg.stall_warning_s)  # the entrypoint sets its notifier
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
-        started = time.perf_counter()
-        await self.memory.enter_rollout()
-        samples, metrics = await self.roles.rollout.generate(rollout_id)
+        started, step = time.perf_counter(), rollout_id + 1
+        with self._memory_phase(step, "the trainers to leave the device"):
+            await self.memory.enter_rollout()
+        with self.phases.phase("rollout", step, "generation and rewards"):
+            samples, metrics = await self.roles.rollout.generate(rollout_id)
         metrics["perf/rollout_s"] = time.perf_counter() - started
-        await self.memory.enter_training()
+        with self._memory_phase(step, "the engine to release its memory"):
+            await self.memory.enter_training()
         metrics.update(await self.train_on(rollout_id, samples))
-        await self.memory.enter_rollout()  # the evaluation after this step, and the next step, generate
+        with self._memory_phase(step, "the engine's KV cache to come back"):
+            await self.memory.enter_rollout()  # the evaluation after this step, and the next step, generate
         metrics.update(self.memory.step_metrics())
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
         return metrics
 
+    def _memory_phase(self, step: int, detail: str):
+        """A timeline phase for moving memory, when anything moves (--offload-train / --offload-rollout)."""
+        moving = self.memory.offload_train or self.memory.offload_rollout
+        return self.phases.phase("memory", step, detail) if moving else contextlib.nullcontext()
+
     async def train_on(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """Everything after generation: log-probs, advantages, the critic's and the actor's
         updates, and the weight push to the engine as version ``rollout_id + 1``."""
+        with self.phases.phase("train", rollout_id + 1, "log-probs, advantages and the updates"):
+            metrics = await self._train(rollout_id, samples)
+        engine_needs_weights = await self.memory.before_weight_sync()
+        policy_trains = rollout_id >= self.cfg.num_critic_only_steps
+        with self.phases.phase("weight_sync", rollout_id + 1, "the weights to reach the engines"):
+            if policy_trains:
+                metrics.update(await self.sync_weights(version=rollout_id + 1))
+            elif engine_needs_weights:  # --offload-rollout dropped them: the unchanged ones go back as the same
+                metrics.update(await self.sync_weights(version=self.roles.rollout.engine.weight_version))
+        if self.cfg.dump_samples:
+            self.tracker.dump_samples(rollout_id + 1, samples, self.cfg.dump_samples)
+        return metrics
+
+    async def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         roles, cfg = self.roles, self.cfg
         metrics: dict[str, float] = {}
         fields: dict[str, list[torch.Tensor]] = {}
@@ -102,13 +128,6 @@ class SyncController:
         if policy_trains:
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
         metrics["perf/train_s"] = time.perf_counter() - train_started
-        engine_needs_weights = await self.memory.before_weight_sync()
-        if policy_trains:
-            metrics.update(await self.sync_weights(version=rollout_id + 1))
-        elif engine_needs_weights:  # --offload-rollout dropped them: the unchanged ones go back as the same version
-            metrics.update(await self.sync_weights(version=self.roles.rollout.engine.weight_version))
-        if cfg.dump_samples:
-            self.tracker.dump_samples(rollout_id + 1, samples, cfg.dump_samples)
         return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
@@ -119,7 +138,8 @@ class SyncController:
 
     async def evaluate(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
-        metrics, _ = await self.roles.rollout.evaluate(step)
+        with self.phases.phase("eval", step, "the held-out generations and rewards"):
+            metrics, _ = await self.roles.rollout.evaluate(step)
         metrics["perf/eval_s"] = time.perf_counter() - started
         return metrics
 
@@ -128,6 +148,13 @@ class SyncController:
 
     async def run(self) -> dict[str, float]:
         """Train from the start or the loaded checkpoint to the last step; returns the last metrics."""
+        self.phases.start()  # the stall watchdog
+        try:
+            return await self._run()
+        finally:
+            self.phases.stop()
+
+    async def _run(self) -> dict[str, float]:
         start, last = await self._begin()
         return await self._train_steps(start, last)
 
@@ -187,6 +214,10 @@ class SyncController:
     def save(self, step: int) -> None:
         """A checkpoint of ``step``, staged and sealed (`checkpoint.finish_save`): a kill or an error midway leaves
         the previous one the newest; an error says its cause first (a full disk: the file it was writing)."""
+        with self.phases.phase("checkpoint", step, "the checkpoint to be written"):
+            self._save(step)
+
+    def _save(self, step: int) -> None:
         root = self.save_root
         if rank() == 0:
             staging = checkpoint.begin_save(root, step)
