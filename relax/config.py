@@ -674,6 +674,12 @@ class RelaxConfig(BaseModel):
         None, "Write each step's phases as a Chrome trace (timeline.json, for Perfetto or chrome://tracing) here.",
         "run",
     )
+    use_metrics_service: bool = _field(
+        False, "Serve the run's metrics, restart count and engine health in Prometheus format on "
+        "http://127.0.0.1:<--metrics-service-port>/metrics.", "run",
+    )
+    metrics_service_port: int = _field(9108, "Port of --use-metrics-service (127.0.0.1 only).", "run", ge=1,
+                                       le=65535)
     use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
     wandb_project: str | None = _field(None, "W&B project name.", "run")
@@ -812,6 +818,8 @@ class RelaxConfig(BaseModel):
                 f"{flag('n_samples_per_prompt')} ({samples_per_step})"
             )
         self._check_dynamic_batch_size()
+        if self.changed("metrics_service_port") and not self.use_metrics_service:
+            raise ValueError(f"{flag('metrics_service_port')} needs {flag('use_metrics_service')}")
         if not self.use_dynamic_batch_size and self.train_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"{flag('micro_batch_size')} ({self.micro_batch_size}) must divide the global batch size "

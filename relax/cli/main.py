@@ -94,6 +94,23 @@ def cmd_train(argv: list[str]) -> int:
         raise
 
 
+def start_metrics_service(cfg, roles):
+    """--use-metrics-service: the Prometheus endpoint, with the engines' health when a router fronts them."""
+    if not cfg.use_metrics_service:
+        return None
+    from relax.cli.supervisor import RESTARTS_ENV
+    from relax.config import ConfigError, flag
+    from relax.utils.metrics_service import MetricsService
+
+    stats = getattr(getattr(roles.rollout, "engine", None), "stats", None)
+    try:
+        return MetricsService(cfg.metrics_service_port, restarts=int(os.environ.get(RESTARTS_ENV, "0")),
+                              engine_stats=stats if callable(stats) else None).start()
+    except OSError as err:
+        raise ConfigError(f"{flag('metrics_service_port')} {cfg.metrics_service_port}: cannot listen on "
+                          f"127.0.0.1 ({err.strerror or err})") from None
+
+
 def build_notifier(cfg) -> Notifier:
     secrets = [getattr(cfg, name) for name in cfg.secret_fields() if isinstance(getattr(cfg, name), str)]
     return Notifier(split_urls(cfg.notify_urls), secrets, run_name=Path(cfg.output_dir).name)
@@ -124,8 +141,8 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
     notifier.started(str(run_dir), roles.total_steps, resumed=bool(cfg.load))
     try:
         tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
-                          wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0]) if primary \
-            else NullTracker()
+                          wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0],
+                          metrics_service=start_metrics_service(cfg, roles)) if primary else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
             controller.phases.notifier = notifier  # stall reports reach --notify-urls too

@@ -28,6 +28,7 @@ from relax.core import checkpoint
 logger = logging.getLogger("relax")
 
 SUPERVISED_ENV = "RELAX_SUPERVISED"  # set in the child: it runs the training itself
+RESTARTS_ENV = "RELAX_GLOBAL_RESTARTS"  # how many restarts came before this child (--use-metrics-service)
 NOT_RESTARTABLE = {0, 2}  # done; an error Relax named (a restart would repeat it)
 
 
@@ -87,8 +88,8 @@ def supervise(argv: list[str], cfg, notifier) -> int:
             started = time.monotonic()
             # Its own process group: a terminal's Ctrl-C or a group-wide SIGTERM reaches the child once, through
             # `forward` (a second signal would make it stop at once, without its checkpoint)
-            child = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], env=env,
-                                     process_group=0)
+            child = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args],
+                                     env={**env, RESTARTS_ENV: str(restart)}, process_group=0)
             code = child.wait()
             if code in NOT_RESTARTABLE or stop_signal or restart == cfg.max_global_restart:
                 if code not in NOT_RESTARTABLE and not stop_signal:

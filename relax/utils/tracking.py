@@ -124,8 +124,10 @@ class Tracker:
         wandb_project: str | None = None,
         wandb_run_name: str | None = None,
         config: dict[str, Any] | None = None,
+        metrics_service=None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self._metrics_service = metrics_service  # relax.utils.metrics_service.MetricsService, or None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.samples_dir = self.run_dir / SAMPLES_DIR
@@ -172,6 +174,8 @@ class Tracker:
         # most the line being written, and there is no file handle to keep open across truncate_after or close.
         with open(self.metrics_path, "a", encoding="utf-8") as metrics_file:
             metrics_file.write(json.dumps(row, allow_nan=False) + "\n")
+        if self._metrics_service is not None:
+            self._metrics_service.update(step, values)
         if self._tensorboard is not None:
             for name, value in values.items():
                 self._tensorboard.add_scalar(name, value, global_step=step)
@@ -227,6 +231,8 @@ class Tracker:
         if self._closed:
             return []
         self._closed = True
+        if self._metrics_service is not None:
+            self._metrics_service.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb_run is not None:

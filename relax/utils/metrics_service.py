@@ -1,0 +1,80 @@
+"""A Prometheus endpoint for a running training (``--use-metrics-service``, ``--metrics-service-port``).
+
+``GET http://127.0.0.1:<port>/metrics`` (prometheus_client's exposition, on 127.0.0.1 only) gives the last logged
+step and every metric of it as ``relax_<name>`` (``rollout/reward_mean`` -> ``relax_rollout_reward_mean``), the
+number of global restarts so far, and per rollout engine behind a router whether it is healthy, its in-flight
+requests and its weight version. Values are read when scraped, so nothing is pushed anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+_INVALID = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_name(key: str) -> str:
+    return "relax_" + _INVALID.sub("_", key).strip("_")
+
+
+class _RunCollector:
+    def __init__(self, service: MetricsService) -> None:
+        self.service = service
+
+    def collect(self):
+        service = self.service
+        with service.lock:
+            step, metrics = service.step, dict(service.metrics)
+        yield GaugeMetricFamily("relax_step", "The last logged training step.", value=step)
+        yield GaugeMetricFamily("relax_global_restarts", "Restarts by --max-global-restart so far.",
+                                value=service.restarts)
+        for key, value in sorted(metrics.items()):
+            yield GaugeMetricFamily(metric_name(key), f"{key} at the last logged step.", value=value)
+        engines = service.engine_stats() if service.engine_stats else []
+        if engines:
+            healthy = GaugeMetricFamily("relax_engine_healthy", "1 when the engine is routed to.", labels=["engine"])
+            outstanding = GaugeMetricFamily("relax_engine_outstanding_requests", "Requests in flight.",
+                                            labels=["engine"])
+            version = GaugeMetricFamily("relax_engine_weight_version", "The weight version it serves.",
+                                        labels=["engine"])
+            for engine in engines:
+                name = str(engine["engine"])
+                healthy.add_metric([name], float(engine["healthy"] and not engine.get("draining", False)))
+                outstanding.add_metric([name], float(engine.get("outstanding", 0)))
+                version.add_metric([name], float(engine.get("weight_version", 0)))
+            yield from (healthy, outstanding, version)
+
+
+class MetricsService:
+    def __init__(self, port: int, restarts: int = 0,
+                 engine_stats: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+        self.port = port
+        self.restarts = restarts
+        self.engine_stats = engine_stats
+        self.lock = threading.Lock()
+        self.step = 0
+        self.metrics: dict[str, float] = {}
+        self.registry = CollectorRegistry()
+        self.registry.register(_RunCollector(self))
+        self._server = None
+
+    def start(self) -> MetricsService:
+        self._server, _ = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
+        return self
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        with self.lock:
+            self.step = step
+            self.metrics = {key: float(value) for key, value in metrics.items()}
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
