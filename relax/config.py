@@ -595,6 +595,15 @@ class RelaxConfig(BaseModel):
     group_rm: bool = _field(
         False, "Call the custom reward once per prompt group: `fn(args, samples) -> list`.", "reward"
     )
+    custom_rm_workers: int = _field(
+        0, "Run a synchronous --custom-rm-path function in this many worker processes instead of threads of the "
+        "trainer: a crash or a leak costs only its worker (replaced; the sample scored 0 and counted in "
+        "reward/num_errors) and --reward-timeout kills a hung call. 0: threads.", "reward", ge=0,
+    )
+    reward_worker_memory_mb: int | None = _field(
+        None, "Address-space cap (MiB) of each --custom-rm-workers process: a reward that leaks fails there with "
+        "MemoryError.", "reward", ge=64,
+    )
     reward_timeout: float = _field(
         5.0,
         "Seconds one reward call (one sample, or one group with --group-rm) may take; past it the sample gets 0, "

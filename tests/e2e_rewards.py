@@ -59,3 +59,19 @@ def digit_fraction_slow_once(args, sample):
         _slept = True
         time.sleep(3.0)
     return digit_fraction(args, sample)
+
+
+def misbehaves_on_some_rows(args, sample):
+    """`digit_fraction`, except: row 1 leaks 4 GiB, row 2 kills its own process, row 3 never returns."""
+    import os
+    import signal
+    import time
+
+    if sample.index == 1:
+        hoard = bytearray(4 << 30)
+        return float(len(hoard))
+    if sample.index == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sample.index == 3:
+        time.sleep(3600)
+    return digit_fraction(args, sample)

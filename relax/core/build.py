@@ -231,7 +231,8 @@ def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> Multimoda
 def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
     try:
         return RewardComputer(cfg.rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
-                              timeout_s=cfg.reward_timeout)
+                              timeout_s=cfg.reward_timeout, custom_workers=cfg.custom_rm_workers,
+                              worker_memory_mb=cfg.reward_worker_memory_mb)
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
 

@@ -9,7 +9,9 @@ Past it the sample gets 0.0, is counted in ``reward/num_timeouts`` and logged on
 Rule rewards that can compute without bound (``math``: math-verify's symbolic comparison, whose own
 time limit uses SIGALRM and so works only on a main thread) run in worker processes that are killed
 at the timeout. Other synchronous rewards run in threads, which cannot be killed: the rollout stops
-waiting for them and gives their slot to the next call.
+waiting for them and gives their slot to the next call. With ``--custom-rm-workers N`` a custom function runs in
+N worker processes instead (capped by ``--reward-worker-memory-mb``): one that crashes, leaks or hangs costs only
+its worker (killed or replaced) and the sample's reward (0, counted), never the trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pebble import ProcessExpired
+
 from relax.data.sample import Sample
 from relax.engine.rewards.custom import load_custom_reward
 from relax.engine.rewards.registry import get_reward_fn
@@ -39,6 +43,10 @@ MAX_REWARD_PROCESSES = 4
 
 class RewardTimeoutError(TimeoutError):
     """A reward call ran past ``--reward-timeout``."""
+
+
+class RewardWorkerDiedError(RuntimeError):
+    """The worker process of a reward call died (a crash, a kill) before it answered."""
 
 logger = logging.getLogger("relax.rewards")
 
@@ -70,6 +78,8 @@ class RewardComputer:
         args: Any = None,
         max_workers: int = 16,
         timeout_s: float = DEFAULT_REWARD_TIMEOUT_S,
+        custom_workers: int = 0,
+        worker_memory_mb: int | None = None,
     ) -> None:
         if rm_type is None and custom_rm_path is None:
             raise ValueError("no reward configured: set --rm-type to a rule reward or --custom-rm-path to a function")
@@ -88,6 +98,16 @@ class RewardComputer:
         self._rm_type = rm_type
         self._custom_fn = load_custom_reward(custom_rm_path) if custom_rm_path is not None else None
         self._custom_fn_is_async = inspect.iscoroutinefunction(self._custom_fn)
+        if custom_workers and (self._custom_fn is None or self._custom_fn_is_async):
+            raise ValueError("--custom-rm-workers runs a synchronous --custom-rm-path function in worker processes; "
+                             + ("there is none" if self._custom_fn is None else
+                                "an async one is awaited on the event loop instead"))
+        if worker_memory_mb is not None and not custom_workers:
+            raise ValueError("--reward-worker-memory-mb caps the processes of --custom-rm-workers; set that too")
+        self._custom_spec = custom_rm_path
+        self._custom_workers = custom_workers
+        self._worker_memory_mb = worker_memory_mb
+        self._custom_processes = None  # the pebble.ProcessPool of --custom-rm-workers, started on first use
         self._group_rm = group_rm
         self._args = args
         self._max_workers = max_workers
@@ -116,10 +136,11 @@ class RewardComputer:
 
     def close(self) -> None:
         """Stop the worker processes once no more scoring will be requested."""
-        if self._processes is not None:
-            self._processes.stop()
-            self._processes.join(timeout=10)
-            self._processes = None
+        for pool in (self._processes, self._custom_processes):
+            if pool is not None:
+                pool.stop()
+                pool.join(timeout=10)
+        self._processes = self._custom_processes = None
 
     async def _score_sample(self, sample: Sample) -> None:
         try:
@@ -162,6 +183,9 @@ class RewardComputer:
                 return await asyncio.wait_for(self._custom_fn(self._args, sample_or_group), self.timeout_s)
             except TimeoutError:
                 raise self._timeout_error() from None
+        if self._custom_workers:
+            return await self._in_process(_call_custom_reward, self._custom_spec, self._args, sample_or_group,
+                                          pool=self._custom_pool())
         return await self._in_thread(self._custom_fn, self._args, sample_or_group)
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -199,12 +223,16 @@ class RewardComputer:
             slots = self._thread_slots[loop] = asyncio.Semaphore(self._max_workers)
         return slots
 
-    async def _in_process(self, fn: Callable[..., Any], *args: Any) -> Any:
-        future = self._process_pool().schedule(fn, args=args, timeout=self.timeout_s)  # killed past the timeout
+    async def _in_process(self, fn: Callable[..., Any], *args: Any, pool=None) -> Any:
+        pool = pool or self._process_pool()
+        future = pool.schedule(fn, args=args, timeout=self.timeout_s)  # killed past the timeout
         try:
             return await asyncio.wrap_future(future)
         except TimeoutError:
             raise self._timeout_error() from None
+        except ProcessExpired as err:  # the worker died (a crash, the OOM killer): pebble starts another
+            raise RewardWorkerDiedError(f"the reward's worker process died ({err}); a new one takes its place") \
+                from None
         except asyncio.CancelledError:
             future.cancel()  # the rollout was cancelled: free the worker
             raise
@@ -218,6 +246,15 @@ class RewardComputer:
                                           initializer=_configure_reward_process,
                                           context=multiprocessing.get_context("spawn"))
         return self._processes
+
+    def _custom_pool(self):
+        if self._custom_processes is None:
+            from pebble import ProcessPool
+
+            self._custom_processes = ProcessPool(
+                max_workers=self._custom_workers, initializer=_configure_custom_reward_process,
+                initargs=(self._worker_memory_mb,), context=multiprocessing.get_context("spawn"))
+        return self._custom_processes
 
     def _timeout_error(self) -> RewardTimeoutError:
         return RewardTimeoutError(f"the reward took longer than --reward-timeout {self.timeout_s:g} s")
@@ -249,6 +286,27 @@ def _configure_reward_process() -> None:
     from relax.engine.rewards import math_rewards
 
     math_rewards.MATH_VERIFY_TIMEOUT_S = None
+
+
+_loaded_custom: dict[str, Callable[..., Any]] = {}
+
+
+def _configure_custom_reward_process(memory_mb: int | None) -> None:
+    """In a --custom-rm-workers process: cap its address space, so a leaking reward fails with MemoryError here
+    (counted, the sample scored 0) instead of taking the trainer's memory."""
+    if memory_mb is not None:
+        import resource
+
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _call_custom_reward(spec: str, args: Any, sample_or_group: Any) -> Any:
+    """In a worker process: import the custom reward once (by its dotted path), then call it."""
+    fn = _loaded_custom.get(spec)
+    if fn is None:
+        fn = _loaded_custom[spec] = load_custom_reward(spec)
+    return fn(args, sample_or_group)
 
 
 def _checked_reward(value: Any) -> Reward:
