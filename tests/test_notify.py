@@ -4,7 +4,6 @@ failure of one with its cause; the secret in the URL reaches neither the message
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -74,4 +73,3 @@ def test_an_unreachable_target_warns_and_the_run_goes_on(tiny_workspace, tmp_pat
                                                  "--notify-urls", "json://127.0.0.1:9/closed"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "not delivered" in (tmp_path / "run" / "run.log").read_text()
-    shutil.rmtree(tmp_path / "run")

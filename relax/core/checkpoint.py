@@ -85,6 +85,12 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _crc32_all(paths: list[Path]) -> list[int]:
+    """CRC-32 of each file, in parallel threads (zlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        return list(pool.map(_crc32, paths))
+
+
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
@@ -99,11 +105,9 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def write_manifest(directory: Path) -> dict[str, Any]:
-    """Size and CRC-32 of every file under ``directory`` (hashed in parallel: zlib releases the GIL), each file
-    fsynced, the manifest written last."""
+    """Size and CRC-32 of every file under ``directory``, each file fsynced, the manifest written last."""
     files = _files(directory)
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
-        crcs = list(pool.map(_crc32, files))
+    crcs = _crc32_all(files)
     for path in files:
         fsync_path(path)
     manifest = {"format": CHECKPOINT_FORMAT, "files": {str(path.relative_to(directory)): {"size": path.stat().st_size, "crc32": crc}
@@ -153,7 +157,7 @@ def rotate(root: Path, keep: int) -> list[int]:
     root = Path(root)
     newest = read_latest_step(root)
     removed = []
-    for step in saved_steps(root)[:-keep] if keep else []:
+    for step in saved_steps(root)[:-keep]:
         if step != newest:
             shutil.rmtree(iteration_dir(root, step), ignore_errors=True)
             removed.append(step)
@@ -212,13 +216,6 @@ def read_latest_step(root: Path) -> int | None:
         return None
 
 
-def latest_step(root: Path) -> int:
-    step = read_latest_step(root)
-    if step is None:
-        raise CheckpointError(f"{Path(root) / LATEST_FILE}: missing or not a step number")
-    return step
-
-
 def mark_latest(root: Path, step: int) -> None:
     """Atomically point ``latest_checkpointed_iteration.txt`` at ``step`` (after it is complete)."""
     _write_atomically(Path(root) / LATEST_FILE, str(step))
@@ -247,12 +244,9 @@ def verify(directory: Path) -> str | None:
         size = path.stat().st_size
         if size != expected["size"]:
             return f"{path}: {size} bytes, the manifest says {expected['size']}"
-    paths = [directory / relative for relative in files]
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
-        crcs = list(pool.map(_crc32, paths))
-    for path, crc in zip(paths, crcs):
-        if crc != files[str(path.relative_to(directory))]["crc32"]:
-            return f"{path}: contents changed since it was saved (CRC-32 mismatch)"
+    for (relative, expected), crc in zip(files.items(), _crc32_all([directory / r for r in files])):
+        if crc != expected["crc32"]:
+            return f"{directory / relative}: contents changed since it was saved (CRC-32 mismatch)"
     return None
 
 

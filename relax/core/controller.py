@@ -70,8 +70,7 @@ class SyncController:
 
     def _memory_phase(self, step: int, detail: str):
         """A timeline phase for moving memory, when anything moves (--offload-train / --offload-rollout)."""
-        moving = self.memory.offload_train or self.memory.offload_rollout
-        return self.phases.phase("memory", step, detail) if moving else contextlib.nullcontext()
+        return self.phases.phase("memory", step, detail) if self.memory.moves_memory else contextlib.nullcontext()
 
     async def train_on(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         """Everything after generation: log-probs, advantages, the critic's and the actor's
@@ -79,15 +78,18 @@ class SyncController:
         with self.phases.phase("train", rollout_id + 1, "log-probs, advantages and the updates"):
             metrics = await self._train(rollout_id, samples)
         engine_needs_weights = await self.memory.before_weight_sync()
-        policy_trains = rollout_id >= self.cfg.num_critic_only_steps
         with self.phases.phase("weight_sync", rollout_id + 1, "the weights to reach the engines"):
-            if policy_trains:
+            if self._policy_trains(rollout_id):
                 metrics.update(await self.sync_weights(version=rollout_id + 1))
             elif engine_needs_weights:  # --offload-rollout dropped them: the unchanged ones go back as the same
                 metrics.update(await self.sync_weights(version=self.roles.rollout.engine.weight_version))
         if self.cfg.dump_samples:
             self.tracker.dump_samples(rollout_id + 1, samples, self.cfg.dump_samples)
         return metrics
+
+    def _policy_trains(self, rollout_id: int) -> bool:
+        """During --num-critic-only-steps the critic fits the initial policy's values; policy and engine wait."""
+        return rollout_id >= self.cfg.num_critic_only_steps
 
     async def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         roles, cfg = self.roles, self.cfg
@@ -123,9 +125,7 @@ class SyncController:
         train_started = time.perf_counter()
         if roles.critic is not None:
             metrics.update(await roles.critic.train(samples, result.returns, values))
-        # During --num-critic-only-steps the critic fits the initial policy's values; policy and engine wait.
-        policy_trains = rollout_id >= cfg.num_critic_only_steps
-        if policy_trains:
+        if self._policy_trains(rollout_id):
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
         metrics["perf/train_s"] = time.perf_counter() - train_started
         return metrics

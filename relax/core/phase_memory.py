@@ -36,10 +36,14 @@ class PhaseMemory:
         self.engine_weights_released = False  # their storage is freed
         self._engine_kv_released = False
         self._metrics: dict[str, float] = {}
-        if self.offload_train or self.offload_rollout:
+        if self.moves_memory:
             logger.info("offloading between phases: %s", ", ".join(
                 name for name, on in (("trainers while rolling out", self.offload_train),
                                       ("engine while training", self.offload_rollout)) if on))
+
+    @property
+    def moves_memory(self) -> bool:
+        return self.offload_train or self.offload_rollout
 
     @property
     def _cuda(self) -> bool:
@@ -99,7 +103,7 @@ class PhaseMemory:
         if self._cuda:
             metrics["perf/gpu_allocated_gib"] = torch.cuda.memory_allocated(self.device) / GIB
             metrics["perf/gpu_reserved_gib"] = torch.cuda.memory_reserved(self.device) / GIB
-        if not (self.offload_train or self.offload_rollout):
+        if not self.moves_memory:
             metrics.pop("perf/offload_s", None)
         return metrics
 
