@@ -163,8 +163,9 @@ class RelaxConfig(BaseModel):
         "right-pads them instead (the previous layout, kept for comparison).", "batch"
     )
     log_probs_chunk_size: int = _field(
-        1024, "Response tokens per chunk of the LM head and log-softmax, so that no full float32 logits exist "
-        "(0: compute the logits of a micro-batch at once, the previous path).", "batch", ge=0,
+        4096, "Response tokens per chunk of the LM head and log-softmax, so that no full float32 logits exist "
+        "(0: compute the logits of a micro-batch at once, the previous path). 4096 measured 4 percent faster than 1024 "
+        "per training step on an H200 (Qwen3-0.6B shape) for 2.6 GB more peak memory.", "batch", ge=0,
     )
     num_rollout: int | None = _field(None, "Rollout steps to train for.", "batch", ge=1)
     num_epoch: int | None = _field(

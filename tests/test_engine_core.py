@@ -287,3 +287,33 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         expected = torch.einsum("hl,lhd->hd", probs, v)
         error = (out[row].float() - expected).norm() / expected.norm()
         assert error < 1e-2, (row, length, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (4, 4)])
+def test_the_varlen_prefill_matches_the_padded_prefill(heads, kv_heads):
+    """Prompts with and without a cached prefix in the pool (a query block shorter than its keys): FlashAttention's
+    varlen kernel gives the padded SDPA path's attention, so its causal mask is aligned bottom-right."""
+    from relax.backends import flash_varlen
+    from relax.backends.inference.core.attention import attend, prefill_metadata
+
+    if not flash_varlen.available():
+        pytest.skip("this PyTorch has no varlen FlashAttention")
+    torch.manual_seed(0)
+    dim, page, blocks = 128, 16, 400
+    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    starts, ends = [0, 0, 32, 48, 5, 0], [1, 37, 40, 300, 6, 16]
+    order = (torch.randperm(blocks - 1) + 1).tolist()
+    tables, used = [], 0
+    for end in ends:
+        count = -(-end // page)
+        tables.append(order[used:used + count])
+        used += count
+    query = torch.randn(sum(e - s for s, e in zip(starts, ends)), heads, dim, device="cuda", dtype=torch.bfloat16)
+    padded = attend(query, keys, values, prefill_metadata(page, tables, starts, ends, torch.device("cuda")), 0.1)
+    varlen = attend(query, keys, values,
+                    prefill_metadata(page, tables, starts, ends, torch.device("cuda"), varlen=True), 0.1)
+    error = (varlen.float() - padded.float()).norm() / padded.float().norm()
+    assert error < 1e-2, error

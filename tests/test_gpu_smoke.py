@@ -205,3 +205,60 @@ def test_liger_kernels_and_bf16_parameters_agree_with_the_autocast_path(tiny_wor
         assert metrics["loss"] == pytest.approx(previous["loss"], rel=2e-2, abs=2e-3), name
         assert metrics["grad_norm"] == pytest.approx(previous["grad_norm"], rel=5e-2), name
     assert modeling_qwen3.Qwen3RMSNorm.forward.__module__ == modeling_qwen3.__name__  # the classes are untouched
+
+
+@pytest.mark.parametrize("temperature, entropy_grad, extra_ids", [(1.0, False, 0), (0.7, True, 2)])
+def test_the_triton_head_kernels_match_the_torch_path(monkeypatch, temperature, entropy_grad, extra_ids):
+    """`triton_head`'s one-pass log-sum-exp/entropy and logit gradient against the torch chunk path on the same
+    bf16 head: log-probs, entropy and the gradients of hidden states and head weight."""
+    from relax.backends.training import log_probs as head
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    tokens, width, vocab = 700, 256, 50_000
+    hidden = (torch.randn(tokens, width, device=device) * 0.5).to(torch.bfloat16)
+    weight = (torch.randn(vocab, width, device=device) * 0.05).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (tokens, 1 + extra_ids), device=device)
+    suppressed = torch.tensor([3, 17, vocab - 1], device=device)
+    grad_lp = torch.randn(tokens, 1 + extra_ids, device=device)
+    grad_ent = torch.randn(tokens, device=device)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(head, "_fused_head_available", lambda tensor, fused=fused: fused)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = head.token_log_probs(h, w, ids, temperature=temperature, suppressed_ids=suppressed, chunk_size=256,
+                                   entropy=True, entropy_grad=entropy_grad)
+        loss = (out.log_probs * grad_lp).sum() + ((out.entropy * grad_ent).sum() if entropy_grad else 0.0)
+        loss.backward()
+        results[fused] = (out.log_probs.detach(), out.entropy.detach(), h.grad.float(), w.grad.float())
+    for name, torch_value, fused_value in zip(("log_probs", "entropy", "grad_hidden", "grad_weight"),
+                                              results[False], results[True]):
+        error = (fused_value - torch_value).norm() / torch_value.norm()
+        assert error < 1e-2, (name, error)
+
+
+def test_the_micro_batch_loop_never_waits_for_the_device(tiny_workspace):
+    """Forward, loss and backward of every micro-batch queue behind each other with no host synchronization
+    (torch's sync debug mode raises on one): inputs go through pinned memory, lengths stay on the host."""
+    from dataclasses import replace
+
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from tests.test_fsdp_backend import LOSS, make_backend, make_batch
+
+    device = torch.device("cuda", 0)
+    settings = replace(make_backend(tiny_workspace / "model").settings, device=device, compute_dtype=torch.bfloat16,
+                       max_tokens_per_gpu=64)
+    backend = FSDPTrainBackend(tiny_workspace / "model", settings)
+    backend.train_step(make_batch(), LOSS)  # warm-up: lazy initialisation may synchronize once
+    accumulate = backend._accumulate_gradients
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return accumulate(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    backend._accumulate_gradients = strict
+    metrics = backend.train_step(make_batch(), LOSS)
+    assert math.isfinite(metrics["loss"])

@@ -2,10 +2,10 @@
 
 `EmbeddedEngine` runs its own decode loop instead of ``model.generate`` so that it controls
 log-probs, stop conditions, aborts and pauses at every token step. Text requests of the models the
-engine core supports run on the core (`relax.backends.inference.core`: a paged KV pool, continuous
-batching, CUDA graphs; see `CoreSettings`, docs/engines.md), with the same contract: the rest of
-this docstring describes the Hugging Face path below, which serves every other model and request
-(media, other families); the core's differences are said in `core.engine_core`: concurrent calls
+engine core supports (text and Qwen-VL / Qwen2.5-Omni prompts with media alike) run on the core
+(`relax.backends.inference.core`: a paged KV pool, continuous batching, CUDA graphs; see `CoreSettings`,
+docs/engines.md), with the same contract: the rest of this docstring describes the Hugging Face path
+below, which serves every other model family (and every model with ``--engine-core off``); the core's differences are said in `core.engine_core`: concurrent calls
 share one running batch, and each request samples from a stream of its own.
 
 Concurrency model. Everything runs on the caller's event-loop thread: `generate` runs one decode
@@ -223,9 +223,9 @@ class EmbeddedEngine(InferenceEngine):
 
     ``model`` is put in eval mode with gradients off; it stays on its device and dtype.
     ``max_batch_size`` caps the rows decoded together (the core's running requests; on the Hugging Face path a
-    longer `generate` call is split into consecutive batches). Text models the engine core supports run on it
-    (``core``, `CoreSettings`): a paged KV pool, continuous batching, CUDA graphs; the others, and requests
-    with media, run on the Hugging Face path below.
+    longer `generate` call is split into consecutive batches). Models the engine core supports run on it
+    (``core``, `CoreSettings`), media included: a paged KV pool, continuous batching, CUDA graphs; the others
+    run on the Hugging Face path below.
     """
 
     def __init__(
@@ -295,11 +295,13 @@ class EmbeddedEngine(InferenceEngine):
         if reason is not None:
             self.core_unavailable_reason = reason
             return None
-        config = self.model.config
-        max_positions = int(config.max_position_embeddings)
+        from relax.backends.inference.core.media import MediaEncoder
         from relax.backends.inference.core.model_runner import triton_available
 
-        decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device))
+        max_positions = int(self.model.config.get_text_config().max_position_embeddings)
+        decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device),
+                              suppressed_ids=self._suppressed_ids)
+        media = MediaEncoder(self.model, decoder.text_model) if self._media_tokens.ids else None
         dtype = next(self.model.parameters()).dtype
         token_bytes = 2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * dtype.itemsize
         tokens = settings.max_total_tokens or self._default_pool_tokens(token_bytes, settings)
@@ -313,7 +315,7 @@ class EmbeddedEngine(InferenceEngine):
         scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
                               reserve_tokens=page)
         return EngineCore(runner, blocks, scheduler, self.tokenizer, self._eos_token_ids, self._pauses,
-                          lambda: self._weight_version)
+                          lambda: self._weight_version, media=media)
 
     def _default_pool_tokens(self, token_bytes: int, settings: CoreSettings) -> int:
         if self.device.type != "cuda":
@@ -332,8 +334,8 @@ class EmbeddedEngine(InferenceEngine):
         return self._weight_version
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        """Decode every request; outputs in request order. On the core (text requests of a supported model) the
-        requests join the running batch; on the Hugging Face path they decode in batches of at most
+        """Decode every request; outputs in request order. On the core (a supported model) the requests join the
+        running batch; on the Hugging Face path they decode in batches of at most
         ``max_batch_size`` with one generator per distinct seed (see the module doc)."""
         requests = list(requests)
         for request in requests:
@@ -341,7 +343,7 @@ class EmbeddedEngine(InferenceEngine):
         if not requests:
             return []
         self._check_weights()
-        if self.core is not None and not any(r.multimodal_inputs for r in requests):
+        if self.core is not None:
             return await self.core.generate(requests)
         request_ids = [request.request_id for request in requests]
         self._in_flight_ids.update(request_ids)

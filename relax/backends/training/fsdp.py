@@ -57,8 +57,10 @@ from relax.backends.training.packing import (
     pack_sequences,
     pad_responses,
     pad_sequences,
+    padded_rows,
     plan_token_budget,
     response_mask,
+    to_device,
 )
 from relax.backends.training.varlen_attention import PACKING_KWARG, PackedAttention, use_packed_attention
 from relax.distributed.process_group import ensure_process_group, release_before_shutdown
@@ -88,7 +90,7 @@ class TrainSettings:
     freeze_vision_tower: bool = False
     freeze_audio_tower: bool = False
     sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
-    log_probs_chunk_size: int = 1024  # response tokens per LM-head chunk (0: full logits at once)
+    log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
@@ -146,6 +148,11 @@ def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tens
             hidden = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra,
                               **media).logits
     else:
+        if packing is not None and attention_mask is None:
+            # Masks given per layer type: the decoder builds none. Building one from packed positions reads a
+            # device value on the host (transformers' packed-sequence check), a synchronization per forward;
+            # the packed attention keeps the sequences apart itself.
+            attention_mask = dict.fromkeys(("full_attention", "sliding_attention"))
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
     return hidden.flatten(0, 1).index_select(0, predict_index)
 
@@ -343,27 +350,27 @@ class FSDPTrainBackend(TrainBackend):
             raise NotImplementedError("a critic on multimodal samples is not supported yet")
         if self.settings.sequence_packing:
             packed = pack_sequences(mb.tokens, mb.response_lengths)
-            position_ids = packed.position_ids.to(device)
+            position_ids = to_device(packed.position_ids, device)
             if raw_media is not None:  # multimodal rope: 3-D positions of each sequence, concatenated
                 input_ids, attention_mask, _, _ = pad_sequences(mb.tokens, mb.response_lengths,
                                                                 self.settings.pad_token_id)
-                mask = attention_mask.to(device)
-                positions = rope_positions(self.model.hf_model, input_ids.to(device), mask, raw_media)
+                mask = to_device(attention_mask, device)
+                positions = rope_positions(self.model.hf_model, to_device(input_ids, device), mask, raw_media)
                 if positions is not None:
                     position_ids = positions[:, mask.bool()].unsqueeze(1)
-            inputs = {"input_ids": packed.input_ids.to(device), "attention_mask": None, "position_ids": position_ids,
-                      "predict_index": packed.predict_index.to(device),
+            inputs = {"input_ids": to_device(packed.input_ids, device), "attention_mask": None,
+                      "position_ids": position_ids, "predict_index": to_device(packed.predict_index, device),
                       "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device)}
             targets = packed.targets
         else:
             input_ids, attention_mask, predict_index, targets = pad_sequences(mb.tokens, mb.response_lengths,
                                                                               self.settings.pad_token_id)
-            inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-                      "position_ids": None, "predict_index": predict_index.to(device)}
+            inputs = {"input_ids": to_device(input_ids, device), "attention_mask": to_device(attention_mask, device),
+                      "position_ids": None, "predict_index": to_device(predict_index, device)}
         if raw_media is not None:
             # float32 in; each family casts pixel values to its vision tower's dtype itself
             inputs["media"] = forward_inputs(self.model.hf_model, raw_media, inputs["input_ids"], device, torch.float32)
-        return inputs, targets.to(device)
+        return inputs, to_device(targets, device)
 
     def _autocast(self):
         """Models outside FSDP compute in ``compute_dtype`` through autocast (FSDP casts by itself)."""
@@ -385,7 +392,7 @@ class FSDPTrainBackend(TrainBackend):
             return PerTokenOutputs(pad_responses(values.float(), lengths), None, mask)
         ids = targets.unsqueeze(-1)
         if batch.gather_ids is not None:
-            ids = torch.cat([ids, torch.cat([g.long() for g in batch.gather_ids]).to(device)], dim=-1)
+            ids = torch.cat([ids, to_device(torch.cat([g.long() for g in batch.gather_ids]), device)], dim=-1)
         head = HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
                            entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype)
         with self._autocast():
@@ -481,16 +488,11 @@ class FSDPTrainBackend(TrainBackend):
 
     # ---- training ------------------------------------------------------------------------
     def _micro_batch_tensors(self, mb: TrainBatch, response_mask: torch.Tensor, num_samples: int, num_tokens: int):
-        device = self.settings.device
-        mask = torch.zeros_like(response_mask)
-        for row, loss_mask in enumerate(mb.loss_masks):
-            mask[row, : len(loss_mask)] = torch.tensor(loss_mask, dtype=mask.dtype, device=device)
-        fields = {}
-        for name, values in mb.fields.items():  # [T_i, ...] per sample -> [B, R, ...]
-            padded = response_mask.new_zeros((*response_mask.shape, *values[0].shape[1:]))
-            for row, value in enumerate(values):
-                padded[row, : value.shape[0]] = value.to(device=device, dtype=padded.dtype)
-            fields[name] = padded
+        """The loss mask and the per-token fields as ``[B, R, ...]``, padded on the host and copied once each."""
+        device, width = self.settings.device, response_mask.shape[1]
+        dtype = response_mask.dtype
+        mask = to_device(padded_rows(mb.loss_masks, width, dtype), device)
+        fields = {name: to_device(padded_rows(values, width, dtype), device) for name, values in mb.fields.items()}
         return MicroBatchTensors(mask=mask, fields=fields, global_num_samples=num_samples, global_num_tokens=num_tokens)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:

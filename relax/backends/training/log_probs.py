@@ -8,7 +8,9 @@ chunk's logits from the saved hidden states (one more head matmul, a few % of a 
 incoming gradients into the head's and the hidden states' gradients chunk by chunk.
 
 Numerics match the unchunked path: the head runs in the compute dtype (bf16 on GPU, as under autocast), the
-softmax and everything after it in float32. ``chunk_size=0`` keeps that unchunked path (full logits, plain
+softmax and everything after it in float32. On CUDA the float32 work on each chunk's logits is one pass of a
+Triton kernel each way (`triton_head`: log-sum-exp and entropy forward, the logit gradient backward) instead of
+several torch passes over the 152k-wide rows; top-k requests keep the torch path. ``chunk_size=0`` keeps that unchunked path (full logits, plain
 autograd) for comparison.
 """
 
@@ -60,6 +62,25 @@ def _full_logit_path(hidden, weight, ids, temperature, suppressed_ids, entropy, 
     return TokenLogProbs(log_probs, ent, top_log_probs, top_ids)
 
 
+def _fused_head_available(hidden: torch.Tensor) -> bool:
+    """Whether `triton_head`'s one-pass kernels can serve this head (CUDA with Triton)."""
+    if not hidden.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _raw_logits(hidden: torch.Tensor, weight: torch.Tensor, suppressed_ids: torch.Tensor | None) -> torch.Tensor:
+    """The head's logits in the compute dtype, suppressed ids masked (the fused kernels scale and upcast)."""
+    logits = hidden @ weight.T
+    if suppressed_ids is not None:
+        logits.index_fill_(-1, suppressed_ids, SUPPRESSED_LOGIT)
+    return logits
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k):
@@ -70,8 +91,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ent = hidden.new_empty(num_tokens, dtype=dtype) if entropy else None
         top_log_probs = hidden.new_empty((num_tokens, top_k), dtype=dtype)
         top_ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=hidden.device)
+        fused = not top_k and _fused_head_available(hidden)
+        ctx.fused = fused
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
+            if fused:
+                from relax.backends.training.triton_head import logsumexp_entropy
+
+                logits = _raw_logits(hidden[rows], weight, suppressed_ids)
+                log_norm[rows], chunk_entropy = logsumexp_entropy(logits, temperature)
+                log_probs[rows] = logits.gather(-1, ids[rows]).to(dtype) / temperature - log_norm[rows].unsqueeze(-1)
+                if entropy:
+                    ent[rows] = chunk_entropy
+                continue
             logits = _logits(hidden[rows], weight, temperature, suppressed_ids)
             log_norm[rows] = logits.logsumexp(dim=-1)
             log_probs[rows] = logits.gather(-1, ids[rows]) - log_norm[rows].unsqueeze(-1)
@@ -97,20 +129,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _logits(hidden[rows], weight, temperature, suppressed_ids)
-            probs = torch.exp(logits - log_norm[rows].unsqueeze(-1))
-            # d log p(c) / d logit_v = 1[v = c] - p_v, for each asked id c
-            grad_logits = probs * -grad_log_probs[rows].sum(dim=-1, keepdim=True)
-            grad_logits.scatter_add_(-1, ids[rows], grad_log_probs[rows])
-            if entropy_grad and grad_entropy is not None:
-                # d H / d logit_v = -p_v (log p_v + H)
-                log_probs = logits - log_norm[rows].unsqueeze(-1)
-                grad_logits -= grad_entropy[rows].unsqueeze(-1) * probs * (log_probs + ent[rows].unsqueeze(-1))
-            if suppressed_ids is not None:
-                grad_logits.index_fill_(-1, suppressed_ids, 0.0)
-            if temperature != 1.0:
-                grad_logits /= temperature
-            grad_logits = grad_logits.to(hidden.dtype)
+            with_entropy = entropy_grad and grad_entropy is not None
+            grad_logits = (_fused_grad_logits if ctx.fused else _grad_logits)(
+                hidden[rows], weight, ids[rows], log_norm[rows], grad_log_probs[rows],
+                ent[rows] if with_entropy else None, grad_entropy[rows] if with_entropy else None, temperature,
+                suppressed_ids)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -118,6 +141,34 @@ class _ChunkedLogProbs(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _fused_grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids):
+    """The chunk's logit gradient from `triton_head`'s one-pass kernel, in the compute dtype."""
+    from relax.backends.training.triton_head import grad_logits
+
+    logits = _raw_logits(hidden, weight, suppressed_ids)
+    result = grad_logits(logits, log_norm, ent, grad_log_probs, grad_entropy, ids, temperature)
+    if suppressed_ids is not None:
+        result.index_fill_(-1, suppressed_ids, 0.0)
+    return result
+
+
+def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids):
+    """The torch path of the chunk's logit gradient (CPU, and top-k requests), in the hidden states' dtype."""
+    logits = _logits(hidden, weight, temperature, suppressed_ids)
+    probs = torch.exp(logits - log_norm.unsqueeze(-1))
+    # d log p(c) / d logit_v = 1[v = c] - p_v, for each asked id c
+    grad = probs * -grad_log_probs.sum(dim=-1, keepdim=True)
+    grad.scatter_add_(-1, ids, grad_log_probs)
+    if grad_entropy is not None:
+        # d H / d logit_v = -p_v (log p_v + H)
+        grad -= grad_entropy.unsqueeze(-1) * probs * (logits - log_norm.unsqueeze(-1) + ent.unsqueeze(-1))
+    if suppressed_ids is not None:
+        grad.index_fill_(-1, suppressed_ids, 0.0)
+    if temperature != 1.0:
+        grad /= temperature
+    return grad.to(hidden.dtype)
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0,

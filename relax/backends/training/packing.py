@@ -78,23 +78,46 @@ def pack_sequences(tokens: Sequence[Sequence[int]], response_lengths: Sequence[i
     )
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned memory, so the copy
+    is queued behind the kernels in flight instead of draining them (a copy from pageable memory synchronizes
+    the stream: a micro-batch's dozens of small inputs would each leave the GPU idle while the host caught up)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _response_width(response_lengths: Sequence[int], at_least: int | None = None) -> int:
+    return max(at_least or 0, max(response_lengths, default=0), 1)
+
+
 def pad_responses(flat: torch.Tensor, response_lengths: Sequence[int], max_len: int | None = None) -> torch.Tensor:
     """Per-response-token values ``[M, ...]`` (samples in order) as ``[B, R, ...]``, zero-padded on the right:
-    the layout the loss functions take."""
-    lengths = torch.tensor(list(response_lengths), device=flat.device)
-    width = max(max_len or 0, int(lengths.max()) if len(lengths) else 0, 1)
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), lengths)
-    cols = torch.arange(flat.shape[0], device=flat.device) - torch.repeat_interleave(
-        torch.cumsum(lengths, 0) - lengths, lengths)
-    out = flat.new_zeros((len(lengths), width, *flat.shape[1:]))
-    return out.index_put((rows, cols), flat)
+    the layout the loss functions take. The indices are built on the host (no device synchronization)."""
+    lengths = torch.tensor(list(response_lengths), dtype=torch.long)
+    width = _response_width(response_lengths, max_len)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    flat_index = to_device(rows * width + cols, flat.device)
+    out = flat.new_zeros((len(lengths) * width, *flat.shape[1:]))
+    return out.index_copy(0, flat_index, flat).view(len(lengths), width, *flat.shape[1:])
 
 
 def response_mask(response_lengths: Sequence[int], device: torch.device, width: int | None = None) -> torch.Tensor:
     """``[B, R]`` float mask, 1 on real response tokens."""
-    lengths = torch.tensor(list(response_lengths), device=device)
-    width = max(width or 0, int(lengths.max()) if len(lengths) else 0, 1)
-    return (torch.arange(width, device=device) < lengths.unsqueeze(1)).float()
+    return to_device(padded_rows([[1.0] * n for n in response_lengths], _response_width(response_lengths, width)),
+                     device)
+
+
+def padded_rows(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Host rows (lists or ``[T_i, ...]`` tensors) as one right-zero-padded ``[B, width, ...]`` host tensor."""
+    values = [torch.as_tensor(row, dtype=dtype) for row in rows]
+    trailing = values[0].shape[1:] if values else ()
+    out = torch.zeros((len(values), width, *trailing), dtype=dtype)
+    for index, value in enumerate(values):
+        out[index, : value.shape[0]] = value
+    return out
 
 
 # ---- planning ------------------------------------------------------------------------------

@@ -14,12 +14,15 @@ never see each other, and no score is computed across them:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from relax.backends import flash_varlen
+from relax.backends.flash_varlen import causal_varlen_attention
+from relax.backends.training.packing import to_device
 
 IMPLEMENTATION = "relax_packed"
 PACKING_KWARG = "relax_packed"
@@ -36,20 +39,8 @@ class PackedAttention:
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device) -> PackedAttention:
-        return cls(cu_seqlens.to(device=device, dtype=torch.int32), int(max_seqlen), tuple(cu_seqlens.tolist()))
-
-
-@lru_cache(maxsize=1)
-def _flash_varlen():
-    """``(varlen_attn, extra keyword arguments)`` of this PyTorch, or None where it has none. The
-    signature changed between releases: 2.10 took ``is_causal``, later ones ``window_size``."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    parameters = inspect.signature(varlen_attn).parameters
-    extra = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
-    return varlen_attn, extra, "enable_gqa" in parameters
+        host = cu_seqlens.to(dtype=torch.int32)
+        return cls(to_device(host, device), int(max_seqlen), tuple(host.tolist()))
 
 
 def _half_dtype(value: torch.Tensor) -> torch.dtype | None:
@@ -61,15 +52,9 @@ def _half_dtype(value: torch.Tensor) -> torch.dtype | None:
 
 
 def _flash_attend(q, k, v, packing: PackedAttention, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    varlen_attn, extra, takes_gqa = _flash_varlen()
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if takes_gqa:
-        extra = {**extra, "enable_gqa": True}
-    elif k.shape[1] != q.shape[1]:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen, packing.max_seqlen,
-                       scale=scale, **extra)
+    return causal_varlen_attention(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen,
+                                   packing.max_seqlen, scale)
 
 
 def _per_sequence_attend(q, k, v, packing: PackedAttention, scale: float, dropout: float) -> torch.Tensor:
@@ -101,7 +86,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     dtype = _half_dtype(value)
-    if q.is_cuda and dtype is not None and _flash_varlen() is not None and not dropout:
+    if q.is_cuda and dtype is not None and flash_varlen.available() and not dropout:
         out = _flash_attend(q, k, v, packing, scale, dtype)
     else:
         out = _per_sequence_attend(q, k, v, packing, scale, dropout if module.training else 0.0)

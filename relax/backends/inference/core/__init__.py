@@ -6,6 +6,7 @@
   boundaries (continuous batching); preempts the youngest sequence when blocks run out;
 - `attention`: attention over the block pool (a Triton decode kernel on CUDA, torch on every device);
 - `decoder`: the forward of the supported text decoders over the Hugging Face model's own modules and weights;
+- `media`: a multimodal prompt's merged embeddings, 3D rope and block keys (Qwen-VL, Qwen2.5-Omni);
 - `sampler`: sampling on the device, with noise that depends on a request's seed and position only;
 - `model_runner`: the KV pool tensors, prefill over packed sequences, decode over block tables, CUDA graphs per
   batch-size bucket;

@@ -7,9 +7,11 @@ tokens' K/V into their slots (`write_kv`), then attends:
 - decode (one query per sequence): `decode_attention` reads each sequence's valid blocks only. On CUDA it is a
   Triton kernel (`relax.backends.inference.core.triton_attention`) that walks the block table, so it has fixed
   shapes and runs inside CUDA graphs; elsewhere the sequences' K/V are gathered and padded for SDPA.
-- prefill (packed prompts, no padding in the projections and MLP): `prefill_attention` attends each prompt's new
-  tokens to every earlier token of the sequence, the ones already in the pool (a shared prompt prefix) included;
-  the queries and K/V are gathered into a padded batch for SDPA with a causal, per-sequence mask.
+- prefill (packed prompts, no padding in the projections and MLP) attends each prompt's new tokens to every
+  earlier token of the sequence, the ones already in the pool (a shared prompt prefix) included. On CUDA in
+  bf16/fp16 the K/V of each sequence are gathered from the pool, packed, into FlashAttention-2's varlen kernel
+  (`relax.backends.flash_varlen`: no padding, no mask tensor, sum of L_i^2 work); elsewhere the queries and K/V
+  are gathered into a padded batch for SDPA with a causal, per-sequence mask.
 
 `StepMetadata` carries what every layer of a step needs, computed once per step.
 """
@@ -35,6 +37,8 @@ class StepMetadata:
     row in the packed tokens; ``T`` marks padding), ``key_slots [B, Lk]`` (pool slot of each key position) and
     ``mask [B, 1, Lq, Lk]`` (True: may attend), ``packed_rows [T]`` (flat index of each packed token in the
     padded ``[B * Lq]`` rows). For decode without Triton the same ``key_slots`` and ``mask`` are used.
+    Prefill on the varlen kernel instead: ``key_slots [sum of lengths]`` (every sequence's slots 0..end, packed),
+    ``cu_seqlens_q``/``cu_seqlens_k`` int32 and the longest query and key lengths.
     """
 
     is_prefill: bool
@@ -47,6 +51,10 @@ class StepMetadata:
     packed_rows: torch.Tensor | None = None
     use_triton: bool = False
     block_size: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_query: int = 0
+    max_key: int = 0
 
 
 def write_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
@@ -57,9 +65,11 @@ def write_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tens
 
 
 def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: list[int], ends: list[int],
-                     device: torch.device) -> StepMetadata:
+                     device: torch.device, varlen: bool = False) -> StepMetadata:
     """A prefill step over sequences whose tokens ``starts[i]..ends[i]`` are computed (``0..starts[i]`` are in
-    the pool already)."""
+    the pool already); ``varlen``: for the FlashAttention varlen kernel, else padded for SDPA."""
+    if varlen:
+        return _varlen_prefill_metadata(block_size, block_tables, starts, ends, device)
     query_lens = [end - start for start, end in zip(starts, ends)]
     total = sum(query_lens)
     longest_query, longest_key = max(query_lens), max(ends)
@@ -89,6 +99,25 @@ def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: lis
     )
 
 
+def _varlen_prefill_metadata(block_size: int, block_tables: list[list[int]], starts: list[int], ends: list[int],
+                             device: torch.device) -> StepMetadata:
+    key_slots, slot_mapping = [], []
+    for table, start, end in zip(block_tables, starts, ends):
+        positions = torch.arange(end)
+        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+        key_slots.append(slots)
+        slot_mapping.append(slots[start:end])
+    query_lens = torch.tensor(ends) - torch.tensor(starts)
+    zero = torch.zeros(1, dtype=torch.int32)
+    cu_q = torch.cat([zero, query_lens.cumsum(0).to(torch.int32)])
+    cu_k = torch.cat([zero, torch.tensor(ends).cumsum(0).to(torch.int32)])
+    return StepMetadata(
+        is_prefill=True, slot_mapping=torch.cat(slot_mapping).to(device), key_slots=torch.cat(key_slots).to(device),
+        cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device), max_query=int(query_lens.max()),
+        max_key=max(ends),
+    )
+
+
 def decode_metadata(block_size: int, block_tables: list[list[int]], context_lens: list[int], device: torch.device,
                     use_triton: bool, max_blocks: int | None = None) -> StepMetadata:
     """A decode step: sequence ``i`` holds ``context_lens[i]`` tokens, its newest at slot ``context_lens[i] - 1``."""
@@ -113,6 +142,12 @@ def attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor
            scale: float) -> torch.Tensor:
     """Attention of ``query [T, Hq, D]`` (the step's packed tokens) over the pool; ``[T, Hq * D]``."""
     if metadata.is_prefill:
+        if metadata.cu_seqlens_q is not None:
+            from relax.backends.flash_varlen import causal_varlen_attention
+
+            keys, values = key_pool[metadata.key_slots], value_pool[metadata.key_slots]
+            return causal_varlen_attention(query, keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
+                                           metadata.max_query, metadata.max_key, scale).flatten(1)
         return _padded_attention(query, key_pool, value_pool, metadata, scale)
     if metadata.use_triton:
         from relax.backends.inference.core.triton_attention import paged_decode_attention
@@ -124,7 +159,7 @@ def attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor
 
 def _padded_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                       metadata: StepMetadata, scale: float) -> torch.Tensor:
-    tokens, heads, dim = query.shape
+    _, heads, dim = query.shape
     if metadata.is_prefill:
         padded = torch.cat([query, query.new_zeros(1, heads, dim)])[metadata.query_rows]  # [B, Lq, Hq, D]
     else:

@@ -13,6 +13,9 @@ gets a random one. Requests of one call that carry the same seed get distinct st
 their order among those requests), so the samples of a GRPO group sharing a step seed differ, and the same call
 repeated gives the same samples.
 
+Media. A multimodal request's prompt is encoded when it arrives (`media.MediaEncoder`: the towers, the merge
+into the embeddings, the 3D rope), once per distinct prompt of a call, and then runs as any other sequence.
+
 Cost per step: one host synchronization (the sampled tokens and their log-probs, which the stop checks need),
 which on CUDA overlaps the next step: see `_run`.
 """
@@ -30,6 +33,7 @@ import torch
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds
 from relax.backends.inference.core.block_manager import BlockManager
+from relax.backends.inference.core.media import MediaEncoder, MediaPrompt
 from relax.backends.inference.core.model_runner import ModelRunner, StepOutput
 from relax.backends.inference.core.scheduler import Scheduler
 from relax.backends.inference.core.sequence import Sequence, SequenceStatus
@@ -44,8 +48,10 @@ def mix_seed(seed: int, occurrence: int) -> int:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, tokenizer,
-                 eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int]) -> None:
+                 eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int],
+                 media: MediaEncoder | None = None) -> None:
         self.runner = runner
+        self.media = media  # a multimodal model's encoder of media prompts
         self.blocks = blocks
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -68,6 +74,7 @@ class EngineCore:
             raise RuntimeError("the engine's KV pool is released (release_memory_occupation); resume it first")
         loop = asyncio.get_running_loop()
         occurrences: dict[int, int] = {}
+        encoded: dict[tuple, MediaPrompt] = {}  # a GRPO group's samples share their prompt's encoding
         sequences = []
         for request in requests:
             params = request.sampling_params
@@ -77,7 +84,9 @@ class EngineCore:
                 occurrence = occurrences.get(params.seed, 0)
                 occurrences[params.seed] = occurrence + 1
                 seed = mix_seed(params.seed % (2**63), occurrence)
-            sequences.append(self._new_sequence(request, seed, loop))
+            sequence = self._new_sequence(request, seed, loop)
+            sequence.media = self._encode_media(request, encoded)
+            sequences.append(sequence)
         for sequence in sequences:
             self.scheduler.add(sequence)  # too long for the pool: raises before anything is queued twice
         self._ensure_loop(loop)
@@ -220,6 +229,17 @@ class EngineCore:
                 sequence.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
 
     # ---- helpers -------------------------------------------------------------------------
+    def _encode_media(self, request: GenerationRequest, encoded: dict[tuple, MediaPrompt]) -> MediaPrompt | None:
+        inputs = request.multimodal_inputs
+        if not inputs:
+            return None
+        if self.media is None:
+            raise ValueError(f"request {request.request_id!r} has media, and this model takes none")
+        key = (id(inputs), tuple(request.input_ids))
+        if key not in encoded:
+            encoded[key] = self.media.encode(list(request.input_ids), inputs)
+        return encoded[key]
+
     def _new_sequence(self, request: GenerationRequest, seed: int, loop: asyncio.AbstractEventLoop) -> Sequence:
         params = request.sampling_params
         return Sequence(request=request, seed=seed, stop_token_ids=stop_token_ids(params, self.eos_token_ids),

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from relax.backends import flash_varlen
 from relax.backends.inference.core.attention import StepMetadata, decode_metadata, prefill_metadata
 from relax.backends.inference.core.block_manager import RESERVED_BLOCK
 from relax.backends.inference.core.decoder import TextDecoder
+from relax.backends.inference.core.media import merge_media
 from relax.backends.inference.core.sequence import Sequence
 from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 
@@ -74,6 +76,8 @@ class ModelRunner:
         self.device = device
         self.max_blocks_per_sequence = max_blocks_per_sequence
         self.use_triton = triton_available(device)
+        # Prefill attention on FlashAttention's varlen kernel where it runs (CUDA, half precision).
+        self.varlen_prefill = self.use_triton and dtype in (torch.float16, torch.bfloat16) and flash_varlen.available()
         self._kv_shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
         self._kv_dtype = dtype
         self._allocate_pool()
@@ -137,16 +141,33 @@ class ModelRunner:
         starts = [s.num_cached for s in computed]
         ends = [s.num_tokens for s in computed]
         tokens = [t for s, start in zip(computed, starts) for t in s.token_ids[start:]]
-        positions = [p for start, end in zip(starts, ends) for p in range(start, end)]
-        metadata = prefill_metadata(self.block_size, [s.block_table for s in computed], starts, ends, self.device)
+        positions = [p + s.rope_delta for s, start, end in zip(computed, starts, ends) for p in range(start, end)]
+        metadata = prefill_metadata(self.block_size, [s.block_table for s in computed], starts, ends, self.device,
+                                    varlen=self.varlen_prefill)
         self.prefill_tokens += len(tokens)
-        hidden = self.decoder.forward(self._to_device(tokens), self._to_device(positions), self.key_pools,
-                                      self.value_pools, metadata)
+        input_ids, positions = self._to_device(tokens), self._to_device(positions)
+        hidden = self.decoder.forward(input_ids, positions, self.key_pools, self.value_pools, metadata,
+                                      *self._media_inputs(input_ids, positions, computed, starts, ends))
         last = torch.tensor(ends, dtype=torch.long).sub(torch.tensor(starts)).cumsum(0) - 1
         row_of = {id(s): row for row, s in enumerate(computed)}
         rows = [row_of[id(s.prefill_twin_of or s)] for s in sequences]
         logits = self.decoder.logits(hidden[last[rows].to(self.device)])
         return self._finish(sequences, *self._sample(logits, sequences), version)
+
+    def _media_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, computed: list[Sequence],
+                      starts: list[int], ends: list[int]) -> tuple[torch.Tensor | None, tuple | None]:
+        """The packed embeddings and rope tables of a prefill with multimodal prompt tokens, else (None, None)."""
+        spans, offset = [], 0
+        for sequence, start, end in zip(computed, starts, ends):
+            if sequence.media is not None and start < sequence.media.length:
+                spans.append((offset, start, end, sequence.media))
+            offset += end - start
+        if not spans:
+            return None, None
+        decoder = self.decoder
+        embeds, cos, sin = decoder.embed_tokens(input_ids), decoder.cos[positions], decoder.sin[positions]
+        merge_media(embeds, cos, sin, spans)
+        return embeds, (cos, sin)
 
     @torch.inference_mode()
     def decode(self, sequences: list[Sequence], previous: StepOutput | None, version: int) -> StepOutput:
@@ -160,8 +181,9 @@ class ModelRunner:
             lens = [s.num_tokens for s in sequences]
             metadata = decode_metadata(self.block_size, [s.block_table for s in sequences], lens, self.device,
                                        self.use_triton)
-            hidden = self.decoder.forward(input_ids, self._to_device([n - 1 for n in lens]), self.key_pools,
-                                          self.value_pools, metadata)
+            positions = [n - 1 + s.rope_delta for n, s in zip(lens, sequences)]
+            hidden = self.decoder.forward(input_ids, self._to_device(positions), self.key_pools, self.value_pools,
+                                          metadata)
             return self._finish(sequences, *self._sample(self.decoder.logits(hidden), sequences), version)
         self._fill_graph_inputs(sequences, previous, bucket)
         self.graphs[bucket].replay()
@@ -251,7 +273,7 @@ class ModelRunner:
         last = lens - 1
         staging = self._staging[self._turn]  # the other buffer's copy may still be in flight
         staging[:batch, 0] = torch.tensor(host_tokens, dtype=torch.int64)
-        staging[:batch, 1] = last
+        staging[:batch, 1] = last + torch.tensor([s.rope_delta for s in sequences], dtype=torch.int64)
         staging[:batch, 2] = rows.gather(1, (last // self.block_size)[:, None]).squeeze(1) * self.block_size \
             + last % self.block_size
         staging[:batch, 3] = lens
@@ -273,6 +295,7 @@ class ModelRunner:
         buffers["positions"][:bucket].copy_(device[:bucket, 1])
         buffers["slots"][:bucket].copy_(device[:bucket, 2])
         buffers["lens"][:bucket].copy_(device[:bucket, 3])
+        buffers["counters"][:bucket].copy_(device[:bucket, 3])
         buffers["seeds"][:bucket].copy_(device[:bucket, 5])
         buffers["tables"][:bucket, :columns].copy_(device[:bucket, 6:6 + columns])
 
@@ -291,6 +314,7 @@ class ModelRunner:
             "tables": torch.zeros((largest, width), dtype=torch.int32, device=device),
             "temperature": torch.ones(largest, dtype=torch.float32, device=device),
             "seeds": torch.zeros(largest, dtype=torch.int64, device=device),
+            "counters": torch.ones(largest, dtype=torch.int64, device=device),
             "logits": torch.zeros((largest, self.decoder.lm_head.out_features), dtype=torch.float32, device=device),
             "tokens": torch.zeros(largest, dtype=torch.int64, device=device),
             "log_probs": torch.zeros(largest, dtype=torch.float32, device=device),
@@ -306,10 +330,10 @@ class ModelRunner:
                     hidden = self.decoder.forward(buffers["input_ids"][:size], buffers["positions"][:size],
                                                   self.key_pools, self.value_pools, metadata)
                     buffers["logits"][:size] = self.decoder.logits(hidden)
-                    # The token being sampled sits at position + 1: the key of its noise (as on the eager path).
+                    # The key of a token's noise is its index, the sequence's length (as on the eager path);
+                    # "positions" are rope positions, shifted for multimodal prompts.
                     sample_tokens(buffers["logits"][:size], buffers["temperature"][:size], buffers["seeds"][:size],
-                                  buffers["positions"][:size] + 1, buffers["tokens"][:size],
-                                  buffers["log_probs"][:size])
+                                  buffers["counters"][:size], buffers["tokens"][:size], buffers["log_probs"][:size])
 
                 step()  # compiles the kernels and settles the allocator before capture
                 torch.cuda.synchronize(device)

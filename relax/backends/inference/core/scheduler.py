@@ -89,8 +89,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_running:
             sequence = self.waiting[0]
-            prompt = sequence.token_ids
             share = sequence.num_outputs == 0  # a recomputed sequence's outputs are not a prompt to share
+            prompt = sequence.cache_tokens if share else sequence.token_ids
             leader = leaders.get(tuple(prompt)) if share else None
             if leader is not None:  # a sample of a prompt prefilled this step: its blocks and logits
                 if self.blocks.num_free < self.blocks.blocks_for(self.reserve_tokens):

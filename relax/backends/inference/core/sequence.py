@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from relax.backends.inference.base import FinishReason, GenerationRequest, SamplingParams
+from relax.backends.inference.core.media import MediaPrompt
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Sequence:
     # Tokens sampled on the device that the host has not read yet (0 or 1: the engine reads step t while the
     # device runs step t + 1); they count in `num_tokens`, not in `token_ids`.
     pending: int = 0
+    media: MediaPrompt | None = None  # a multimodal prompt's features, 3D rope and block keys
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -69,6 +71,18 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens so far, a sampled one the host has not read yet included."""
         return len(self.token_ids) + self.pending
+
+    @property
+    def rope_delta(self) -> int:
+        """A token at index i past the prompt sits at rope position i + rope_delta (0 for text)."""
+        return self.media.rope_delta if self.media is not None else 0
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens that key this sequence's blocks: its own, media placeholders replaced by the media's hash."""
+        if self.media is None:
+            return self.token_ids
+        return list(self.media.key_tokens) + self.token_ids[self.num_prompt_tokens:]
 
     def __len__(self) -> int:
         return len(self.token_ids)
