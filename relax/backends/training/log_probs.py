@@ -93,11 +93,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         top_ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=hidden.device)
         fused = not top_k and _fused_head_available(hidden)
         ctx.fused = fused
+        if fused:
+            from relax.backends.training.triton_head import logsumexp_entropy
         for start in range(0, num_tokens, chunk_size):
             rows = slice(start, start + chunk_size)
             if fused:
-                from relax.backends.training.triton_head import logsumexp_entropy
-
                 logits = _raw_logits(hidden[rows], weight, suppressed_ids)
                 log_norm[rows], chunk_entropy = logsumexp_entropy(logits, temperature)
                 log_probs[rows] = logits.gather(-1, ids[rows]).to(dtype) / temperature - log_norm[rows].unsqueeze(-1)

@@ -105,8 +105,9 @@ def pad_responses(flat: torch.Tensor, response_lengths: Sequence[int], max_len: 
 
 def response_mask(response_lengths: Sequence[int], device: torch.device, width: int | None = None) -> torch.Tensor:
     """``[B, R]`` float mask, 1 on real response tokens."""
-    return to_device(padded_rows([[1.0] * n for n in response_lengths], _response_width(response_lengths, width)),
-                     device)
+    lengths = torch.tensor(list(response_lengths), dtype=torch.long)
+    width = _response_width(response_lengths, width)
+    return to_device((torch.arange(width) < lengths.unsqueeze(1)).float(), device)
 
 
 def padded_rows(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int,

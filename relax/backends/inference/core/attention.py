@@ -64,6 +64,12 @@ def write_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tens
     value_pool.index_copy_(0, slots, values)
 
 
+def _sequence_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """The pool slots of a sequence's tokens ``0..length`` (host, int64)."""
+    positions = torch.arange(length)
+    return torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+
+
 def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: list[int], ends: list[int],
                      device: torch.device, varlen: bool = False) -> StepMetadata:
     """A prefill step over sequences whose tokens ``starts[i]..ends[i]`` are computed (``0..starts[i]`` are in
@@ -79,8 +85,7 @@ def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: lis
     slot_mapping, packed_rows = [], []
     offset = 0
     for row, (table, start, end) in enumerate(zip(block_tables, starts, ends)):
-        positions = torch.arange(end)
-        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+        slots = _sequence_slots(table, end, block_size)
         key_slots[row, :end] = slots
         slot_mapping.append(slots[start:end])
         length = end - start
@@ -101,12 +106,8 @@ def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: lis
 
 def _varlen_prefill_metadata(block_size: int, block_tables: list[list[int]], starts: list[int], ends: list[int],
                              device: torch.device) -> StepMetadata:
-    key_slots, slot_mapping = [], []
-    for table, start, end in zip(block_tables, starts, ends):
-        positions = torch.arange(end)
-        slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
-        key_slots.append(slots)
-        slot_mapping.append(slots[start:end])
+    key_slots = [_sequence_slots(table, end, block_size) for table, end in zip(block_tables, ends)]
+    slot_mapping = [slots[start:] for slots, start in zip(key_slots, starts)]
     query_lens = torch.tensor(ends) - torch.tensor(starts)
     zero = torch.zeros(1, dtype=torch.int32)
     cu_q = torch.cat([zero, query_lens.cumsum(0).to(torch.int32)])
