@@ -10,7 +10,8 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
 - ``packed``: packed micro-batches of at most ``--max-tokens-per-gpu`` tokens (``--use-dynamic-batch-size``),
   FlashAttention varlen, the LM head in chunks of 4096 tokens with one-pass Triton kernels over each chunk's
   logits, inputs staged through pinned memory (no host synchronization inside the micro-batch loop),
-  liger-kernel's RMSNorm/SwiGLU/RoPE, fused AdamW
+  liger-kernel's RMSNorm/SwiGLU/RoPE, fused AdamW, float32 weights cast to bf16 once per step and weight
+  gradients summed in float32 by the GEMMs (gradient-accumulation fusion, `relax/backends/training/master_weights.py`)
   (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast).
 
 For each: seconds per optimizer step (after a warm-up step), real (unpadded) tokens/s, model FLOP/s counted as
@@ -46,6 +47,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DATASHEET_TFLOPS = 989.0
 MEASURED_TFLOPS = 790.0
 SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "tiny": TINY}
+DEFAULT_BUDGET = {"0.6b": 32768, "4b": 8192, "tiny": 64}
 LOSS = build_policy_loss_fn(PolicyLossSettings(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.28,
                                                eps_clip_c=None, aggregation="token-mean"))
 
@@ -126,8 +128,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                          gradient_checkpointing=name == "4b" or args.checkpointing)
     variants = {
         "previous": dataclasses.replace(base, sequence_packing=False, log_probs_chunk_size=0, fused_optimizer=False,
-                                        fsdp_single_process=False, liger_kernel=False),
-        "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu, fused_optimizer=cuda,
+                                        fsdp_single_process=False, liger_kernel=False,
+                                        gradient_accumulation_fusion=False),
+        "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu or DEFAULT_BUDGET[name],
+                                      fused_optimizer=cuda,
                                       log_probs_chunk_size=args.log_probs_chunk_size,
                                       gradient_checkpointing=base.gradient_checkpointing and not args.no_checkpointing,
                                       liger_kernel=cuda and not args.no_liger, fsdp_single_process=args.fsdp),
@@ -144,6 +148,7 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "gradient_checkpointing": settings.gradient_checkpointing,
                                          "fused_optimizer": settings.fused_optimizer,
                                          "liger_kernel": settings.liger_kernel,
+                                         "gradient_accumulation_fusion": settings.gradient_accumulation_fusion,
                                          "bf16_parameters_fsdp": settings.fsdp_single_process and cuda},
                             **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile)}
         print(name, variant, json.dumps(results[variant]), flush=True)
@@ -165,7 +170,9 @@ def main() -> None:
     parser.add_argument("--min-response", type=int, default=32)
     parser.add_argument("--max-response", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=None, help="previous path (default 8; 4 for 4b)")
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="packed path's micro-batch budget")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                        help="packed path's micro-batch budget (default: 32768 for 0.6b, 8192 for 4b, whose float32 "
+                             "weights and AdamW state take 64 GiB)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on 0.6b too")
     parser.add_argument("--no-checkpointing", action="store_true", help="packed path without checkpointing on 4b")
     parser.add_argument("--variants", default="previous,packed", help="comma-separated: previous, packed")
@@ -181,7 +188,6 @@ def main() -> None:
     shapes = ["tiny"] if args.tiny else args.shapes.split(",")
     if args.tiny:
         args.samples, args.prompt_len, args.min_response, args.max_response = 16, 8, 2, 24
-        args.max_tokens_per_gpu = 64
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         per_shape = {name: bench_shape(name, args, Path(tmp)) for name in shapes}

@@ -173,10 +173,10 @@ def test_colocated_grpo_with_offload_on_cuda(tiny_workspace, tmp_path):
             assert key in row and row[key] >= 0, key
 
 
-def test_liger_kernels_and_bf16_parameters_agree_with_the_autocast_path(tiny_workspace):
-    """liger-kernel's RMSNorm, SwiGLU and RoPE, alone and with FSDP2's bf16 parameters at one process, against
-    the stock modules under autocast: the same log-probs, loss and gradient norm up to bf16 rounding; the
-    kernels go on the trainer's instances only."""
+def test_liger_kernels_fusion_and_bf16_parameters_agree_with_the_autocast_path(tiny_workspace):
+    """Gradient-accumulation fusion, liger-kernel's RMSNorm, SwiGLU and RoPE with it, and both with FSDP2's bf16
+    parameters at one process, against the stock modules under plain autocast: the same log-probs, loss and
+    gradient norm up to bf16 rounding; the kernels go on the trainer's instances only."""
     from dataclasses import replace
 
     from transformers.models.qwen3 import modeling_qwen3
@@ -189,12 +189,14 @@ def test_liger_kernels_and_bf16_parameters_agree_with_the_autocast_path(tiny_wor
     if liger_unavailable_reason(device):
         pytest.skip(liger_unavailable_reason(device))
     base = replace(make_backend(tiny_workspace / "model").settings, device=device, compute_dtype=torch.bfloat16,
-                   max_tokens_per_gpu=64, liger_kernel=False)
+                   max_tokens_per_gpu=64, liger_kernel=False, gradient_accumulation_fusion=False)
     results = {}
-    for name, settings in (("previous", base), ("liger", replace(base, liger_kernel=True)),
-                           ("fsdp-liger", replace(base, liger_kernel=True, fsdp_single_process=True))):
+    fused = replace(base, gradient_accumulation_fusion=True)
+    for name, settings in (("previous", base), ("fusion", fused), ("liger", replace(fused, liger_kernel=True)),
+                           ("fsdp-liger", replace(fused, liger_kernel=True, fsdp_single_process=True))):
         backend = FSDPTrainBackend(tiny_workspace / "model", settings)
         assert backend.fsdp == name.startswith("fsdp")
+        assert (backend._weight_casts is not None) == (name in ("fusion", "liger"))
         log_probs = backend.compute_log_probs(make_batch()).log_probs
         metrics = backend.train_step(make_batch(), LOSS)
         results[name] = (log_probs, metrics)
@@ -205,6 +207,23 @@ def test_liger_kernels_and_bf16_parameters_agree_with_the_autocast_path(tiny_wor
         assert metrics["loss"] == pytest.approx(previous["loss"], rel=2e-2, abs=2e-3), name
         assert metrics["grad_norm"] == pytest.approx(previous["grad_norm"], rel=5e-2), name
     assert modeling_qwen3.Qwen3RMSNorm.forward.__module__ == modeling_qwen3.__name__  # the classes are untouched
+
+
+def test_fused_gradient_accumulation_is_the_float32_sum_on_cuda():
+    """cuBLAS's bf16 GEMM with a float32 output added in place into ``.grad`` (`accumulate_grad`), first into
+    no gradient, then into the one there: the float32 sum of the products, as the CPU fallback computes it."""
+    from relax.backends.training.master_weights import accumulate_grad
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    param = torch.nn.Parameter(torch.zeros(384, 200, device=device))
+    pairs = [(torch.randn(384, 1000, device=device).bfloat16(), torch.randn(1000, 200, device=device).bfloat16())
+             for _ in range(3)]
+    for a, b in pairs:
+        accumulate_grad(param, a, b)
+    exact = sum(a.double() @ b.double() for a, b in pairs)
+    assert param.grad.dtype == torch.float32
+    torch.testing.assert_close(param.grad.double(), exact, atol=1e-3, rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature, entropy_grad, extra_ids", [(1.0, False, 0), (0.7, True, 2)])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,7 @@ from relax.backends.model_family import (
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
+from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.packing import (
     balanced_partition,
     pack_sequences,
@@ -101,6 +102,10 @@ class TrainSettings:
     # measured 0.83x the autocast path's tokens/s on the Qwen3-0.6B shape (FSDP's per-layer gathers and hooks
     # cost more than the casts they save), for 5 GiB less peak memory (benchmarks/results/train_gpu.json).
     fsdp_single_process: bool = False
+    # Outside FSDP in low precision: linears and the LM head cast their float32 weights once per step and sum
+    # their weight gradients in float32 inside the GEMM (`master_weights`), instead of autocast's per-micro-batch
+    # casts and bf16 gradients cast and added to .grad.
+    gradient_accumulation_fusion: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class HeadRequest:
     entropy_grad: bool
     top_k: int
     compute_dtype: torch.dtype
+    weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
 
 
 @contextmanager
@@ -174,7 +180,7 @@ class ResponseLogitsModel(nn.Module):
         return token_log_probs(
             hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
             suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
-            top_k=head.top_k, compute_dtype=head.compute_dtype,
+            top_k=head.top_k, compute_dtype=head.compute_dtype, weight_casts=head.weight_casts,
         )
 
 
@@ -260,6 +266,10 @@ class FSDPTrainBackend(TrainBackend):
                                      and settings.fsdp_single_process)
         if self.fsdp:
             _shard_model(self.model, settings.compute_dtype)
+        self._weight_casts: MasterWeightCasts | None = None
+        if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
+            self._weight_casts = MasterWeightCasts(settings.compute_dtype)
+            use_master_weight_linears(self.model, self._weight_casts)
         self.model.train(trainable)
         self.model.requires_grad_(trainable)
         if trainable:
@@ -381,6 +391,10 @@ class FSDPTrainBackend(TrainBackend):
         stack.enter_context(rope_scope(self._liger))
         return stack
 
+    def _cast_once(self):
+        """Each float32 weight cast to the compute dtype once inside (`MasterWeightCasts.scope`)."""
+        return self._weight_casts.scope() if self._weight_casts is not None else nullcontext()
+
     def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
         device = self.settings.device
         inputs, targets = self._model_inputs(batch)
@@ -394,7 +408,8 @@ class FSDPTrainBackend(TrainBackend):
         if batch.gather_ids is not None:
             ids = torch.cat([ids, to_device(torch.cat([g.long() for g in batch.gather_ids]), device)], dim=-1)
         head = HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
-                           entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype)
+                           entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype,
+                           self._weight_casts)
         with self._autocast():
             out = self.model(**inputs, head=head)
         gathered = pad_responses(out.log_probs[:, 1:], lengths) if batch.gather_ids is not None else None
@@ -453,10 +468,11 @@ class FSDPTrainBackend(TrainBackend):
         self.model.eval()
         budget = self.settings.log_probs_max_tokens_per_gpu or self.settings.max_tokens_per_gpu
         try:
-            for indices, mb in self._micro_batches(batch, budget, same_count_on_all_ranks=False):
-                outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
-                for row, (index, resp_len) in enumerate(zip(indices, mb.response_lengths)):
-                    yield index, row, resp_len, outputs
+            with self._cast_once():
+                for indices, mb in self._micro_batches(batch, budget, same_count_on_all_ranks=False):
+                    outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
+                    for row, (index, resp_len) in enumerate(zip(indices, mb.response_lengths)):
+                        yield index, row, resp_len, outputs
         finally:
             self.model.train(was_training)
 
@@ -502,7 +518,8 @@ class FSDPTrainBackend(TrainBackend):
         micro_batches = self._micro_batches(self._rank_share(batch), self.settings.max_tokens_per_gpu,
                                             same_count_on_all_ranks=True)
         self.optimizer.zero_grad(set_to_none=True)
-        with rope_scope(self._liger):  # a checkpointed layer recomputes in backward with the kernels it ran with
+        # rope_scope: a checkpointed layer recomputes in backward with the kernels it ran with
+        with rope_scope(self._liger), self._cast_once():
             totals = self._accumulate_gradients(batch, micro_batches, loss_fn, num_samples, num_tokens)
         grad_norm = self._clip_gradients()
         self.optimizer.step()

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from relax.backends.training.master_weights import MasterWeightCasts, accumulate_grad
+
 # Logit of tokens the engine never samples (media placeholders): finite, so that 0·logit stays 0 in the entropy.
 SUPPRESSED_LOGIT = -1e9
 
@@ -83,7 +85,8 @@ def _raw_logits(hidden: torch.Tensor, weight: torch.Tensor, suppressed_ids: torc
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k):
+    def forward(ctx, hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k,
+                master):
         num_tokens = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         log_probs = hidden.new_empty((num_tokens, ids.shape[1]), dtype=dtype)
@@ -114,6 +117,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 top_log_probs[rows] = top_logits - log_norm[rows].unsqueeze(-1)
         ctx.save_for_backward(hidden, weight, ids, log_norm, ent if entropy_grad else None, suppressed_ids)
         ctx.settings = (temperature, chunk_size, entropy_grad)
+        ctx.master = master  # a float32 parameter whose .grad takes the head's gradient directly, or None
         ctx.mark_non_differentiable(top_log_probs, top_ids)
         if entropy and not entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -123,6 +127,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy, _grad_top, _grad_top_ids):
         hidden, weight, ids, log_norm, ent, suppressed_ids = ctx.saved_tensors
         temperature, chunk_size, entropy_grad = ctx.settings
+        master = ctx.master if ctx.master is not None and ctx.needs_input_grad[9] else None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                   device=weight.device) \
@@ -138,9 +143,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ hidden[rows]
+            if master is not None:
+                accumulate_grad(master, grad_logits.T, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def _fused_grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids):
@@ -173,18 +180,23 @@ def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entrop
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0,
                     suppressed_ids: torch.Tensor | None = None, chunk_size: int = 1024, entropy: bool = True,
-                    entropy_grad: bool = False, top_k: int = 0,
-                    compute_dtype: torch.dtype | None = None) -> TokenLogProbs:
+                    entropy_grad: bool = False, top_k: int = 0, compute_dtype: torch.dtype | None = None,
+                    weight_casts: MasterWeightCasts | None = None) -> TokenLogProbs:
     """Log-probs of the LM head ``weight`` ``[V, H]`` applied to ``hidden`` ``[M, H]`` at ``ids``
     ``[M, K]`` (the next token, and any extra ids such as a teacher's top-k), with the entropy ``[M]``
     (differentiable only with ``entropy_grad``) and optionally the ``top_k`` most likely tokens.
 
-    The head runs in ``compute_dtype`` (default: the hidden states' dtype)."""
+    The head runs in ``compute_dtype`` (default: the hidden states' dtype). With ``weight_casts`` (the chunked
+    path), a float32 master ``weight`` is cast through them and its gradient is summed into ``weight.grad`` in
+    float32 chunk by chunk (`master_weights.accumulate_grad`) instead of flowing back through a cast."""
     dtype = compute_dtype or hidden.dtype
+    master = None
+    if weight_casts is not None and chunk_size > 0 and weight.dtype != dtype:
+        master, weight = weight, weight_casts.cast(weight)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         if chunk_size <= 0:
             return _full_logit_path(hidden, weight, ids, temperature, suppressed_ids, entropy, entropy_grad, top_k)
         log_probs, ent, top_log_probs, top_ids = _ChunkedLogProbs.apply(
-            hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k)
+            hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k, master)
     return TokenLogProbs(log_probs, ent, top_log_probs if top_k else None, top_ids if top_k else None)

@@ -1,0 +1,116 @@
+"""Low-precision compute from float32 master weights: one cast per step, weight gradients summed in float32 by
+the GEMM itself (gradient-accumulation fusion, as Megatron-LM's ``--gradient-accumulation-fusion``).
+
+The trainer keeps float32 parameters (AdamW's master weights) and computes in bf16. Under plain autocast every
+``nn.Linear`` casts its weight in every forward, i.e. once per micro-batch, and its backward makes a bf16 weight
+gradient that autograd casts to float32 and adds to ``.grad``: four passes over every parameter per micro-batch
+besides the GEMMs. On the H200 profile of the Qwen3-4B shape (26 micro-batches of 8k tokens) those casts and adds
+were 20% of the step's kernel time (``benchmarks/train_gpu.py --profile``). Here:
+
+- `MasterWeightCasts` casts each weight once per scope (a train step, a no-grad pass: the weights do not change
+  inside either) and hands the same bf16 copy to every micro-batch;
+- `accumulate_grad` adds ``a @ b`` into the float32 ``.grad`` in one cuBLAS call (bf16 inputs, float32 output
+  and accumulation, beta = 1), so no bf16 gradient is ever rounded: the sum is more exact than autocast's;
+- `use_master_weight_linears` puts that forward and backward on a model's ``nn.Linear`` instances; the chunked
+  LM head (`log_probs.token_log_probs`) takes the same casts and gradient path for the (often tied) head weight.
+
+CUDA only (cuBLAS's mixed-dtype GEMM); elsewhere `accumulate_grad` computes the same sum in float32 by hand, which
+is what the CPU tests compare against autocast's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MasterWeightCasts:
+    """Low-precision copies of float32 parameters: cached inside `scope`, made per call outside it."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._cache: dict[int, torch.Tensor] | None = None  # by id: the parameters outlive any scope
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Cast each weight once until the scope ends; the weights must not change inside it."""
+        if self._cache is not None:  # nested: the outer scope owns the cache
+            yield
+            return
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
+
+    def cast(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == self.dtype:
+            return weight.detach()
+        if self._cache is None:
+            return weight.detach().to(self.dtype)
+        low = self._cache.get(id(weight))
+        if low is None:
+            low = self._cache[id(weight)] = weight.detach().to(self.dtype)
+        return low
+
+
+def accumulate_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``param.grad += a @ b``, in float32, with ``a`` and ``b`` in the compute dtype."""
+    if not param.requires_grad:
+        return
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        if param.grad is None:
+            param.grad = torch.mm(a, b, out_dtype=param.dtype)
+        else:
+            torch.addmm(param.grad, a, b, out_dtype=param.dtype, out=param.grad)
+        return
+    product = a.to(param.dtype) @ b.to(param.dtype)
+    if param.grad is None:
+        param.grad = product
+    else:
+        param.grad.add_(product)
+
+
+class _MasterWeightLinear(torch.autograd.Function):
+    """``x @ low_weight.T``; the backward writes the weight gradient into ``weight.grad`` (float32) itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, low_weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, low_weight)
+        ctx.master = weight  # a leaf parameter: kept for its .grad, not saved as an activation
+        return F.linear(x, low_weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, low_weight = ctx.saved_tensors
+        grad_x = grad_out @ low_weight if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            accumulate_grad(ctx.master, grad_out.reshape(-1, grad_out.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+        return grad_x, None, None
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    casts: MasterWeightCasts = self.relax_master_weight_casts
+    x = x.to(casts.dtype)
+    low_weight = casts.cast(self.weight)
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        out = _MasterWeightLinear.apply(x, self.weight, low_weight)
+    else:
+        out = F.linear(x, low_weight)
+    return out if self.bias is None else out + self.bias.to(casts.dtype)  # autograd's cast: the bias learns
+
+
+def use_master_weight_linears(model: nn.Module, casts: MasterWeightCasts) -> int:
+    """Route every float32 ``nn.Linear`` of ``model`` through `casts` and `accumulate_grad` (these instances
+    only; Hugging Face's class keeps its forward). Returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+            module.relax_master_weight_casts = casts
+            module.forward = types.MethodType(_linear_forward, module)
+            count += 1
+    return count
