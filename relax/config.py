@@ -680,6 +680,16 @@ class RelaxConfig(BaseModel):
         "that has run this long, in the log and to --notify-urls, and again at every further multiple; none: never.",
         "run", gt=0,
     )
+    use_health_check: bool = _field(
+        False, "Watch the run's processes: roles in Ray processes send heartbeats, TransferQueue's actors are probed, "
+        "and the state is kept in <output-dir>/health.json (`relax health`, --use-metrics-service). A role that is "
+        "dead or sends no heartbeat for --heartbeat-timeout-s ends the run naming it, so --max-global-restart "
+        "restarts it (upstream's HealthManager; docs/fault_tolerance.md).", "run",
+    )
+    heartbeat_timeout_s: float = _field(
+        120.0, "Seconds without a heartbeat after which a role counts as hung (--use-health-check; upstream's "
+        "HEARTBEAT_TIMEOUT).", "run", gt=0,
+    )
     timeline_dump_dir: str | None = _field(
         None, "Write each step's phases as a Chrome trace (timeline.json, for Perfetto or chrome://tracing) here.",
         "run",
@@ -828,6 +838,8 @@ class RelaxConfig(BaseModel):
                 f"{flag('n_samples_per_prompt')} ({samples_per_step})"
             )
         self._check_dynamic_batch_size()
+        if self.changed("heartbeat_timeout_s") and not self.use_health_check:
+            raise ValueError(f"{flag('heartbeat_timeout_s')} needs {flag('use_health_check')}")
         if self.changed("metrics_service_port") and not self.use_metrics_service:
             raise ValueError(f"{flag('metrics_service_port')} needs {flag('use_metrics_service')}")
         if not self.use_dynamic_batch_size and self.train_batch_size % self.micro_batch_size:

@@ -1,10 +1,11 @@
-"""`relax` command: train, eval, export, serve, scale, config-docs."""
+"""`relax` command: train, eval, export, serve, scale, health, config-docs."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import difflib
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ commands:
   export       turn a checkpoint into a Hugging Face model folder
   serve        serve a model over HTTP (SGLang native and OpenAI protocols)
   scale        add or remove rollout engines of a running training (its --rollout-api-port)
+  health       show a run's health state: each role's heartbeat and errors (--use-health-check)
   config-docs  print the configuration reference (docs/config.md)
 """
 
@@ -111,6 +113,17 @@ def start_metrics_service(cfg, roles):
                           f"127.0.0.1 ({err.strerror or err})") from None
 
 
+def start_health_monitor(cfg, run_dir: Path, service, controller, notifier):
+    """--use-health-check: heartbeats of the Ray roles, TransferQueue's actors, the controller's phase."""
+    from relax.cli.supervisor import RESTARTS_ENV
+    from relax.core.health import HealthMonitor
+
+    roles = list(service.workers) if service is not None else []
+    actors = service.transfer_queue_actors() if service is not None else {}
+    return HealthMonitor(run_dir, roles, cfg.heartbeat_timeout_s, actors=actors, phase_of=controller.phases.current,
+                         notifier=notifier, restarts=int(os.environ.get(RESTARTS_ENV, "0"))).start()
+
+
 def build_notifier(cfg) -> Notifier:
     secrets = [getattr(cfg, name) for name in cfg.secret_fields() if isinstance(getattr(cfg, name), str)]
     return Notifier(split_urls(cfg.notify_urls), secrets, run_name=Path(cfg.output_dir).name)
@@ -139,16 +152,25 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
     if primary:
         print(f"resolved config ({run_dir / 'config.yaml'}):\n{config_text}", file=sys.stderr)
     notifier.started(str(run_dir), roles.total_steps, resumed=bool(cfg.load))
+    monitor = None
     try:
+        metrics_service = start_metrics_service(cfg, roles) if primary else None
         tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                           wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0],
-                          metrics_service=start_metrics_service(cfg, roles)) if primary else NullTracker()
+                          metrics_service=metrics_service) if primary else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)
             controller.phases.notifier = notifier  # stall reports reach --notify-urls too
+            if cfg.use_health_check and primary:
+                monitor = start_health_monitor(cfg, run_dir, service, controller, notifier)
+                if metrics_service is not None:
+                    metrics_service.role_health = monitor.snapshot
             with controller.graceful_stop.installed():
-                last = asyncio.run(_run_with_scaling_api(controller, cfg, roles))
+                training = _run_with_scaling_api(controller, cfg, roles)
+                last = asyncio.run(monitor.guard(training) if monitor is not None else training)
     finally:
+        if monitor is not None:
+            monitor.stop()
         if service is not None:
             service.shutdown()
     stop = controller.graceful_stop
@@ -339,8 +361,26 @@ def cmd_scale(argv: list[str]) -> int:
     return scale_main(argv)
 
 
+def cmd_health(argv: list[str]) -> int:
+    from relax.config import ConfigError
+    from relax.core.health import STATE_FILE, format_state, read_state
+
+    parser = argparse.ArgumentParser(prog="relax health", description="Show the health state of a run "
+                                     f"(<run dir>/{STATE_FILE}, written every second under --use-health-check).")
+    parser.add_argument("run_dir", type=Path, help="the run's --output-dir")
+    parser.add_argument("--json", action="store_true", help=f"print {STATE_FILE} as it is")
+    args = parser.parse_args(argv)
+    state = read_state(args.run_dir)
+    if state is None:
+        raise ConfigError(f"{args.run_dir / STATE_FILE}: no health state (was the run started with "
+                          "--use-health-check?)")
+    print(json.dumps(state, indent=2) if args.json else format_state(state))
+    healthy = all(role.get("healthy", True) for role in state.get("roles", {}).values()) and not state.get("fatal")
+    return 0 if healthy else 1
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve, "scale": cmd_scale,
-            "config-docs": cmd_config_docs}
+            "health": cmd_health, "config-docs": cmd_config_docs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,8 +412,25 @@ def _run_command(command: str, argv: list[str]) -> int:
         print(f"relax {command}: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        fault = _run_fault(err)
+        if fault is not None:  # a process died or hung: its name says it all, and a restart may recover
+            _log_to_run_file(f"relax {command}: failed: {fault}")
+            print(f"relax {command}: failed: {fault}", file=sys.stderr)
+            return 1
         _log_to_run_file(f"relax {command}: failed: {_cause_first(err)}", exc_info=err)
         raise
+
+
+def _run_fault(err: BaseException | None):
+    """The `RunFault` in ``err``'s chain of causes, or None."""
+    from relax.utils.errors import RunFault
+
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, RunFault):
+            return err
+        err, seen = err.__cause__, seen + 1
+    return None
 
 
 def _cause_first(err: BaseException) -> str:

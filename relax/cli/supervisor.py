@@ -8,6 +8,10 @@ a crash) is started again, at most N times, resuming from the newest intact chec
 after the checkpoint's step and re-trains the steps after it, so the metrics equal an uninterrupted run's: no step
 trained twice into the record, none skipped.
 
+With ``--use-health-check`` the parent also watches the child's ``health.json``, which its health monitor rewrites
+every second: once the child has written it, a state older than ``--heartbeat-timeout-s`` means the whole process
+is stopped (SIGSTOP) or wedged, and the parent kills its process group and restarts it like a dead one.
+
 SIGTERM and SIGINT sent to the parent go to the child (which stops after its step with a checkpoint), so a
 scheduler's stop works as without supervision. Each restart is logged to ``run.log`` and notified
 (``--notify-urls``).
@@ -90,7 +94,7 @@ def supervise(argv: list[str], cfg, notifier) -> int:
             # `forward` (a second signal would make it stop at once, without its checkpoint)
             child = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args],
                                      env={**env, RESTARTS_ENV: str(restart)}, process_group=0)
-            code = child.wait()
+            code = _wait_or_hang(child, cfg)
             if code in NOT_RESTARTABLE or stop_signal or restart == cfg.max_global_restart:
                 if code not in NOT_RESTARTABLE and not stop_signal:
                     _note(cfg, f"the run died ({_describe(code)}) and --max-global-restart "
@@ -104,6 +108,31 @@ def supervise(argv: list[str], cfg, notifier) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _wait_or_hang(child: subprocess.Popen, cfg) -> int:
+    """The child's exit code; under --use-health-check a child whose health state went stale is killed first."""
+    if not cfg.use_health_check:
+        return child.wait()
+    from relax.core.health import read_state
+
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        state = read_state(cfg.output_dir)
+        if state is None or state.get("pid") != child.pid or state.get("fatal"):
+            continue  # not written by this child yet (start-up), or it is ending itself after a fault
+        silent = time.time() - state["time"]
+        if silent > cfg.heartbeat_timeout_s:
+            _note(cfg, f"the run's process (pid {child.pid}) has written no health state for {silent:.0f} s "
+                       f"(--heartbeat-timeout-s {cfg.heartbeat_timeout_s:g}): stopped or hung; killing it")
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return child.wait()
 
 
 def _note(cfg, message: str) -> None:

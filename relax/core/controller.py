@@ -24,6 +24,7 @@ from relax.core.phases import PhaseClock
 from relax.data.sample import Sample
 from relax.distributed.process_group import barrier, rank
 from relax.distributed.weight_sync import sync_weights_in_process
+from relax.utils.errors import RunFault
 from relax.utils.plots import plot_run
 from relax.utils.tracking import Tracker
 
@@ -232,6 +233,10 @@ class SyncController:
                 checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
                 checkpoint.save_trainer_state(staging, self.trainer_state(step))
                 checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
+        except RunFault:  # a role's process died mid-save: not a checkpoint problem, and a restart can recover
+            if rank() == 0:
+                checkpoint.abandon_save(root, step)
+            raise
         except checkpoint.IO_ERRORS as err:
             if rank() == 0:
                 checkpoint.abandon_save(root, step)

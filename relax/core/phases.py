@@ -73,6 +73,14 @@ class PhaseClock:
         with self._lock, self.timeline_path.open("a") as handle:
             handle.write(json.dumps(event) + ",\n")
 
+    def current(self) -> dict:
+        """The outermost phase running now: ``{"step", "phase", "since"}`` (wall time), or ``{}`` between phases."""
+        with self._lock:
+            running = self._running[0] if self._running else None
+        if running is None:
+            return {}
+        return {"step": running.step, "phase": running.name, "since": running.wall_started}
+
     # ---- stall reports -------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.stall_warning_s is None or self._watchdog is not None:

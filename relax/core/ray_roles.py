@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from relax.utils.errors import RunFault
+
 logger = logging.getLogger("relax")
 
 CALL_TIMEOUT_S = 600.0  # a synchronous proxy call (save, load) waits at most this long
@@ -37,6 +39,11 @@ class RoleWorker:
 
         self.name = name
         self.cfg = cfg
+        self._heartbeat = None
+        if cfg.use_health_check:  # beats from a thread: a long training step still beats, a stopped process not
+            from relax.core.health import HEARTBEAT_DIR, Heartbeat
+
+            self._heartbeat = Heartbeat(Path(cfg.output_dir) / HEARTBEAT_DIR, name).start()
         device = build.resolve_device(cfg)
         if device.type == "cpu":
             torch.set_num_threads(1)  # roles share the machine's cores; one thread each
@@ -173,6 +180,8 @@ class RoleWorker:
                 for bucket in self.role.weight_buckets(dtype_from_name(dtype), 1 << 30) for name, tensor in bucket}
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if self._sync_group is not None:
             self._sync_group.close()
             self._sync_group = None
@@ -181,25 +190,45 @@ class RoleWorker:
 # ----------------------------------------------------------------------------- proxies
 
 
-def _wait(ref: Any) -> Any:
-    import ray
-
-    return ray.get(ref, timeout=CALL_TIMEOUT_S)
+class RoleDiedError(RunFault):
+    """A role's Ray process died (killed, out of memory, a crash); the message names the role."""
 
 
 class RemoteRole:
+    """What every proxy shares: calls that name the role when its process is gone, instead of Ray's bare
+    ``ActorDiedError``."""
+
     def __init__(self, name: str, handle: Any) -> None:
         self.name = name
         self.handle = handle
 
+    def _died(self, err: Exception) -> RoleDiedError:
+        return RoleDiedError(f"the {self.name} role's Ray process died: {str(err).splitlines()[0]}")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except ray.exceptions.RayActorError as err:
+            raise self._died(err) from err
+
+    def _wait(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as err:
+            raise self._died(err) from err
+
     async def health(self) -> dict:
-        return await self.handle.health.remote()
+        return await self._call("health")
 
     def save(self, directory: Path, include_optimizer: bool = True) -> None:
-        _wait(self.handle.save.remote(str(directory), include_optimizer))
+        self._wait("save", str(directory), include_optimizer)
 
     def load(self, directory: Path) -> None:
-        _wait(self.handle.load.remote(str(directory)))
+        self._wait("load", str(directory))
 
 
 class RemoteActor(RemoteRole):
@@ -214,16 +243,16 @@ class RemoteActor(RemoteRole):
         return num_samples > self.train_batch_size
 
     async def compute_log_probs(self, samples, gather_ids=None):
-        return await self.handle.compute_log_probs.remote(samples, gather_ids)
+        return await self._call("compute_log_probs", samples, gather_ids)
 
     async def train(self, samples, fields, gather_ids=None) -> dict[str, float]:
-        return await self.handle.train.remote(samples, fields, gather_ids)
+        return await self._call("train", samples, fields, gather_ids)
 
     @property
     def backend(self) -> SimpleNamespace:
         """What the controller reads of the backend: the model config (for checkpoint metadata)."""
         if self._hf_config is None:
-            self._hf_config = _wait(self.handle.hf_config.remote())
+            self._hf_config = self._wait("hf_config")
         return SimpleNamespace(hf_config=self._hf_config)
 
 
@@ -234,7 +263,7 @@ class RemoteReference(RemoteRole):
         super().__init__("reference", handle)
 
     async def compute_log_probs(self, samples):
-        return await self.handle.compute_log_probs.remote(samples)
+        return await self._call("compute_log_probs", samples)
 
 
 class RemoteCritic(RemoteRole):
@@ -244,23 +273,23 @@ class RemoteCritic(RemoteRole):
         super().__init__("critic", handle)
 
     async def compute_values(self, samples):
-        return await self.handle.compute_values.remote(samples)
+        return await self._call("compute_values", samples)
 
     async def train(self, samples, returns, old_values) -> dict[str, float]:
-        return await self.handle.train.remote(samples, returns, old_values)
+        return await self._call("train", samples, returns, old_values)
 
 
 class RemoteDataSource:
     """The rollout's prompt cursor, read and set through the rollout worker."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, rollout: RemoteRole) -> None:
+        self.rollout = rollout
 
     def state_dict(self) -> dict:
-        return _wait(self.handle.data_source_state.remote())
+        return self.rollout._wait("data_source_state")
 
     def load_state_dict(self, state: dict) -> None:
-        _wait(self.handle.load_data_source_state.remote(state))
+        self.rollout._wait("load_data_source_state", state)
 
 
 class RemoteRollout(RemoteRole):
@@ -270,13 +299,13 @@ class RemoteRollout(RemoteRole):
     def __init__(self, handle: Any, eval_sets: dict[str, int]) -> None:
         super().__init__("rollout", handle)
         self.eval_sets = eval_sets
-        self.data_source = RemoteDataSource(handle)
+        self.data_source = RemoteDataSource(self)
 
     async def generate(self, rollout_id: int):
-        return await self.handle.generate.remote(rollout_id)
+        return await self._call("generate", rollout_id)
 
     async def evaluate(self, step: int):
-        return await self.handle.evaluate.remote(step)
+        return await self._call("evaluate", step)
 
     async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
-        return await self.handle.generate_into_plane.remote(rollout_id)
+        return await self._call("generate_into_plane", rollout_id)

@@ -29,7 +29,7 @@ import torch
 
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.build import Roles, build_advantages, build_context, needs_reference
-from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleWorker
+from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleDiedError, RoleWorker
 from relax.core.registry import PLACEABLE_ROLES, roles_for_config
 from relax.distributed.process_group import free_loopback_port
 
@@ -191,12 +191,14 @@ class RayService:
         dtype = str(self.sync_dtype).removeprefix("torch.")
         root = str(self.weight_root) if transport == "disk" else None
         actor, rollout = self.workers["actor"], self.workers["rollout"]
-        publish = actor.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
+        publish = _named("actor", actor.publish_weights.remote(version, transport, dtype,
+                                                               self.cfg.update_weight_buffer_size, root))
         if transport == "broadcast":
-            sent, received = await asyncio.gather(publish, rollout.receive_weights.remote(version, transport))
+            sent, received = await asyncio.gather(
+                publish, _named("rollout", rollout.receive_weights.remote(version, transport)))
         else:  # the receiver reads a version only once its manifest is committed
             sent = await publish
-            received = await rollout.receive_weights.remote(version, transport, root)
+            received = await _named("rollout", rollout.receive_weights.remote(version, transport, root))
         metrics = {**sent, **received}
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
         return metrics
@@ -210,6 +212,19 @@ class RayService:
 
     def health(self) -> dict[str, dict]:
         return {name: self._wait(worker.health.remote()) for name, worker in self.workers.items()}
+
+    def transfer_queue_actors(self) -> dict[str, object]:
+        """TransferQueue's controller and storage-unit actors by name (for `relax.core.health.HealthMonitor`)."""
+        if not self.started_transfer_queue:
+            return {}
+        import ray
+
+        from relax.data_plane.tq_plane import CONTROLLER_NAME, CONTROLLER_NAMESPACE, storage_unit_names
+
+        actors = {"TransferQueue controller": ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)}
+        for name in storage_unit_names():
+            actors[f"TransferQueue storage unit {name}"] = ray.get_actor(name)
+        return actors
 
     @staticmethod
     def _wait(ref: Any, timeout: float = START_TIMEOUT_S) -> Any:
@@ -247,6 +262,16 @@ class RayService:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+async def _named(role: str, ref):
+    """Await a role worker's call; its process's death names the role (`RoleDiedError`)."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as err:
+        raise RoleDiedError(f"the {role} role's Ray process died: {str(err).splitlines()[0]}") from err
 
 
 def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:

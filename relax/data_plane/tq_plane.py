@@ -9,12 +9,19 @@ the reader polls for complete groups instead of blocking inside the controller (
 The end of a step is a marker row carrying the number of groups written, so a reader in another
 process knows when the partition is drained. The accounting of an object covers what that object
 wrote and read; a reader in another process learns the produced count from the marker.
+
+Every call is bounded by the liveness of TransferQueue's actors. A put or get talks to a storage unit over ZMQ,
+and a dead or stopped unit never answers: TransferQueue itself waits 200 s per attempt, three attempts, and a
+reader polling an empty partition waits for ``--data-wait-timeout``. So while a call runs, and between polls,
+`TransferQueueLiveness` asks Ray every `LIVENESS_INTERVAL_S` whether the controller and the storage units answer;
+a dead one ends the call at once with `DataPlaneError` naming it, one silent for `UNANSWERED_LIMIT_S` likewise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from typing import Any
 
@@ -22,8 +29,54 @@ from relax.data.sample import Sample
 from relax.data_plane.base import DataPlane, Group, partition_id
 from relax.data_plane.staleness import StalenessGate
 from relax.data_plane.tq_codec import COLUMNS, decode_rows, encode_rows, record_to_sample
+from relax.utils.errors import RunFault
 
 END_MARKER = "end_of_step"
+CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
+LIVENESS_INTERVAL_S = 2.0
+UNANSWERED_LIMIT_S = 30.0
+PING_TIMEOUT_S = 5.0
+
+
+class DataPlaneError(RunFault):
+    """TransferQueue cannot serve: one of its actors died or stopped answering (the message names it)."""
+
+
+class TransferQueueLiveness:
+    """Whether TransferQueue's controller and storage-unit actors answer Ray, from any process of the job."""
+
+    def __init__(self, storage_units: list[str]) -> None:
+        import ray
+
+        self.handles = {f"TransferQueue controller ({CONTROLLER_NAME})":
+                        ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)}
+        for name in storage_units:
+            try:
+                self.handles[f"TransferQueue storage unit {name}"] = ray.get_actor(name)
+            except ValueError:  # named in another namespace (started by another job): not watched
+                continue
+        self._answered = dict.fromkeys(self.handles, time.monotonic())
+        self._checked = 0.0
+
+    async def failure(self, force: bool = False) -> str | None:
+        """Why TransferQueue cannot serve, or None; probes at most every `LIVENESS_INTERVAL_S` unless forced."""
+        import ray
+
+        now = time.monotonic()
+        if not force and now - self._checked < LIVENESS_INTERVAL_S:
+            return None
+        self._checked = now
+        for name, handle in self.handles.items():
+            try:
+                await asyncio.wait_for(handle.__ray_ready__.remote(), PING_TIMEOUT_S)
+                self._answered[name] = time.monotonic()
+            except TimeoutError:
+                silent = time.monotonic() - self._answered[name]
+                if silent > UNANSWERED_LIMIT_S:
+                    return f"{name} has not answered for {silent:.0f} s (stopped or hung)"
+            except ray.exceptions.RayActorError as err:
+                return f"{name} died ({str(err).splitlines()[0]})"
+        return None
 
 
 def _set_local_ray_environment() -> None:
@@ -94,6 +147,16 @@ def attach_transfer_queue_client() -> Any:
     return tq.get_client()
 
 
+def storage_unit_names() -> list[str]:
+    """The names of the running TransferQueue's storage-unit actors."""
+    import ray
+
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    conf = ray.get(controller.get_config.remote())
+    backend = conf.backend[conf.backend.storage_backend]
+    return list((backend.get("zmq_info") or {}).keys())
+
+
 class TransferQueueDataPlane(DataPlane):
     """Partitions ``train_{step}`` in TransferQueue; one row per sample, columns from `tq_codec`.
 
@@ -105,19 +168,43 @@ class TransferQueueDataPlane(DataPlane):
                  poll_interval_s: float = 0.05, client: Any = None):
         super().__init__(gate)
         self._client = client if client is not None else attach_transfer_queue_client()
+        self._liveness = TransferQueueLiveness(storage_unit_names()) if client is None else None
         self.task_name = task_name
         self.poll_interval_s = poll_interval_s
         self._read_so_far: dict[int, int] = {}  # groups read per step
         self._expected: dict[int, int] = {}  # groups written per step, known from the end marker
 
+    async def _bounded(self, call, what: str, step: int | None = None):
+        """Await TransferQueue ``call``, ended early with `DataPlaneError` when TransferQueue cannot answer."""
+        task = asyncio.ensure_future(call)
+        if self._liveness is None:
+            return await task
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LIVENESS_INTERVAL_S)
+            if done:
+                return task.result()
+            reason = await self._liveness.failure(force=True)
+            if reason is not None:
+                task.cancel()
+                of_step = f" of step {step + 1}" if step is not None else ""
+                raise DataPlaneError(f"{reason}: the data plane's {what}{of_step} cannot complete")
+
+    async def _check_alive(self, step: int) -> None:
+        """Between polls: a reader waiting on an empty partition learns of a dead TransferQueue too."""
+        if self._liveness is not None:
+            reason = await self._liveness.failure()
+            if reason is not None:
+                raise DataPlaneError(f"{reason}: the data plane cannot deliver step {step + 1}")
+
     # ---- writer side -------------------------------------------------------------------
     async def _insert_rows(self, step: int, samples: list[Sample], custom_meta: list[dict],
                            extra_records: list[dict] | None = None) -> None:
         """Allocate rows in ``train_{step}``, tag them with ``custom_meta`` and write them."""
-        meta = await self._client.async_get_meta(data_fields=COLUMNS, batch_size=len(samples),
-                                                 partition_id=partition_id(step), mode="insert")
+        meta = await self._bounded(self._client.async_get_meta(data_fields=COLUMNS, batch_size=len(samples),
+                                                               partition_id=partition_id(step), mode="insert"),
+                                   "row allocation", step)
         meta.update_custom_meta(custom_meta)
-        await self._client.async_put(encode_rows(samples, extra_records), metadata=meta)
+        await self._bounded(self._client.async_put(encode_rows(samples, extra_records), metadata=meta), "write", step)
 
     async def _write_groups(self, step: int, groups: list[Group]) -> None:
         samples, custom_meta = [], []
@@ -134,11 +221,12 @@ class TransferQueueDataPlane(DataPlane):
     # ---- reader side -------------------------------------------------------------------
     async def _fetch_ready_groups(self, step: int) -> list[Group]:
         """Every complete group of ``step`` ready now (marked consumed for ``task_name``); never waits."""
-        meta = await self._client.async_get_meta(data_fields=COLUMNS, batch_size=1, partition_id=partition_id(step),
-                                                 mode="fetch", task_name=self.task_name)
+        meta = await self._bounded(self._client.async_get_meta(data_fields=COLUMNS, batch_size=1,
+                                                               partition_id=partition_id(step), mode="fetch",
+                                                               task_name=self.task_name), "poll", step)
         if meta.size == 0:
             return []
-        records = decode_rows(await self._client.async_get_data(meta))
+        records = decode_rows(await self._bounded(self._client.async_get_data(meta), "read", step))
         groups: dict[str, Group] = {}
         for record, custom in zip(records, meta.get_all_custom_meta(), strict=True):
             if record.get(END_MARKER):
@@ -160,16 +248,17 @@ class TransferQueueDataPlane(DataPlane):
                 return groups
             if self._drained(step):
                 return None
+            await self._check_alive(step)
             await asyncio.sleep(self.poll_interval_s)
 
     async def _take_unread(self, step: int) -> list[Group]:
         return await self._fetch_ready_groups(step)
 
     async def _drop_partition(self, step: int) -> None:
-        await self._client.async_clear_partition(partition_id(step))
+        await self._bounded(self._client.async_clear_partition(partition_id(step)), "partition clear", step)
         self._read_so_far.pop(step, None)
         self._expected.pop(step, None)
 
     async def partition_ids(self) -> list[str]:
         """The partitions TransferQueue holds now (for checks and tests)."""
-        return list(await self._client.async_get_partition_list())
+        return list(await self._bounded(self._client.async_get_partition_list(), "partition list"))

@@ -3,13 +3,15 @@
 ``GET http://127.0.0.1:<port>/metrics`` (prometheus_client's exposition, on 127.0.0.1 only) gives the last logged
 step and every metric of it as ``relax_<name>`` (``rollout/reward_mean`` -> ``relax_rollout_reward_mean``), the
 number of global restarts so far, and per rollout engine behind a router whether it is healthy, its in-flight
-requests and its weight version. Values are read when scraped, so nothing is pushed anywhere.
+requests and its weight version, and under ``--use-health-check`` each role's health and heartbeat age. Values are
+read when scraped, so nothing is pushed anywhere.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +51,18 @@ class _RunCollector:
                 outstanding.add_metric([name], float(engine.get("outstanding", 0)))
                 version.add_metric([name], float(engine.get("weight_version", 0)))
             yield from (healthy, outstanding, version)
+        roles = service.role_health() if service.role_health else {}
+        if roles:
+            healthy = GaugeMetricFamily("relax_role_healthy", "1 while the role's process is alive and beating "
+                                        "(--use-health-check).", labels=["role"])
+            age = GaugeMetricFamily("relax_role_heartbeat_age_s", "Seconds since the role's last heartbeat or answer.",
+                                    labels=["role"])
+            now = time.time()
+            for name, health in roles.items():
+                healthy.add_metric([name], float(health["healthy"]))
+                if health.get("last_heartbeat") is not None:
+                    age.add_metric([name], now - health["last_heartbeat"])
+            yield from (healthy, age)
 
 
 class MetricsService:
@@ -57,6 +71,7 @@ class MetricsService:
         self.port = port
         self.restarts = restarts
         self.engine_stats = engine_stats
+        self.role_health: Callable[[], dict[str, dict]] | None = None  # `HealthMonitor.snapshot`
         self.lock = threading.Lock()
         self.step = 0
         self.metrics: dict[str, float] = {}

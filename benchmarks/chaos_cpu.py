@@ -1,0 +1,242 @@
+"""Faults injected into a running training, as an operator meets them: real signals to real processes.
+
+A fully-async run with its roles in Ray processes (`--placement ray --fully-async`, TransferQueue as the data plane)
+is started with `--use-health-check` and `--max-global-restart`; while it trains, `run_with_faults` sends each
+fault's signal (SIGKILL or SIGSTOP) to its target process once the run has logged the fault's step: the rollout or
+actor role's Ray process, TransferQueue's storage unit or controller, or the run's own process. The targets' pids
+come from the run's ``health.json`` (as an operator would read them with `relax health`). Each fault is timed from
+the signal to the run's first error in ``run.log`` (detection) and to its next logged step (recovery). At the end
+the run's steps are checked against the exactly-once contract: every step logged once, and each step's groups
+produced = consumed with none outstanding; groups missing from or beyond the uninterrupted count are the
+samples lost or duplicated.
+
+    python -m benchmarks.chaos_cpu                 # 60 steps, six faults; writes results/chaos_cpu.json
+    python -m benchmarks.chaos_cpu --steps 12      # a shorter run
+
+`tests/test_chaos.py` runs the same machinery on a tiny model and also compares every metric with an
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "chaos_cpu.json"
+CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
+
+# The process behind each fault target, as `relax.core.health` names it in health.json ("run": the run's own pid).
+TARGETS = {"rollout": "rollout", "actor": "actor", "storage": "TransferQueue storage unit TransferQueueStorageUnit#0",
+           "tq_controller": "TransferQueue controller", "run": None}
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? (ERROR|WARNING) ")
+
+
+@dataclass
+class Fault:
+    target: str  # a key of TARGETS
+    signal: str  # "SIGKILL" or "SIGSTOP"
+    after_step: int  # sent once the run has logged this step
+    # filled in by run_with_faults
+    pid: int | None = None
+    sent_at: float | None = None
+    detection_s: float | None = None
+    recovery_s: float | None = None
+    recovered: bool = False
+    detected_by: str | None = None
+
+
+@dataclass
+class ChaosReport:
+    returncode: int
+    wall_s: float
+    faults: list[Fault] = field(default_factory=list)
+    stderr_tail: str = ""
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return -1
+    steps = [json.loads(line).get("step", -1) for line in lines if line.strip()]
+    return max(steps, default=-1)
+
+
+def _read_state(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "health.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _target_pid(state: dict, target: str) -> int | None:
+    if TARGETS[target] is None:
+        return state.get("pid")
+    role = state.get("roles", {}).get(TARGETS[target], {})
+    return role.get("pid") if role.get("healthy") else None
+
+
+def _first_error_after(run_log: Path, since: float) -> tuple[float, str] | None:
+    """The time and text of the first ERROR (or supervisor WARNING) line of run.log written after ``since``."""
+    try:
+        lines = run_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        match = _LOG_TIME.match(line)
+        if not match or (match.group(3) == "WARNING" and "supervisor" not in line):
+            continue
+        stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
+            (int(match.group(2)[1:]) / 1000 if match.group(2) else 0.999)  # a supervisor line has no ms: round up
+        if stamp >= since - 0.5:
+            return stamp, line[len(match.group(0)):]
+    return None
+
+
+def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], timeout_s: float,
+                    env: dict[str, str] | None = None, poll_s: float = 0.2) -> ChaosReport:
+    """Run ``command`` (a `relax train` with --use-health-check and --max-global-restart) and inject ``faults`` in
+    order; returns when the run ends (or is killed at ``timeout_s``)."""
+    started = time.time()
+    log = run_dir.parent / f"{run_dir.name}.stderr"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                                   stderr=stderr, process_group=0)
+    pending = list(faults)
+    in_flight: Fault | None = None
+    stopped: list[int] = []
+    try:
+        while process.poll() is None:
+            if time.time() - started > timeout_s:
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+            step = _last_step(run_dir / "metrics.jsonl")
+            if in_flight is not None:
+                _follow(in_flight, run_dir, step)
+                if in_flight.recovered:
+                    in_flight = None
+            elif pending and step >= pending[0].after_step:
+                state = _read_state(run_dir)
+                fresh = state is not None and time.time() - state["time"] < 2.0  # the live child's, not a dead one's
+                pid = _target_pid(state, pending[0].target) if fresh else None
+                if pid is not None:
+                    try:
+                        os.kill(pid, getattr(signal, pending[0].signal))
+                    except ProcessLookupError:  # gone since the state was written: look again
+                        pid = None
+                if pid is not None:
+                    in_flight = pending.pop(0)
+                    in_flight.pid, in_flight.sent_at, in_flight.after_step = pid, time.time(), step
+                    if in_flight.signal == "SIGSTOP":
+                        stopped.append(pid)
+            time.sleep(poll_s)
+        if in_flight is not None:
+            _follow(in_flight, run_dir, _last_step(run_dir / "metrics.jsonl"))
+    finally:
+        for pid in stopped:  # a stopped process the restart left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if process.poll() is None:
+            process.wait(30)
+    return ChaosReport(process.returncode, time.time() - started, list(faults),
+                       log.read_text(errors="replace")[-3000:])
+
+
+def _follow(fault: Fault, run_dir: Path, step: int) -> None:
+    """Detection: the first error the run logged after the signal; recovery: the next step logged after it."""
+    if fault.detection_s is None:
+        error = _first_error_after(run_dir / "run.log", fault.sent_at)
+        if error is not None:
+            fault.detection_s = round(error[0] - fault.sent_at, 2)
+            fault.detected_by = error[1][:300]
+    if fault.detection_s is not None and step > fault.after_step:
+        fault.recovery_s = round(time.time() - fault.sent_at, 2)
+        fault.recovered = True
+
+
+def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_group: int) -> dict:
+    """The exactly-once check of a finished run's metrics: every step once, every group produced and consumed once."""
+    trained = [row for row in rows if "data/consumed_groups" in row]
+    by_step: dict[int, list[dict]] = {}
+    for row in trained:
+        by_step.setdefault(row["step"], []).append(row)
+    lost = duplicated = 0
+    for step in range(1, steps + 1):
+        logged = by_step.get(step, [])
+        consumed = sum(row["data/consumed_groups"] for row in logged)
+        lost += max(0, groups_per_step - consumed)
+        duplicated += max(0, consumed - groups_per_step)
+        for row in logged:
+            lost += max(0, row["data/produced_groups"] - row["data/consumed_groups"])
+    return {"steps_logged": len(by_step), "steps_expected": steps,
+            "samples_lost": lost * samples_per_group, "samples_duplicated": duplicated * samples_per_group,
+            "outstanding_groups": sum(row.get("data/outstanding_groups", 0) for row in trained)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--run-dir", type=Path, default=None, help="default: a temporary directory")
+    args = parser.parse_args()
+    if not (ROOT / "examples" / "quickstart" / "model").is_dir():
+        raise SystemExit("build the quickstart first: python examples/quickstart/build_quickstart.py")
+    import tempfile
+
+    import yaml
+
+    config = yaml.safe_load(CONFIG.read_text())
+    groups, samples = int(config["rollout_batch_size"]), int(config["n_samples_per_prompt"])
+    every = max(2, args.steps // 7)
+    faults = [Fault("rollout", "SIGKILL", every), Fault("storage", "SIGSTOP", 2 * every),
+              Fault("actor", "SIGKILL", 3 * every), Fault("rollout", "SIGSTOP", 4 * every),
+              Fault("storage", "SIGKILL", 5 * every), Fault("run", "SIGKILL", 6 * every)]
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = args.run_dir or Path(tmp) / "chaos"
+        command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(CONFIG),
+                   "--num-rollout", str(args.steps), "--placement", "ray", "--fully-async", "--max-staleness", "1",
+                   "--skip-eval-before-train", "--eval-interval", str(10 * args.steps), "--save-interval", "2",
+                   "--max-checkpoints", "2", "--dump-samples", "0", "--no-use-tensorboard",
+                   "--use-health-check", "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
+                   "--max-global-restart", str(len(faults) + 1), "--output-dir", str(run_dir)]
+        report = run_with_faults(command, run_dir, faults, timeout_s=60 * 60,
+                                 env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    counts = accounting(rows, args.steps, groups, samples)
+    detections = [f.detection_s for f in report.faults if f.detection_s is not None]
+    out = {
+        "benchmark": "chaos_cpu",
+        "faults_injected": sum(f.sent_at is not None for f in report.faults),
+        "recovered": sum(f.recovered for f in report.faults),
+        "samples_lost": counts["samples_lost"], "samples_duplicated": counts["samples_duplicated"],
+        "max_detection_s": max(detections, default=None),
+        "finished": report.returncode == 0 and counts["steps_logged"] == args.steps,
+        "returncode": report.returncode, "wall_s": round(report.wall_s, 1), "steps": args.steps,
+        "accounting": counts, "heartbeat_timeout_s": args.heartbeat_timeout_s,
+        "faults": [{k: v for k, v in asdict(f).items()} for f in report.faults],
+        "command": "python -m benchmarks.chaos_cpu " + " ".join(sys.argv[1:]),
+        "mode": "fully-async, --max-staleness 1, roles in Ray processes, TransferQueue data plane, quickstart config",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("faults_injected", "recovered", "samples_lost", "samples_duplicated",
+                                          "max_detection_s", "finished")}, indent=2))
+    if not out["finished"]:
+        print(report.stderr_tail, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The chaos suite (issue 17): real signals to the real processes of a running training, which finishes by itself
+with the metrics of an uninterrupted run and every group trained exactly once.
+
+One fully-async run with its roles in Ray processes and TransferQueue as the data plane (`--max-staleness 0`, so
+that each step's weights, and so its metrics, do not depend on timing) suffers, one after the other: SIGKILL of the
+rollout role's process, SIGSTOP of TransferQueue's storage unit, SIGKILL of the actor role's process, SIGSTOP of the
+rollout role, SIGKILL of the storage unit, and SIGSTOP of the run's own process. Each is detected (a named error
+in run.log: `RoleDiedError`, a heartbeat older than --heartbeat-timeout-s, TransferQueue's liveness check, the
+supervisor's stale health state), the run restarts from its newest checkpoint (--max-global-restart), and the
+metrics after it equal the uninterrupted run's for every step.
+
+Faults of the other modes have their own tests: the in-process trainer SIGKILLed
+(tests/test_global_restart.py), the process writing a checkpoint SIGKILLed at seven points of the save
+(tests/test_checkpoint_faults.py), an external engine SIGKILLed or SIGSTOPped (tests/test_http_engines.py), a
+reward that hangs, leaks or crashes (tests/test_reward_workers.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.chaos_cpu import Fault, accounting, run_with_faults
+from relax.core.health import format_state, read_state
+from relax.utils.tracking import read_metrics
+from tests.conftest import ROOT, run_relax, tiny_train_args
+
+pytest.importorskip("ray")
+pytest.importorskip("transfer_queue")
+
+STEPS = 8
+GROUPS, SAMPLES = 4, 4  # tiny_train_args: 4 prompts x 4 samples per step
+MODE = ("--placement", "ray", "--fully-async", "--max-staleness", "0", "--num-rollout", str(STEPS),
+        "--save-interval", "1", "--skip-eval-before-train", "--dump-samples", "0", "--no-use-tensorboard")
+HEALTH = ("--use-health-check", "--heartbeat-timeout-s", "6")
+
+
+def _compare(mine: list[dict], theirs: list[dict]) -> None:
+    assert [row["step"] for row in mine] == [row["step"] for row in theirs]
+    for a, b in zip(mine, theirs, strict=True):
+        for key, value in b.items():
+            if key.startswith(("perf/", "data/staleness")) or not isinstance(value, float | int):
+                continue
+            if isinstance(value, float) and math.isnan(value):
+                continue
+            assert a.get(key) == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, tmp_path):
+    reference_dir = tmp_path / "reference"
+    reference = run_relax("train", *tiny_train_args(tiny_workspace, reference_dir, *MODE), timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    run_dir = tmp_path / "chaos"
+    faults = [Fault("rollout", "SIGKILL", 1), Fault("storage", "SIGSTOP", 2), Fault("actor", "SIGKILL", 3),
+              Fault("rollout", "SIGSTOP", 4), Fault("storage", "SIGKILL", 5), Fault("run", "SIGSTOP", 6)]
+    import sys
+
+    command = [sys.executable, "-m", "relax.cli.main", "train",
+               *tiny_train_args(tiny_workspace, run_dir, *MODE, *HEALTH, "--max-global-restart", str(len(faults)))]
+    report = run_with_faults(command, run_dir, faults, timeout_s=1500, env={"PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0, report.stderr_tail
+    for fault in faults:  # each detected with a message naming what failed, and recovered from
+        assert fault.sent_at is not None and fault.recovered, fault
+        assert fault.detection_s is not None and fault.detection_s < 60, fault
+    names = {"rollout": "rollout role", "actor": "actor role", "storage": "TransferQueueStorageUnit#0",
+             "run": "run's process"}
+    for fault in faults:
+        assert names[fault.target] in fault.detected_by, fault
+
+    mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
+    _compare(mine, theirs)
+    counts = accounting(mine, STEPS, GROUPS, SAMPLES)
+    assert counts["samples_lost"] == counts["samples_duplicated"] == counts["outstanding_groups"] == 0, counts
+    assert counts["steps_logged"] == STEPS
+
+    state = read_state(run_dir)  # what `relax health` shows after the run
+    assert state["global_restarts"] == len(faults) and "rollout" in format_state(state)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_name, monkeypatch):
+    """Without health checks too: a write to a killed storage unit, or a read from a stopped one, ends within the
+    liveness bound (TransferQueue alone would wait 200 s per attempt, then the reader --data-wait-timeout)."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from relax.data_plane import StalenessGate, tq_plane
+    from tests.test_data_plane import make_group
+
+    monkeypatch.setattr(tq_plane, "UNANSWERED_LIMIT_S", 3.0)
+    tq_plane.start_local_transfer_queue(num_storage_units=1, num_cpus=2)
+    pid = None
+    try:
+        plane = tq_plane.TransferQueueDataPlane(StalenessGate(1))
+        storage = ray.get_actor("TransferQueueStorageUnit#0")
+        pid = ray.get(storage.__ray_call__.remote(lambda actor: os.getpid()))
+        os.kill(pid, getattr(signal, signal_name))
+
+        async def use_the_plane():
+            if signal_name == "SIGKILL":
+                await plane.put(0, make_group(0))
+            else:
+                async for _ in plane.stream(0, batch_size=4):
+                    pass
+
+        started = time.monotonic()
+        with pytest.raises(tq_plane.DataPlaneError, match="storage unit TransferQueueStorageUnit#0"):
+            asyncio.run(asyncio.wait_for(use_the_plane(), 60))
+        assert time.monotonic() - started < tq_plane.UNANSWERED_LIMIT_S + 15
+    finally:
+        if pid is not None and signal_name == "SIGSTOP":
+            os.kill(pid, signal.SIGKILL)
+        tq_plane.stop_local_transfer_queue()

@@ -1,0 +1,110 @@
+"""Heartbeats and the health monitor (`relax.core.health`) on real processes and signals, `relax health`, and the
+metrics endpoint's per-role health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from relax.core.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError, read_state
+from relax.utils.metrics_service import MetricsService
+from tests.conftest import ROOT, run_relax
+
+BEATING_ROLE = """
+import sys, time
+from relax.core.health import Heartbeat
+Heartbeat(sys.argv[1], "rollout", interval_s=0.1).start()
+time.sleep(120)
+"""
+
+
+def _start_role(run_dir) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BEATING_ROLE, str(run_dir / HEARTBEAT_DIR)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault, expected", [("SIGSTOP", "sent no heartbeat for"), ("SIGKILL", "is gone")])
+def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expected):
+    role = _start_role(tmp_path)
+    try:
+        monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1,
+                                phase_of=lambda: {"step": 3, "phase": "rollout", "since": time.time()})
+        _wait_for(lambda: (tmp_path / HEARTBEAT_DIR / "rollout.json").exists())
+        monitor.start()
+        _wait_for(lambda: (read_state(tmp_path) or {}).get("roles", {}).get("rollout", {}).get("pid") == role.pid)
+        assert read_state(tmp_path)["roles"]["rollout"]["healthy"] and read_state(tmp_path)["controller"]["step"] == 3
+
+        async def training():
+            await asyncio.sleep(60)
+
+        os.kill(role.pid, getattr(signal, fault))
+        if fault == "SIGKILL":
+            role.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RoleFailedError, match=rf"the rollout role(.s process)? \(pid {role.pid}\) .*{expected}"):
+            asyncio.run(monitor.guard(training()))
+        assert time.monotonic() - started < 10
+        state = read_state(tmp_path)
+        assert not state["roles"]["rollout"]["healthy"] and expected in state["fatal"]
+
+        # `relax health` shows it and exits 1; --json gives the file
+        shown = run_relax("health", str(tmp_path))
+        assert shown.returncode == 1 and "rollout" in shown.stdout and "NO" in shown.stdout, shown.stdout
+        assert json.loads(run_relax("health", str(tmp_path), "--json").stdout)["fatal"] == state["fatal"]
+        monitor.stop()
+    finally:
+        role.kill()
+        role.wait(10)
+
+
+def test_a_healthy_role_keeps_the_run_going_and_reaches_the_metrics_endpoint(tmp_path):
+    role = _start_role(tmp_path)
+    service = MetricsService(0)
+    try:
+        _wait_for(lambda: (tmp_path / HEARTBEAT_DIR / "rollout.json").exists())
+        monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1).start()
+
+        async def training():
+            await asyncio.sleep(3)  # two heartbeat timeouts: beats keep it healthy
+            return "done"
+
+        assert asyncio.run(monitor.guard(training())) == "done" and monitor.fatal is None
+        service.role_health = monitor.snapshot
+        service.start()
+        port = service._server.server_address[1]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'relax_role_healthy{role="rollout"} 1.0' in text and "relax_role_heartbeat_age_s" in text
+        assert run_relax("health", str(tmp_path)).returncode == 0
+        monitor.stop()
+    finally:
+        service.close()
+        role.kill()
+        role.wait(10)
+
+
+def test_relax_health_names_a_run_without_health_state(tmp_path):
+    result = run_relax("health", str(tmp_path))
+    assert result.returncode == 2 and "health.json" in result.stderr and "--use-health-check" in result.stderr
+
+
+def test_heartbeat_timeout_needs_health_checks(tmp_path):
+    from relax.cli.args import parse_config
+    from relax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--heartbeat-timeout-s needs --use-health-check"):
+        parse_config(["--heartbeat-timeout-s", "5", "--output-dir", str(tmp_path)])
