@@ -284,10 +284,12 @@ def format_state(state: dict, now: float | None = None) -> str:
                      + (f" for {now - controller['since']:.0f} s" if controller.get("since") else ""))
     if state.get("fatal"):
         lines.append(f"fatal: {state['fatal']}")
-    lines.append(f"{'role':<34} {'healthy':<8} {'pid':<8} {'last heartbeat':<16} error")
-    for name, health in state.get("roles", {}).items():
+    roles = state.get("roles", {})
+    width = max([len("role"), *map(len, roles)]) + 2
+    lines.append(f"{'role':<{width}}{'healthy':<9}{'pid':<9}{'last heartbeat':<16}error")
+    for name, health in roles.items():
         beat = health.get("last_heartbeat")
         age = f"{now - beat:.1f} s ago" if beat else "never"
-        lines.append(f"{name:<34} {'yes' if health.get('healthy') else 'NO':<8} {health.get('pid') or '-'!s:<8} "
-                     f"{age:<16} {health.get('error') or ''}")
+        lines.append(f"{name:<{width}}{'yes' if health.get('healthy') else 'NO':<9}{health.get('pid') or '-'!s:<9}"
+                     f"{age:<16}{health.get('error') or ''}")
     return "\n".join(lines)
