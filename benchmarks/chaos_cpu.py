@@ -142,6 +142,9 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
             time.sleep(poll_s)
         if in_flight is not None:
             _follow(in_flight, run_dir, _last_step(run_dir / "metrics.jsonl"))
+            # a fault after the last step: detected, and the restarted run found nothing left to train
+            in_flight.recovered = in_flight.recovered or (in_flight.detection_s is not None
+                                                          and process.returncode == 0)
     finally:
         for pid in stopped:  # a stopped process the restart left behind
             try:

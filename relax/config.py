@@ -657,6 +657,12 @@ class RelaxConfig(BaseModel):
         None, "Keep only the newest this many checkpoints, deleting older ones after each save (default: keep all). "
         "Upstream's --rotate-ckpt rotates only with --async-save; this works with every save.", "run", ge=1,
     )
+    async_save: bool = _field(
+        False, "Write checkpoints in the background: the trainer's state is copied to host memory when the step is "
+        "saved and written to disk while the next steps run; the checkpoint is sealed (manifest, rename, latest "
+        "pointer, --max-checkpoints rotation) once its files are written. One save at a time (the next waits for "
+        "it); the run waits for the last one before it ends. One trainer process (not under torchrun).", "run",
+    )
     max_global_restart: int = _field(
         0, "Supervise the run from a parent process and restart it, at most this many times, when its process dies "
         "(killed, out of memory, a crash), resuming from its newest intact checkpoint (docs/fault_tolerance.md). "

@@ -6,8 +6,9 @@ that each step's weights, and so its metrics, do not depend on timing) suffers, 
 rollout role's process, SIGSTOP of TransferQueue's storage unit, SIGKILL of the actor role's process, SIGSTOP of the
 rollout role, SIGKILL of the storage unit, and SIGSTOP of the run's own process. Each is detected (a named error
 in run.log: `RoleDiedError`, a heartbeat older than --heartbeat-timeout-s, TransferQueue's liveness check, the
-supervisor's stale health state), the run restarts from its newest checkpoint (--max-global-restart), and the
-metrics after it equal the uninterrupted run's for every step.
+supervisor's stale health state), the run restarts from its newest checkpoint (--max-global-restart; written
+with --async-save, so faults also land while a checkpoint is written in the background), and the metrics after
+it equal the uninterrupted run's (blocking saves) for every step.
 
 Faults of the other modes have their own tests: the in-process trainer SIGKILLed
 (tests/test_global_restart.py), the process writing a checkpoint SIGKILLed at seven points of the save
@@ -29,11 +30,11 @@ from tests.conftest import ROOT, run_relax, tiny_train_args
 pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
 
-STEPS = 8
+STEPS = 16
 GROUPS, SAMPLES = 4, 4  # tiny_train_args: 4 prompts x 4 samples per step
 MODE = ("--placement", "ray", "--fully-async", "--max-staleness", "0", "--num-rollout", str(STEPS),
         "--save-interval", "1", "--skip-eval-before-train", "--dump-samples", "0", "--no-use-tensorboard")
-HEALTH = ("--use-health-check", "--heartbeat-timeout-s", "6")
+HEALTH = ("--use-health-check", "--heartbeat-timeout-s", "6", "--async-save")  # the uninterrupted run saves blocking
 
 
 def _compare(mine: list[dict], theirs: list[dict]) -> None:
@@ -54,8 +55,8 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     run_dir = tmp_path / "chaos"
-    faults = [Fault("rollout", "SIGKILL", 1), Fault("storage", "SIGSTOP", 2), Fault("actor", "SIGKILL", 3),
-              Fault("rollout", "SIGSTOP", 4), Fault("storage", "SIGKILL", 5), Fault("run", "SIGSTOP", 6)]
+    faults = [Fault("rollout", "SIGKILL", 1), Fault("storage", "SIGSTOP", 3), Fault("actor", "SIGKILL", 5),
+              Fault("rollout", "SIGSTOP", 7), Fault("storage", "SIGKILL", 9), Fault("run", "SIGSTOP", 11)]
     import sys
 
     command = [sys.executable, "-m", "relax.cli.main", "train",

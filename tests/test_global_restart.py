@@ -98,3 +98,46 @@ def _rows(run_dir):
         return read_metrics(run_dir / "metrics.jsonl")
     except (OSError, ValueError):
         return []
+
+
+def test_async_save_writes_the_blocking_saves_checkpoints_and_a_killed_run_resumes_from_them(tiny_workspace, tmp_path):
+    """--async-save: the checkpoints hold the same tensors as blocking saves (the state is copied when the step is
+    saved, whatever the next steps change), and a run SIGKILLed while later steps train restarts from them with the
+    uninterrupted metrics."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    blocking_dir = tmp_path / "blocking"
+    assert run_relax("train", *_args(tiny_workspace, blocking_dir, "tests.e2e_rewards:digit_fraction")).returncode == 0
+    run_dir = tmp_path / "async"
+    env = {"RELAX_TEST_DIE_MARKER": str(tmp_path / "died"), "RELAX_TEST_DIE_AT_CALL": str(DIE_AT_CALL)}
+    result = run_relax("train", *_args(tiny_workspace, run_dir, "tests.e2e_rewards:digit_fraction_then_die_once",
+                                       "--max-global-restart", "1", "--async-save"), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restart 1 of 1" in result.stderr
+    mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(blocking_dir / "metrics.jsonl")
+    assert [row["step"] for row in mine] == [row["step"] for row in theirs]
+    for a, b in zip(mine, theirs):
+        for key, value in b.items():
+            if not key.startswith("perf/"):
+                assert a[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    for step in (2, 4, 6):
+        tensors = []
+        for root in (blocking_dir, run_dir):
+            target = tmp_path / f"{root.name}_{step}.pt"
+            dcp_to_torch_save(checkpoint.iteration_dir(root / "checkpoints", step) / "model_optim", target)
+            tensors.append(torch.load(target, weights_only=False))
+        blocking, written_async = tensors
+        names = [name for name in blocking["model"]]
+        assert names and all(torch.equal(blocking["model"][n], written_async["model"][n]) for n in names), step
+        assert (checkpoint.iteration_dir(run_dir / "checkpoints", step) / checkpoint.MANIFEST_FILE).is_file()
+
+
+def test_async_save_is_refused_where_it_cannot_seal(tmp_path, monkeypatch):
+    import relax.core.controller as controller_module
+    from relax.cli.args import parse_config
+    from relax.config import ConfigError
+
+    monkeypatch.setattr(controller_module, "world_size", lambda: 2)  # as under torchrun with two ranks
+    with pytest.raises(ConfigError, match="--async-save seals a checkpoint from one process"):
+        controller_module.SyncController(parse_config(["--async-save", "--output-dir", str(tmp_path)]), None, None)

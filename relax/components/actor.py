@@ -69,8 +69,9 @@ class Actor:
     def weight_buckets(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         return self.backend.named_parameters_for_sync(dtype, bucket_bytes)
 
-    def save(self, directory: Path, include_optimizer: bool = True) -> None:
-        self.backend.save(directory, include_optimizer=include_optimizer)
+    def save(self, directory: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list:
+        """The backend's save; with ``asynchronous`` the futures of the files still being written."""
+        return self.backend.save(directory, include_optimizer=include_optimizer, asynchronous=asynchronous)
 
     def load(self, directory: Path) -> None:
         self.backend.load(directory)

@@ -36,10 +36,10 @@ class Critic:
         batch = to_train_batch(samples, {"returns": returns, "old_values": old_values})
         return train_in_optimizer_steps(self.backend, batch, self.loss_fn, self.train_batch_size, prefix="critic/")
 
-    def save(self, iteration_dir: Path, include_optimizer: bool = True) -> None:
+    def save(self, iteration_dir: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list:
         directory = Path(iteration_dir) / CHECKPOINT_SUBDIR
         directory.mkdir(parents=True, exist_ok=True)
-        self.backend.save(directory, include_optimizer=include_optimizer)
+        return self.backend.save(directory, include_optimizer=include_optimizer, asynchronous=asynchronous)
 
     def load(self, iteration_dir: Path) -> None:
         self.backend.load(Path(iteration_dir) / CHECKPOINT_SUBDIR)

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from relax.config import RelaxConfig
+from relax.config import ConfigError, RelaxConfig, flag
 from relax.core import checkpoint
 from relax.core.build import Roles
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
 from relax.core.phases import PhaseClock
 from relax.data.sample import Sample
-from relax.distributed.process_group import barrier, rank
+from relax.distributed.process_group import barrier, rank, world_size
 from relax.distributed.weight_sync import sync_weights_in_process
 from relax.utils.errors import RunFault
 from relax.utils.plots import plot_run
@@ -48,6 +49,12 @@ class SyncController:
         self.save_root = cfg.save_dir
         self.last_checkpoint: Path | None = None  # the newest checkpoint this run saved
         self.graceful_stop = GracefulStop()  # the entrypoint routes SIGTERM/SIGINT to it
+        self._background_save: threading.Thread | None = None  # --async-save's write of the last checkpoint
+        self._background_error: BaseException | None = None
+        self._background_step = 0
+        if cfg.async_save and world_size() > 1:
+            raise ConfigError(f"{flag('async_save')} seals a checkpoint from one process; under torchrun every "
+                              "rank writes its shard and the seal would need a collective outside the loop's order")
         self.memory = build_phase_memory(cfg, roles)  # --offload-train / --offload-rollout
         self.phases = PhaseClock(cfg.timeline_dump_dir, cfg.stall_warning_s)  # the entrypoint sets its notifier
 
@@ -151,7 +158,13 @@ class SyncController:
         """Train from the start or the loaded checkpoint to the last step; returns the last metrics."""
         self.phases.start()  # the stall watchdog
         try:
-            return await self._run()
+            last = await self._run()
+        except BaseException:
+            self._wait_for_background_save(raise_error=False)  # a written checkpoint is still sealed for a restart
+            raise
+        else:
+            self._wait_for_background_save()  # the last checkpoint is sealed before the run reports it
+            return last
         finally:
             self.phases.stop()
 
@@ -219,36 +232,84 @@ class SyncController:
             self._save(step)
 
     def _save(self, step: int) -> None:
+        self._wait_for_background_save()  # one save at a time: sealing and rotation stay in step order
         root = self.save_root
         if rank() == 0:
             staging = checkpoint.begin_save(root, step)
         else:
             staging = checkpoint.staging_dir(root, step)
         barrier()  # every rank writes into the staging folder only once rank 0 has cleared it
+        background = self.cfg.async_save
         try:
-            self.roles.actor.save(staging, include_optimizer=not self.cfg.no_save_optim)
+            include_optimizer = not self.cfg.no_save_optim
+            writing = self.roles.actor.save(staging, include_optimizer=include_optimizer, asynchronous=background)
             if self.roles.critic is not None:
-                self.roles.critic.save(staging, include_optimizer=not self.cfg.no_save_optim)
-            if rank() == 0:
-                checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+                writing += self.roles.critic.save(staging, include_optimizer=include_optimizer, asynchronous=background)
+            if rank() == 0:  # now, not later: the RNG states and the data cursor of this step
                 checkpoint.save_trainer_state(staging, self.trainer_state(step))
-                checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
-        except RunFault:  # a role's process died mid-save: not a checkpoint problem, and a restart can recover
-            if rank() == 0:
-                checkpoint.abandon_save(root, step)
-            raise
-        except checkpoint.IO_ERRORS as err:
-            if rank() == 0:
-                checkpoint.abandon_save(root, step)
-            raise checkpoint.CheckpointError(
-                f"saving the checkpoint of step {step} failed: {checkpoint.describe_write_error(err, staging)} "
-                f"(the previous checkpoint, if any, is intact)") from err
+                if not background:
+                    self._seal(root, step)
+        except BaseException as err:
+            failure = self._save_failed(root, step, staging, err)
+            if failure is err:
+                raise
+            raise failure from err
+        if background:
+            self._background_save = threading.Thread(target=self._seal_when_written,
+                                                     args=(root, step, staging, writing), name="relax-async-save")
+            self._background_step = step
+            self._background_save.start()
+            return
         barrier()
-        directory = checkpoint.iteration_dir(root, step)
-        if rank() == 0:
+        self._saved(step)
+
+    def _seal(self, root: Path, step: int) -> None:
+        checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+        checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
+
+    def _saved(self, step: int, plot: bool = True) -> None:
+        directory = checkpoint.iteration_dir(self.save_root, step)
+        if rank() == 0 and plot:
             plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
         self.last_checkpoint = directory
         logger.info("saved checkpoint %s", directory)
+
+    def _save_failed(self, root: Path, step: int, staging: Path, err: BaseException) -> BaseException:
+        """What a failed save raises, its staging folder removed (the previous checkpoint stays the newest)."""
+        if rank() == 0:
+            checkpoint.abandon_save(root, step)
+        if isinstance(err, RunFault | KeyboardInterrupt) or not isinstance(err, checkpoint.IO_ERRORS):
+            return err  # a role's process died mid-save: not a checkpoint problem, and a restart can recover
+        return checkpoint.CheckpointError(
+            f"saving the checkpoint of step {step} failed: {checkpoint.describe_write_error(err, staging)} "
+            f"(the previous checkpoint, if any, is intact)")
+
+    def _seal_when_written(self, root: Path, step: int, staging: Path, writing: list) -> None:
+        """--async-save's thread: wait for the files, then seal the checkpoint (rank 0: one process only)."""
+        try:
+            for future in writing:
+                future.result()
+            self._seal(root, step)
+            self._saved(step, plot=False)  # the plots are drawn in the loop's thread, at the wait
+        except BaseException as err:  # noqa: BLE001 - raised in the loop's thread by `_wait_for_background_save`
+            failure = self._save_failed(root, step, staging, err)
+            if failure is not err:
+                failure.__cause__ = err
+            self._background_error = failure
+
+    def _wait_for_background_save(self, raise_error: bool = True) -> None:
+        thread, self._background_save = self._background_save, None
+        if thread is None:
+            return
+        with self.phases.phase("checkpoint", self._background_step, "the background checkpoint write (--async-save)"):
+            thread.join()
+        error, self._background_error = self._background_error, None
+        if error is None:
+            plot_run(Path(self.cfg.output_dir))
+        elif raise_error:
+            raise error
+        else:
+            logger.error("the background checkpoint write of step %d failed: %s", self._background_step, error)
 
     def trainer_state(self, step: int) -> dict:
         """What a checkpoint records besides the weights: the step and the data cursor."""

@@ -224,11 +224,36 @@ class RemoteRole:
     async def health(self) -> dict:
         return await self._call("health")
 
-    def save(self, directory: Path, include_optimizer: bool = True) -> None:
-        self._wait("save", str(directory), include_optimizer)
+    def save(self, directory: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list:
+        """``asynchronous``: the call is submitted and its future returned; the role's process writes the
+        checkpoint before it serves any later call (its methods run one at a time), so what it writes is the
+        state after the step the save follows."""
+        if not asynchronous:
+            self._wait("save", str(directory), include_optimizer)
+            return []
+        return [_named_future(self, self.handle.save.remote(str(directory), include_optimizer).future())]
 
     def load(self, directory: Path) -> None:
         self._wait("load", str(directory))
+
+
+def _named_future(role: RemoteRole, future):
+    """``future`` with a Ray actor's death turned into `RoleDiedError` naming ``role``."""
+    import concurrent.futures
+
+    import ray
+
+    named: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(done) -> None:
+        error = done.exception()
+        if error is None:
+            named.set_result(done.result())
+        else:
+            named.set_exception(role._died(error) if isinstance(error, ray.exceptions.RayActorError) else error)
+
+    future.add_done_callback(settle)
+    return named
 
 
 class RemoteActor(RemoteRole):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -590,16 +591,21 @@ class FSDPTrainBackend(TrainBackend):
         return {name.removeprefix("hf_model."): tensor.clone() for name, tensor in state.items()}
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def save(self, directory: Path, include_optimizer: bool = True) -> None:
+    def save(self, directory: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list[Future]:
+        """Weights (and optimizer and LR schedule) into ``directory``. ``asynchronous``: DCP copies the state to host
+        memory before this returns and writes the files in a background thread; the returned futures end when
+        they are written (training may change the weights meanwhile: the copy is what gets written)."""
         self.reload()
         directory = Path(directory)
+        write = dcp.async_save if asynchronous else dcp.save
         if include_optimizer and self.optimizer is not None:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
+            written = write({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
             if dist.get_rank() == 0:
                 torch.save(self.scheduler.state_dict(), directory / "lr_scheduler.pt")
         else:
-            dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=directory / "model_optim")
+            written = write({"model": get_model_state_dict(self.model)}, checkpoint_id=directory / "model_optim")
+        return [written] if asynchronous else []
 
     def load(self, directory: Path, include_optimizer: bool = True) -> None:
         self.reload()
