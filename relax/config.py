@@ -709,6 +709,12 @@ class RelaxConfig(BaseModel):
     use_tensorboard: bool = _field(True, "Write TensorBoard events into <output-dir>/tensorboard.", "run")
     use_wandb: bool = _field(False, "Log to Weights & Biases (set WANDB_MODE=offline to stay local).", "run")
     wandb_project: str | None = _field(None, "W&B project name.", "run")
+    use_clearml: bool = _field(
+        False, "Log to ClearML (a task named after --output-dir in --clearml-project; its server comes from "
+        "~/.clearml.conf or CLEARML_* variables; CLEARML_OFFLINE_MODE=1 keeps a local session instead). "
+        "pip install relax-rl[clearml].", "run",
+    )
+    clearml_project: str = _field("relax", "ClearML project of --use-clearml's task.", "run")
     dump_samples: int = _field(8, "Samples per rollout step written to <output-dir>/samples (0: none).", "run", ge=0)
 
     # --- placement -------------------------------------------------------------------------

@@ -260,3 +260,32 @@ def test_plot_comparison_draws_each_run_and_names_a_missing_metric(tmp_path):
     assert out.stat().st_size > 1000
     with pytest.raises(ValueError, match="train/loss"):
         plot_comparison({"a": tmp_path / "run_a"}, "train/loss", "t", tmp_path / "d.png")
+
+
+def _clearml_session(cache_dir):
+    [session] = [path for path in (cache_dir / "offline").iterdir() if path.is_dir()]
+    scalars = [event for line in (session / "metrics.jsonl").read_text().splitlines() for event in json.loads(line)]
+    return session, scalars
+
+
+def test_clearml_offline_logs_every_step_without_secrets(tmp_path, monkeypatch):
+    pytest.importorskip("clearml")
+    monkeypatch.setenv("CLEARML_OFFLINE_MODE", "1")
+    monkeypatch.setenv("CLEARML_CACHE_DIR", str(tmp_path / "clearml"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # its session file, not the user's
+    config = {"lr": 1e-6, "reward": {"OPENAI_API_KEY": "sk-do-not-log-me"}}
+    with Tracker(tmp_path / "run", use_tensorboard=False, clearml_project="relax-test", config=config) as tracker:
+        tracker.log(1, {"rollout/reward_mean": 0.5, "train/loss": 0.25})
+        tracker.log(2, {"rollout/reward_mean": 0.75, "train/loss": 0.125})
+    session, scalars = _clearml_session(tmp_path / "clearml")
+    reported = {(e["metric"], e["variant"], e["iter"]): e["value"] for e in scalars if e["type"] == "training_stats_scalar"}
+    assert reported[("train", "loss", 2)] == 0.125 and reported[("rollout", "reward_mean", 1)] == 0.5
+    written = [path.read_bytes() for path in session.rglob("*") if path.is_file()]
+    assert any(b"OPENAI_API_KEY" in content for content in written)
+    assert not any(b"sk-do-not-log-me" in content for content in written)
+
+
+def test_missing_clearml_tells_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "clearml", None)
+    with pytest.raises(ImportError, match=r"pip install relax-rl\[clearml\]"):
+        Tracker(tmp_path, use_tensorboard=False, clearml_project="relax")

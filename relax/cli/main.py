@@ -157,6 +157,7 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
         metrics_service = start_metrics_service(cfg, roles) if primary else None
         tracker = Tracker(run_dir, use_tensorboard=cfg.use_tensorboard, use_wandb=cfg.use_wandb,
                           wandb_project=cfg.wandb_project, config=cfg.shareable_settings()[0],
+                          clearml_project=cfg.clearml_project if cfg.use_clearml else None,
                           metrics_service=metrics_service) if primary else NullTracker()
         with tracker:
             controller = controller_class(cfg)(cfg, roles, tracker)

@@ -6,6 +6,7 @@ Everything a run records goes under one directory (DESIGN.md §4)::
       metrics.jsonl             one JSON object per logged step: {"step": 12, "rollout/reward_mean": 0.4, ...}
       tensorboard/              TensorBoard event files
       wandb/                    the W&B run (when enabled; offline runs too, with WANDB_MODE=offline)
+                                (--use-clearml logs to a ClearML task instead of a folder here)
       samples/rollout_000012.jsonl   one Sample.to_dict() per line
       plots/*.png               the main curves, drawn on close()
 
@@ -34,6 +35,10 @@ SAMPLE_DUMP_PATTERN = re.compile(r"rollout_(\d+)\.jsonl")
 
 SECRET_NAME_PARTS = ("key", "token", "secret", "password")
 REDACTED = "***"
+
+
+CLEARML_FRAMEWORKS = ("matplotlib", "tensorflow", "tensorboard", "pytorch", "xgboost", "scikit", "fastai", "lightgbm",
+                      "hydra", "detect_repository", "tfdefines", "joblib", "megengine", "catboost", "gradio")
 
 
 def redact_secrets(config: dict[str, Any]) -> dict[str, Any]:
@@ -125,6 +130,7 @@ class Tracker:
         wandb_run_name: str | None = None,
         config: dict[str, Any] | None = None,
         metrics_service=None,
+        clearml_project: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self._metrics_service = metrics_service  # relax.utils.metrics_service.MetricsService, or None
@@ -139,6 +145,7 @@ class Tracker:
 
         self._tensorboard = self._open_tensorboard() if use_tensorboard else None
         self._wandb_run = self._start_wandb(wandb_project, wandb_run_name, config) if use_wandb else None
+        self._clearml_task = self._start_clearml(clearml_project, config) if clearml_project else None
 
     def _open_tensorboard(self, purge_from_step: int | None = None):
         # Imported here: torch.utils.tensorboard takes ~1.7 s to import, paid only by runs that use it.
@@ -161,6 +168,24 @@ class Tracker:
             config=redact_secrets(config) if config else None,
         )
 
+    def _start_clearml(self, project: str, config: dict[str, Any] | None):
+        try:
+            from clearml import Task
+        except ImportError as error:
+            raise ImportError("ClearML logging needs the clearml package: pip install relax-rl[clearml] (or drop "
+                              "--use-clearml)") from error
+        if os.environ.get("CLEARML_OFFLINE_MODE", "").lower() in ("1", "true", "yes"):
+            Task.set_offline(offline_mode=True)  # clearml reads the variable once, at import; honour it at any time
+        # No automatic hooks: ClearML would otherwise patch torch.save, matplotlib and argparse of the whole process,
+        # and it would store the repository's uncommitted diff in the task (code, and whatever secrets it holds).
+        no_hooks = dict.fromkeys(CLEARML_FRAMEWORKS, False)
+        task = Task.init(project_name=project, task_name=self.run_dir.name, reuse_last_task_id=False,
+                         auto_connect_frameworks=no_hooks, auto_connect_arg_parser=False, auto_connect_streams=False,
+                         auto_resource_monitoring=False)
+        if config:
+            task.connect_configuration(redact_secrets(config), name="relax config")
+        return task
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` for ``step`` everywhere tracking is enabled.
 
@@ -181,6 +206,11 @@ class Tracker:
                 self._tensorboard.add_scalar(name, value, global_step=step)
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
+        if self._clearml_task is not None:
+            logger = self._clearml_task.get_logger()
+            for name, value in values.items():  # "train/loss": the plot "train", its series "loss"
+                title, _, series = name.rpartition("/")
+                logger.report_scalar(title or name, series, value=value, iteration=step)
 
     def dump_samples(self, step: int, samples: list, max_samples: int | None = None) -> Path:
         """Write the first ``max_samples`` samples (all when ``None``) to ``samples/rollout_{step:06d}.jsonl``.
@@ -237,6 +267,8 @@ class Tracker:
             self._tensorboard.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
+        if self._clearml_task is not None:
+            self._clearml_task.close()
         # Imported here so that importing this module (every training process does) does not import matplotlib.
         from relax.utils.plots import plot_run
 
