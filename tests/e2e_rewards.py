@@ -75,3 +75,11 @@ def misbehaves_on_some_rows(args, sample):
     if sample.index == 3:
         time.sleep(3600)
     return digit_fraction(args, sample)
+
+
+def digit_fraction_paced(args, sample):
+    """`digit_fraction` taking 30 ms a call: a tiny run's steps last long enough for a signal to land inside one."""
+    import time
+
+    time.sleep(0.03)
+    return digit_fraction(args, sample)

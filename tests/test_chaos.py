@@ -119,3 +119,29 @@ def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_n
         if pid is not None and signal_name == "SIGSTOP":
             os.kill(pid, signal.SIGKILL)
         tq_plane.stop_local_transfer_queue()
+
+
+def test_a_stopped_in_process_run_is_killed_and_restarted_by_its_supervisor(tiny_workspace, tmp_path):
+    """In-process placement: the run is one process; stopped (SIGSTOP), its health state goes stale and the
+    supervisor of --max-global-restart kills and restarts it (the SIGKILLed run: tests/test_global_restart.py)."""
+    import sys
+
+    steps = ("--num-rollout", "8", "--save-interval", "2", "--skip-eval-before-train", "--dump-samples", "0",
+             "--no-use-tensorboard")
+
+    def args(run_dir, *extra):  # ~0.5 s steps (a paced reward), so the signal lands inside the run
+        argv = tiny_train_args(tiny_workspace, run_dir, *steps, *extra)
+        argv[argv.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_paced"
+        return argv
+
+    reference_dir = tmp_path / "reference"
+    assert run_relax("train", *args(reference_dir)).returncode == 0
+    run_dir = tmp_path / "stopped"
+    fault = Fault("run", "SIGSTOP", 3)
+    command = [sys.executable, "-m", "relax.cli.main", "train",
+               *args(run_dir, "--use-health-check", "--heartbeat-timeout-s", "3", "--max-global-restart", "1")]
+    report = run_with_faults(command, run_dir, [fault], timeout_s=300, env={"PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0, report.stderr_tail
+    assert fault.recovered and "has written no health state" in fault.detected_by, fault
+    assert fault.detection_s < 10, fault
+    _compare(read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl"))
