@@ -41,9 +41,9 @@ def _wait_for(predicate, timeout_s: float = 20.0) -> None:
 @pytest.mark.parametrize("fault, expected", [("SIGSTOP", "sent no heartbeat for"), ("SIGKILL", "is gone")])
 def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expected):
     role = _start_role(tmp_path)
+    monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1,
+                            phase_of=lambda: {"step": 3, "phase": "rollout", "since": time.time()})
     try:
-        monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1,
-                                phase_of=lambda: {"step": 3, "phase": "rollout", "since": time.time()})
         _wait_for(lambda: (tmp_path / HEARTBEAT_DIR / "rollout.json").exists())
         monitor.start()
         _wait_for(lambda: (read_state(tmp_path) or {}).get("roles", {}).get("rollout", {}).get("pid") == role.pid)
@@ -66,8 +66,8 @@ def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expect
         shown = run_relax("health", str(tmp_path))
         assert shown.returncode == 1 and "rollout" in shown.stdout and "NO" in shown.stdout, shown.stdout
         assert json.loads(run_relax("health", str(tmp_path), "--json").stdout)["fatal"] == state["fatal"]
-        monitor.stop()
     finally:
+        monitor.stop()  # also ends the verdict's exit timer, which would end this process
         role.kill()
         role.wait(10)
 
@@ -75,9 +75,10 @@ def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expect
 def test_a_healthy_role_keeps_the_run_going_and_reaches_the_metrics_endpoint(tmp_path):
     role = _start_role(tmp_path)
     service = MetricsService(0)
+    monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1)
     try:
         _wait_for(lambda: (tmp_path / HEARTBEAT_DIR / "rollout.json").exists())
-        monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1).start()
+        monitor.start()
 
         async def training():
             await asyncio.sleep(3)  # two heartbeat timeouts: beats keep it healthy
@@ -90,8 +91,8 @@ def test_a_healthy_role_keeps_the_run_going_and_reaches_the_metrics_endpoint(tmp
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'relax_role_healthy{role="rollout"} 1.0' in text and "relax_role_heartbeat_age_s" in text
         assert run_relax("health", str(tmp_path)).returncode == 0
-        monitor.stop()
     finally:
+        monitor.stop()
         service.close()
         role.kill()
         role.wait(10)
@@ -108,3 +109,33 @@ def test_heartbeat_timeout_needs_health_checks(tmp_path):
 
     with pytest.raises(ConfigError, match="--heartbeat-timeout-s needs --use-health-check"):
         parse_config(["--heartbeat-timeout-s", "5", "--output-dir", str(tmp_path)])
+
+
+VERDICT = """
+import asyncio, sys, tempfile, time
+from pathlib import Path
+import relax.core.health as health
+health.FATAL_GRACE_S = 1.0
+monitor = health.HealthMonitor(Path(tempfile.mkdtemp()), ["ghost"], heartbeat_timeout_s=0.3, interval_s=0.1).start()
+async def training():
+    await asyncio.sleep(30)
+try:
+    asyncio.run(monitor.guard(training()))
+except health.RoleFailedError:
+    pass
+if sys.argv[1] == "stop":
+    monitor.stop()  # the run's end after its teardown
+time.sleep(3)  # a teardown that hangs
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("ends", ["stop", "hangs"])
+def test_a_verdict_ends_the_process_unless_the_run_ends_within_the_grace(ends):
+    result = subprocess.run([sys.executable, "-c", VERDICT, ends], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    if ends == "stop":
+        assert result.returncode == 0 and "survived" in result.stdout, result.stderr
+    else:
+        assert result.returncode == 1 and "survived" not in result.stdout
+        assert "did not end within 1 s of the fault; exiting" in result.stderr

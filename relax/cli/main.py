@@ -170,10 +170,10 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
                 training = _run_with_scaling_api(controller, cfg, roles)
                 last = asyncio.run(monitor.guard(training) if monitor is not None else training)
     finally:
-        if monitor is not None:
-            monitor.stop()
         if service is not None:
             service.shutdown()
+        if monitor is not None:  # after the teardown: until then a fatal verdict still bounds it (FATAL_GRACE_S)
+            monitor.stop()
     stop = controller.graceful_stop
     if stop.stopped_after_step is not None:
         notifier.stopped(str(run_dir), stop.stopped_after_step, signal.Signals(stop.signal_number).name)

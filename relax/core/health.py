@@ -244,8 +244,10 @@ class HealthMonitor:
 
     def _exit_if_stuck(self) -> None:
         """The loop was cancelled; neither a call that ignores cancellation nor a teardown waiting on the failed
-        process may keep the run alive: the process ends within `FATAL_GRACE_S` of the verdict."""
-        time.sleep(FATAL_GRACE_S)
+        process may keep the run alive: unless `stop` comes (the run's end, after its teardown) within
+        `FATAL_GRACE_S` of the verdict, the process exits."""
+        if self._stop.wait(FATAL_GRACE_S):
+            return
         logger.error("health check: the run did not end within %.0f s of the fault; exiting", FATAL_GRACE_S)
         logging.shutdown()
         os._exit(1)
