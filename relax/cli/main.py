@@ -170,6 +170,8 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
                 training = _run_with_scaling_api(controller, cfg, roles)
                 last = asyncio.run(monitor.guard(training) if monitor is not None else training)
     finally:
+        if monitor is not None:
+            monitor.detach_actors()
         if service is not None:
             service.shutdown()
         if monitor is not None:  # after the teardown: until then a fatal verdict still bounds it (FATAL_GRACE_S)

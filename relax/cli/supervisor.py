@@ -122,8 +122,8 @@ def _wait_or_hang(child: subprocess.Popen, cfg) -> int:
         except subprocess.TimeoutExpired:
             pass
         state = read_state(cfg.output_dir)
-        if state is None or state.get("pid") != child.pid or state.get("fatal"):
-            continue  # not written by this child yet (start-up), or it is ending itself after a fault
+        if state is None or state.get("pid") != child.pid or state.get("fatal") or state.get("ended"):
+            continue  # not written by this child yet (start-up), or it is ending (after a fault, or done)
         silent = time.time() - state["time"]
         if silent > cfg.heartbeat_timeout_s:
             _note(cfg, f"the run's process (pid {child.pid}) has written no health state for {silent:.0f} s "

@@ -138,11 +138,18 @@ class HealthMonitor:
         self._thread.start()
         return self
 
+    def detach_actors(self) -> None:
+        """Stop probing the Ray actors (their service is shutting down; a probe now would start a new Ray)."""
+        with self._lock:
+            self.actors = {}
+
     def stop(self) -> None:
+        """End the watch; the state file says so (the supervisor stops judging its age)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+        self._write_state(time.time(), ended=True)
 
     async def guard(self, coroutine):
         """Run the training loop; a fatal verdict cancels it and raises `RoleFailedError` with the reason."""
@@ -209,8 +216,12 @@ class HealthMonitor:
         the monitor (its own state file going stale would read as a hung run)."""
         import ray
 
+        with self._lock:
+            actors = dict(self.actors)
+        if not actors or not ray.is_initialized():  # never start a Ray of our own
+            return
         pings = {}
-        for name, handle in self.actors.items():
+        for name, handle in actors.items():
             if self.state[name].healthy:  # the first answer also gives the actor's pid
                 pings[name] = handle.__ray_call__.remote(lambda actor: os.getpid())
         if not pings:
@@ -257,9 +268,9 @@ class HealthMonitor:
         with self._lock:
             return {name: asdict(health) for name, health in self.state.items()}
 
-    def _write_state(self, now: float) -> None:
+    def _write_state(self, now: float, ended: bool = False) -> None:
         payload = {"time": now, "pid": os.getpid(), "global_restarts": self.restarts, "fatal": self.fatal,
-                   "controller": self.phase_of() if self.phase_of else {}, "roles": self.snapshot()}
+                   "ended": ended, "controller": self.phase_of() if self.phase_of else {}, "roles": self.snapshot()}
         _write_atomically(self.run_dir / STATE_FILE, payload)
 
 
@@ -286,6 +297,8 @@ def format_state(state: dict, now: float | None = None) -> str:
                      + (f" for {now - controller['since']:.0f} s" if controller.get("since") else ""))
     if state.get("fatal"):
         lines.append(f"fatal: {state['fatal']}")
+    if state.get("ended"):
+        lines.append("the run's process has ended its watch (the run finished or stopped)")
     roles = state.get("roles", {})
     width = max([len("role"), *map(len, roles)]) + 2
     lines.append(f"{'role':<{width}}{'healthy':<9}{'pid':<9}{'last heartbeat':<16}error")
