@@ -225,9 +225,9 @@ class RemoteRole:
         return await self._call("health")
 
     def save(self, directory: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list:
-        """``asynchronous``: the call is submitted and its future returned; the role's process writes the
-        checkpoint before it serves any later call (its methods run one at a time), so what it writes is the
-        state after the step the save follows."""
+        """``asynchronous``: the call is submitted and its future returned; the role's process runs the save to its
+        end before it serves a later call (the save never yields its event loop), so what it writes is the state
+        after the step the save follows."""
         if not asynchronous:
             self._wait("save", str(directory), include_optimizer)
             return []
