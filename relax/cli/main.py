@@ -424,24 +424,24 @@ def _run_command(command: str, argv: list[str]) -> int:
         raise
 
 
-def _run_fault(err: BaseException | None):
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err`` and its chain of ``__cause__`` (at most 20: a cycle must not loop)."""
+    chain = [err]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def _run_fault(err: BaseException):
     """The `RunFault` in ``err``'s chain of causes, or None."""
     from relax.utils.errors import RunFault
 
-    seen = 0
-    while err is not None and seen < 20:
-        if isinstance(err, RunFault):
-            return err
-        err, seen = err.__cause__, seen + 1
-    return None
+    return next((cause for cause in _causes(err) if isinstance(cause, RunFault)), None)
 
 
 def _cause_first(err: BaseException) -> str:
     """The innermost cause of a chained error first (a full disk's OSError rather than the wrapper's message)."""
-    chain = [err]
-    while chain[-1].__cause__ is not None and len(chain) < 20:
-        chain.append(chain[-1].__cause__)
-    return " <- ".join(f"{type(e).__name__}: {e}" for e in reversed(chain))
+    return " <- ".join(f"{type(e).__name__}: {e}" for e in reversed(_causes(err)))
 
 
 def _log_to_run_file(message: str, exc_info: BaseException | None = None) -> None:

@@ -278,7 +278,7 @@ class SyncController:
         """What a failed save raises, its staging folder removed (the previous checkpoint stays the newest)."""
         if rank() == 0:
             checkpoint.abandon_save(root, step)
-        if isinstance(err, RunFault | KeyboardInterrupt) or not isinstance(err, checkpoint.IO_ERRORS):
+        if isinstance(err, RunFault) or not isinstance(err, checkpoint.IO_ERRORS):
             return err  # a role's process died mid-save: not a checkpoint problem, and a restart can recover
         return checkpoint.CheckpointError(
             f"saving the checkpoint of step {step} failed: {checkpoint.describe_write_error(err, staging)} "

@@ -194,6 +194,11 @@ class RoleDiedError(RunFault):
     """A role's Ray process died (killed, out of memory, a crash); the message names the role."""
 
 
+def role_died(role: str, err: Exception) -> RoleDiedError:
+    """Ray's ``RayActorError`` of role ``role``'s worker, as the error that names it."""
+    return RoleDiedError(f"the {role} role's Ray process died: {str(err).splitlines()[0]}")
+
+
 class RemoteRole:
     """What every proxy shares: calls that name the role when its process is gone, instead of Ray's bare
     ``ActorDiedError``."""
@@ -202,16 +207,13 @@ class RemoteRole:
         self.name = name
         self.handle = handle
 
-    def _died(self, err: Exception) -> RoleDiedError:
-        return RoleDiedError(f"the {self.name} role's Ray process died: {str(err).splitlines()[0]}")
-
     async def _call(self, method: str, *args: Any) -> Any:
         import ray
 
         try:
             return await getattr(self.handle, method).remote(*args)
         except ray.exceptions.RayActorError as err:
-            raise self._died(err) from err
+            raise role_died(self.name, err) from err
 
     def _wait(self, method: str, *args: Any) -> Any:
         import ray
@@ -219,7 +221,7 @@ class RemoteRole:
         try:
             return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
-            raise self._died(err) from err
+            raise role_died(self.name, err) from err
 
     async def health(self) -> dict:
         return await self._call("health")
@@ -250,7 +252,8 @@ def _named_future(role: RemoteRole, future):
         if error is None:
             named.set_result(done.result())
         else:
-            named.set_exception(role._died(error) if isinstance(error, ray.exceptions.RayActorError) else error)
+            named.set_exception(role_died(role.name, error) if isinstance(error, ray.exceptions.RayActorError)
+                                else error)
 
     future.add_done_callback(settle)
     return named

@@ -29,7 +29,7 @@ import torch
 
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.build import Roles, build_advantages, build_context, needs_reference
-from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleDiedError, RoleWorker
+from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleWorker, role_died
 from relax.core.registry import PLACEABLE_ROLES, roles_for_config
 from relax.distributed.process_group import free_loopback_port
 
@@ -217,14 +217,9 @@ class RayService:
         """TransferQueue's controller and storage-unit actors by name (for `relax.core.health.HealthMonitor`)."""
         if not self.started_transfer_queue:
             return {}
-        import ray
+        from relax.data_plane.tq_plane import transfer_queue_actors
 
-        from relax.data_plane.tq_plane import CONTROLLER_NAME, CONTROLLER_NAMESPACE, storage_unit_names
-
-        actors = {"TransferQueue controller": ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)}
-        for name in storage_unit_names():
-            actors[f"TransferQueue storage unit {name}"] = ray.get_actor(name)
-        return actors
+        return transfer_queue_actors()
 
     @staticmethod
     def _wait(ref: Any, timeout: float = START_TIMEOUT_S) -> Any:
@@ -271,7 +266,7 @@ async def _named(role: str, ref):
     try:
         return await ref
     except ray.exceptions.RayActorError as err:
-        raise RoleDiedError(f"the {role} role's Ray process died: {str(err).splitlines()[0]}") from err
+        raise role_died(role, err) from err
 
 
 def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:

@@ -45,16 +45,8 @@ class DataPlaneError(RunFault):
 class TransferQueueLiveness:
     """Whether TransferQueue's controller and storage-unit actors answer Ray, from any process of the job."""
 
-    def __init__(self, storage_units: list[str]) -> None:
-        import ray
-
-        self.handles = {f"TransferQueue controller ({CONTROLLER_NAME})":
-                        ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)}
-        for name in storage_units:
-            try:
-                self.handles[f"TransferQueue storage unit {name}"] = ray.get_actor(name)
-            except ValueError:  # named in another namespace (started by another job): not watched
-                continue
+    def __init__(self, handles: dict[str, Any]) -> None:
+        self.handles = handles  # `transfer_queue_actors`
         self._answered = dict.fromkeys(self.handles, time.monotonic())
         self._checked = 0.0
 
@@ -147,14 +139,21 @@ def attach_transfer_queue_client() -> Any:
     return tq.get_client()
 
 
-def storage_unit_names() -> list[str]:
-    """The names of the running TransferQueue's storage-unit actors."""
+def transfer_queue_actors() -> dict[str, Any]:
+    """The running TransferQueue's controller and storage-unit actors, by the names errors and `relax health`
+    give them ("TransferQueue controller", "TransferQueue storage unit <actor name>")."""
     import ray
 
     controller = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
     conf = ray.get(controller.get_config.remote())
     backend = conf.backend[conf.backend.storage_backend]
-    return list((backend.get("zmq_info") or {}).keys())
+    actors = {"TransferQueue controller": controller}
+    for name in (backend.get("zmq_info") or {}):
+        try:
+            actors[f"TransferQueue storage unit {name}"] = ray.get_actor(name)
+        except ValueError:  # named in another job's namespace: not reachable from here, not watched
+            continue
+    return actors
 
 
 class TransferQueueDataPlane(DataPlane):
@@ -168,7 +167,7 @@ class TransferQueueDataPlane(DataPlane):
                  poll_interval_s: float = 0.05, client: Any = None):
         super().__init__(gate)
         self._client = client if client is not None else attach_transfer_queue_client()
-        self._liveness = TransferQueueLiveness(storage_unit_names()) if client is None else None
+        self._liveness = TransferQueueLiveness(transfer_queue_actors()) if client is None else None
         self.task_name = task_name
         self.poll_interval_s = poll_interval_s
         self._read_so_far: dict[int, int] = {}  # groups read per step
