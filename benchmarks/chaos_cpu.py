@@ -10,8 +10,13 @@ the run's steps are checked against the exactly-once contract: every step logged
 produced = consumed with none outstanding; groups missing from or beyond the uninterrupted count are the
 samples lost or duplicated.
 
-    python -m benchmarks.chaos_cpu                 # 60 steps, six faults; writes results/chaos_cpu.json
-    python -m benchmarks.chaos_cpu --steps 12      # a shorter run
+    python -m benchmarks.chaos_cpu                 # both scenarios, 60 steps each; writes results/chaos_cpu.json
+    python -m benchmarks.chaos_cpu --steps 12 --scenarios launched_engines   # a shorter run of one
+
+Scenarios: ``ray_roles`` (the Ray roles, TransferQueue's storage and the run's process, six faults) and
+``launched_engines`` (two `relax serve` engines the run starts under --use-fault-tolerance, each SIGKILLed and
+SIGSTOPped, and the run's own process SIGKILLed, five faults). For an engine the pid comes from its /health,
+detection is the first warning naming it, and recovery the next step after the run logged its relaunch.
 
 `tests/test_chaos.py` runs the same machinery on a tiny model and also compares every metric with an
 uninterrupted run's.
@@ -36,6 +41,8 @@ RESULT = ROOT / "benchmarks" / "results" / "chaos_cpu.json"
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 
 # The process behind each fault target, as `relax.core.health` names it in health.json ("run": the run's own pid).
+# A target "http://127.0.0.1:PORT" is a rollout engine the run started (--rollout-engine-protocol relax): its pid
+# is the one its /health reports.
 TARGETS = {"rollout": "rollout", "actor": "actor", "storage": "TransferQueue storage unit TransferQueueStorageUnit#0",
            "tq_controller": "TransferQueue controller", "run": None}
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? (ERROR|WARNING) ")
@@ -43,7 +50,7 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? (ERROR|WARNI
 
 @dataclass
 class Fault:
-    target: str  # a key of TARGETS
+    target: str  # a key of TARGETS, or an engine's URL
     signal: str  # "SIGKILL" or "SIGSTOP"
     after_step: int  # sent once the run has logged this step
     # filled in by run_with_faults
@@ -79,22 +86,39 @@ def _read_state(run_dir: Path) -> dict | None:
         return None
 
 
+def is_engine(target: str) -> bool:
+    return target.startswith("http://")
+
+
+def _engine_pid(url: str) -> int | None:
+    import httpx
+
+    try:
+        return int(httpx.get(f"{url}/health", timeout=2).json()["pid"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None  # not up (yet, or again)
+
+
 def _target_pid(state: dict, target: str) -> int | None:
+    if is_engine(target):
+        return _engine_pid(target)
     if TARGETS[target] is None:
         return state.get("pid")
     role = state.get("roles", {}).get(TARGETS[target], {})
     return role.get("pid") if role.get("healthy") else None
 
 
-def _first_error_after(run_log: Path, since: float) -> tuple[float, str] | None:
-    """The time and text of the first ERROR (or supervisor WARNING) line of run.log written after ``since``."""
+def _first_error_after(run_log: Path, since: float, mention: str | None = None) -> tuple[float, str] | None:
+    """The time and text of the first ERROR (or supervisor WARNING) line of run.log written after ``since``; with
+    ``mention``, the first ERROR or WARNING line that contains it."""
     try:
         lines = run_log.read_text(errors="replace").splitlines()
     except OSError:
         return None
     for line in lines:
         match = _LOG_TIME.match(line)
-        if not match or (match.group(3) == "WARNING" and "supervisor" not in line):
+        if not match or (mention is not None and mention not in line) or (
+                mention is None and match.group(3) == "WARNING" and "supervisor" not in line):
             continue
         stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
             (int(match.group(2)[1:]) / 1000 if match.group(2) else 0.999)  # a supervisor line has no ms: round up
@@ -109,6 +133,7 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
     order; returns when the run ends (or is killed at ``timeout_s``)."""
     started = time.time()
     log = run_dir.parent / f"{run_dir.name}.stderr"
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                                    stderr=stderr, process_group=0)
@@ -128,7 +153,7 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
             elif pending and step >= pending[0].after_step:
                 state = _read_state(run_dir)
                 fresh = state is not None and time.time() - state["time"] < 2.0  # the live child's, not a dead one's
-                pid = _target_pid(state, pending[0].target) if fresh else None
+                pid = _target_pid(state, pending[0].target) if fresh or is_engine(pending[0].target) else None
                 if pid is not None:
                     try:
                         os.kill(pid, getattr(signal, pending[0].signal))
@@ -158,15 +183,32 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
 
 
 def _follow(fault: Fault, run_dir: Path, step: int) -> None:
-    """Detection: the first error the run logged after the signal; recovery: the next step logged after it."""
+    """Detection: the first error the run logged after the signal (for an engine: the first warning naming it);
+    recovery: the next step logged after it (for an engine: after the run logged it relaunched)."""
+    engine = is_engine(fault.target)
     if fault.detection_s is None:
-        error = _first_error_after(run_dir / "run.log", fault.sent_at)
+        error = _first_error_after(run_dir / "run.log", fault.sent_at, mention=fault.target if engine else None)
         if error is not None:
             fault.detection_s = round(error[0] - fault.sent_at, 2)
             fault.detected_by = error[1][:300]
+    if engine and not _relaunched_after(run_dir / "run.log", fault):
+        return
     if fault.detection_s is not None and step > fault.after_step:
         fault.recovery_s = round(time.time() - fault.sent_at, 2)
         fault.recovered = True
+
+
+def _relaunched_after(run_log: Path, fault: Fault) -> bool:
+    try:
+        lines = run_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        match = _LOG_TIME.match(line)
+        if match and f"engine {fault.target} relaunched" in line and \
+                datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() >= fault.sent_at - 1:
+            return True
+    return False
 
 
 def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_group: int) -> dict:
@@ -188,10 +230,73 @@ def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_g
             "outstanding_groups": sum(row.get("data/outstanding_groups", 0) for row in trained)}
 
 
+def ray_roles_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
+    """Roles in Ray processes, TransferQueue as the data plane: each kind of process killed or stopped."""
+    every = max(2, steps // 7)
+    faults = [Fault("rollout", "SIGKILL", every), Fault("storage", "SIGSTOP", 2 * every),
+              Fault("actor", "SIGKILL", 3 * every), Fault("rollout", "SIGSTOP", 4 * every),
+              Fault("storage", "SIGKILL", 5 * every), Fault("run", "SIGKILL", 6 * every)]
+    command = ["--placement", "ray", "--fully-async", "--max-staleness", "1", "--save-interval", "2",
+               "--use-health-check", "--heartbeat-timeout-s", str(heartbeat_timeout_s),
+               "--max-global-restart", str(len(faults) + 1)]
+    return command, faults, "fully-async, --max-staleness 1, roles in Ray processes, TransferQueue data plane"
+
+
+def launched_engines_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
+    """Two `relax serve` engines the run starts (--use-fault-tolerance): each killed and stopped, and the run's
+    own process killed (its successor starts its engines again on the same ports)."""
+    from relax.distributed.process_group import free_port
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    every = max(2, steps // 6)
+    faults = [Fault(urls[0], "SIGKILL", every), Fault(urls[1], "SIGSTOP", 2 * every),
+              Fault("run", "SIGKILL", 3 * every), Fault(urls[0], "SIGSTOP", 4 * every),
+              Fault(urls[1], "SIGKILL", 5 * every)]
+    command = ["--fully-async", "--max-staleness", "1", "--save-interval", "2", "--rollout-external",
+               "--rollout-engine-protocol", "relax", "--rollout-external-engine-addrs", *urls,
+               "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2",
+               "--use-health-check", "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--max-global-restart", "2"]
+    return command, faults, ("fully-async, --max-staleness 1, in-process trainer, two `relax serve` engines started "
+                             "by the run (--rollout-engine-protocol relax --use-fault-tolerance)")
+
+
+SCENARIOS = {"ray_roles": ray_roles_scenario, "launched_engines": launched_engines_scenario}
+
+
+def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Path) -> dict:
+    import yaml
+
+    config = yaml.safe_load(CONFIG.read_text())
+    groups, samples = int(config["rollout_batch_size"]), int(config["n_samples_per_prompt"])
+    extra, faults, mode = SCENARIOS[name](steps, heartbeat_timeout_s)
+    command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(CONFIG), "--num-rollout", str(steps),
+               "--skip-eval-before-train", "--eval-interval", str(10 * steps), "--max-checkpoints", "2",
+               "--dump-samples", "0", "--no-use-tensorboard", "--output-dir", str(run_dir), *extra]
+    report = run_with_faults(command, run_dir, faults, timeout_s=60 * 60,
+                             env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    counts = accounting(rows, steps, groups, samples)
+    detections = [f.detection_s for f in report.faults if f.detection_s is not None]
+    result = {
+        "faults_injected": sum(f.sent_at is not None for f in report.faults),
+        "recovered": sum(f.recovered for f in report.faults),
+        "samples_lost": counts["samples_lost"], "samples_duplicated": counts["samples_duplicated"],
+        "max_detection_s": max(detections, default=None),
+        "finished": report.returncode == 0 and counts["steps_logged"] == steps,
+        "returncode": report.returncode, "wall_s": round(report.wall_s, 1), "steps": steps,
+        "accounting": counts, "mode": mode,
+        "faults": [dict(asdict(f)) for f in report.faults],
+    }
+    if not result["finished"]:
+        print(report.stderr_tail, file=sys.stderr)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a temporary directory")
     args = parser.parse_args()
@@ -199,46 +304,32 @@ def main() -> None:
         raise SystemExit("build the quickstart first: python examples/quickstart/build_quickstart.py")
     import tempfile
 
-    import yaml
-
-    config = yaml.safe_load(CONFIG.read_text())
-    groups, samples = int(config["rollout_batch_size"]), int(config["n_samples_per_prompt"])
-    every = max(2, args.steps // 7)
-    faults = [Fault("rollout", "SIGKILL", every), Fault("storage", "SIGSTOP", 2 * every),
-              Fault("actor", "SIGKILL", 3 * every), Fault("rollout", "SIGSTOP", 4 * every),
-              Fault("storage", "SIGKILL", 5 * every), Fault("run", "SIGKILL", 6 * every)]
+    scenarios = {}
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = args.run_dir or Path(tmp) / "chaos"
-        command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(CONFIG),
-                   "--num-rollout", str(args.steps), "--placement", "ray", "--fully-async", "--max-staleness", "1",
-                   "--skip-eval-before-train", "--eval-interval", str(10 * args.steps), "--save-interval", "2",
-                   "--max-checkpoints", "2", "--dump-samples", "0", "--no-use-tensorboard",
-                   "--use-health-check", "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
-                   "--max-global-restart", str(len(faults) + 1), "--output-dir", str(run_dir)]
-        report = run_with_faults(command, run_dir, faults, timeout_s=60 * 60,
-                                 env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    counts = accounting(rows, args.steps, groups, samples)
-    detections = [f.detection_s for f in report.faults if f.detection_s is not None]
-    out = {
+        for name in args.scenarios:
+            run_dir = (args.run_dir or Path(tmp)) / name
+            scenarios[name] = run_scenario(name, args.steps, args.heartbeat_timeout_s, run_dir)
+            print(name, json.dumps({k: scenarios[name][k] for k in ("faults_injected", "recovered", "samples_lost",
+                                                                     "samples_duplicated", "max_detection_s",
+                                                                     "finished")}))
+    results = list(scenarios.values())
+    detections = [r["max_detection_s"] for r in results if r["max_detection_s"] is not None]
+    out = {  # the headline over every scenario, then each one
         "benchmark": "chaos_cpu",
-        "faults_injected": sum(f.sent_at is not None for f in report.faults),
-        "recovered": sum(f.recovered for f in report.faults),
-        "samples_lost": counts["samples_lost"], "samples_duplicated": counts["samples_duplicated"],
+        "faults_injected": sum(r["faults_injected"] for r in results),
+        "recovered": sum(r["recovered"] for r in results),
+        "samples_lost": sum(r["samples_lost"] for r in results),
+        "samples_duplicated": sum(r["samples_duplicated"] for r in results),
         "max_detection_s": max(detections, default=None),
-        "finished": report.returncode == 0 and counts["steps_logged"] == args.steps,
-        "returncode": report.returncode, "wall_s": round(report.wall_s, 1), "steps": args.steps,
-        "accounting": counts, "heartbeat_timeout_s": args.heartbeat_timeout_s,
-        "faults": [{k: v for k, v in asdict(f).items()} for f in report.faults],
+        "finished": all(r["finished"] for r in results),
+        "steps": args.steps, "heartbeat_timeout_s": args.heartbeat_timeout_s,
         "command": "python -m benchmarks.chaos_cpu " + " ".join(sys.argv[1:]),
-        "mode": "fully-async, --max-staleness 1, roles in Ray processes, TransferQueue data plane, quickstart config",
+        "scenarios": scenarios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("faults_injected", "recovered", "samples_lost", "samples_duplicated",
                                           "max_detection_s", "finished")}, indent=2))
-    if not out["finished"]:
-        print(report.stderr_tail, file=sys.stderr)
 
 
 if __name__ == "__main__":

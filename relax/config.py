@@ -11,6 +11,7 @@ may not live in the entrypoint layer that fills it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -353,12 +354,14 @@ class RelaxConfig(BaseModel):
     rollout_external_engine_addrs: list[str] = _field(
         [], "Base URLs of the external servers, e.g. `http://10.0.0.5:30000 http://10.0.0.6:30000`.", "engines"
     )
-    rollout_engine_protocol: Literal["sglang", "openai", "vllm"] = _field(
+    rollout_engine_protocol: Literal["sglang", "openai", "vllm", "relax"] = _field(
         "sglang",
         "Protocol of the external servers: `sglang` (native /generate; `relax serve` and SGLang), `openai` "
-        "(/v1/completions; weight updates need the server's /update_weights_from_disk) or `vllm` (relax starts a "
+        "(/v1/completions; weight updates need the server's /update_weights_from_disk), `vllm` (relax starts a "
         "vLLM server at each address, which must be http://127.0.0.1:PORT, from .venv-vllm or $RELAX_VLLM_PYTHON, "
-        "and reloads its weights in place; docs/engines.md).",
+        "and reloads its weights in place) or `relax` (relax starts a `relax serve` process at each "
+        "http://127.0.0.1:PORT, on the trainer's device and dtype: each engine in a process of its own; "
+        "docs/engines.md).",
         "engines",
     )
     rollout_health_check_interval: float = _field(
@@ -371,6 +374,17 @@ class RelaxConfig(BaseModel):
     )
     rollout_health_check_max_consecutive_failures: int = _field(
         2, "Failed health checks in a row after which an engine with requests in flight is given up on.", "engines",
+        ge=1,
+    )
+    use_fault_tolerance: bool = _field(
+        False, "Relaunch the rollout engines this run starts (--rollout-engine-protocol relax or vllm) when they die "
+        "or stop answering health checks: the process group is killed, started again and loaded with the current "
+        "weights before it gets work, while its request groups go to the other engines (or wait for it; "
+        "upstream's flag; docs/fault_tolerance.md). Servers started outside the run are routed around and probed "
+        "again without it.", "engines",
+    )
+    rollout_engine_max_relaunches: int = _field(
+        3, "Relaunches per engine under --use-fault-tolerance; after them a failing engine stays down.", "engines",
         ge=1,
     )
     rollout_engine_api_key: str | None = _field(
@@ -428,6 +442,13 @@ class RelaxConfig(BaseModel):
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
                                  f"{flag('rollout_api_port')}")
+        if self.changed("rollout_engine_max_relaunches") and not self.use_fault_tolerance:
+            raise ValueError(f"{flag('rollout_engine_max_relaunches')} needs {flag('use_fault_tolerance')}")
+        if self.use_fault_tolerance and not (self.rollout_external
+                                             and self.rollout_engine_protocol in ("relax", "vllm")):
+            raise ValueError(f"{flag('use_fault_tolerance')} relaunches the engines this run starts: it needs "
+                             f"{flag('rollout_external')} with {flag('rollout_engine_protocol')} relax or vllm "
+                             "(servers started outside the run are routed around and probed again without it)")
         if not self.rollout_external:
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",
@@ -446,13 +467,20 @@ class RelaxConfig(BaseModel):
                                  "(http://host:port)")
         if len({a.rstrip("/") for a in self.rollout_external_engine_addrs}) != len(self.rollout_external_engine_addrs):
             raise ValueError(f"{flag('rollout_external_engine_addrs')}: an address is listed twice")
-        if self.rollout_engine_protocol == "vllm" and not all(
-                a.rstrip("/").startswith("http://127.0.0.1:") for a in self.rollout_external_engine_addrs):
-            raise ValueError(f"{flag('rollout_engine_protocol')} vllm starts the servers on this machine: every "
-                             f"{flag('rollout_external_engine_addrs')} must be http://127.0.0.1:PORT")
-        if self.weight_sync_transport == "broadcast" and self.rollout_engine_protocol != "sglang":
+        if self.rollout_engine_protocol in ("vllm", "relax"):
+            for address in self.rollout_external_engine_addrs:
+                if not re.fullmatch(r"http://127\.0\.0\.1:\d{1,5}/?", address) or not 0 < int(
+                        address.rstrip("/").rsplit(":", 1)[1]) < 65536:
+                    raise ValueError(f"{flag('rollout_engine_protocol')} {self.rollout_engine_protocol} starts the "
+                                     f"servers on this machine: {flag('rollout_external_engine_addrs')} {address!r} "
+                                     "must be http://127.0.0.1:PORT")
+        if self.weight_sync_transport == "broadcast" and self.rollout_engine_protocol not in ("sglang", "relax"):
             raise ValueError(f"{flag('weight_sync_transport')} broadcast needs {flag('rollout_engine_protocol')} "
-                             "sglang (OpenAI-protocol servers have no /init_weights_update_group)")
+                             "sglang or relax (OpenAI-protocol servers have no /init_weights_update_group)")
+        if self.use_fault_tolerance and self.weight_sync_transport == "broadcast":
+            raise ValueError(f"{flag('use_fault_tolerance')} needs {flag('weight_sync_transport')} disk: a relaunched "
+                             "engine loads the current weights from --rollout-weights-dir (a new process cannot "
+                             "join the running broadcast group)")
         if self.multimodal_keys:
             raise ValueError(f"{flag('rollout_external')} does not take {flag('multimodal_keys')} yet (media are not "
                              "sent over HTTP)")

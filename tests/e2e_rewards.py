@@ -83,3 +83,12 @@ def digit_fraction_paced(args, sample):
 
     time.sleep(0.03)
     return digit_fraction(args, sample)
+
+
+def digit_fraction_slow(args, sample):
+    """`digit_fraction` taking 100 ms a call (~1.6 s a tiny step): long enough for a relaunched engine (a few
+    seconds) to come back within a few steps of a short run."""
+    import time
+
+    time.sleep(0.1)
+    return digit_fraction(args, sample)

@@ -10,10 +10,15 @@ supervisor's stale health state), the run restarts from its newest checkpoint (-
 with --async-save, so faults also land while a checkpoint is written in the background), and the metrics after
 it equal the uninterrupted run's (blocking saves) for every step.
 
+A run on rollout engines it started (`relax serve` processes, --use-fault-tolerance) has each engine SIGKILLed
+and SIGSTOPped and its own process SIGKILLed: each engine is relaunched at the current weights while its groups
+finish on the other, and the metrics equal an uninterrupted run's.
+
 Faults of the other modes have their own tests: the in-process trainer SIGKILLed
 (tests/test_global_restart.py), the process writing a checkpoint SIGKILLed at seven points of the save
 (tests/test_checkpoint_faults.py), an external engine SIGKILLed or SIGSTOPped (tests/test_http_engines.py), a
-reward that hangs, leaks or crashes (tests/test_reward_workers.py).
+launched engine relaunched (tests/test_engine_relaunch.py), a reward that hangs, leaks or crashes
+(tests/test_reward_workers.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pytest
 
 from benchmarks.chaos_cpu import Fault, accounting, run_with_faults
 from relax.core.health import format_state, read_state
+from relax.distributed.process_group import free_port
 from relax.utils.tracking import read_metrics
 from tests.conftest import ROOT, run_relax, tiny_train_args
 
@@ -145,3 +151,46 @@ def test_a_stopped_in_process_run_is_killed_and_restarted_by_its_supervisor(tiny
     assert fault.recovered and "has written no health state" in fault.detected_by, fault
     assert fault.detection_s < 10, fault
     _compare(read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl"))
+
+
+def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_path):
+    """--rollout-engine-protocol relax with --use-fault-tolerance: two `relax serve` processes. Engine A is
+    SIGKILLed, engine B SIGSTOPped, A SIGKILLed again, then the run's own process (a global restart: the new run
+    starts its engines on the same ports). Each engine fault is logged naming the engine, the engine is
+    relaunched at the current weights while its groups finish on the other, and every metric equals the
+    uninterrupted run's (a sample generated with stale weights would change train/ppo_kl and the loss)."""
+    import sys
+
+    steps = 18
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    def args(run_dir, *extra):
+        argv = tiny_train_args(
+            tiny_workspace, run_dir, "--num-rollout", str(steps), "--save-interval", "2", "--skip-eval-before-train",
+            "--dump-samples", "0", "--no-use-tensorboard", "--rollout-external", "--rollout-engine-protocol",
+            "relax", "--rollout-external-engine-addrs", *urls, *extra)
+        argv[argv.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_slow"
+        return argv
+
+    reference_dir = tmp_path / "reference"
+    reference = run_relax("train", *args(reference_dir), timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    run_dir = tmp_path / "chaos"
+    faults = [Fault(urls[0], "SIGKILL", 2), Fault(urls[1], "SIGSTOP", 6), Fault(urls[0], "SIGKILL", 10),
+              Fault("run", "SIGKILL", 14)]
+    command = [sys.executable, "-m", "relax.cli.main", "train", *args(
+        run_dir, "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
+        "--rollout-health-check-timeout", "1", "--use-health-check", "--max-global-restart", "1")]
+    report = run_with_faults(command, run_dir, faults, timeout_s=600, env={"PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0, report.stderr_tail
+    for fault in faults:
+        assert fault.sent_at is not None and fault.recovered, fault
+        assert fault.detection_s is not None and fault.detection_s < 30, fault
+    for fault in faults[:3]:
+        assert fault.target in fault.detected_by, fault
+    log = (run_dir / "run.log").read_text()
+    assert log.count(f"engine {urls[0]} relaunched") == 2 and log.count(f"engine {urls[1]} relaunched") == 1
+
+    mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
+    _compare(mine, theirs)

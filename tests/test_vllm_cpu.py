@@ -132,7 +132,7 @@ def test_the_api_key_guards_vllm_and_stays_out_of_its_command_line(engine):
     assert models.status_code == 401
     authorized = httpx.get(f"{engine.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert authorized.status_code == 200
-    assert API_KEY not in " ".join(engine.server.command(engine.base_model_dir))
+    assert API_KEY not in " ".join(engine.server.arguments(engine.base_model_dir))
     assert API_KEY not in engine.server.log_tail(lines=10_000)
 
 

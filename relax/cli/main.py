@@ -332,6 +332,8 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
                         help="the engine core (continuous batching, paged KV, CUDA graphs): auto = on CUDA for the "
                         "models it supports; on = on CPU too; off = the Hugging Face decode loop")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85,
+                        help="on CUDA, the share of the free device memory (after the weights) the KV pool takes")
     parser.add_argument("--weight-update-root", default=None,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
@@ -344,7 +346,8 @@ def cmd_serve(argv: list[str]) -> int:
         serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
               dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
               batch_window_ms=args.batch_window_ms, log_level=args.log_level,
-              weight_update_root=args.weight_update_root, engine_core=args.engine_core)
+              weight_update_root=args.weight_update_root, engine_core=args.engine_core,
+              mem_fraction_static=args.mem_fraction_static)
     except ValueError as err:
         print(f"relax serve: error: {err}", file=sys.stderr)
         return 2

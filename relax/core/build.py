@@ -20,6 +20,7 @@ from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import SGLangHTTPEngine
+from relax.backends.inference.relax_server import RelaxServerEngine, RelaxServerSettings
 from relax.backends.inference.router import EngineRouter
 from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
 from relax.backends.model_family import load_model
@@ -183,6 +184,9 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     elif cfg.rollout_engine_protocol == "vllm":
         engines = [build_vllm_server_engine(cfg, address, tokenizer, weights_dir)
                    for address in cfg.rollout_external_engine_addrs]
+    elif cfg.rollout_engine_protocol == "relax":
+        engines = [build_relax_server_engine(cfg, address, weights_dir)
+                   for address in cfg.rollout_external_engine_addrs]
     else:
         engines = [SGLangHTTPEngine(address, api_key=key, weights_dir=weights_dir)
                    for address in cfg.rollout_external_engine_addrs]
@@ -196,7 +200,8 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size,
                         health_check_interval_s=cfg.rollout_health_check_interval,
                         health_check_timeout_s=cfg.rollout_health_check_timeout,
-                        health_check_max_failures=cfg.rollout_health_check_max_consecutive_failures)
+                        health_check_max_failures=cfg.rollout_health_check_max_consecutive_failures,
+                        relaunch_limit=cfg.rollout_engine_max_relaunches if cfg.use_fault_tolerance else 0)
 
 
 def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_dir: Path) -> VLLMServerEngine:
@@ -206,6 +211,18 @@ def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_
     return VLLMServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
                             served_model_name=Path(cfg.hf_checkpoint).name, tokenizer=tokenizer,
                             settings=VLLMServerSettings(dtype=dtype), api_key=cfg.rollout_engine_api_key)
+
+
+def build_relax_server_engine(cfg: RelaxConfig, address: str, weights_dir: Path) -> RelaxServerEngine:
+    """`--rollout-engine-protocol relax`: a `relax serve` process this run starts on ``address``
+    (127.0.0.1:PORT) at its first use and stops at exit, on the trainer's device and compute dtype."""
+    device = resolve_device(cfg)
+    settings = RelaxServerSettings(device=str(device), dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."),
+                                   engine_core=cfg.engine_core, mem_fraction_static=cfg.mem_fraction_static,
+                                   max_batch_size=cfg.rollout_max_batch_size)
+    return RelaxServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
+                             log_dir=Path(cfg.output_dir) / "engines", settings=settings,
+                             api_key=cfg.rollout_engine_api_key)
 
 
 def eval_sampling(cfg: RelaxConfig) -> SamplingParams:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -234,7 +235,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {**await engine.health(), **batcher.stats()}
+        # The pid lets an operator (and the chaos tests) find the process behind an engine URL.
+        return {**await engine.health(), **batcher.stats(), "pid": os.getpid()}
 
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:

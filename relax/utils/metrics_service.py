@@ -3,7 +3,7 @@
 ``GET http://127.0.0.1:<port>/metrics`` (prometheus_client's exposition, on 127.0.0.1 only) gives the last logged
 step and every metric of it as ``relax_<name>`` (``rollout/reward_mean`` -> ``relax_rollout_reward_mean``), the
 number of global restarts so far, and per rollout engine behind a router whether it is healthy, its in-flight
-requests and its weight version, and under ``--use-health-check`` each role's health and heartbeat age. Values are
+requests, its weight version and its relaunches, and under ``--use-health-check`` each role's health and heartbeat age. Values are
 read when scraped, so nothing is pushed anywhere.
 """
 
@@ -45,12 +45,15 @@ class _RunCollector:
                                             labels=["engine"])
             version = GaugeMetricFamily("relax_engine_weight_version", "The weight version it serves.",
                                         labels=["engine"])
+            relaunches = GaugeMetricFamily("relax_engine_relaunches", "Relaunches of the engine so far "
+                                           "(--use-fault-tolerance).", labels=["engine"])
             for engine in engines:
                 name = str(engine["engine"])
                 healthy.add_metric([name], float(engine["healthy"] and not engine.get("draining", False)))
                 outstanding.add_metric([name], float(engine.get("outstanding", 0)))
                 version.add_metric([name], float(engine.get("weight_version", 0)))
-            yield from (healthy, outstanding, version)
+                relaunches.add_metric([name], float(engine.get("relaunches", 0)))
+            yield from (healthy, outstanding, version, relaunches)
         roles = service.role_health() if service.role_health else {}
         if roles:
             healthy = GaugeMetricFamily("relax_role_healthy", "1 while the role's process is alive and beating "

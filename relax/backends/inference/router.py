@@ -11,6 +11,10 @@
   SIGSTOPped) is given up on after ``health_check_max_failures`` checks and its whole groups go elsewhere. A down
   engine is probed again (``health()``) after ``retry_down_after_s`` and routed to once it answers (after
   catching up to the router's weight version when it can load it from disk).
+- **Relaunch** (``relaunch_limit`` > 0; ``--use-fault-tolerance``): an engine this run started (one with a
+  ``relaunch()`` method: `relax serve` or vLLM processes) that is marked down is killed and started again in the
+  background, at most ``relaunch_limit`` times, then brought to the router's weight version before it gets work.
+  While a relaunch runs, a call with no other engine waits for it instead of failing after ``wait_for_engine_s``.
 - **Fan-out**: `update_weights`, `pause`, `resume` and `abort` go to every engine; the router's
   `weight_version` is the minimum over the engines it routes to.
 - **Elastic**: `add_engine` and `remove_engine(drain=True)` (stop routing to it, wait for its in-flight
@@ -85,6 +89,8 @@ class _Slot:
     last_assigned: float = 0.0
     in_flight: set[str] = field(default_factory=set)
     served: int = 0  # requests completed here
+    relaunches: int = 0  # relaunches started
+    relaunching: asyncio.Task | None = None
 
     @property
     def name(self) -> str:
@@ -96,7 +102,8 @@ class EngineRouter(InferenceEngine):
                  wait_for_engine_s: float = 30.0, health_timeout_s: float = 10.0,
                  weight_transport: BroadcastWeightTransport | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, health_check_interval_s: float | None = None,
-                 health_check_timeout_s: float = 30.0, health_check_max_failures: int = 2) -> None:
+                 health_check_timeout_s: float = 30.0, health_check_max_failures: int = 2,
+                 relaunch_limit: int = 0) -> None:
         self._slots: list[_Slot] = []
         for engine in engines:
             self._slots.append(_Slot(engine))
@@ -110,6 +117,8 @@ class EngineRouter(InferenceEngine):
         self.health_check_interval_s = health_check_interval_s
         self.health_check_timeout_s = health_check_timeout_s
         self.health_check_max_failures = health_check_max_failures
+        # Relaunches per engine that can relaunch itself (0: never; a down engine is only probed again).
+        self.relaunch_limit = relaunch_limit
         self._sticky: OrderedDict[str, _Slot] = OrderedDict()
         self._version: int | None = None  # the last version pushed by update_weights
         # Pushes versions to every (HTTP) engine over one broadcast group instead of through the disk.
@@ -124,6 +133,7 @@ class EngineRouter(InferenceEngine):
     def stats(self) -> list[dict[str, Any]]:
         return [{"engine": slot.name, "healthy": slot.healthy, "draining": slot.draining,
                  "outstanding": slot.outstanding, "served": slot.served, "weight_version": slot.engine.weight_version,
+                 "relaunches": slot.relaunches, "relaunching": slot.relaunching is not None,
                  "last_error": slot.last_error} for slot in self._slots]
 
     async def add_engine(self, engine: InferenceEngine) -> None:
@@ -149,6 +159,7 @@ class EngineRouter(InferenceEngine):
                                        f"after {timeout_s} s")
                 await asyncio.sleep(0.01)
         self._slots.remove(slot)
+        self._cancel_relaunch(slot)
 
     def _find(self, engine: InferenceEngine | str) -> _Slot:
         for slot in self._slots:
@@ -181,7 +192,7 @@ class EngineRouter(InferenceEngine):
                 while len(self._sticky) > MAX_STICKY_GROUPS:
                     self._sticky.popitem(last=False)
                 return slot
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self._relaunching():
                 raise NoEngineAvailableError(
                     f"no engine can serve requests after {self.wait_for_engine_s} s: "
                     + "; ".join(f"{s.name}: {'draining' if s.draining else 'behind the weights' if s.healthy else 'down'}"
@@ -191,23 +202,28 @@ class EngineRouter(InferenceEngine):
 
     async def _probe_due(self) -> None:
         now = time.monotonic()
-        due = [s for s in self._slots if (not s.healthy or not self._current(s))
+        due = [s for s in self._slots if (not s.healthy or not self._current(s)) and s.relaunching is None
                and now - s.down_since >= self.retry_down_after_s]
         if due:
             await asyncio.gather(*(self._probe(slot) for slot in due))
 
-    async def _probe(self, slot: _Slot) -> bool:
+    async def _probe(self, slot: _Slot, relaunched: bool = False) -> bool:
         """Health-check one engine; a healthy engine behind the router's version loads it when it can."""
+        if slot.relaunching is not None and not relaunched:
+            return False  # the relaunch probes it when the new process is up
         try:
             await asyncio.wait_for(slot.engine.health(), self.health_timeout_s)
             if self._version is not None and slot.engine.weight_version < self._version:
                 load = getattr(slot.engine, "load_weights", None)
                 if load is not None:
-                    await load(self._version)
+                    await self._watched(slot, load(self._version))
         except Exception as error:  # noqa: BLE001 - any failure keeps it out of rotation
+            if relaunched:  # the relaunch reports it; a failure here must not start another from inside it
+                slot.last_error = f"{type(error).__name__}: {error}"[:300]
+                return False
             self._mark_down(slot, error)
             return False
-        if not slot.healthy:
+        if not slot.healthy and not relaunched:
             logger.warning("engine %s is back", slot.name)
         slot.healthy, slot.last_error = True, ""
         if not self._current(slot):  # cannot catch up by itself: probe again later, not on every pick
@@ -221,6 +237,55 @@ class EngineRouter(InferenceEngine):
         slot.healthy = False
         slot.down_since = time.monotonic()
         slot.last_error = f"{type(error).__name__}: {error}"[:300]
+        self._maybe_relaunch(slot)
+
+    # ---------------------------------------------------------------------------- relaunch
+
+    def _relaunching(self) -> bool:
+        return any(slot.relaunching is not None for slot in self._slots)
+
+    def _maybe_relaunch(self, slot: _Slot) -> None:
+        relaunch = getattr(slot.engine, "relaunch", None)
+        if relaunch is None or slot.relaunching is not None or slot.draining or slot not in self._slots:
+            return
+        if slot.relaunches >= self.relaunch_limit:
+            if self.relaunch_limit:
+                logger.error("engine %s is down and was relaunched %d times already (the limit): it stays down",
+                             slot.name, slot.relaunches)
+            return
+        slot.relaunches += 1
+        slot.relaunching = asyncio.get_running_loop().create_task(self._relaunch(slot, relaunch))
+
+    async def _relaunch(self, slot: _Slot, relaunch) -> None:
+        """Kill and restart the engine, then probe it: the probe loads the router's weight version into it, so
+        it serves nothing older than the other engines."""
+        started = time.monotonic()
+        logger.warning("relaunching engine %s (%d/%d): %s", slot.name, slot.relaunches, self.relaunch_limit,
+                       slot.last_error)
+        try:
+            await relaunch()
+            back = await self._probe(slot, relaunched=True)
+            for _ in range(3):  # a newer version published while it loaded the last one: load that too
+                if not back or self._current(slot):
+                    break
+                back = await self._probe(slot, relaunched=True)
+        except Exception as error:  # noqa: BLE001 - a failed relaunch leaves it down; the next failure retries
+            back = False
+            slot.last_error = f"relaunch failed: {type(error).__name__}: {error}"[:300]
+        finally:
+            slot.relaunching = None
+        if back and self._current(slot):
+            logger.warning("engine %s relaunched in %.1f s, serving weight version %d", slot.name,
+                           time.monotonic() - started, slot.engine.weight_version)
+        else:
+            logger.error("engine %s: relaunch %d did not bring it back: %s", slot.name, slot.relaunches,
+                         slot.last_error)
+            slot.healthy, slot.down_since = False, time.monotonic()
+
+    def _cancel_relaunch(self, slot: _Slot) -> None:
+        if slot.relaunching is not None:
+            slot.relaunching.cancel()
+            slot.relaunching = None
 
     # ---------------------------------------------------------------------------- InferenceEngine
 
@@ -278,9 +343,10 @@ class EngineRouter(InferenceEngine):
             slot.outstanding -= len(batch)
 
     async def _watched(self, slot: _Slot, call):
-        """``call`` on ``slot``'s engine, health-checked while it runs: an engine that stops answering (a stopped
-        process, a hung server: its generate call would otherwise wait out the HTTP timeout) is given up on after
-        ``health_check_max_failures`` failed checks in a row, with `EngineUnresponsiveError` (retried elsewhere)."""
+        """``call`` on ``slot``'s engine (a generation, a weight load, a pause), health-checked while it runs: an
+        engine that stops answering (a stopped process, a hung server: the call would otherwise wait out its HTTP
+        timeout) is given up on after ``health_check_max_failures`` failed checks in a row, with
+        `EngineUnresponsiveError` (retried elsewhere)."""
         task = asyncio.ensure_future(call)
         if self.health_check_interval_s is None:
             return await task
@@ -295,13 +361,13 @@ class EngineRouter(InferenceEngine):
                     failures = 0
                 except Exception as error:  # noqa: BLE001 - any failed check counts
                     failures += 1
-                    logger.warning("engine %s failed health check %d/%d with requests in flight: %s", slot.name,
+                    logger.warning("engine %s failed health check %d/%d with a call in flight: %s", slot.name,
                                    failures, self.health_check_max_failures, f"{type(error).__name__}: {error}"[:200])
                     if failures >= self.health_check_max_failures:
                         raise EngineUnresponsiveError(
                             f"{slot.name} stopped answering health checks ({failures} in a row, every "
                             f"{self.health_check_interval_s} s, {self.health_check_timeout_s} s each) after "
-                            f"{time.monotonic() - started:.1f} s with requests in flight") from None
+                            f"{time.monotonic() - started:.1f} s with a call in flight") from None
         finally:
             if not task.done():
                 task.cancel()
@@ -320,8 +386,9 @@ class EngineRouter(InferenceEngine):
         await self._fan_out("resume", owner)
 
     async def _fan_out(self, method: str, *args) -> None:
-        slots = [s for s in self._slots if s.healthy]
-        results = await asyncio.gather(*(getattr(s.engine, method)(*args) for s in slots), return_exceptions=True)
+        slots = [s for s in self._slots if s.healthy and s.relaunching is None]
+        results = await asyncio.gather(*(self._watched(s, getattr(s.engine, method)(*args)) for s in slots),
+                                       return_exceptions=True)
         for slot, result in zip(slots, results):
             if isinstance(result, BaseException):
                 if not is_retryable(result):
@@ -333,7 +400,8 @@ class EngineRouter(InferenceEngine):
         back, or stays out of rotation until the next update). Engines that write to one ``weights_dir`` share
         one published copy. Raises when no engine took the update."""
         tensors = list(named_tensors)
-        slots = list(self._slots)
+        # An engine being relaunched catches up when it is back (its probe loads the newest version).
+        slots = [slot for slot in self._slots if slot.relaunching is None]
         if self.weight_transport is not None:
             await self.weight_transport.update([slot.engine for slot in slots],
                                                list(bucketize(tensors, self.bucket_bytes)), version)
@@ -341,7 +409,7 @@ class EngineRouter(InferenceEngine):
             return
         by_dir: dict[str, list[_Slot]] = {}
         direct: list[_Slot] = []
-        for slot in slots:
+        for slot in self._slots:  # relaunching ones too: they load the version from disk when they are back
             directory = getattr(slot.engine, "weights_dir", None)
             if directory is not None and hasattr(slot.engine, "publish_weights"):
                 by_dir.setdefault(str(directory), []).append(slot)
@@ -356,7 +424,8 @@ class EngineRouter(InferenceEngine):
             else:
                 await slot.engine.load_weights(version)  # type: ignore[attr-defined]
 
-        results = await asyncio.gather(*(load(slot) for slot in slots), return_exceptions=True)
+        # Watched like a generation: a stopped engine would otherwise hold the update for the whole weights timeout.
+        results = await asyncio.gather(*(self._watched(slot, load(slot)) for slot in slots), return_exceptions=True)
         failures = []
         for slot, result in zip(slots, results):
             if isinstance(result, BaseException):
@@ -366,7 +435,7 @@ class EngineRouter(InferenceEngine):
                 failures.append(f"{slot.name}: {result}")
         # From now on engines behind this version get no work until they load it (on their next health probe).
         self._version = version if self._version is None else max(self._version, version)
-        if slots and len(failures) == len(slots):
+        if slots and len(failures) == len(slots) and not self._relaunching():
             raise NoEngineAvailableError(f"weight version {version} reached no engine: " + "; ".join(failures))
 
     async def health(self) -> dict[str, Any]:
@@ -387,6 +456,7 @@ class EngineRouter(InferenceEngine):
 
     async def aclose(self) -> None:
         for slot in self._slots:
+            self._cancel_relaunch(slot)
             close = getattr(slot.engine, "aclose", None)
             if close is not None:
                 await close()

