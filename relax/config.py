@@ -312,6 +312,25 @@ class RelaxConfig(BaseModel):
         "rollout",
         gt=0,
     )
+    env_workers: int = _field(
+        0, "Run the --rollout-interaction-env-path environments in this many worker processes instead of threads of "
+        "the rollout's process: an environment that crashes its process (a segfault, os._exit, the OOM killer) "
+        "fails only the episodes of its worker, which is replaced; each episode stays in one worker. 0: threads "
+        "(docs/agentic.md).", "rollout", ge=0,
+    )
+    env_worker_memory_mb: int | None = _field(
+        None, "Address-space cap (MiB, on top of what the worker holds once started) of each --env-workers "
+        "process: an environment that leaks fails there with MemoryError.", "rollout", ge=64,
+    )
+
+    @model_validator(mode="after")
+    def _check_env_workers(self) -> RelaxConfig:
+        if self.env_workers and self.rollout_interaction_env_path is None:
+            raise ValueError(f"{flag('env_workers')} needs {flag('rollout_interaction_env_path')}")
+        if self.env_worker_memory_mb is not None and not self.env_workers:
+            raise ValueError(f"{flag('env_worker_memory_mb')} needs {flag('env_workers')}")
+        return self
+
     agent_command: str | None = _field(
         None,
         "The external agent program of `--custom-generate-function-path relax.engine.agentic.agent_rollout:generate`"

@@ -422,3 +422,33 @@ def test_a_fresh_run_sends_its_weights_before_the_first_evaluation(servers, tiny
     assert rows["external"][0]["step"] == 0
     assert rows["external"][0]["eval/accuracy"] == rows["in-process"][0]["eval/accuracy"]
     assert server.health()["weight_version"] == 1
+
+
+def test_a_resumed_run_goes_on_with_servers_that_served_its_later_versions(servers, tiny_workspace, tmp_path):
+    """A run resumed from its step-2 checkpoint (as a global restart does) on a server that served its dead
+    predecessor's version 6: the server takes version 2 again (a new publisher), the predecessor's later
+    versions in the weights directory do not hide it, and the resumed steps log the first run's metrics."""
+    (server,) = servers(1)
+    run_dir, weights = tmp_path / "run", tmp_path / "weights"
+    args = tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "6", "--save-interval", "2",
+                           "--skip-eval-before-train", "--rollout-external", "--rollout-external-engine-addrs",
+                           server.url, "--rollout-engine-api-key", API_KEY, "--rollout-weights-dir", str(weights))
+    first = run_relax("train", *args, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {row["step"]: row for row in read_metrics(run_dir / "metrics.jsonl")}
+    assert server.health()["weight_version"] == 6
+    checkpoints = run_dir / "checkpoints"
+    for step in (4, 6):  # as if the run had died after its step-2 checkpoint
+        import shutil
+
+        shutil.rmtree(checkpoints / f"iter_{step:07d}")
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("2")
+
+    resumed = run_relax("train", *args, "--load", str(checkpoints), timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert server.health()["weight_version"] == 6
+    after = {row["step"]: row for row in read_metrics(run_dir / "metrics.jsonl")}
+    assert sorted(after) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/ppo_kl"):
+            assert after[step][key] == pytest.approx(before[step][key], rel=1e-5, abs=1e-7), (step, key)

@@ -301,3 +301,40 @@ def test_check_manifest_names_the_tensor_and_version(tiny_workspace):
     assert Manifest.from_json(good.to_json()) == good
     with pytest.raises(WeightSyncError, match="unreadable weight-sync manifest"):
         Manifest.from_json('{"version": 1}')
+
+
+def test_a_resumed_run_publishes_an_older_version_that_engines_take_and_its_own_order_still_holds(
+        tiny_workspace, tmp_path, monkeypatch):
+    """A run restarted from its checkpoint of step 2 (its dead predecessor published up to 5) re-publishes 2: the
+    predecessor's later versions are removed (they would hide it and the garbage collection would take it), an
+    engine serving 5 takes 2 (another publisher: a new run), and within that run an older version is still
+    refused."""
+    from relax.distributed import weight_disk
+    from relax.serving.weights import WeightPathError, update_weights_from_path
+
+    model_dir = tiny_workspace / "model"
+    engine = EmbeddedEngine.from_pretrained(str(model_dir))
+    sync_dir = tmp_path / "sync"
+    base = engine_state(engine)
+    states = {version: perturbed(base, seed=version) for version in range(1, 6)}
+    publisher = DiskPublisher(sync_dir, keep_last=2)
+    for version in range(1, 6):
+        asyncio.run(publisher.publish(bucketize(states[version].items(), BUCKET_BYTES), version))
+    asyncio.run(update_weights_from_path(engine, str(sync_dir), None))
+    assert engine.weight_version == 5
+
+    monkeypatch.setattr(weight_disk, "PUBLISHER_RUN", "the-restarted-run")
+    resumed = perturbed(base, seed=22)
+    asyncio.run(publisher.publish(bucketize(resumed.items(), BUCKET_BYTES), 2))
+    assert complete_versions(sync_dir) == [2]  # 3-5 were the dead run's
+    assert asyncio.run(update_weights_from_path(engine, str(sync_dir), None)) == 2
+    assert engine.weight_version == 2 and engine.weight_run == "the-restarted-run"
+    assert_engine_matches(engine_state(engine), resumed)
+
+    asyncio.run(publisher.publish(bucketize(states[3].items(), BUCKET_BYTES), 3))
+    asyncio.run(update_weights_from_path(engine, str(sync_dir), 3))
+    monkeypatch.setattr(weight_disk, "PUBLISHER_RUN", "the-restarted-run")  # the same run goes back: refused
+    assert complete_versions(sync_dir) == [2, 3]
+    with pytest.raises(WeightPathError, match="older than the served version 3"):
+        asyncio.run(update_weights_from_path(engine, str(sync_dir), 2))
+    assert engine.weight_version == 3

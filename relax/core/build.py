@@ -40,6 +40,7 @@ from relax.data.sft_dataset import load_sft_samples
 from relax.distributed.process_group import world_size
 from relax.engine.agentic import multi_turn
 from relax.engine.agentic.env import load_env_builder
+from relax.engine.agentic.env_workers import EnvWorkerPool
 from relax.engine.agentic.tools import prompt_tool_settings
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rewards.custom import load_dotted_function
@@ -294,7 +295,11 @@ def build_per_sample_generation(cfg: RelaxConfig, tokenizer, multimodal: Multimo
     if function is multi_turn.generate and getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"{flag('rollout_interaction_env_path')}: the tokenizer of {flag('hf_checkpoint')} has no "
                           "chat template, which the multi-turn loop encodes observations with")
-    return PerSampleGeneration(function, path, cfg, tokenizer, multimodal)
+    pool = None
+    if cfg.env_workers and function is multi_turn.generate:
+        pool = EnvWorkerPool(cfg.rollout_interaction_env_path, cfg, tokenizer, cfg.env_workers,
+                             cfg.env_worker_memory_mb)
+    return PerSampleGeneration(function, path, cfg, tokenizer, multimodal, pool)
 
 
 def build_generation(cfg: RelaxConfig, model_path: Path, tokenizer) -> dict:

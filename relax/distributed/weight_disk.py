@@ -23,6 +23,7 @@ import re
 import shutil
 import struct
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from relax.backends.inference.base import InferenceEngine
 from relax.distributed.weight_sync import (
+    RUN_META_KEY,
     Manifest,
     NamedTensors,
     SyncMetrics,
@@ -43,6 +45,8 @@ from relax.distributed.weight_sync import (
     engine_weight_specs,
 )
 from relax.utils.durable import fsync_path
+
+PUBLISHER_RUN = uuid.uuid4().hex  # this process's id in the manifests it publishes (see RUN_META_KEY)
 
 MANIFEST_NAME = "manifest.json"
 VERSION_DIR = re.compile(r"^v(\d{8})$")
@@ -123,11 +127,16 @@ class DiskPublisher:
         directory = version_dir(self.root, version)
         if directory.exists():  # a leftover of a crashed publish, or a re-publish of this version
             shutil.rmtree(directory)
+        # Later versions are a dead run's (this run resumed from an older checkpoint): they would hide this one
+        # from engines loading the newest version, and the garbage collection would delete this one first.
+        for later, path in _version_dirs(self.root):
+            if later > version:
+                shutil.rmtree(path, ignore_errors=True)
         directory.mkdir(parents=True)
         specs = []
         for index, bucket in enumerate(buckets):
             specs.append(self._write_bucket(version, index, bucket))
-        manifest = Manifest(version, tuple(specs), dict(meta or {}))
+        manifest = Manifest(version, tuple(specs), {RUN_META_KEY: PUBLISHER_RUN, **(meta or {})})
         self._commit_manifest(directory, manifest)
         collect_garbage(self.root, self.keep_last)
         return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes, len(specs))
@@ -185,7 +194,8 @@ class DiskReceiver:
         """Version ``version``'s manifest, checked against the engine and against every bucket file's header
         (raises `WeightSyncError`); nothing is loaded."""
         manifest = self.read_manifest(version)
-        check_manifest(manifest, version, engine_weight_specs(self.engine), self.engine.weight_version)
+        check_manifest(manifest, version, engine_weight_specs(self.engine), self.engine.weight_version,
+                       self.engine.weight_run)
         for index in range(len(manifest.buckets)):
             self._check_bucket_header(manifest, index)
         return manifest
@@ -195,6 +205,7 @@ class DiskReceiver:
         started = time.perf_counter()
         manifest = self.check(version)
         await apply_to_engine(self.engine, version, self._stream(manifest))
+        self.engine.weight_run = manifest.meta.get(RUN_META_KEY)
         return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes,
                            len(manifest.buckets))
 

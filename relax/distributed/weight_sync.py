@@ -168,30 +168,42 @@ def engine_weight_specs(engine: Any) -> dict[str, TensorSpec] | None:
 
 
 INITIAL_VERSION = 0  # the checkpoint a run starts from: a new run may send it to engines that served a later one
+# Who published a version: one id per trainer process, written into each manifest (`DiskPublisher`). Versions never
+# go backwards within one publisher; a new one (a run resumed by a restart, from a checkpoint older than what the
+# engines last served) starts its own sequence.
+RUN_META_KEY = "run"
 
 
-def goes_backwards(version: int, served_version: int) -> bool:
+def goes_backwards(version: int, served_version: int, new_run: bool = False) -> bool:
     """Versions never go backwards within a run; version 0 starts a new one (a fresh run pushing its initial weights
-    into servers that served another run's later versions)."""
-    return version != INITIAL_VERSION and version < served_version
+    into servers that served another run's later versions), and so does a version from a new publisher
+    (``new_run``: a run resumed from its checkpoint after a restart re-trains from an older version)."""
+    return not new_run and version != INITIAL_VERSION and version < served_version
+
+
+def from_new_run(manifest: Manifest, served_run: str | None) -> bool:
+    """The manifest comes from another publisher than the served weights did."""
+    run = manifest.meta.get(RUN_META_KEY)
+    return run is not None and run != served_run
 
 
 def check_manifest(
     manifest: Manifest, expected_version: int | None = None, expected: dict[str, TensorSpec] | None = None,
-    served_version: int | None = None,
+    served_version: int | None = None, served_run: str | None = None,
 ) -> None:
     """Raise `WeightSyncError` if ``manifest`` cannot be applied as a whole; checked before the
     engine is touched, so a rejected version leaves it serving the previous one. With ``expected``
     (`engine_weight_specs`), every tensor must exist there with the same shape, and a floating-point
     target must get floating-point values (any precision: the engine casts). A version older than
-    ``served_version`` is refused: versions never go backwards (`goes_backwards`)."""
+    ``served_version`` is refused unless it comes from a new run (``served_run``: the publisher of the served
+    weights): versions never go backwards (`goes_backwards`)."""
     version = manifest.version
     if expected_version is not None and version != expected_version:
         raise WeightSyncError(
             f"weight sync: manifest says version {version}, the receiver expected version {expected_version}",
             version=version,
         )
-    if served_version is not None and goes_backwards(version, served_version):
+    if served_version is not None and goes_backwards(version, served_version, from_new_run(manifest, served_run)):
         raise WeightSyncError(f"weight sync: version {version} is older than the served version {served_version}",
                               version=version)
     seen: set[str] = set()

@@ -4,7 +4,8 @@ Everything a client names is checked before the engine is touched: the path (ins
 the server has one, with one answer for "missing", "not a directory" and "outside the root", so the endpoint
 cannot be used to probe the file system), every file's header (a real safetensors file), every tensor's name, shape
 and dtype against the served model, every value (no NaN or infinity), and the version (never older than the one
-served, but for 0: a new run's initial weights). Only then are the weights copied in, with the engine paused under the weight-update hold, so a rejected
+served, but for 0, a new run's initial weights, and for a version another trainer process published: a run resumed
+from an older checkpoint after a restart). Only then are the weights copied in, with the engine paused under the weight-update hold, so a rejected
 update leaves the served weights and version exactly as they were.
 """
 
@@ -35,6 +36,7 @@ from relax.distributed.weight_sync import (
     apply_to_engine,
     check_manifest,
     engine_weight_specs,
+    from_new_run,
     goes_backwards,
 )
 
@@ -89,8 +91,8 @@ async def update_weights_from_path(engine: InferenceEngine, model_path: str, wei
         raise _not_loadable(model_path, root) from None
     if versioned is not None:
         version_root, version = versioned
-        _check_version(engine, version)
         receiver = DiskReceiver(version_root, engine)
+        _check_version(engine, version, from_new_run(receiver.read_manifest(version), engine.weight_run))
         manifest = receiver.check(version)
         await asyncio.to_thread(_check_values, [bucket_path(version_root, version, i)
                                                 for i in range(len(manifest.buckets))])
@@ -126,10 +128,11 @@ def _versioned(path: Path, weight_version: int | None, model_path: str, root: Pa
     return path, version
 
 
-def _check_version(engine: InferenceEngine, version: int) -> None:
-    if goes_backwards(version, engine.weight_version):
+def _check_version(engine: InferenceEngine, version: int, new_run: bool = False) -> None:
+    if goes_backwards(version, engine.weight_version, new_run):
         raise WeightPathError(f"weight_version {version} is older than the served version {engine.weight_version} "
-                              "(versions never go backwards; 0 starts a new run)", "weight_version")
+                              "(versions never go backwards within a run; 0, or a version another trainer process "
+                              "published, starts a new one)", "weight_version")
 
 
 def _file_specs(file: Path) -> tuple[TensorSpec, ...]:

@@ -148,6 +148,10 @@ class InferenceEngine(abc.ABC):
         sends them (`update_weights`) before the next generation, which refuses to run until then."""
         raise NotImplementedError(f"{type(self).__name__} cannot release its memory")
 
+    # The publisher (trainer process) of the served weights, when they came from a versioned directory: a new one
+    # may restart the version sequence (`relax.distributed.weight_sync.goes_backwards`).
+    weight_run: str | None = None
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

@@ -177,8 +177,12 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
     trajectory = Trajectory.of_prompt(sample)
     env: BaseInteractionEnv | None = None
     try:
-        env = await call_env(load_env_builder(args.rollout_interaction_env_path), sample, args,
-                             timeout=args.env_step_timeout)
+        pool = getattr(args, "env_pool", None)
+        if pool is not None:  # --env-workers: the environment lives in a worker process
+            env = await call_env(pool.open, sample, timeout=args.env_step_timeout)
+        else:
+            env = await call_env(load_env_builder(args.rollout_interaction_env_path), sample, args,
+                                 timeout=args.env_step_timeout)
         await call_env(env.reset, timeout=args.env_step_timeout)
         stop_reason = await _play(args, env, encoder, trajectory, sampling_params, sample)
     except EnvCallError as err:

@@ -43,11 +43,12 @@ class GenerateArgs:
     the run's config field of that name (``args.max_turns``, ``args.rollout_max_context_len``).
     """
 
-    def __init__(self, config: Any, engine: Any, tokenizer: Any, processor: Any = None) -> None:
+    def __init__(self, config: Any, engine: Any, tokenizer: Any, processor: Any = None, env_pool: Any = None) -> None:
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.processor = processor
+        self.env_pool = env_pool  # --env-workers: where the multi-turn loop builds its environments
         self.chat_template_kwargs = dict(getattr(config, "apply_chat_template_kwargs", None) or {})
 
     def __getattr__(self, name: str) -> Any:
@@ -75,6 +76,7 @@ class PerSampleGeneration:
     config: Any
     tokenizer: Any
     processor: Any = None
+    env_pool: Any = None  # `EnvWorkerPool` of --env-workers
 
     async def run(self, engine: Any, samples: list[Sample], sampling: SamplingParams,
                   evaluation: bool = False) -> list[Sample]:
@@ -85,7 +87,7 @@ class PerSampleGeneration:
         batcher = RequestBatcher(engine)
         batcher.start()
         try:
-            args = GenerateArgs(self.config, batcher, self.tokenizer, self.processor)
+            args = GenerateArgs(self.config, batcher, self.tokenizer, self.processor, self.env_pool)
             results = await asyncio.gather(*(
                 self._call(args, sample, replace(sampling, seed=sample_seed(sampling.seed, position)), extra)
                 for position, sample in enumerate(samples)
