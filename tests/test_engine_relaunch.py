@@ -218,3 +218,37 @@ def test_launched_engine_flags_are_accepted():
                         "--rollout-external-engine-addrs", "http://127.0.0.1:30000", "http://127.0.0.1:30001/",
                         "--use-fault-tolerance", "--rollout-engine-max-relaunches", "5"])
     assert cfg.use_fault_tolerance and cfg.rollout_engine_max_relaunches == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_relaunches_the_engines_it_started(tiny_workspace, tmp_path):
+    """On the GPU: the trainer and two `relax serve` engines share the device; one engine SIGKILLed, the other
+    SIGSTOPped, each relaunched on CUDA at the current weights, and the run trains every step."""
+    import sys
+
+    from benchmarks.chaos_cpu import Fault, run_with_faults
+    from relax.utils.tracking import read_metrics
+    from tests.conftest import tiny_train_args
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    run_dir = tmp_path / "run"
+    argv = tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "44", "--skip-eval-before-train",
+                           "--no-use-tensorboard", "--dump-samples", "0", "--rollout-external",
+                           "--rollout-engine-protocol", "relax", "--rollout-external-engine-addrs", *urls,
+                           "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
+                           "--rollout-health-check-timeout", "2", "--mem-fraction-static", "0.05")
+    argv[argv.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_serial"
+    faults = [Fault(urls[0], "SIGKILL", 2), Fault(urls[1], "SIGSTOP", 12)]
+    report = run_with_faults([sys.executable, "-m", "relax.cli.main", "train", *argv], run_dir, faults,
+                             timeout_s=500, env={"PYTHONPATH": os.environ["PYTHONPATH"]})
+    assert report.returncode == 0, report.stderr_tail
+    assert all(fault.recovered for fault in faults), faults
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 45))
+    log = (run_dir / "run.log").read_text()
+    assert "device cuda" in log and all(f"engine {url} relaunched" in log for url in urls)
+    print("faults:", [(f.target, f.signal, f.detection_s, f.recovery_s) for f in faults])
+    for url in urls:
+        port = url.rsplit(":", 1)[1]
+        assert (run_dir / "engines" / f"relax_serve_{port}.log").read_text().count("==== ") == 2
