@@ -13,9 +13,10 @@ samples lost or duplicated.
     python -m benchmarks.chaos_cpu                 # both scenarios, 60 steps each; writes results/chaos_cpu.json
     python -m benchmarks.chaos_cpu --steps 12 --scenarios launched_engines   # a shorter run of one
 
-Scenarios: ``ray_roles`` (the Ray roles, TransferQueue's storage and the run's process, six faults) and
+Scenarios: ``ray_roles`` (the Ray roles, TransferQueue's storage and the run's process, seven faults) and
 ``launched_engines`` (two `relax serve` engines the run starts under --use-fault-tolerance, each SIGKILLed and
-SIGSTOPped, and the run's own process SIGKILLed, five faults). For an engine the pid comes from its /health,
+SIGSTOPped, and the run's own process SIGKILLed, five faults) and ``ray_engines`` (the same engines started by
+the rollout role in its Ray process: each engine killed or stopped, and the rollout role killed, four faults). For an engine the pid comes from its /health,
 detection is the first warning naming it, and recovery the next step after the run logged its relaunch.
 
 `tests/test_chaos.py` runs the same machinery on a tiny model and also compares every metric with an
@@ -232,10 +233,11 @@ def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_g
 
 def ray_roles_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
     """Roles in Ray processes, TransferQueue as the data plane: each kind of process killed or stopped."""
-    every = max(2, steps // 7)
+    every = max(2, steps // 8)
     faults = [Fault("rollout", "SIGKILL", every), Fault("storage", "SIGSTOP", 2 * every),
               Fault("actor", "SIGKILL", 3 * every), Fault("rollout", "SIGSTOP", 4 * every),
-              Fault("storage", "SIGKILL", 5 * every), Fault("run", "SIGKILL", 6 * every)]
+              Fault("storage", "SIGKILL", 5 * every), Fault("run", "SIGKILL", 6 * every),
+              Fault("actor", "SIGSTOP", 7 * every)]
     command = ["--placement", "ray", "--fully-async", "--max-staleness", "1", "--save-interval", "2",
                "--use-health-check", "--heartbeat-timeout-s", str(heartbeat_timeout_s),
                "--max-global-restart", str(len(faults) + 1)]
@@ -260,7 +262,25 @@ def launched_engines_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[l
                              "by the run (--rollout-engine-protocol relax --use-fault-tolerance)")
 
 
-SCENARIOS = {"ray_roles": ray_roles_scenario, "launched_engines": launched_engines_scenario}
+def ray_engines_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
+    """Roles in Ray processes, the rollout role's engines in `relax serve` processes it starts: each engine
+    killed and stopped, and the rollout role killed (its engines die with it; the restarted run starts new ones)."""
+    from relax.distributed.process_group import free_port
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    every = max(2, steps // 5)
+    faults = [Fault(urls[0], "SIGKILL", every), Fault(urls[1], "SIGSTOP", 2 * every),
+              Fault("rollout", "SIGKILL", 3 * every), Fault(urls[0], "SIGSTOP", 4 * every)]
+    command = ["--placement", "ray", "--fully-async", "--max-staleness", "1", "--save-interval", "2",
+               "--rollout-external", "--rollout-engine-protocol", "relax", "--rollout-external-engine-addrs", *urls,
+               "--use-fault-tolerance", "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "2",
+               "--use-health-check", "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--max-global-restart", "2"]
+    return command, faults, ("fully-async, --max-staleness 1, roles in Ray processes, the rollout role's two "
+                             "engines in `relax serve` processes it starts (--use-fault-tolerance)")
+
+
+SCENARIOS = {"ray_roles": ray_roles_scenario, "launched_engines": launched_engines_scenario,
+             "ray_engines": ray_engines_scenario}
 
 
 def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Path) -> dict:

@@ -4,7 +4,8 @@ with the metrics of an uninterrupted run and every group trained exactly once.
 One fully-async run with its roles in Ray processes and TransferQueue as the data plane (`--max-staleness 0`, so
 that each step's weights, and so its metrics, do not depend on timing) suffers, one after the other: SIGKILL of the
 rollout role's process, SIGSTOP of TransferQueue's storage unit, SIGKILL of the actor role's process, SIGSTOP of the
-rollout role, SIGKILL of the storage unit, and SIGSTOP of the run's own process. Each is detected (a named error
+rollout role, SIGKILL of the storage unit, SIGSTOP of the run's own process, and SIGSTOP of the actor role (the
+trainer). Each is detected (a named error
 in run.log: `RoleDiedError`, a heartbeat older than --heartbeat-timeout-s, TransferQueue's liveness check, the
 supervisor's stale health state), the run restarts from its newest checkpoint (--max-global-restart; written
 with --async-save, so faults also land while a checkpoint is written in the background), and the metrics after
@@ -63,7 +64,8 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
 
     run_dir = tmp_path / "chaos"
     faults = [Fault("rollout", "SIGKILL", 1), Fault("storage", "SIGSTOP", 3), Fault("actor", "SIGKILL", 5),
-              Fault("rollout", "SIGSTOP", 7), Fault("storage", "SIGKILL", 9), Fault("run", "SIGSTOP", 11)]
+              Fault("rollout", "SIGSTOP", 7), Fault("storage", "SIGKILL", 9), Fault("run", "SIGSTOP", 11),
+              Fault("actor", "SIGSTOP", 13)]
     import sys
 
     command = [sys.executable, "-m", "relax.cli.main", "train",
@@ -181,8 +183,8 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
     faults = [Fault(urls[0], "SIGKILL", 2), Fault(urls[1], "SIGSTOP", 6), Fault(urls[0], "SIGKILL", 10),
               Fault("run", "SIGKILL", 14)]
     command = [sys.executable, "-m", "relax.cli.main", "train", *args(
-        run_dir, "--use-fault-tolerance", "--rollout-health-check-interval", "0.5",
-        "--rollout-health-check-timeout", "1", "--use-health-check", "--max-global-restart", "1")]
+        run_dir, "--use-fault-tolerance", "--rollout-health-check-interval", "1",
+        "--rollout-health-check-timeout", "3", "--use-health-check", "--max-global-restart", "1")]
     report = run_with_faults(command, run_dir, faults, timeout_s=600, env={"PYTHONPATH": str(ROOT)})
     assert report.returncode == 0, report.stderr_tail
     for fault in faults:
@@ -191,7 +193,8 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
     for fault in faults[:3]:
         assert fault.target in fault.detected_by, fault
     log = (run_dir / "run.log").read_text()
-    assert log.count(f"engine {urls[0]} relaunched") == 2 and log.count(f"engine {urls[1]} relaunched") == 1
+    # At least: on a loaded machine a slow health check can also count as a stopped engine (and relaunch it).
+    assert log.count(f"engine {urls[0]} relaunched") >= 2 and log.count(f"engine {urls[1]} relaunched") >= 1
 
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
     _compare(mine, theirs)

@@ -86,7 +86,7 @@ def test_a_dead_or_stopped_engine_is_relaunched_at_the_current_weights(signal_na
     model_dir = tiny_workspace / "model"
     victim, survivor = engines = launched(model_dir, tmp_path, 2)
     router = EngineRouter(engines, retry_down_after_s=0.5, relaunch_limit=2, health_check_interval_s=0.5,
-                          health_check_timeout_s=1.0, health_check_max_failures=2)
+                          health_check_timeout_s=3.0, health_check_max_failures=2)
 
     async def scenario() -> None:
         try:
@@ -104,7 +104,7 @@ def test_a_dead_or_stopped_engine_is_relaunched_at_the_current_weights(signal_na
             assert all(o.finish_reason == "length" and len(o.output_ids) == 150 for o in outputs), "no request lost"
             assert all(o.weight_version == 1 for o in outputs)
 
-            await wait_for(lambda: slot_stats(router, victim)["relaunches"] == 1
+            await wait_for(lambda: slot_stats(router, victim)["relaunches"] >= 1
                            and not slot_stats(router, victim)["relaunching"], 120, "the relaunch to end")
             stats = slot_stats(router, victim)
             assert stats["healthy"], stats

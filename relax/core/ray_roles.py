@@ -29,6 +29,19 @@ logger = logging.getLogger("relax")
 CALL_TIMEOUT_S = 600.0  # a synchronous proxy call (save, load) waits at most this long
 
 
+def log_to_run_log(run_dir: Path, role: str) -> None:
+    """A role's process writes its log records to the run's run.log too (appending beside the controller's), so a
+    warning raised there (an engine relaunched by the rollout role's router, a role's own error) is in the run's
+    log, not only in Ray's worker logs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "run.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s [{role} role]: %(message)s"))
+    handler.setLevel(logging.INFO)
+    relax_logger = logging.getLogger("relax")
+    relax_logger.addHandler(handler)
+    relax_logger.setLevel(logging.INFO)
+
+
 class RoleWorker:
     """One role in its own process; ``name`` is ``actor``, ``rollout``, ``critic`` or ``reference``."""
 
@@ -39,6 +52,7 @@ class RoleWorker:
 
         self.name = name
         self.cfg = cfg
+        log_to_run_log(Path(cfg.output_dir), name)
         self._heartbeat = None
         if cfg.use_health_check:  # beats from a thread: a long training step still beats, a stopped process not
             from relax.core.health import HEARTBEAT_DIR, Heartbeat
