@@ -198,3 +198,6 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
 
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
     _compare(mine, theirs)
+    state = read_state(run_dir)  # `relax health` lists the engines of the run's router
+    assert [engine["engine"] for engine in state["engines"]] == urls and all(e["healthy"] for e in state["engines"])
+    assert urls[0] in format_state(state)

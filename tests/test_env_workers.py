@@ -10,35 +10,25 @@ import signal
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
-from relax.backends.inference.embedded import EmbeddedEngine
 from relax.config import RelaxConfig
 from relax.core.build import MULTI_TURN_PATH
 from relax.data.sample import SampleStatus
 from relax.engine.agentic import multi_turn
 from relax.engine.agentic.env_workers import EnvWorkerPool
 from relax.engine.rollout.context import PerSampleGeneration
+from tests import test_agentic_multi_turn as multi_turn_tests
 from tests.conftest import ROOT
 from tests.test_agentic_multi_turn import letter_ids, prompt_samples, sampling
 
 ENV_PATH = "tests.e2e_envs:build_env"
+tokenizer, engine = multi_turn_tests.tokenizer, multi_turn_tests.engine  # the same module-scoped fixtures
 
 
 @pytest.fixture(autouse=True)
 def importable_tests(monkeypatch):
     """Spawned workers import the environment module from this checkout."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_workspace):
-    return AutoTokenizer.from_pretrained(tiny_workspace / "model")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_workspace):
-    return EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
 
 
 def config(**overrides) -> RelaxConfig:

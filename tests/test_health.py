@@ -139,3 +139,25 @@ def test_a_verdict_ends_the_process_unless_the_run_ends_within_the_grace(ends):
     else:
         assert result.returncode == 1 and "survived" not in result.stdout
         assert "did not end within 1 s of the fault; exiting" in result.stderr
+
+
+def test_the_state_shows_the_routers_engines(tmp_path):
+    """In-process engines behind a router (`--rollout-external`): health.json and `relax health` list each one."""
+    from relax.core.health import format_state
+
+    engines = [{"engine": "http://127.0.0.1:30000", "healthy": True, "draining": False, "relaunching": False,
+                "relaunches": 2, "outstanding": 8, "weight_version": 7, "last_error": "", "served": 99},
+               {"engine": "http://127.0.0.1:30001", "healthy": False, "draining": False, "relaunching": True,
+                "relaunches": 1, "outstanding": 0, "weight_version": 0, "last_error": "EngineUnresponsiveError: x"}]
+    monitor = HealthMonitor(tmp_path, [], heartbeat_timeout_s=5, interval_s=0.1, engine_stats=lambda: engines)
+    monitor.start()
+    try:
+        _wait_for(lambda: (read_state(tmp_path) or {}).get("engines") is not None)
+    finally:
+        monitor.stop()
+    state = read_state(tmp_path)
+    assert [e["relaunches"] for e in state["engines"]] == [2, 1] and "served" not in state["engines"][0]
+    table = format_state(state).splitlines()
+    assert table[-2].split()[:5] == ["http://127.0.0.1:30000", "yes", "7", "2", "8"]
+    assert table[-1].split()[:2] == ["http://127.0.0.1:30001", "relaunching"]
+    assert table[-1].endswith("EngineUnresponsiveError: x")

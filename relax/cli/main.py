@@ -104,13 +104,18 @@ def start_metrics_service(cfg, roles):
     from relax.config import ConfigError, flag
     from relax.utils.metrics_service import MetricsService
 
-    stats = getattr(getattr(roles.rollout, "engine", None), "stats", None)
     try:
         return MetricsService(cfg.metrics_service_port, restarts=int(os.environ.get(RESTARTS_ENV, "0")),
-                              engine_stats=stats if callable(stats) else None).start()
+                              engine_stats=engine_stats_of(roles)).start()
     except OSError as err:
         raise ConfigError(f"{flag('metrics_service_port')} {cfg.metrics_service_port}: cannot listen on "
                           f"127.0.0.1 ({err.strerror or err})") from None
+
+
+def engine_stats_of(roles):
+    """The router's per-engine state (`EngineRouter.stats`) when the rollout's engines are in this process."""
+    stats = getattr(getattr(roles.rollout, "engine", None), "stats", None)
+    return stats if callable(stats) else None
 
 
 def start_health_monitor(cfg, run_dir: Path, service, controller, notifier):
@@ -121,7 +126,8 @@ def start_health_monitor(cfg, run_dir: Path, service, controller, notifier):
     roles = list(service.workers) if service is not None else []
     actors = service.transfer_queue_actors() if service is not None else {}
     return HealthMonitor(run_dir, roles, cfg.heartbeat_timeout_s, actors=actors, phase_of=controller.phases.current,
-                         notifier=notifier, restarts=int(os.environ.get(RESTARTS_ENV, "0"))).start()
+                         notifier=notifier, restarts=int(os.environ.get(RESTARTS_ENV, "0")),
+                         engine_stats=engine_stats_of(controller.roles)).start()
 
 
 def build_notifier(cfg) -> Notifier:

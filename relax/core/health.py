@@ -113,13 +113,15 @@ class HealthMonitor:
 
     def __init__(self, run_dir: str | Path, roles: list[str], heartbeat_timeout_s: float,
                  actors: dict[str, Any] | None = None, phase_of: Callable[[], dict] | None = None,
-                 notifier=None, restarts: int = 0, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 notifier=None, restarts: int = 0, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 engine_stats: Callable[[], list[dict]] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.beat_dir = self.run_dir / HEARTBEAT_DIR
         self.roles = list(roles)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.actors = dict(actors or {})
         self.phase_of = phase_of
+        self.engine_stats = engine_stats  # the router's engines, when they are behind one in this process
         self.notifier = notifier
         self.restarts = restarts
         self.interval_s = interval_s
@@ -271,7 +273,16 @@ class HealthMonitor:
     def _write_state(self, now: float, ended: bool = False) -> None:
         payload = {"time": now, "pid": os.getpid(), "global_restarts": self.restarts, "fatal": self.fatal,
                    "ended": ended, "controller": self.phase_of() if self.phase_of else {}, "roles": self.snapshot()}
+        if self.engine_stats is not None:
+            try:
+                payload["engines"] = [{key: engine.get(key) for key in ENGINE_FIELDS} for engine in self.engine_stats()]
+            except Exception as err:  # noqa: BLE001 - the roles' state is written whatever the router says
+                logger.debug("engine stats unavailable: %s", err)
         _write_atomically(self.run_dir / STATE_FILE, payload)
+
+
+ENGINE_FIELDS = ("engine", "healthy", "draining", "relaunching", "relaunches", "outstanding", "weight_version",
+                 "last_error")
 
 
 class RoleFailedError(RunFault):
@@ -307,4 +318,14 @@ def format_state(state: dict, now: float | None = None) -> str:
         age = f"{now - beat:.1f} s ago" if beat else "never"
         lines.append(f"{name:<{width}}{'yes' if health.get('healthy') else 'NO':<9}{health.get('pid') or '-'!s:<9}"
                      f"{age:<16}{health.get('error') or ''}")
+    engines = state.get("engines") or []
+    if engines:
+        width = max(len("engine"), *(len(str(e["engine"])) for e in engines)) + 2
+        lines.append(f"{'engine':<{width}}{'healthy':<13}{'version':<9}{'relaunches':<12}{'in flight':<11}error")
+        for engine in engines:
+            status = ("relaunching" if engine.get("relaunching") else "draining" if engine.get("draining")
+                      else "yes" if engine.get("healthy") else "NO")
+            lines.append(f"{engine['engine']!s:<{width}}{status:<13}{engine.get('weight_version')!s:<9}"
+                         f"{engine.get('relaunches') or 0!s:<12}{engine.get('outstanding') or 0!s:<11}"
+                         f"{engine.get('last_error') or ''}")
     return "\n".join(lines)
