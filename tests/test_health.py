@@ -161,3 +161,14 @@ def test_the_state_shows_the_routers_engines(tmp_path):
     assert table[-2].split()[:5] == ["http://127.0.0.1:30000", "yes", "7", "2", "8"]
     assert table[-1].split()[:2] == ["http://127.0.0.1:30001", "relaunching"]
     assert table[-1].endswith("EngineUnresponsiveError: x")
+
+
+def test_the_state_exists_as_soon_as_the_monitor_starts(tmp_path):
+    """A run stopped in its first interval must leave a state whose age the supervisor can judge (it once left
+    none, so a run stopped right after its monitor started was never restarted)."""
+    monitor = HealthMonitor(tmp_path, [], heartbeat_timeout_s=5, interval_s=60).start()
+    try:
+        state = read_state(tmp_path)
+        assert state is not None and state["pid"] == os.getpid() and not state["ended"]
+    finally:
+        monitor.stop()

@@ -136,6 +136,9 @@ class HealthMonitor:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> HealthMonitor:
         self.beat_dir.mkdir(parents=True, exist_ok=True)
+        # At once, not after the first interval: the supervisor judges a stopped process by this file's age, and
+        # cannot judge one that stops before it first exists.
+        self._write_state(time.time())
         self._thread = threading.Thread(target=self._run, name="relax-health-monitor", daemon=True)
         self._thread.start()
         return self
