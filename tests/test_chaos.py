@@ -16,9 +16,10 @@ and SIGSTOPped and its own process SIGKILLed: each engine is relaunched at the c
 finish on the other, and the metrics equal an uninterrupted run's.
 
 Faults of the other modes have their own tests: the in-process trainer SIGKILLed
-(tests/test_global_restart.py), the process writing a checkpoint SIGKILLed at six points of the save and SIGSTOPped
-at two (tests/test_checkpoint_signals.py; damaged and unwritable checkpoints: tests/test_checkpoint_faults.py),
-environments that crash their worker processes (tests/test_env_workers.py), an external engine SIGKILLed or SIGSTOPped (tests/test_http_engines.py), a
+(tests/test_global_restart.py), the process writing a checkpoint SIGKILLed at four points of the save (one
+also with --async-save) and SIGSTOPped at one (tests/test_checkpoint_signals.py; damaged and unwritable
+checkpoints: tests/test_checkpoint_faults.py), environments that crash their worker processes
+(tests/test_env_workers.py), an external engine SIGKILLed or SIGSTOPped (tests/test_http_engines.py), a
 launched engine relaunched (tests/test_engine_relaunch.py), a reward that hangs, leaks or crashes
 (tests/test_reward_workers.py).
 """
