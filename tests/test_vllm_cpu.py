@@ -126,6 +126,24 @@ def test_after_a_training_step_vllm_serves_the_new_weights(engine):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_a_killed_vllm_server_is_relaunched_on_the_newest_version(engine):
+    """--use-fault-tolerance's relaunch of a vLLM server this run started: its process group SIGKILLed, a new
+    server comes up on the newest published version and generates the same tokens as before the kill."""
+    import os
+    import signal
+
+    prompts = quickstart_prompt_ids(2)
+    before, _ = rollout(engine, prompts, 0.0, seed=3)
+    version = engine.weight_version
+    os.killpg(engine.server.pid, signal.SIGKILL)
+    asyncio.run(engine.relaunch())
+    assert engine.weight_version == version and engine.server.starts >= 2
+    after, _ = rollout(engine, prompts, 0.0, seed=3)
+    assert after.tokens == before.tokens
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_the_api_key_guards_vllm_and_stays_out_of_its_command_line(engine):
     """--rollout-engine-api-key reaches the server through its environment, and the adapter sends it."""
     models = httpx.get(f"{engine.base_url}/v1/models", timeout=10)
