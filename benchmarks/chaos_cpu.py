@@ -109,22 +109,27 @@ def _target_pid(state: dict, target: str) -> int | None:
     return role.get("pid") if role.get("healthy") else None
 
 
-def _first_error_after(run_log: Path, since: float, mention: str | None = None) -> tuple[float, str] | None:
-    """The time and text of the first ERROR (or supervisor WARNING) line of run.log written after ``since``; with
-    ``mention``, the first ERROR or WARNING line that contains it."""
+def _log_lines(run_log: Path):
+    """Each ERROR or WARNING line of run.log as (time it was written, level, line)."""
     try:
         lines = run_log.read_text(errors="replace").splitlines()
     except OSError:
-        return None
+        return
     for line in lines:
         match = _LOG_TIME.match(line)
-        if not match or (mention is not None and mention not in line) or (
-                mention is None and match.group(3) == "WARNING" and "supervisor" not in line):
-            continue
-        stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
-            (int(match.group(2)[1:]) / 1000 if match.group(2) else 0.999)  # a supervisor line has no ms: round up
-        if stamp >= since - 0.5:
-            return stamp, line[len(match.group(0)):]
+        if match:
+            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
+                (int(match.group(2)[1:]) / 1000 if match.group(2) else 0.999)  # a supervisor line has no ms: round up
+            yield stamp, match.group(3), line[len(match.group(0)):]
+
+
+def _first_error_after(run_log: Path, since: float, mention: str | None = None) -> tuple[float, str] | None:
+    """The time and text of the first ERROR (or supervisor WARNING) line of run.log written after ``since``; with
+    ``mention``, the first ERROR or WARNING line that contains it."""
+    for stamp, level, text in _log_lines(run_log):
+        wanted = mention in text if mention is not None else level == "ERROR" or "supervisor" in text
+        if wanted and stamp >= since - 0.5:
+            return stamp, text
     return None
 
 
@@ -200,16 +205,8 @@ def _follow(fault: Fault, run_dir: Path, step: int) -> None:
 
 
 def _relaunched_after(run_log: Path, fault: Fault) -> bool:
-    try:
-        lines = run_log.read_text(errors="replace").splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        match = _LOG_TIME.match(line)
-        if match and f"engine {fault.target} relaunched" in line and \
-                datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() >= fault.sent_at - 1:
-            return True
-    return False
+    return any(f"engine {fault.target} relaunched" in text and stamp >= fault.sent_at - 1
+               for stamp, _, text in _log_lines(run_log))
 
 
 def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_group: int) -> dict:

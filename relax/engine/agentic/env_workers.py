@@ -15,8 +15,8 @@ What a fault costs:
   kills it): every episode it held fails with an error naming the worker and how it died, and the next episode
   starts a new worker in its place. A MemoryError that the environment raises under the cap fails only its call.
 
-The environment's ``build_env(sample, args)`` gets ``args`` with the run's config fields and the tokenizer (no
-engine, no media processor: they stay in the rollout's process). Samples, observations and infos cross the pipe
+The environment's ``build_env(sample, args)`` gets the `GenerateArgs` of the run's config and tokenizer, with
+``engine`` and ``processor`` None (they stay in the rollout's process). Samples, observations and infos cross the pipe
 pickled.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import inspect
 import itertools
 import logging
 import multiprocessing
@@ -38,32 +39,16 @@ from relax.engine.agentic.env import EnvCallError
 logger = logging.getLogger(__name__)
 
 
-class WorkerArgs:
-    """``args`` of ``build_env`` in a worker: the config's fields and the tokenizer."""
-
-    def __init__(self, config: Any, tokenizer: Any) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.chat_template_kwargs = dict(getattr(config, "apply_chat_template_kwargs", None) or {})
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "config" and hasattr(self.config, name):
-            return getattr(self.config, name)
-        raise AttributeError(f"environment args in a worker process have no {name!r}: only the tokenizer, "
-                             "chat_template_kwargs and the run's config fields cross to --env-workers processes")
-
-
 # ----------------------------------------------------------------------------- the worker process
 
 
 def _worker_main(connection, env_path: str, config: Any, tokenizer: Any, memory_mb: int | None) -> None:
     """A worker: build environments by episode id and run their calls, each in a thread, until the pipe closes."""
-    import inspect
-
     from relax.engine.agentic.env import load_env_builder
+    from relax.engine.rollout.context import GenerateArgs
 
     builder = load_env_builder(env_path)
-    args = WorkerArgs(config, tokenizer)
+    args = GenerateArgs(config, engine=None, tokenizer=tokenizer)  # the engine and processor stay in the rollout
     if memory_mb is not None:  # on top of what the worker maps once started: it bounds what environments allocate
         import resource
 
@@ -86,14 +71,14 @@ def _worker_main(connection, env_path: str, config: Any, tokenizer: Any, memory_
                 result = None
             elif method == "step":
                 env = envs[episode]
-                observation, done, info = _resolved(inspect, env.step(*payload))
+                observation, done, info = _resolved(env.step(*payload))
                 message = None if done else env.format_observation(observation)
                 result = (observation, done, info, message)
             elif method == "close":
                 env = envs.pop(episode, None)
-                result = None if env is None else _resolved(inspect, env.close())
+                result = None if env is None else _resolved(env.close())
             else:  # reset
-                result = _resolved(inspect, envs[episode].reset())
+                result = _resolved(envs[episode].reset())
         except BaseException as err:  # noqa: BLE001 - reported to the episode, the worker goes on
             answer(call_id, False, f"{type(err).__name__}: {err}")
             return
@@ -112,7 +97,7 @@ def _address_space_bytes() -> int:
         return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _resolved(inspect, value: Any) -> Any:
+def _resolved(value: Any) -> Any:
     if inspect.isawaitable(value):
         return asyncio.run(_awaited(value))
     return value
