@@ -23,6 +23,7 @@ from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, Gene
 from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.server_process import ServerProcess, wait_until_free
 
+SERVER_MODULE = "relax.cli.main"  # python -m relax.cli.main serve ...
 API_KEY_ENV = "RELAX_API_KEY"  # the variable `relax serve` reads its token from (relax.serving.server)
 logger = logging.getLogger("relax")
 
@@ -61,7 +62,7 @@ class RelaxServerEngine(SGLangHTTPEngine):
     def arguments(self) -> list[str]:
         s = self.settings
         weights_root = self._require_weights_dir().resolve()
-        return ["relax.cli.main", "serve", "--hf-checkpoint", str(self.model_dir), "--host", "127.0.0.1",
+        return ["serve", "--hf-checkpoint", str(self.model_dir), "--host", "127.0.0.1",
                 "--port", str(self.server.port), "--device", s.device, "--dtype", s.dtype, "--engine-core",
                 s.engine_core, "--mem-fraction-static", str(s.mem_fraction_static), "--weight-update-root",
                 str(weights_root), "--log-level", "warning",
@@ -79,8 +80,7 @@ class RelaxServerEngine(SGLangHTTPEngine):
         self._ready = False
         self._require_weights_dir().mkdir(parents=True, exist_ok=True)  # --weight-update-root must exist
         await wait_until_free(self.server.host, self.server.port, self.server.stop_timeout_s)
-        module, *arguments = self.arguments()
-        self.server.start(module, arguments, self.environment(), banner=f"serving {self.model_dir}")
+        self.server.start(SERVER_MODULE, self.arguments(), self.environment(), banner=f"serving {self.model_dir}")
         await self.http.aclose()  # a new process: connections pooled to the previous one are dead
         await self.server.wait_ready(self.http, self.settings.startup_timeout_s)
         self._ready = True
