@@ -69,6 +69,7 @@ class ChaosReport:
     wall_s: float
     faults: list[Fault] = field(default_factory=list)
     stderr_tail: str = ""
+    warnings: str = ""  # run.log's last warnings and errors: what a failed assertion shows
 
 
 def _last_step(metrics: Path) -> int:
@@ -100,8 +101,12 @@ def _engine_pid(url: str) -> int | None:
         return None  # not up (yet, or again)
 
 
-def _target_pid(state: dict, target: str) -> int | None:
-    if is_engine(target):
+def _target_pid(state: dict | None, target: str) -> int | None:
+    if is_engine(target):  # the pid the run's router reports (it started the engine), else the engine's own
+        engines = {engine.get("engine"): engine for engine in (state or {}).get("engines") or []}
+        known = engines.get(target, {})
+        if known.get("pid") and known.get("healthy") and not known.get("relaunching"):
+            return int(known["pid"])
         return _engine_pid(target)
     if TARGETS[target] is None:
         return state.get("pid")
@@ -184,8 +189,9 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
                 pass
         if process.poll() is None:
             process.wait(30)
+    warnings = [f"{level} {text}" for _, level, text in _log_lines(run_dir / "run.log")][-40:]
     return ChaosReport(process.returncode, time.time() - started, list(faults),
-                       log.read_text(errors="replace")[-3000:])
+                       log.read_text(errors="replace")[-3000:], "\n".join(line[:300] for line in warnings))
 
 
 def _follow(fault: Fault, run_dir: Path, step: int) -> None:

@@ -399,11 +399,13 @@ class RelaxConfig(BaseModel):
         False, "Relaunch the rollout engines this run starts (--rollout-engine-protocol relax or vllm) when they die "
         "or stop answering health checks: the process group is killed, started again and loaded with the current "
         "weights before it gets work, while its request groups go to the other engines (or wait for it; "
-        "upstream's flag; docs/fault_tolerance.md). Servers started outside the run are routed around and probed "
-        "again without it.", "engines",
+        "upstream's flag; docs/fault_tolerance.md). The embedded engine recovers in place from an out-of-memory "
+        "error instead (its core rebuilt, the failed requests decoded again with their seeds). Servers started "
+        "outside the run are routed around and probed again without it.", "engines",
     )
     rollout_engine_max_relaunches: int = _field(
-        3, "Relaunches per engine under --use-fault-tolerance; after them a failing engine stays down.", "engines",
+        3, "Relaunches per engine (in-place recoveries of the embedded engine) under --use-fault-tolerance; after "
+        "them a failing engine stays down.", "engines",
         ge=1,
     )
     rollout_engine_api_key: str | None = _field(
@@ -463,11 +465,13 @@ class RelaxConfig(BaseModel):
                                  f"{flag('rollout_api_port')}")
         if self.changed("rollout_engine_max_relaunches") and not self.use_fault_tolerance:
             raise ValueError(f"{flag('rollout_engine_max_relaunches')} needs {flag('use_fault_tolerance')}")
-        if self.use_fault_tolerance and not (self.rollout_external
-                                             and self.rollout_engine_protocol in ("relax", "vllm")):
-            raise ValueError(f"{flag('use_fault_tolerance')} relaunches the engines this run starts: it needs "
-                             f"{flag('rollout_external')} with {flag('rollout_engine_protocol')} relax or vllm "
-                             "(servers started outside the run are routed around and probed again without it)")
+        if (self.use_fault_tolerance and self.rollout_external
+                and self.rollout_engine_protocol not in ("relax", "vllm")):
+            protocol = flag("rollout_engine_protocol")
+            raise ValueError(f"{flag('use_fault_tolerance')} relaunches the engines this run starts ({protocol} "
+                             f"relax or vllm) or recovers the embedded one in place; servers started outside the run "
+                             f"({protocol} {self.rollout_engine_protocol}) are routed around and probed again "
+                             "without it")
         if not self.rollout_external:
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",

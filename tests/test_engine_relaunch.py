@@ -181,7 +181,6 @@ def test_an_engine_that_cannot_come_back_stays_down_and_the_call_fails_naming_it
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--use-fault-tolerance"], "--use-fault-tolerance relaunches the engines this run starts"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://10.0.0.5:1", "--use-fault-tolerance"],
      "--rollout-engine-protocol relax or vllm"),
     (["--rollout-engine-max-relaunches", "2"], "--rollout-engine-max-relaunches needs --use-fault-tolerance"),
@@ -214,6 +213,8 @@ def test_launched_engine_flags_are_accepted():
                         "--rollout-external-engine-addrs", "http://127.0.0.1:30000", "http://127.0.0.1:30001/",
                         "--use-fault-tolerance", "--rollout-engine-max-relaunches", "5"])
     assert cfg.use_fault_tolerance and cfg.rollout_engine_max_relaunches == 5
+    cfg = parse_config(["--hf-checkpoint", "x", "--use-fault-tolerance"])  # the embedded engine recovers in place
+    assert cfg.use_fault_tolerance and not cfg.rollout_external
 
 
 @pytest.mark.gpu

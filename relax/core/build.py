@@ -169,7 +169,8 @@ def core_settings(cfg: RelaxConfig) -> CoreSettings:
 
 def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.device, dtype: torch.dtype):
     model = load_model(model_path, dtype).to(device)
-    return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size, core=core_settings(cfg))
+    return EmbeddedEngine(model, tokenizer, max_batch_size=cfg.rollout_max_batch_size, core=core_settings(cfg),
+                          max_recoveries=cfg.rollout_engine_max_relaunches if cfg.use_fault_tolerance else 0)
 
 
 def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:

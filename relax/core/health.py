@@ -285,7 +285,7 @@ class HealthMonitor:
 
 
 ENGINE_FIELDS = ("engine", "healthy", "draining", "relaunching", "relaunches", "outstanding", "weight_version",
-                 "last_error")
+                 "pid", "last_error")
 
 
 class RoleFailedError(RunFault):
@@ -324,11 +324,13 @@ def format_state(state: dict, now: float | None = None) -> str:
     engines = state.get("engines") or []
     if engines:
         width = max(len("engine"), *(len(str(e["engine"])) for e in engines)) + 2
-        lines.append(f"{'engine':<{width}}{'healthy':<13}{'version':<9}{'relaunches':<12}{'in flight':<11}error")
+        lines.append(f"{'engine':<{width}}{'healthy':<13}{'pid':<9}{'version':<9}{'relaunches':<12}{'in flight':<11}"
+                     "error")
         for engine in engines:
             status = ("relaunching" if engine.get("relaunching") else "draining" if engine.get("draining")
                       else "yes" if engine.get("healthy") else "NO")
-            lines.append(f"{engine['engine']!s:<{width}}{status:<13}{engine.get('weight_version')!s:<9}"
+            lines.append(f"{engine['engine']!s:<{width}}{status:<13}{engine.get('pid') or '-'!s:<9}"
+                         f"{engine.get('weight_version')!s:<9}"
                          f"{engine.get('relaunches') or 0!s:<12}{engine.get('outstanding') or 0!s:<11}"
                          f"{engine.get('last_error') or ''}")
     return "\n".join(lines)

@@ -3,6 +3,9 @@ puts it there for one `relax train`). With ``RELAX_TEST_SIGNAL_AT=<function>:<be
 process sends itself SIGNAL at the n-th call of ``relax.core.checkpoint.<function>``: a real signal at an exact
 point of a checkpoint save, with no hook in Relax's own code. ``RELAX_TEST_SIGNAL_ONCE`` names a file that is
 created when the signal is sent, so the run that a restart starts is left alone.
+
+``RELAX_TEST_OOM_AT=<module>:<Class>.<method>:<n>`` (tests/test_embedded_recovery.py) makes the n-th call of that
+method raise ``torch.OutOfMemoryError``, as the CUDA allocator does when a decode step cannot get memory.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 
 _SPEC = os.environ.get("RELAX_TEST_SIGNAL_AT")
 _MODULE = "relax.core.checkpoint"
+_OOM_SPEC = os.environ.get("RELAX_TEST_OOM_AT")
 
 
 def _armed(function: str, when: str, nth: int, signal_name: str):
@@ -46,12 +50,33 @@ def _armed(function: str, when: str, nth: int, signal_name: str):
     return wrap
 
 
+def _raises_oom(nth: int):
+    calls = 0
+
+    def wrap(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == nth:
+                import torch
+
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected at call {nth} of {original.__qualname__})")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    def __init__(self, function: str, wrap) -> None:
-        self.function, self.wrap = function, wrap
+    """Replaces ``attribute`` (a function, or ``Class.method``) of ``module`` by ``wrap(it)`` once it is imported."""
+
+    def __init__(self, function: str, wrap, module: str = _MODULE) -> None:
+        self.function, self.wrap, self.module = function, wrap, module
 
     def find_spec(self, name, path, target=None):
-        if name != _MODULE:
+        if name != self.module:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -60,7 +85,11 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            setattr(module, function, wrap(getattr(module, function)))
+            *owner_path, attribute = function.split(".")
+            owner = module
+            for part in owner_path:
+                owner = getattr(owner, part)
+            setattr(owner, attribute, wrap(getattr(owner, attribute)))
 
         spec.loader.exec_module = exec_module
         return spec
@@ -69,3 +98,6 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 if _SPEC:
     _function, _when, _nth, _signal = _SPEC.split(":")
     sys.meta_path.insert(0, _PatchAfterImport(_function, _armed(_function, _when, int(_nth), _signal)))
+if _OOM_SPEC:
+    _module, _method, _nth = _OOM_SPEC.split(":")
+    sys.meta_path.insert(0, _PatchAfterImport(_method, _raises_oom(int(_nth)), _module))

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ from relax.backends.inference.base import (
 from relax.backends.inference.sampling import BatchSampling, RowGenerators, sample_next_tokens
 from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, load_model, rope_positions
+
+logger = logging.getLogger(__name__)
 
 # A batch drops its finished rows (and their KV cache) once at least this fraction of its rows
 # has finished. Dropping costs one copy of the cache, about what one decode step's cache append
@@ -226,6 +229,12 @@ class EmbeddedEngine(InferenceEngine):
     longer `generate` call is split into consecutive batches). Models the engine core supports run on it
     (``core``, `CoreSettings`), media included: a paged KV pool, continuous batching, CUDA graphs; the others
     run on the Hugging Face path below.
+
+    ``max_recoveries`` (``--use-fault-tolerance`` sets it to ``--rollout-engine-max-relaunches``): a generation
+    that fails with an out-of-memory error (`is_recoverable`) is recovered in place that many times over the
+    engine's life: the core is rebuilt (a fresh KV pool, sized to the memory free now, and scheduler) and every
+    request of the failed calls is decoded again from its prompt, with its own seed, so it samples what it would
+    have. Other errors, and one past the limit, end the call (`EngineRecoveryError` names the cause).
     """
 
     def __init__(
@@ -234,6 +243,7 @@ class EmbeddedEngine(InferenceEngine):
         tokenizer: PreTrainedTokenizerBase,
         max_batch_size: int | None = None,
         core: CoreSettings | None = None,
+        max_recoveries: int = 0,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -263,9 +273,12 @@ class EmbeddedEngine(InferenceEngine):
         self._in_flight_ids: Counter[str] = Counter()
         self._aborted_ids: set[str] = set()
         self.core_unavailable_reason: str | None = None
+        self.max_recoveries = max_recoveries
+        self.recoveries = 0  # in-place recoveries so far (`health`)
+        self._core_settings = core or CoreSettings()
         self._released_weights: dict[torch.nn.Parameter, torch.Size] | None = None  # shapes while released
         self._unloaded_weights: set[torch.nn.Parameter] = set()  # resumed as zeros, not loaded since
-        self.core = self._build_core(core or CoreSettings())
+        self.core = self._build_core(self._core_settings)
 
     @classmethod
     def from_pretrained(
@@ -275,11 +288,12 @@ class EmbeddedEngine(InferenceEngine):
         device: str | torch.device = "cpu",
         max_batch_size: int | None = None,
         core: CoreSettings | None = None,
+        max_recoveries: int = 0,
     ) -> EmbeddedEngine:
         """Load a model folder (or hub id) with its tokenizer onto ``device`` in ``dtype``."""
         model = load_model(path, dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, max_batch_size=max_batch_size, core=core)
+        return cls(model, tokenizer, max_batch_size=max_batch_size, core=core, max_recoveries=max_recoveries)
 
     def _build_core(self, settings: CoreSettings):
         """The engine core for this model, or None (the Hugging Face path serves every request)."""
@@ -343,6 +357,36 @@ class EmbeddedEngine(InferenceEngine):
         if not requests:
             return []
         self._check_weights()
+        while True:
+            recoveries = self.recoveries
+            try:
+                return await self._generate_once(requests)
+            except Exception as error:
+                if not is_recoverable(error):
+                    raise
+                if self.recoveries == recoveries:  # the first of the calls this failure failed recovers for all
+                    self._recover(error)
+
+    def _recover(self, error: BaseException) -> None:
+        if self.recoveries >= self.max_recoveries:
+            limit = (f"the limit, {self.max_recoveries} in-place recoveries, is reached" if self.max_recoveries
+                     else "in-place recovery is off (--use-fault-tolerance turns it on)")
+            raise EngineRecoveryError(f"the embedded engine failed ({type(error).__name__}: {error}) and "
+                                      f"{limit}") from error
+        self.recoveries += 1
+        logger.warning("embedded engine: %s: %s; rebuilding its %s and decoding the failed calls' requests again "
+                       "(recovery %d/%d)", type(error).__name__, str(error)[:300],
+                       "core" if self.core is not None else "batch state", self.recoveries, self.max_recoveries)
+        old, self.core = self.core, None
+        if old is not None:
+            old.shutdown()
+        del old
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.core = self._build_core(self._core_settings)
+
+    async def _generate_once(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         if self.core is not None:
             return await self.core.generate(requests)
         request_ids = [request.request_id for request in requests]
@@ -507,6 +551,7 @@ class EmbeddedEngine(InferenceEngine):
             # Grows by one per decode step (prefill included) of any batch: a liveness signal.
             "decode_steps": self._decode_steps + (self.core.steps if self.core else 0),
             "engine_core": self.core is not None,
+            "recoveries": self.recoveries,
         }
 
     # ----------------------------------------------------------------------------- decoding
@@ -673,6 +718,20 @@ def _sample_by_seed(logits: torch.Tensor, batch_sampling: BatchSampling,
     if len(groups) == 1:
         return sample_next_tokens(logits, batch_sampling, groups[0].generator)
     return sample_next_tokens(logits, batch_sampling, RowGenerators([(g.generator, g.rows) for g in groups]))
+
+
+class EngineRecoveryError(RuntimeError):
+    """The embedded engine failed and could not recover in place (see ``EmbeddedEngine.max_recoveries``)."""
+
+
+def is_recoverable(error: BaseException) -> bool:
+    """An allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's "can't allocate memory"): the
+    memory state it leaves is rebuilt by a recovery, and the same requests may well fit once the pool is sized to
+    what is free. Other errors (a sticky CUDA error, a bug) would recur or corrupt: they end the call."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and not isinstance(error, EngineRecoveryError) and any(
+        text in str(error) for text in ("can't allocate memory", "CUDA out of memory"))
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -59,6 +59,11 @@ class RelaxServerEngine(SGLangHTTPEngine):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
 
+    @property
+    def server_pid(self) -> int | None:
+        """The server process's pid (None while none runs): `relax health` shows it, operators signal it."""
+        return self.server.pid
+
     def arguments(self) -> list[str]:
         s = self.settings
         weights_root = self._require_weights_dir().resolve()

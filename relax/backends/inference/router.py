@@ -134,6 +134,7 @@ class EngineRouter(InferenceEngine):
         return [{"engine": slot.name, "healthy": slot.healthy, "draining": slot.draining,
                  "outstanding": slot.outstanding, "served": slot.served, "weight_version": slot.engine.weight_version,
                  "relaunches": slot.relaunches, "relaunching": slot.relaunching is not None,
+                 "pid": getattr(slot.engine, "server_pid", None),  # of a server this run started
                  "last_error": slot.last_error} for slot in self._slots]
 
     async def add_engine(self, engine: InferenceEngine) -> None:

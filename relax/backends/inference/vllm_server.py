@@ -146,6 +146,11 @@ class VLLMServerEngine(InferenceEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
+    @property
+    def server_pid(self) -> int | None:
+        """The server process's pid (None while none runs): `relax health` shows it, operators signal it."""
+        return self.server.pid
+
     # ---------------------------------------------------------------------------- lifecycle
 
     async def start(self, model_dir: Path | None = None) -> None:

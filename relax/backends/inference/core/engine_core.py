@@ -119,6 +119,14 @@ class EngineCore:
     def resume_memory(self) -> None:
         self.runner.restore()
 
+    def shutdown(self) -> None:
+        """Stop the loop, fail what is still queued, and free the KV pool and CUDA graphs: this core is being
+        replaced (an in-place recovery) and is never used again."""
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+        self._fail_all(RuntimeError("the engine core was shut down"))
+        self.runner.release()
+
     # ---- the loop ------------------------------------------------------------------------
     def _ensure_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         task = self._loop_task
