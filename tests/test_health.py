@@ -115,7 +115,7 @@ VERDICT = """
 import asyncio, sys, tempfile, time
 from pathlib import Path
 import relax.core.health as health
-health.FATAL_GRACE_S = 1.0
+health.FATAL_GRACE_S = health.MIN_FATAL_GRACE_S = 1.0
 monitor = health.HealthMonitor(Path(tempfile.mkdtemp()), ["ghost"], heartbeat_timeout_s=0.3, interval_s=0.1).start()
 async def training():
     await asyncio.sleep(30)
@@ -146,7 +146,7 @@ def test_the_state_shows_the_routers_engines(tmp_path):
     from relax.core.health import format_state
 
     engines = [{"engine": "http://127.0.0.1:30000", "healthy": True, "draining": False, "relaunching": False,
-                "relaunches": 2, "outstanding": 8, "weight_version": 7, "last_error": "", "served": 99},
+                "relaunches": 2, "outstanding": 8, "weight_version": 7, "last_error": "", "served": 99, "pid": 4242},
                {"engine": "http://127.0.0.1:30001", "healthy": False, "draining": False, "relaunching": True,
                 "relaunches": 1, "outstanding": 0, "weight_version": 0, "last_error": "EngineUnresponsiveError: x"}]
     monitor = HealthMonitor(tmp_path, [], heartbeat_timeout_s=5, interval_s=0.1, engine_stats=lambda: engines)
@@ -158,8 +158,8 @@ def test_the_state_shows_the_routers_engines(tmp_path):
     state = read_state(tmp_path)
     assert [e["relaunches"] for e in state["engines"]] == [2, 1] and "served" not in state["engines"][0]
     table = format_state(state).splitlines()
-    assert table[-2].split()[:5] == ["http://127.0.0.1:30000", "yes", "7", "2", "8"]
-    assert table[-1].split()[:2] == ["http://127.0.0.1:30001", "relaunching"]
+    assert table[-2].split()[:6] == ["http://127.0.0.1:30000", "yes", "4242", "7", "2", "8"]
+    assert table[-1].split()[:3] == ["http://127.0.0.1:30001", "relaunching", "-"]  # no pid: it has no server
     assert table[-1].endswith("EngineUnresponsiveError: x")
 
 

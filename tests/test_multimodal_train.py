@@ -17,38 +17,13 @@ from relax.data.dataset import DatasetError
 from relax.data.multimodal import MediaError
 from relax.utils.tracking import Tracker
 from tests.tiny_mm_assets import (
-    _ids,
-    _text_config,
     build_tiny_omni,
+    build_tiny_qwen3_vl,
     build_tiny_vl,
-    build_tokenizer,
     make_audio_rows,
     make_image_rows,
     make_video_rows,
 )
-
-
-def build_tiny_qwen3_vl(tmp_path):
-    """A random Qwen3-VL (16-px patches, deepstack, interleaved mrope) with its image processor."""
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    folder = tmp_path / "tiny_qwen3_vl"
-    tok = build_tokenizer(omni=False)
-    torch.manual_seed(0)
-    text = _text_config(tok)
-    text.update(head_dim=16, rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
-    image_id, video_id, start, end = _ids(tok, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    config = Qwen3VLConfig(
-        text_config=text, image_token_id=image_id, video_token_id=video_id, vision_start_token_id=start,
-        vision_end_token_id=end,
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [1]})
-    Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
-                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3).save_pretrained(folder)
-    return folder
 
 
 def _args(model, rows, out, kind, *extra):

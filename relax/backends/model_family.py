@@ -27,15 +27,27 @@ VISION_TOWER_ATTRIBUTES = ("visual", "vision_tower", "vision_model")
 AUDIO_TOWER_ATTRIBUTES = ("audio_tower",)
 
 
-def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
-    """The folder's model with its generation head, by the class its config names (an omni thinker
-    or a VL model has no AutoModelForCausalLM mapping in every transformers release)."""
-    config = AutoConfig.from_pretrained(path)
+def model_class(config) -> type[PreTrainedModel] | None:
+    """The generation class the config names (an omni thinker or a VL model has no AutoModelForCausalLM mapping
+    in every transformers release); None: AutoModelForCausalLM's."""
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None and hasattr(cls, "get_output_embeddings"):
-            return cls.from_pretrained(path, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            return cls
+    return None
+
+
+def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The folder's model with its generation head, by the class its config names (`model_class`)."""
+    cls = model_class(AutoConfig.from_pretrained(path)) or AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype)
+
+
+def model_from_config(config, dtype: torch.dtype) -> PreTrainedModel:
+    """A randomly initialised model of the config's generation class (`model_class`), weights to be loaded."""
+    cls = model_class(config)
+    return cls._from_config(config, dtype=dtype) if cls is not None else \
+        AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _config_value(config, *names: str) -> int | None:

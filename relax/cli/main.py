@@ -1,4 +1,4 @@
-"""`relax` command: train, eval, export, serve, scale, health, config-docs."""
+"""`relax` command: train, eval, export, serve, scale, health, config-docs, model-docs."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ commands:
   scale        add or remove rollout engines of a running training (its --rollout-api-port)
   health       show a run's health state: each role's heartbeat and errors (--use-health-check)
   config-docs  print the configuration reference (docs/config.md)
+  model-docs   print the supported-model table (docs/models.md)
 """
 
 
@@ -367,6 +368,13 @@ def cmd_config_docs(argv: list[str]) -> int:
     return 0
 
 
+def cmd_model_docs(argv: list[str]) -> int:
+    from relax.backends.model_registry import models_markdown
+
+    print(models_markdown(), end="")
+    return 0
+
+
 def cmd_scale(argv: list[str]) -> int:
     from relax.cli.scale import main as scale_main
 
@@ -392,7 +400,8 @@ def cmd_health(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve, "scale": cmd_scale,
-            "health": cmd_health, "config-docs": cmd_config_docs}
+            "health": cmd_health, "config-docs": cmd_config_docs,
+            "model-docs": cmd_model_docs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from relax.backends.inference.relax_server import RelaxServerEngine, RelaxServer
 from relax.backends.inference.router import EngineRouter
 from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
 from relax.backends.model_family import load_model
+from relax.backends.model_registry import UnsupportedModelError, check_supported
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.backends.training.liger import liger_unavailable_reason
 from relax.components.actor import Actor
@@ -102,6 +103,19 @@ def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
             raise ConfigError(f"{where}: {path}: file not found")
 
 
+def check_model_family(model_path: Path) -> None:
+    """A family that cannot work yet is refused with its reason (docs/models.md); one Relax does not know is tried
+    on the Hugging Face paths, with a warning."""
+    config = AutoConfig.from_pretrained(model_path)
+    try:
+        family = check_supported(config, f"{flag('hf_checkpoint')} {model_path}")
+    except UnsupportedModelError as error:
+        raise ConfigError(str(error)) from None
+    if family is None:
+        logger.warning("model_type %r (%s) is not in docs/models.md: it runs on the Hugging Face paths, untested",
+                       config.model_type, model_path)
+
+
 def check_context_length(cfg: RelaxConfig, model_path: Path) -> None:
     """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
     computes garbage with positions it was never trained on)."""
@@ -124,6 +138,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
     paths. Returns the model folder."""
     model_path = check_model_path(cfg)
+    check_model_family(model_path)
     check_context_length(cfg, model_path)
     check_data_files(cfg, training)
     if cfg.load:

@@ -350,7 +350,9 @@ def load_trainer_state(directory: Path) -> dict[str, Any]:
 def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dtype: torch.dtype = torch.float32):
     """A plain (unsharded) Hugging Face model with the weights of checkpoint ``step`` (default:
     the newest intact one). Needs no process group; used by `relax export` and `relax eval`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from relax.backends.model_family import model_from_config
 
     root = resolve_checkpoint_root(root)
     selected = select_checkpoint(root, step)
@@ -360,7 +362,7 @@ def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dty
     if problem:
         raise CheckpointError(f"{problem}; the next save of this run (relax train --load {root}) writes it again")
     config = AutoConfig.from_pretrained(root / HF_DIR)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_from_config(config, torch.float32)
     state = {f"hf_model.{name}": tensor for name, tensor in model.state_dict().items()}
     checkpoint_dir = selected.directory / "model_optim"
     try:

@@ -15,7 +15,9 @@ Who beats and who watches:
 A role that sent no beat for ``--heartbeat-timeout-s`` (upstream's HealthManager: 120 s), whose process is gone, or
 an actor Ray reports dead, is fatal: the monitor logs which role and why, tells ``--notify-urls``, and cancels the
 training loop, which then fails with that reason (exit 1: the supervisor of ``--max-global-restart`` restarts it).
-If the loop does not end within `FATAL_GRACE_S` (a call that cannot be cancelled), the process exits.
+If the loop does not end within a grace (`FATAL_GRACE_S`, or twice the heartbeat timeout where that is shorter, at
+least `MIN_FATAL_GRACE_S`: a call that cannot be cancelled, a teardown waiting on a stopped process), the process
+exits.
 
 In-process roles share the controller's process: their health is its health, and a phase that does not end is
 the stall watchdog's report (``--stall-warning-s``). External engines have the router's health checks
@@ -44,6 +46,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_DIR = "health"
 STATE_FILE = "health.json"
 FATAL_GRACE_S = 30.0
+MIN_FATAL_GRACE_S = 10.0
 ACTOR_PING_WAIT_S = 0.5
 
 
@@ -261,10 +264,12 @@ class HealthMonitor:
     def _exit_if_stuck(self) -> None:
         """The loop was cancelled; neither a call that ignores cancellation nor a teardown waiting on the failed
         process may keep the run alive: unless `stop` comes (the run's end, after its teardown) within
-        `FATAL_GRACE_S` of the verdict, the process exits."""
-        if self._stop.wait(FATAL_GRACE_S):
+        the grace of the verdict, the process exits."""
+        # A run that detects a stopped process within seconds should not then wait half a minute on it.
+        grace = min(FATAL_GRACE_S, max(MIN_FATAL_GRACE_S, 2 * self.heartbeat_timeout_s))
+        if self._stop.wait(grace):
             return
-        logger.error("health check: the run did not end within %.0f s of the fault; exiting", FATAL_GRACE_S)
+        logger.error("health check: the run did not end within %.0f s of the fault; exiting", grace)
         logging.shutdown()
         os._exit(1)
 

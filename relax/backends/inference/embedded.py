@@ -56,10 +56,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from relax.backends.inference.base import (
+    PAUSE_OPERATOR,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
-    PAUSE_OPERATOR,
     InferenceEngine,
     PauseHolds,
     SamplingParams,
@@ -109,6 +109,14 @@ class _RowState:
         return self.request.sampling_params
 
 
+def select_cache_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep (or repeat) the cache rows at ``index``, for every kind of layer: attention layers' keys and values
+    and linear-attention layers' convolution and recurrent states (Qwen3.5, Qwen3-Next), which
+    ``DynamicCache.batch_select_indices`` leaves out (its linear layers have no such method)."""
+    for layer in cache.layers:
+        layer.reorder_cache(index)
+
+
 @dataclass
 class _SeedGroup:
     """The rows of a decode batch that share a sampling seed, and so a generator."""
@@ -155,7 +163,7 @@ class _DecodeBatch:
     def expand_after_prefill(self) -> None:
         """Give every request its own copy of its prompt's prefill state."""
         index, self.prefill_source = self.prefill_source, None
-        self.cache.batch_select_indices(index)
+        select_cache_rows(self.cache, index)
         self.position_ids = self.position_ids.index_select(-2, index)
         self.attention_mask = self.attention_mask[index]
 
@@ -169,7 +177,7 @@ class _DecodeBatch:
     def select(self, positions: list[int]) -> None:
         """Keep only the rows at ``positions``, in that order, cache included."""
         index = torch.tensor(positions, device=self.input_ids.device)
-        self.cache.batch_select_indices(index)
+        select_cache_rows(self.cache, index)
         self.input_ids = self.input_ids[index]
         self.position_ids = self.position_ids.index_select(-2, index)
         self.attention_mask = self.attention_mask[index]

@@ -19,6 +19,7 @@ phases (``--offload-train``). The training code is the same at every size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from relax.backends.model_family import (
     load_model,
     rope_positions,
 )
+from relax.backends.model_registry import traits
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
@@ -156,12 +158,26 @@ def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tens
                               **media).logits
     else:
         if packing is not None and attention_mask is None:
-            # Masks given per layer type: the decoder builds none. Building one from packed positions reads a
-            # device value on the host (transformers' packed-sequence check), a synchronization per forward;
-            # the packed attention keeps the sequences apart itself.
-            attention_mask = dict.fromkeys(("full_attention", "sliding_attention"))
+            # A 4-D mask is taken as prepared, so the decoder builds none (every family's mask builder returns it
+            # as it is). Building one from packed positions reads a device value on the host (transformers'
+            # packed-sequence check), a synchronization per forward; the packed attention keeps the sequences
+            # apart itself and never reads this placeholder.
+            attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
     return hidden.flatten(0, 1).index_select(0, predict_index)
+
+
+def _drop_states_not_saved(optim_state: dict, checkpoint: Path) -> int:
+    """Leave out of the state to load the optimizer states the checkpoint does not hold: those of parameters
+    that had no gradient before the save (an omni thinker's unused audio token, a vision tower before the first
+    image). `get_state_dict` gives a fresh optimizer a state for every parameter, which DCP would then look for;
+    left out, such a parameter starts its state at its first gradient, as it would have without the restart."""
+    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    unsaved = [name for name, entry in optim_state["state"].items()
+               if not all(f"optim.state.{name}.{key}" in saved for key in entry)]
+    for name in unsaved:
+        del optim_state["state"][name]
+    return len(unsaved)
 
 
 class ResponseLogitsModel(nn.Module):
@@ -240,6 +256,11 @@ class FSDPTrainBackend(TrainBackend):
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
+        unpackable = traits(hf_model.config).packing_unsupported
+        if settings.sequence_packing and unpackable:
+            logger.warning("%s trains on padded micro-batches, not packed rows: %s", type(hf_model).__name__,
+                           unpackable)
+            self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
         self._liger = False
@@ -612,9 +633,12 @@ class FSDPTrainBackend(TrainBackend):
         directory = Path(directory)
         if include_optimizer and self.optimizer is not None:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            dropped = _drop_states_not_saved(optim_state, directory / "model_optim")
             state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=directory / "model_optim")
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            dcp.load(state, checkpoint_id=directory / "model_optim")  # strict: every weight and saved state
+            # not strict only where the optimizer states of parameters without a gradient yet were left out
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=not dropped))
             self.scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
         else:
             state = {"model": get_model_state_dict(self.model)}
