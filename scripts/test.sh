@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 . .venv/bin/activate
-python -m pytest -q "$@"
+# Two workers (the tests wait on processes about half the time; RELAX_TEST_WORKERS=0 runs them in this process);
+# tests that start Ray clusters share one worker (their xdist_group), one after the other.
+python -m pytest -q -n "${RELAX_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -15,6 +15,9 @@ from relax.data_plane import oldest_weight_version
 from relax.utils.tracking import Tracker, read_metrics
 from tests.conftest import run_relax, tiny_train_args
 
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 class RecordingController(AsyncController):
     """Records, for every trained step, the version being trained from and the samples' versions."""

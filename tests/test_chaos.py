@@ -36,6 +36,9 @@ from relax.distributed.process_group import free_port
 from relax.utils.tracking import read_metrics
 from tests.conftest import ROOT, run_relax, tiny_train_args
 
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+pytestmark = pytest.mark.xdist_group("ray")
+
 pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
 

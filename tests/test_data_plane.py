@@ -13,6 +13,9 @@ import pytest
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
 
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+pytestmark = pytest.mark.xdist_group("ray")
+
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None and importlib.util.find_spec("ray") is not None
 needs_tq = pytest.mark.skipif(not HAS_TQ, reason="TransferQueue + Ray not installed (pip install -e '.[ray]')")
 WAIT_S = 20.0  # bound on every wait; generous for a loaded 2-core machine

@@ -16,6 +16,9 @@ from relax.core.registry import required_roles, roles_for_config
 from relax.utils.tracking import Tracker, read_metrics
 from tests.conftest import run_relax, tiny_train_args
 
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+pytestmark = pytest.mark.xdist_group("ray")
+
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("transfer_queue") is not None
 needs_ray = pytest.mark.skipif(not HAS_RAY, reason="Ray + TransferQueue not installed (pip install -e '.[ray]')")
 
