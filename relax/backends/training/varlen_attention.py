@@ -53,8 +53,16 @@ def _half_dtype(value: torch.Tensor) -> torch.dtype | None:
 
 def _flash_attend(q, k, v, packing: PackedAttention, scale: float, dtype: torch.dtype) -> torch.Tensor:
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return causal_varlen_attention(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen,
-                                   packing.max_seqlen, scale)
+    # The flash kernels take one head size; multi-head latent attention (DeepSeek-V3, Kimi K2) has values narrower
+    # than queries and keys. Zero columns change no dot product (the scale is explicit) and are cut off after.
+    head, value_head = q.shape[-1], v.shape[-1]
+    if value_head < head:
+        v = F.pad(v, (0, head - value_head))
+    elif value_head > head:
+        q, k = F.pad(q, (0, value_head - head)), F.pad(k, (0, value_head - head))
+    out = causal_varlen_attention(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen,
+                                  packing.max_seqlen, scale)
+    return out[..., :value_head]
 
 
 def _per_sequence_attend(q, k, v, packing: PackedAttention, scale: float, dropout: float) -> torch.Tensor:
