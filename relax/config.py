@@ -33,7 +33,8 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "engines", "algorithm", "critic", "distillation", "optimizer", "reward", "eval",
+SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "engines", "algorithm", "critic", "distillation", "optimizer", "lora", "reward",
+            "eval",
             "run", "placement")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")
 OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef", "opd_loss_coef",
@@ -322,6 +323,17 @@ class RelaxConfig(BaseModel):
         None, "Address-space cap (MiB, on top of what the worker holds once started) of each --env-workers "
         "process: an environment that leaks fails there with MemoryError.", "rollout", ge=64,
     )
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> RelaxConfig:
+        if not self.lora_rank:
+            set_flags = [flag(name) for name in ("lora_alpha", "target_modules", "lora_scope") if self.changed(name)]
+            if set_flags:
+                raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
+                                 f"{flag('lora_rank')} > 0")
+        elif not any(name.strip() for name in self.target_modules):
+            raise ValueError(f"{flag('target_modules')} names no module")
+        return self
 
     @model_validator(mode="after")
     def _check_env_workers(self) -> RelaxConfig:
@@ -622,6 +634,18 @@ class RelaxConfig(BaseModel):
 
     # --- optimizer -----------------------------------------------------------------------
     lr: float = _field(1e-6, "Peak learning rate (AdamW).", "optimizer", gt=0)
+    lora_rank: int = _field(
+        0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
+        "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)
+    lora_alpha: float = _field(32.0, "LoRA scaling numerator: the adapters' update is scaled by alpha / rank.",
+                               "lora", gt=0)
+    target_modules: list[str] = _field(
+        ["linear_qkv", "linear_proj"], "Modules that get adapters: Hugging Face names (q_proj, down_proj, ...), "
+        "upstream's Megatron names (linear_qkv = q/k/v, linear_proj = attention output, linear_fc1 = gate/up, "
+        "linear_fc2 = down) or all-linear.", "lora")
+    lora_scope: Literal["all", "language", "vision"] = _field(
+        "all", "Where adapters go: language (not the vision and audio encoders), vision (only the vision encoder) "
+        "or all.", "lora")
     min_lr: float = _field(0.0, "Final learning rate of the cosine schedule.", "optimizer", ge=0)
     lr_warmup_steps: int = _field(0, "Optimizer steps of linear warmup from 0 to --lr.", "optimizer", ge=0)
     lr_decay_style: Literal["constant", "cosine"] = _field(

@@ -118,3 +118,27 @@ def test_bad_placement_config_fails_up_front(tiny_workspace, tmp_path):
         check_ray_address(f"127.0.0.1:{free_loopback_port()}")
     with pytest.raises(ConfigError, match="--max-staleness"):
         parse_config(["--fully-async", "--max-staleness", "-1"])
+
+
+class LateReplyController(AsyncController):
+    """The rollout's reply (metrics, data cursor) reaches the controller well after its partition is complete, as
+    a Ray rollout's does under load (it marks the partition, then replies)."""
+
+    async def _generate_into_plane(self, step):
+        reply = await super()._generate_into_plane(step)
+        await asyncio.sleep(0.3)
+        return reply
+
+
+def test_a_step_waits_for_its_rollouts_reply_so_no_metric_or_cursor_is_lost(tiny_workspace, tmp_path, caplog):
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--max-staleness", "1",
+                                       "--num-rollout", "3", "--dump-samples", "0", "--skip-eval-before-train",
+                                       "--save-interval", "1"))
+    roles = build_roles(cfg)
+    with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
+        controller = LateReplyController(cfg, roles, tracker)
+        asyncio.run(controller.run())
+    rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all("rollout/reward_mean" in row and "perf/rollout_s" in row for row in rows), rows
+    assert "the data cursor after its rollout is not recorded yet" not in caplog.text

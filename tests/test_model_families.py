@@ -12,6 +12,7 @@ apart). A family that is not supported yet is refused by `relax train` with its 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -28,6 +29,7 @@ from tests.tiny_mm_assets import build_tiny_omni, build_tiny_qwen3_vl, build_tin
 SUPPORTED = [family for family in FAMILIES if family.not_supported is None]
 MULTIMODAL = {"qwen2_5_vl": (build_tiny_vl, make_image_rows, "image"),
               "qwen3_vl": (build_tiny_qwen3_vl, make_image_rows, "image"),
+              "qwen3_vl_moe": (functools.partial(build_tiny_qwen3_vl, experts=True), make_image_rows, "image"),
               "qwen2_5_omni": (build_tiny_omni, make_audio_rows, "audio")}
 # float32 rounding of two different programs (the engine's decode with a cache, the trainer's packed or padded
 # forward): measured <= 5e-7 per token on every family here

@@ -47,7 +47,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("Qwen3-VL", ("qwen3_vl",), ("text", "image", "video"), "Qwen/Qwen3-VL-8B-Instruct",
                 test_id="qwen3_vl"),
     ModelFamily("Qwen3-VL MoE", ("qwen3_vl_moe",), ("text", "image", "video"), "Qwen/Qwen3-VL-30B-A3B-Instruct",
-                not_supported="no tiny end-to-end case yet (Qwen3-VL dense and Qwen3 MoE each have one)"),
+                test_id="qwen3_vl_moe"),
     ModelFamily("Qwen2.5-Omni thinker", ("qwen2_5_omni", "qwen2_5_omni_thinker"), ("text", "image", "video", "audio"),
                 "Qwen/Qwen2.5-Omni-7B", test_id="qwen2_5_omni"),
     ModelFamily("Qwen3-Omni MoE thinker", ("qwen3_omni_moe", "qwen3_omni_moe_thinker"),

@@ -305,17 +305,29 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("output", help="folder to write (config, safetensors weights, tokenizer)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapters as a peft folder (PeftModel.from_pretrained loads it on the base "
+                        "model) instead of the merged model")
     args = parser.parse_args(argv)
     _quiet_libraries()
     import torch
     from transformers import AutoTokenizer
 
-    from relax.core.checkpoint import load_hf_model_from_checkpoint
+    from relax.backends.training import lora
+    from relax.core.checkpoint import CheckpointError, load_hf_model_from_checkpoint, resolve_checkpoint_root
 
-    model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype))
-    model.save_pretrained(args.output)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(args.output)
-    print(f"exported to {args.output}")
+    adapters = lora.read_metadata(resolve_checkpoint_root(args.checkpoint))
+    if args.adapter and adapters is None:
+        raise CheckpointError(f"--adapter: {args.checkpoint} is not a LoRA run's checkpoint (no {lora.METADATA_FILE})")
+    model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype),
+                                                  merge_adapters=not args.adapter)
+    output = Path(args.output)
+    if args.adapter:
+        lora.save_adapter_folder(model, adapters[0], adapters[1], output)
+    else:
+        model.save_pretrained(output)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(output)
+    print(f"exported {'the LoRA adapters' if args.adapter else 'the model'} to {output}")
     return 0
 
 

@@ -74,6 +74,10 @@ class AsyncController(SyncController):
         self._rollout_metrics: dict[int, dict[str, float]] = {}
         # The data-source state once rollout index s (0-based; trained as step s + 1) was generated.
         self._cursor_after: dict[int, dict[str, int]] = {}
+        # Set once the producer holds step s's reply (its metrics and cursor) or failed: the partition can be
+        # complete before (the rollout marks it, then replies), and the trainer must not log or checkpoint the
+        # step without them (its rollout metrics would be lost, a resume would skip its prompts).
+        self._replied: dict[int, asyncio.Event] = {}
         self._producer_error: BaseException | None = None
 
     # ---- producer -------------------------------------------------------------------------
@@ -90,10 +94,15 @@ class AsyncController(SyncController):
                 metrics["perf/rollout_version_lag"] = float(step - self.gate.trained_version)
                 self._rollout_metrics[step] = metrics
                 self._cursor_after[step] = cursor
+                self._reply(step).set()
         except BaseException as err:  # surfaced by the trainer, which would otherwise wait forever
             self._producer_error = err
+            self._reply(step).set()
             await self._end_failed_step(step)
             raise
+
+    def _reply(self, step: int) -> asyncio.Event:
+        return self._replied.setdefault(step, asyncio.Event())
 
     async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
         """Generate step ``step`` into its partition; returns the rollout metrics and the data cursor after it."""
@@ -121,6 +130,11 @@ class AsyncController(SyncController):
         self._waiting_step = rollout_id + 1
         samples = await self._bounded(self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} "
                                       f"(partition train_{rollout_id} of the data plane)")
+        await self._bounded(self._reply(rollout_id).wait(), f"the rollout's reply for step {rollout_id + 1} (its "
+                            "metrics and data cursor; its data is in)")
+        del self._replied[rollout_id]
+        if self._producer_error is not None and rollout_id not in self._rollout_metrics:
+            raise RuntimeError(f"rollout of step {rollout_id + 1} failed") from self._producer_error
         metrics = self._rollout_metrics.pop(rollout_id, {})
         metrics["perf/wait_for_rollout_s"] = time.perf_counter() - started
         if self.cfg.mask_offpolicy_in_partial_rollout:

@@ -27,6 +27,7 @@ from relax.backends.model_family import load_model
 from relax.backends.model_registry import UnsupportedModelError, check_supported
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.backends.training.liger import liger_unavailable_reason
+from relax.backends.training.lora import LoraSettings, parse_targets
 from relax.components.actor import Actor
 from relax.components.actor_fwd import ActorFwd
 from relax.components.advantages import Advantages
@@ -116,6 +117,19 @@ def check_model_family(model_path: Path) -> None:
                        config.model_type, model_path)
 
 
+def check_lora_targets(cfg: RelaxConfig, model_path: Path) -> None:
+    """--target-modules and --lora-scope match modules of the model (checked on a weightless copy of it)."""
+    from relax.backends.model_family import model_from_config
+    from relax.backends.training.lora import inject
+
+    with torch.device("meta"):
+        model = model_from_config(AutoConfig.from_pretrained(model_path), torch.float32)
+    try:
+        inject(model, lora_settings(cfg))
+    except ValueError as error:
+        raise ConfigError(f"{error} (the model at {model_path})") from None
+
+
 def check_context_length(cfg: RelaxConfig, model_path: Path) -> None:
     """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
     computes garbage with positions it was never trained on)."""
@@ -139,6 +153,8 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     paths. Returns the model folder."""
     model_path = check_model_path(cfg)
     check_model_family(model_path)
+    if cfg.lora_rank and training:
+        check_lora_targets(cfg, model_path)
     check_context_length(cfg, model_path)
     check_data_files(cfg, training)
     if cfg.load:
@@ -173,6 +189,10 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         required_label_for=cfg.rm_type if cfg.loss_type != "sft" else None,
         **prompt_tool_settings(cfg),
     )
+
+
+def lora_settings(cfg: RelaxConfig) -> LoraSettings:
+    return LoraSettings(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.target_modules), cfg.lora_scope)
 
 
 def core_settings(cfg: RelaxConfig) -> CoreSettings:
@@ -435,6 +455,7 @@ def build_context(cfg: RelaxConfig) -> BuildContext:
         max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
         log_probs_max_tokens_per_gpu=cfg.log_probs_max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
         balance_data=cfg.balance_data, liger_kernel=use_liger_kernel(cfg, device),
+        lora=lora_settings(cfg) if cfg.lora_rank else None,
     )
     return BuildContext(cfg, model_path, tokenizer, prompts, total_steps, spec, device, dtype, settings)
 

@@ -347,27 +347,42 @@ def load_trainer_state(directory: Path) -> dict[str, Any]:
     return state
 
 
-def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dtype: torch.dtype = torch.float32):
+def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dtype: torch.dtype = torch.float32,
+                                  merge_adapters: bool = True):
     """A plain (unsharded) Hugging Face model with the weights of checkpoint ``step`` (default:
-    the newest intact one). Needs no process group; used by `relax export` and `relax eval`."""
+    the newest intact one). Needs no process group; used by `relax export` and `relax eval`. A LoRA run's
+    checkpoint (adapters only) is loaded onto its base model, the adapters merged unless ``merge_adapters`` is
+    False (then the model carries them, for `lora.save_adapter_folder`)."""
     from transformers import AutoConfig
 
-    from relax.backends.model_family import model_from_config
+    from relax.backends.model_family import load_model, model_from_config
+    from relax.backends.training import lora
 
     root = resolve_checkpoint_root(root)
+    adapters = lora.read_metadata(root)
     selected = select_checkpoint(root, step)
     for problem in selected.skipped:
         logger.warning("skipping a damaged checkpoint: %s", problem)
     problem = hf_metadata_problem(root / HF_DIR)
     if problem:
         raise CheckpointError(f"{problem}; the next save of this run (relax train --load {root}) writes it again")
-    config = AutoConfig.from_pretrained(root / HF_DIR)
-    model = model_from_config(config, torch.float32)
-    state = {f"hf_model.{name}": tensor for name, tensor in model.state_dict().items()}
+    if adapters is not None:
+        settings, base = adapters
+        if not base.is_dir():
+            raise CheckpointError(f"{root} holds LoRA adapters of the base model {base}, which is not there "
+                                  f"({lora.METADATA_FILE})")
+        model = load_model(base, torch.float32)
+        lora.inject(model, settings)
+        state = {f"hf_model.{name}": t for name, t in model.state_dict().items() if lora.is_adapter(name)}
+    else:
+        model = model_from_config(AutoConfig.from_pretrained(root / HF_DIR), torch.float32)
+        state = {f"hf_model.{name}": tensor for name, tensor in model.state_dict().items()}
     checkpoint_dir = selected.directory / "model_optim"
     try:
         dcp.load({"model": state}, checkpoint_id=checkpoint_dir)
     except IO_ERRORS as err:  # DCP wraps every read failure in its own exceptions
         raise CheckpointError(f"{checkpoint_dir}: cannot be loaded ({type(err).__name__}: {err})") from None
-    model.load_state_dict({name.removeprefix("hf_model."): t for name, t in state.items()})
+    model.load_state_dict({name.removeprefix("hf_model."): t for name, t in state.items()}, strict=adapters is None)
+    if adapters is not None and merge_adapters:
+        lora.merge_into_base(model)
     return model.to(dtype), root / HF_DIR

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from relax.backends.training import lora
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core import checkpoint
-from relax.core.build import Roles
+from relax.core.build import Roles, lora_settings
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
 from relax.core.phases import PhaseClock
@@ -265,6 +266,8 @@ class SyncController:
 
     def _seal(self, root: Path, step: int) -> None:
         checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+        if self.cfg.lora_rank:  # the checkpoint holds adapters only: export rebuilds them on the base model
+            lora.write_metadata(root, lora_settings(self.cfg), self.cfg.hf_checkpoint)
         checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
 
     def _saved(self, step: int, plot: bool = True) -> None:

@@ -55,6 +55,7 @@ from relax.backends.model_registry import traits
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
+from relax.backends.training.lora import LoraSettings, inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.packing import (
     balanced_partition,
@@ -94,6 +95,7 @@ class TrainSettings:
     freeze_vision_tower: bool = False
     freeze_audio_tower: bool = False
     sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
+    lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
     log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
@@ -261,8 +263,17 @@ class FSDPTrainBackend(TrainBackend):
             logger.warning("%s trains on padded micro-batches, not packed rows: %s", type(hf_model).__name__,
                            unpackable)
             self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
+        self.lora = settings.lora if trainable else None
+        if self.lora is not None:
+            adapters = inject(hf_model, self.lora)
+            total = sum(p.numel() for p in hf_model.parameters())
+            logger.info("LoRA rank %d on %s (--lora-scope %s): %d adapter parameters, %.2f%% of %d",
+                        self.lora.rank, self.lora.hf_targets(), self.lora.scope, adapters, 100 * adapters / total,
+                        total)
         if settings.gradient_checkpointing and trainable:
             hf_model.gradient_checkpointing_enable()
+            if self.lora is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
+                hf_model.enable_input_require_grads()
         self._liger = False
         if settings.liger_kernel:
             reason = liger_unavailable_reason(settings.device)
@@ -293,7 +304,11 @@ class FSDPTrainBackend(TrainBackend):
             self._weight_casts = MasterWeightCasts(settings.compute_dtype)
             use_master_weight_linears(self.model, self._weight_casts)
         self.model.train(trainable)
-        self.model.requires_grad_(trainable)
+        if self.lora is not None:
+            for name, parameter in self.model.named_parameters():
+                parameter.requires_grad_(is_adapter(name))
+        else:
+            self.model.requires_grad_(trainable)
         if trainable:
             frozen = freeze_towers(hf_model, settings.freeze_vision_tower, settings.freeze_audio_tower)
             if frozen:
@@ -600,8 +615,11 @@ class FSDPTrainBackend(TrainBackend):
             raise TypeError("a critic's weights are not synced to inference engines")
         self.reload()
         # Lazily gathered: with FSDP each parameter is unsharded only when its bucket is built.
-        full = ((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
-                for name, param in self.model.hf_model.named_parameters())
+        if self.lora is not None:  # the base model's names, adapters merged: engines need no LoRA support
+            full = merged_named_weights(self.model.hf_model)
+        else:
+            full = ((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
+                    for name, param in self.model.hf_model.named_parameters())
         yield from bucketize(full, bucket_bytes, dtype)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -619,28 +637,38 @@ class FSDPTrainBackend(TrainBackend):
         self.reload()
         directory = Path(directory)
         write = dcp.async_save if asynchronous else dcp.save
+        options = self._state_dict_options()
         if include_optimizer and self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
             written = write({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
             if dist.get_rank() == 0:
                 torch.save(self.scheduler.state_dict(), directory / "lr_scheduler.pt")
         else:
-            written = write({"model": get_model_state_dict(self.model)}, checkpoint_id=directory / "model_optim")
+            written = write({"model": get_model_state_dict(self.model, options=options)},
+                            checkpoint_id=directory / "model_optim")
         return [written] if asynchronous else []
 
     def load(self, directory: Path, include_optimizer: bool = True) -> None:
         self.reload()
         directory = Path(directory)
+        options = self._state_dict_options()
         if include_optimizer and self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
             dropped = _drop_states_not_saved(optim_state, directory / "model_optim")
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=directory / "model_optim")  # strict: every weight and saved state
             # not strict only where the optimizer states of parameters without a gradient yet were left out
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=StateDictOptions(strict=not dropped))
+                           options=dataclasses.replace(options, strict=not dropped and options.strict))
             self.scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.model, options=options)}
             dcp.load(state, checkpoint_id=directory / "model_optim")
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
+
+    def _state_dict_options(self) -> StateDictOptions:
+        """A LoRA checkpoint holds the adapters only (the base weights are the --hf-checkpoint's): frozen weights
+        are left out, and the load leaves them as they are."""
+        if self.lora is not None:
+            return StateDictOptions(ignore_frozen_params=True, strict=False)
+        return StateDictOptions()

@@ -1,0 +1,178 @@
+"""LoRA adapters through peft (``--lora-rank``): injected into the Hugging Face model in place, so every module keeps
+its path and the trainer's code sees the same model; only the adapters train, sit in the optimizer and the
+checkpoint; the engine gets merged weights (``W + alpha/r * B @ A``) under the base model's names.
+
+Target names are the Hugging Face module names (``q_proj``, ``down_proj``, ...) or upstream's Megatron names, mapped
+to them (``linear_qkv`` = q/k/v projections, ``linear_proj`` = the attention output, ``linear_fc1`` = gate and up,
+``linear_fc2`` = down), or ``all-linear``. ``--lora-scope`` chooses the towers: ``language`` leaves the vision and
+audio encoders without adapters, ``vision`` adapts only the vision encoder, ``all`` both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MEGATRON_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                  "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+SCOPES = ("all", "language", "vision")
+# Module paths of the encoders (the vision tower's names across the Qwen-VL, Qwen-Omni and Kimi families).
+_TOWER = r"(?:.*\.)?(?:visual|vision_tower|vision_model|audio_tower)(?:\..*)?"
+_VISION = r"(?:.*\.)?(?:visual|vision_tower|vision_model)(?:\..*)?"
+ADAPTER_NAME = "default"
+METADATA_FILE = "lora.json"  # in a checkpoint root: what `relax export` needs to rebuild the adapters
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj")
+    scope: str = "all"
+
+    def hf_targets(self) -> list[str] | str:
+        if tuple(self.target_modules) == ("all-linear",):
+            return "all-linear"
+        names: list[str] = []
+        for name in self.target_modules:
+            for mapped in MEGATRON_NAMES.get(name, (name,)):
+                if mapped not in names:
+                    names.append(mapped)
+        return names
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        targets = self.hf_targets()
+        if self.scope == "vision":  # only modules inside the vision tower
+            if targets == "all-linear":
+                raise ValueError("--lora-scope vision needs --target-modules names (all-linear would adapt the "
+                                 "language model's head too)")
+            targets = rf"{_VISION}\.(?:{'|'.join(map(re.escape, targets))})"
+            return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
+                              bias="none")
+        exclude = _TOWER if self.scope == "language" else None
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, exclude_modules=exclude,
+                          lora_dropout=0.0, bias="none")
+
+
+def inject(model: nn.Module, settings: LoraSettings) -> int:
+    """Add the adapters to ``model`` in place; every other parameter is frozen. Returns the adapter parameters'
+    element count. Raises ValueError naming the targets when no module matched them."""
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER_NAME)
+    except ValueError as error:
+        raise ValueError(f"--target-modules {' '.join(settings.target_modules)} (--lora-scope {settings.scope}): "
+                         f"{error}") from None
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(is_adapter(name))
+    return sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    return any(is_adapter(name) for name, _ in model.named_parameters())
+
+
+def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of ``model`` under the base model's names, the adapted ones merged (``base + delta``): what an
+    inference engine without adapters loads. Tensors are gathered (``full_tensor``) when sharded."""
+    from peft.tuners.lora import LoraLayer
+
+    def full(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    adapted = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for name, parameter in model.named_parameters():
+        if is_adapter(name):
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if owner in adapted and leaf == "weight":
+            layer = adapted[owner]
+            with torch.no_grad():
+                delta = _delta_weight(layer)
+                yield f"{owner}.weight", full(parameter).detach() + delta.to(parameter.dtype)
+        else:
+            yield (f"{owner}.{leaf}" if owner in adapted else name), full(parameter).detach()
+
+
+def _delta_weight(layer) -> torch.Tensor:
+    """``scale * B @ A`` of one adapted linear layer (gathered when sharded), in float32."""
+    a = layer.lora_A[ADAPTER_NAME].weight
+    b = layer.lora_B[ADAPTER_NAME].weight
+    a = a.full_tensor() if hasattr(a, "full_tensor") else a
+    b = b.full_tensor() if hasattr(b, "full_tensor") else b
+    delta = b.float() @ a.float()
+    if getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    return delta * layer.scaling[ADAPTER_NAME]
+
+
+def write_metadata(root: Path, settings: LoraSettings, base_model: str | Path) -> None:
+    payload = {**asdict(settings), "target_modules": list(settings.target_modules),
+               "base_model": str(Path(base_model).resolve())}
+    staging = Path(root) / f"{METADATA_FILE}.partial"
+    staging.write_text(json.dumps(payload, indent=2))
+    staging.replace(Path(root) / METADATA_FILE)  # a kill mid-write leaves the previous one
+
+
+def read_metadata(root: Path) -> tuple[LoraSettings, Path] | None:
+    path = Path(root) / METADATA_FILE
+    if not path.is_file():
+        return None
+    payload = json.loads(path.read_text())
+    base = Path(payload.pop("base_model"))
+    payload["target_modules"] = tuple(payload["target_modules"])
+    return LoraSettings(**payload), base
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors under peft's saved names (``base_model.model.<path>.lora_A.weight``)."""
+    return {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().contiguous()
+            for name, tensor in model.state_dict().items() if is_adapter(name)}
+
+
+def save_adapter_folder(model: nn.Module, settings: LoraSettings, base_model: str | Path, output: Path) -> None:
+    """A folder ``peft.PeftModel.from_pretrained(base, output)`` loads: adapter_config.json and
+    adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    output.mkdir(parents=True, exist_ok=True)
+    config = settings.peft_config()
+    config.base_model_name_or_path = str(base_model)
+    config.save_pretrained(str(output))
+    save_file(adapter_state(model), str(output / "adapter_model.safetensors"))
+
+
+def merge_into_base(model: nn.Module) -> nn.Module:
+    """``model`` with the adapters merged into their base layers and removed (the plain Hugging Face model)."""
+    from peft.tuners.lora import LoraLayer
+
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            module.merge(adapter_names=[ADAPTER_NAME])
+            parent_name, _, child = name.rpartition(".")
+            replacements.append((model.get_submodule(parent_name) if parent_name else model, child,
+                                 module.get_base_layer()))
+    for parent, child, base in replacements:
+        setattr(parent, child, base)
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model
+
+
+def parse_targets(values: Sequence[str]) -> tuple[str, ...]:
+    """``--target-modules`` values: names separated by spaces or commas."""
+    return tuple(name for value in values for name in re.split(r"[\s,]+", value) if name)
