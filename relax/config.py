@@ -634,6 +634,11 @@ class RelaxConfig(BaseModel):
 
     # --- optimizer -----------------------------------------------------------------------
     lr: float = _field(1e-6, "Peak learning rate (AdamW).", "optimizer", gt=0)
+    moe_aux_loss_coef: float | None = _field(
+        None, "Weight of a mixture-of-experts model's auxiliary load-balancing loss in the training loss. Default: "
+        "the family's own (its config's router_aux_loss_coef when its output_router_logits is on, else none); 0 "
+        "turns it off. Refused for models that define no such loss (DeepSeek-V3 balances with routing biases).",
+        "optimizer", ge=0)
     lora_rank: int = _field(
         0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
         "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)

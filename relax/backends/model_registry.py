@@ -135,6 +135,11 @@ def models_markdown() -> str:
         "decode path with the family's own cache (linear-attention state included). Packed: training micro-batches",
         "are packed rows of whole samples (else padded, for the reason in the notes).",
         "",
+        "Mixture-of-experts models train with their family's auxiliary load-balancing loss where the family defines",
+        "one, at its own coefficient when its config turns the loss on, or at `--moe-aux-loss-coef` (0: off;",
+        "refused for families without such a loss, e.g. DeepSeek-V3, which balances with routing biases). Expert",
+        "weights are synced to the engines with the rest. Routing replay (R3) is not built yet.",
+        "",
         "| family | model_type | inputs | experts | attention | engine | packed | status | examples |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -117,15 +117,20 @@ def check_model_family(model_path: Path) -> None:
                        config.model_type, model_path)
 
 
-def check_lora_targets(cfg: RelaxConfig, model_path: Path) -> None:
-    """--target-modules and --lora-scope match modules of the model (checked on a weightless copy of it)."""
+def check_model_options(cfg: RelaxConfig, model_path: Path) -> None:
+    """Options that depend on the model's modules, checked on a weightless copy of it: --target-modules and
+    --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh."""
     from relax.backends.model_family import model_from_config
     from relax.backends.training.lora import inject
+    from relax.backends.training.moe import moe_aux_loss
 
     with torch.device("meta"):
         model = model_from_config(AutoConfig.from_pretrained(model_path), torch.float32)
     try:
-        inject(model, lora_settings(cfg))
+        if cfg.moe_aux_loss_coef:
+            moe_aux_loss(model, cfg.moe_aux_loss_coef)
+        if cfg.lora_rank:
+            inject(model, lora_settings(cfg))
     except ValueError as error:
         raise ConfigError(f"{error} (the model at {model_path})") from None
 
@@ -153,8 +158,8 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     paths. Returns the model folder."""
     model_path = check_model_path(cfg)
     check_model_family(model_path)
-    if cfg.lora_rank and training:
-        check_lora_targets(cfg, model_path)
+    if training and (cfg.lora_rank or cfg.moe_aux_loss_coef):
+        check_model_options(cfg, model_path)
     check_context_length(cfg, model_path)
     check_data_files(cfg, training)
     if cfg.load:
@@ -455,7 +460,7 @@ def build_context(cfg: RelaxConfig) -> BuildContext:
         max_tokens_per_gpu=cfg.max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
         log_probs_max_tokens_per_gpu=cfg.log_probs_max_tokens_per_gpu if cfg.use_dynamic_batch_size else None,
         balance_data=cfg.balance_data, liger_kernel=use_liger_kernel(cfg, device),
-        lora=lora_settings(cfg) if cfg.lora_rank else None,
+        lora=lora_settings(cfg) if cfg.lora_rank else None, moe_aux_loss_coef=cfg.moe_aux_loss_coef,
     )
     return BuildContext(cfg, model_path, tokenizer, prompts, total_steps, spec, device, dtype, settings)
 

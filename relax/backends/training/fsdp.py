@@ -57,6 +57,7 @@ from relax.backends.training.liger import apply_liger_kernels, liger_unavailable
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
 from relax.backends.training.lora import LoraSettings, inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
+from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.packing import (
     balanced_partition,
     pack_sequences,
@@ -96,6 +97,7 @@ class TrainSettings:
     freeze_audio_tower: bool = False
     sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
     lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
+    moe_aux_loss_coef: float | None = None  # None: the MoE family's own (`relax.backends.training.moe`)
     log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
@@ -148,16 +150,20 @@ def _language_model(hf_model: nn.Module) -> nn.Module:
 def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                      predict_index: torch.Tensor, packing: PackedAttention | None,
-                     media: dict[str, torch.Tensor] | None) -> torch.Tensor:
+                     media: dict[str, torch.Tensor] | None,
+                     router_logits: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Last hidden states ``[M, H]`` at ``predict_index`` (flat positions into ``input_ids``), the
-    positions whose next token is a response token."""
+    positions whose next token is a response token; with ``router_logits``, a mixture-of-experts model's router
+    logits of every layer too (for its auxiliary loss), else None."""
     extra = {PACKING_KWARG: packing} if packing is not None else {}
     if position_ids is not None:
         extra["position_ids"] = position_ids
+    if router_logits:
+        extra["output_router_logits"] = True
     if media:
         with _head_bypassed(hf_model):
-            hidden = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra,
-                              **media).logits
+            output = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **media)
+        hidden = output.logits
     else:
         if packing is not None and attention_mask is None:
             # A 4-D mask is taken as prepared, so the decoder builds none (every family's mask builder returns it
@@ -165,8 +171,10 @@ def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tens
             # packed-sequence check), a synchronization per forward; the packed attention keeps the sequences
             # apart itself and never reads this placeholder.
             attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
-    return hidden.flatten(0, 1).index_select(0, predict_index)
+        output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        hidden = output.last_hidden_state
+    routing = getattr(output, "router_logits", None) if router_logits else None
+    return hidden.flatten(0, 1).index_select(0, predict_index), routing
 
 
 def _drop_states_not_saved(optim_state: dict, checkpoint: Path) -> int:
@@ -190,12 +198,18 @@ class ResponseLogitsModel(nn.Module):
         super().__init__()
         self.hf_model = hf_model
         use_packed_attention(_language_model(hf_model))
+        # A mixture-of-experts model with an auxiliary loss: a forward with gradients keeps its router logits
+        # (and its padding mask: None when packed) for the loss, until the next one.
+        self.record_router_logits = False
+        self.router_logits: tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                 predict_index: torch.Tensor, head: HeadRequest, packing: PackedAttention | None = None,
                 media: dict[str, torch.Tensor] | None = None) -> TokenLogProbs:
-        hidden = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask, position_ids,
-                                  predict_index, packing, media)
+        record = self.record_router_logits and torch.is_grad_enabled()
+        hidden, routing = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask,
+                                           position_ids, predict_index, packing, media, router_logits=record)
+        self.router_logits = (routing, attention_mask) if routing is not None else None
         return token_log_probs(
             hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
             suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
@@ -221,8 +235,8 @@ class ResponseValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                 predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
-        hidden = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
-                                  predict_index, packing, None)
+        hidden, _ = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
+                                     predict_index, packing, None)
         return self.value_head(hidden).squeeze(-1)
 
 
@@ -289,6 +303,10 @@ class FSDPTrainBackend(TrainBackend):
         media_ids = MediaTokens.of(hf_model.config).ids
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
+        self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not value_head else None
+        if self._moe_aux is not None:
+            self.model.record_router_logits = True
+            logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1
@@ -582,6 +600,13 @@ class FSDPTrainBackend(TrainBackend):
             if outputs.gathered is not None:
                 tensors.fields["gathered_log_probs"] = outputs.gathered
             loss, metrics = loss_fn(tensors, outputs.primary, outputs.entropy)
+            if self._moe_aux is not None and self.model.router_logits is not None:
+                # the step's loss holds coef x the samples' mean auxiliary loss, as the families' own forward adds it
+                routing, padding = self.model.router_logits
+                self.model.router_logits = None
+                aux = self._moe_aux(routing, padding) * (len(mb) / num_samples)
+                loss = loss + self._moe_aux.coef * aux
+                metrics = {**metrics, "moe_aux_loss": aux.detach()}
             if placeholder:  # a forward and backward for the collectives, adding nothing
                 loss = loss * 0.0
                 metrics = {name: value * 0.0 for name, value in metrics.items()}
