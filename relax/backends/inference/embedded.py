@@ -385,10 +385,9 @@ class EmbeddedEngine(InferenceEngine):
         logger.warning("embedded engine: %s: %s; rebuilding its %s and decoding the failed calls' requests again "
                        "(recovery %d/%d)", type(error).__name__, str(error)[:300],
                        "core" if self.core is not None else "batch state", self.recoveries, self.max_recoveries)
-        old, self.core = self.core, None
-        if old is not None:
-            old.shutdown()
-        del old
+        if self.core is not None:
+            self.core.shutdown()
+            self.core = None  # its KV pool and graphs are freed before the new core sizes its own
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -736,10 +735,8 @@ def is_recoverable(error: BaseException) -> bool:
     """An allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's "can't allocate memory"): the
     memory state it leaves is rebuilt by a recovery, and the same requests may well fit once the pool is sized to
     what is free. Other errors (a sticky CUDA error, a bug) would recur or corrupt: they end the call."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and not isinstance(error, EngineRecoveryError) and any(
-        text in str(error) for text in ("can't allocate memory", "CUDA out of memory"))
+    return isinstance(error, torch.OutOfMemoryError) or (
+        type(error) is RuntimeError and "can't allocate memory" in str(error))
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

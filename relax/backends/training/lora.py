@@ -81,10 +81,6 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def is_lora_model(model: nn.Module) -> bool:
-    return any(is_adapter(name) for name, _ in model.named_parameters())
-
-
 def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of ``model`` under the base model's names, the adapted ones merged (``base + delta``): what an
     inference engine without adapters loads. Tensors are gathered (``full_tensor``) when sharded."""
@@ -108,7 +104,8 @@ def merged_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def _delta_weight(layer) -> torch.Tensor:
-    """``scale * B @ A`` of one adapted linear layer (gathered when sharded), in float32."""
+    """``scale * B @ A`` of one adapted linear layer, in float32. Not peft's ``get_delta_weight``: under FSDP the
+    factors are shards, and they are gathered here before the product."""
     a = layer.lora_A[ADAPTER_NAME].weight
     b = layer.lora_B[ADAPTER_NAME].weight
     a = a.full_tensor() if hasattr(a, "full_tensor") else a
@@ -137,22 +134,20 @@ def read_metadata(root: Path) -> tuple[LoraSettings, Path] | None:
     return LoraSettings(**payload), base
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors under peft's saved names (``base_model.model.<path>.lora_A.weight``)."""
-    return {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().contiguous()
-            for name, tensor in model.state_dict().items() if is_adapter(name)}
-
-
 def save_adapter_folder(model: nn.Module, settings: LoraSettings, base_model: str | Path, output: Path) -> None:
     """A folder ``peft.PeftModel.from_pretrained(base, output)`` loads: adapter_config.json and
     adapter_model.safetensors."""
+    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     output.mkdir(parents=True, exist_ok=True)
     config = settings.peft_config()
     config.base_model_name_or_path = str(base_model)
     config.save_pretrained(str(output))
-    save_file(adapter_state(model), str(output / "adapter_model.safetensors"))
+    # peft's names relative to the model, under the prefix a PeftModel saves them with
+    state = {f"base_model.model.{name}": tensor.detach().contiguous()
+             for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()}
+    save_file(state, str(output / "adapter_model.safetensors"))
 
 
 def merge_into_base(model: nn.Module) -> nn.Module:
