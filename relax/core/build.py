@@ -104,10 +104,9 @@ def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
             raise ConfigError(f"{where}: {path}: file not found")
 
 
-def check_model_family(model_path: Path) -> None:
+def check_model_family(config, model_path: Path) -> None:
     """A family that cannot work yet is refused with its reason (docs/models.md); one Relax does not know is tried
     on the Hugging Face paths, with a warning."""
-    config = AutoConfig.from_pretrained(model_path)
     try:
         family = check_supported(config, f"{flag('hf_checkpoint')} {model_path}")
     except UnsupportedModelError as error:
@@ -117,7 +116,7 @@ def check_model_family(model_path: Path) -> None:
                        config.model_type, model_path)
 
 
-def check_model_options(cfg: RelaxConfig, model_path: Path) -> None:
+def check_model_options(cfg: RelaxConfig, config, model_path: Path) -> None:
     """Options that depend on the model's modules, checked on a weightless copy of it: --target-modules and
     --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh."""
     from relax.backends.model_family import model_from_config
@@ -125,7 +124,7 @@ def check_model_options(cfg: RelaxConfig, model_path: Path) -> None:
     from relax.backends.training.moe import moe_aux_loss
 
     with torch.device("meta"):
-        model = model_from_config(AutoConfig.from_pretrained(model_path), torch.float32)
+        model = model_from_config(config, torch.float32)
     try:
         if cfg.moe_aux_loss_coef:
             moe_aux_loss(model, cfg.moe_aux_loss_coef)
@@ -135,10 +134,10 @@ def check_model_options(cfg: RelaxConfig, model_path: Path) -> None:
         raise ConfigError(f"{error} (the model at {model_path})") from None
 
 
-def check_context_length(cfg: RelaxConfig, model_path: Path) -> None:
+def check_context_length(cfg: RelaxConfig, config, model_path: Path) -> None:
     """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
     computes garbage with positions it was never trained on)."""
-    limit = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if not limit:
         return
     for name in ("rollout_max_response_len", "eval_max_response_len", "rollout_max_context_len"):
@@ -157,10 +156,11 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
     paths. Returns the model folder."""
     model_path = check_model_path(cfg)
-    check_model_family(model_path)
+    config = AutoConfig.from_pretrained(model_path)  # read once for the checks below
+    check_model_family(config, model_path)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef):
-        check_model_options(cfg, model_path)
-    check_context_length(cfg, model_path)
+        check_model_options(cfg, config, model_path)
+    check_context_length(cfg, config, model_path)
     check_data_files(cfg, training)
     if cfg.load:
         try:
