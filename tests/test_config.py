@@ -83,3 +83,14 @@ def test_every_field_has_help_and_a_flag():
 def test_docs_config_md_is_generated_from_the_fields():
     committed = (ROOT / "docs" / "config.md").read_text()
     assert committed.strip() == render_config_reference().strip(), "run: relax config-docs > docs/config.md"
+
+
+def test_lengths_beyond_the_models_positions_are_refused_before_anything_loads(tiny_workspace, tmp_path, capsys):
+    from relax.cli.main import main
+    from tests.conftest import tiny_train_args
+
+    args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "1")
+    args[args.index("--rollout-max-response-len") + 1] = "300"  # the tiny model has 256 positions
+    assert main(["train", *args]) == 2
+    assert "--rollout-max-response-len 300: the model at" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
