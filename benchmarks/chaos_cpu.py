@@ -139,15 +139,22 @@ def _first_error_after(run_log: Path, since: float, mention: str | None = None) 
 
 
 def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], timeout_s: float,
-                    env: dict[str, str] | None = None, poll_s: float = 0.2) -> ChaosReport:
+                    env: dict[str, str] | None = None, poll_s: float = 0.2, hold: Path | None = None) -> ChaosReport:
     """Run ``command`` (a `relax train` with --use-health-check and --max-global-restart) and inject ``faults`` in
-    order; returns when the run ends (or is killed at ``timeout_s``)."""
+    order; returns when the run ends (or is killed at ``timeout_s``).
+
+    With ``hold`` (a file path, passed to the run as $RELAX_CHAOS_HOLD), the file exists while the run must not
+    move on: while the next fault is due but not sent yet, and while a detected engine fault waits for its
+    relaunch. A reward that waits while it exists (tests.e2e_rewards:digit_fraction_held) then keeps every fault
+    inside the run however slowly a loaded machine relaunches an engine; detection is never held back (the hold
+    starts only after the fault is detected, so the run's traffic still reaches the dead or stopped engine)."""
     started = time.time()
     log = run_dir.parent / f"{run_dir.name}.stderr"
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(env or {}), **({"RELAX_CHAOS_HOLD": str(hold)} if hold is not None else {})}
     with log.open("w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-                                   stderr=stderr, process_group=0)
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                   process_group=0)
     pending = list(faults)
     in_flight: Fault | None = None
     stopped: list[int] = []
@@ -161,7 +168,9 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
                 _follow(in_flight, run_dir, step)
                 if in_flight.recovered:
                     in_flight = None
-            elif pending and step >= pending[0].after_step:
+            if hold is not None:
+                _set_hold(hold, _must_hold(in_flight, pending, step, run_dir))
+            if in_flight is None and pending and step >= pending[0].after_step:
                 state = _read_state(run_dir)
                 fresh = state is not None and time.time() - state["time"] < 2.0  # the live child's, not a dead one's
                 pid = _target_pid(state, pending[0].target) if fresh or is_engine(pending[0].target) else None
@@ -182,6 +191,8 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
             in_flight.recovered = in_flight.recovered or (in_flight.detection_s is not None
                                                           and process.returncode == 0)
     finally:
+        if hold is not None:
+            _set_hold(hold, False)
         for pid in stopped:  # a stopped process the restart left behind
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -192,6 +203,20 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
     warnings = [f"{level} {text}" for _, level, text in _log_lines(run_dir / "run.log")][-40:]
     return ChaosReport(process.returncode, time.time() - started, list(faults),
                        log.read_text(errors="replace")[-3000:], "\n".join(line[:300] for line in warnings))
+
+
+def _must_hold(in_flight: Fault | None, pending: list[Fault], step: int, run_dir: Path) -> bool:
+    if in_flight is None:
+        return bool(pending) and step >= pending[0].after_step
+    return (is_engine(in_flight.target) and in_flight.detection_s is not None
+            and not _relaunched_after(run_dir / "run.log", in_flight))
+
+
+def _set_hold(hold: Path, on: bool) -> None:
+    if on:
+        hold.touch()
+    else:
+        hold.unlink(missing_ok=True)
 
 
 def _follow(fault: Fault, run_dir: Path, step: int) -> None:

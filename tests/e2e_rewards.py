@@ -85,6 +85,20 @@ def digit_fraction_paced(args, sample):
     return digit_fraction(args, sample)
 
 
+def digit_fraction_held(args, sample):
+    """`digit_fraction_slow` that first waits while the file $RELAX_CHAOS_HOLD exists (at most 120 s): the chaos
+    harness holds a run that would otherwise outrun its faults (benchmarks.chaos_cpu.run_with_faults)."""
+    import os
+    import time
+    from pathlib import Path
+
+    hold = Path(os.environ["RELAX_CHAOS_HOLD"])
+    deadline = time.monotonic() + 120
+    while hold.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return digit_fraction_slow(args, sample)
+
+
 def digit_fraction_slow(args, sample):
     """`digit_fraction` taking 100 ms a call (~1.6 s a tiny step): long enough for a relaunched engine (a few
     seconds) to come back within a few steps of a short run."""
