@@ -572,6 +572,15 @@ class RelaxConfig(BaseModel):
     )
     tis_clip: float = _field(2.0, "Upper bound of the TIS weight.", "algorithm", gt=0)
     tis_clip_low: float = _field(0.0, "Lower bound of the TIS weight.", "algorithm", ge=0)
+    use_rollout_routing_replay: bool = _field(
+        False,
+        "Rollout routing replay (R3), for mixture-of-experts models: the engine records the experts each MoE layer "
+        "chose for every token, and the actor's forwards (old log-probs and training) route each token to those "
+        "experts, so the trained policy is the one that sampled (routing weights still come from the trainer's "
+        "router scores). Needs an in-process engine on the Hugging Face path (MoE families run there) or relax "
+        "serve / SGLang servers that return routed experts.",
+        "algorithm",
+    )
     disable_grpo_std_normalization: bool = _field(
         False, "Dr.GRPO: subtract the group mean but do not divide by the group std.", "algorithm"
     )
@@ -1092,6 +1101,13 @@ class RelaxConfig(BaseModel):
                              f"with {flag('fully_async')} or {flag('hybrid')}")
         if asynchronous and self.loss_type == "sft":
             raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
+        if self.use_rollout_routing_replay and self.loss_type == "sft":
+            raise ValueError(f"{flag('use_rollout_routing_replay')} replays a rollout's routing; "
+                             f"{flag('loss_type')} sft has no rollout")
+        if self.use_rollout_routing_replay and self.rollout_external and self.rollout_engine_protocol in (
+                "openai", "vllm"):
+            raise ValueError(f"{flag('use_rollout_routing_replay')}: {self.rollout_engine_protocol} servers do not "
+                             f"return routed experts; use {flag('rollout_engine_protocol')} relax or sglang")
         self._check_offload(asynchronous)
 
     # Settings as given ---------------------------------------------------------------------

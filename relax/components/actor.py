@@ -15,7 +15,8 @@ from relax.data.sample import Sample
 
 
 def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] | None = None,
-                   gather_ids: list[torch.Tensor] | None = None) -> TrainBatch:
+                   gather_ids: list[torch.Tensor] | None = None, routed_experts: bool = False) -> TrainBatch:
+    """The trainer's view of ``samples``; with ``routed_experts`` the engine's routing of each sample (R3)."""
     return TrainBatch(
         tokens=[s.tokens for s in samples],
         response_lengths=[s.response_length for s in samples],
@@ -24,7 +25,16 @@ def to_train_batch(samples: list[Sample], fields: dict[str, list[torch.Tensor]] 
         gather_ids=gather_ids,
         multimodal=[s.multimodal_train_inputs for s in samples] if any(s.multimodal_train_inputs for s in samples)
         else None,
+        routed_experts=[rollout_routes(s) for s in samples] if routed_experts else None,
     )
+
+
+def rollout_routes(sample: Sample) -> torch.Tensor:
+    if sample.rollout_routed_experts is None:
+        raise ValueError(f"sample {sample.index} carries no routed experts: --use-rollout-routing-replay needs the "
+                         "engine's routing of every sample (a custom generate function sets "
+                         "sample.rollout_routed_experts from its GenerationOutput.routed_experts)")
+    return torch.as_tensor(sample.rollout_routed_experts)
 
 
 def train_in_optimizer_steps(backend: TrainBackend, batch: TrainBatch, loss_fn: LossFn, train_batch_size: int,
@@ -46,23 +56,25 @@ class Actor:
     on-policy mode). With several steps they are computed once, before the first step.
     """
 
-    def __init__(self, backend: TrainBackend, loss_fn: LossFn, train_batch_size: int):
+    def __init__(self, backend: TrainBackend, loss_fn: LossFn, train_batch_size: int, routing_replay: bool = False):
         self.backend = backend
         self.loss_fn = loss_fn
         self.train_batch_size = train_batch_size
+        self.routing_replay = routing_replay  # forwards route tokens to the rollout's experts (R3)
 
     def needs_old_log_probs(self, num_samples: int) -> bool:
         return num_samples > self.train_batch_size
 
     async def compute_log_probs(self, samples: list[Sample], gather_ids: list[torch.Tensor] | None = None) -> LogProbs:
         """The current policy's log-probs (and at ``gather_ids``, when given), without gradient."""
-        return self.backend.compute_log_probs(to_train_batch(samples, gather_ids=gather_ids))
+        return self.backend.compute_log_probs(to_train_batch(samples, gather_ids=gather_ids,
+                                                             routed_experts=self.routing_replay))
 
     async def train(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]],
                     gather_ids: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Train on the rollout batch; returns ``train/*`` metrics averaged over optimizer steps."""
-        metrics = train_in_optimizer_steps(self.backend, to_train_batch(samples, fields, gather_ids), self.loss_fn,
-                                           self.train_batch_size, prefix="train/")
+        batch = to_train_batch(samples, fields, gather_ids, routed_experts=self.routing_replay)
+        metrics = train_in_optimizer_steps(self.backend, batch, self.loss_fn, self.train_batch_size, prefix="train/")
         metrics["train/optimizer_steps"] = float(math.ceil(len(samples) / self.train_batch_size))
         return metrics
 

@@ -129,6 +129,7 @@ class Rollout:
         overlong: OverlongPenalty | None = None,
         multimodal: MultimodalPreparer | None = None,
         per_sample: PerSampleGeneration | None = None,
+        routing_replay: bool = False,
     ):
         self.engine = engine
         self.data_source = data_source
@@ -143,6 +144,7 @@ class Rollout:
         self.overlong = overlong
         self.multimodal = multimodal
         self.per_sample = per_sample
+        self.routing_replay = routing_replay  # training samples keep the engine's routed experts (R3)
         self._skipped_bad_samples = 0  # prompts dropped for unreadable media since the last step's metrics
 
     def _step_seed(self, rollout_id: int, salt: int = 0) -> int:
@@ -205,7 +207,8 @@ class Rollout:
         batch sizes hold) without training the policy on a broken episode.
         """
         if self.per_sample is None:
-            samples = await generate_samples(self.engine, samples, sampling)
+            samples = await generate_samples(self.engine, samples, sampling,
+                                             return_routed_experts=self.routing_replay and not evaluation)
         else:
             samples = await self.per_sample.run(self.engine, samples, sampling, evaluation)
         failed = [s for s in samples if s.status is SampleStatus.FAILED]

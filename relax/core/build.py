@@ -118,8 +118,10 @@ def check_model_family(config, model_path: Path) -> None:
 
 def check_model_options(cfg: RelaxConfig, config, model_path: Path) -> None:
     """Options that depend on the model's modules, checked on a weightless copy of it: --target-modules and
-    --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh."""
+    --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh, --use-rollout-routing-replay has
+    routers."""
     from relax.backends.model_family import model_from_config
+    from relax.backends.routing_replay import routing_shape
     from relax.backends.training.lora import inject
     from relax.backends.training.moe import moe_aux_loss
 
@@ -128,6 +130,8 @@ def check_model_options(cfg: RelaxConfig, config, model_path: Path) -> None:
     try:
         if cfg.moe_aux_loss_coef:
             moe_aux_loss(model, cfg.moe_aux_loss_coef)
+        if cfg.use_rollout_routing_replay:
+            routing_shape(model)
         if cfg.lora_rank:
             inject(model, lora_settings(cfg))
     except ValueError as error:
@@ -158,7 +162,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     model_path = check_model_path(cfg)
     config = AutoConfig.from_pretrained(model_path)  # read once for the checks below
     check_model_family(config, model_path)
-    if training and (cfg.lora_rank or cfg.moe_aux_loss_coef):
+    if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
     check_context_length(cfg, config, model_path)
     check_data_files(cfg, training)
@@ -472,7 +476,10 @@ def build_actor(ctx: BuildContext) -> Actor:
         loss_fn = build_sft_loss_fn(cfg.loss_aggregation, cfg.rollout_max_response_len)
     else:
         loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, ctx.spec))
-    return Actor(FSDPTrainBackend(ctx.model_path, ctx.settings), loss_fn, cfg.train_batch_size)
+    # The policy replays the rollout's routing (R3); the frozen reference routes by itself.
+    settings = replace(ctx.settings, routing_replay=cfg.use_rollout_routing_replay)
+    return Actor(FSDPTrainBackend(ctx.model_path, settings), loss_fn, cfg.train_batch_size,
+                 routing_replay=cfg.use_rollout_routing_replay)
 
 
 def build_advantages(ctx: BuildContext) -> Advantages:
@@ -511,7 +518,7 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
-        **build_generation(cfg, ctx.model_path, tokenizer),
+        routing_replay=cfg.use_rollout_routing_replay, **build_generation(cfg, ctx.model_path, tokenizer),
     )
 
 

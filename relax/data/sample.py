@@ -26,7 +26,9 @@ class Sample:
     ``tokens`` holds prompt ids followed by response ids. ``loss_mask``,
     ``rollout_log_probs`` and a per-token ``weight_version`` cover the response tokens only,
     so each has ``response_length`` entries. ``loss_mask`` is 1 for tokens the model produced
-    and 0 for tokens that an environment inserted into the response.
+    and 0 for tokens that an environment inserted into the response. ``rollout_routed_experts``
+    (``--use-rollout-routing-replay``) holds the experts every MoE layer of the engine chose for
+    each token but the last, ``[len(tokens) - 1, L, k]`` or flattened (`relax.backends.routing_replay`).
     """
 
     index: int = 0
@@ -44,6 +46,7 @@ class Sample:
     weight_version: int | list[int] | None = None
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
+    rollout_routed_experts: Any = None  # a torch int tensor (not JSON: left out of dumps)
 
     @property
     def prompt_length(self) -> int:
@@ -62,4 +65,5 @@ class Sample:
         data = asdict(self)
         data["status"] = self.status.value
         data.pop("multimodal_train_inputs", None)
+        data.pop("rollout_routed_experts", None)
         return data

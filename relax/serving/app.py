@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
 from relax.backends.inference.batcher import RequestBatcher
+from relax.backends.routing_replay import encode_routes
 from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
 from relax.serving.auth import bearer_token_dependency
@@ -225,7 +226,8 @@ def create_app(
         else:
             base = body.rid or uuid.uuid4().hex
             rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        requests = [GenerationRequest(rid, list(prompt), p.to_engine()) for rid, prompt, p in zip(rids, prompts, params)]
+        requests = [GenerationRequest(rid, list(prompt), p.to_engine(), return_routed_experts=body.return_routed_experts)
+                    for rid, prompt, p in zip(rids, prompts, params)]
         started = time.perf_counter()
         outputs = await run(requests)
         latency = time.perf_counter() - started
@@ -512,4 +514,6 @@ def _sglang_result(output: GenerationOutput, request: GenerationRequest, params:
                                          for lp, token in zip(json_log_probs(output), output.output_ids)]
         if output.output_weight_versions is not None:
             meta["output_token_weight_versions"] = output.output_weight_versions
+    if output.routed_experts is not None:
+        meta["routed_experts"] = encode_routes(output.routed_experts)
     return {"text": trimmed_text(output, stop), "output_ids": output.output_ids, "meta_info": meta}

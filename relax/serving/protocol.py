@@ -139,6 +139,9 @@ class GenerateRequest(_Body):
     sampling_params: SGLangSamplingParams | Annotated[list[SGLangSamplingParams], Field(min_length=1)] = Field(
         default_factory=SGLangSamplingParams)
     return_logprob: bool = False
+    # The experts each MoE layer chose for every token fed to the model, in meta_info["routed_experts"] (SGLang's
+    # field and format: base64 of the int32 [tokens - 1, layers, top_k] array, flattened).
+    return_routed_experts: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
 

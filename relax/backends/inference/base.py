@@ -68,6 +68,8 @@ class GenerationRequest:
     # Called with (token id, log-prob) as each token is generated, for streaming responses; in-process engines
     # call it between decode steps, HTTP adapters ignore it.
     on_token: Callable[[int, float], None] | None = field(default=None, compare=False, repr=False)
+    # Also return the experts each MoE layer chose for every token fed to the model (rollout routing replay).
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -77,7 +79,9 @@ class GenerationOutput:
     temperature scaling and before top-p/top-k filtering; ``weight_version`` is the version of the
     weights that produced the last token, and ``output_weight_versions[i]`` (when the engine
     reports it) the version that produced token i, which differs only if the weights were updated
-    while the request was in flight."""
+    while the request was in flight. ``routed_experts`` (asked for with ``return_routed_experts``)
+    holds the experts of every token of input + output but the last, ``[T - 1, L, k]`` from an
+    in-process engine, flattened from an HTTP one (`relax.backends.routing_replay`)."""
 
     request_id: str
     output_ids: list[int]
@@ -86,6 +90,7 @@ class GenerationOutput:
     weight_version: int
     text: str = ""
     output_weight_versions: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

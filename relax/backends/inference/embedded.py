@@ -69,6 +69,7 @@ from relax.backends.inference.base import (
 from relax.backends.inference.sampling import BatchSampling, RowGenerators, sample_next_tokens
 from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 from relax.backends.model_family import MediaTokens, concat_inputs, forward_inputs, load_model, rope_positions
+from relax.backends.routing_replay import RoutingRecorder, moe_routers
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class _RowState:
     output_log_probs: list[float] = field(default_factory=list)
     output_weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # [n, L, k] host tensors: the experts of the tokens fed so far (prompt, then each fed output token)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def params(self) -> SamplingParams:
@@ -286,6 +289,7 @@ class EmbeddedEngine(InferenceEngine):
         self._core_settings = core or CoreSettings()
         self._released_weights: dict[torch.nn.Parameter, torch.Size] | None = None  # shapes while released
         self._unloaded_weights: set[torch.nn.Parameter] = set()  # resumed as zeros, not loaded since
+        self._routing = RoutingRecorder(model) if moe_routers(model) else None  # return_routed_experts
         self.core = self._build_core(self._core_settings)
 
     @classmethod
@@ -362,6 +366,8 @@ class EmbeddedEngine(InferenceEngine):
         requests = list(requests)
         for request in requests:
             _validate_request(request)
+            if request.return_routed_experts:
+                self._check_routing(request)
         if not requests:
             return []
         self._check_weights()
@@ -374,6 +380,14 @@ class EmbeddedEngine(InferenceEngine):
                     raise
                 if self.recoveries == recoveries:  # the first of the calls this failure failed recovers for all
                     self._recover(error)
+
+    def _check_routing(self, request: GenerationRequest) -> None:
+        if self._routing is None:
+            raise ValueError(f"request {request.request_id!r} asks for routed experts, but "
+                             f"{type(self.model).__name__} has no mixture-of-experts layers")
+        if self.core is not None:
+            raise ValueError(f"request {request.request_id!r} asks for routed experts, which the engine core does "
+                             "not record (--engine-core off serves them)")
 
     def _recover(self, error: BaseException) -> None:
         if self.recoveries >= self.max_recoveries:
@@ -570,9 +584,11 @@ class EmbeddedEngine(InferenceEngine):
         rows = [self._new_row_state(request) for request in requests]
         batch = self._prefill_inputs(rows)
         batch.generators = generators
+        recorder = self._routing if any(request.return_routed_experts for request in requests) else None
         # Batch position i holds rows[live_rows[i]]; finished rows stay (their tokens ignored)
         # until enough have finished to make dropping them worth a cache copy.
         live_rows = list(range(len(rows)))
+        prefilled = False
         while True:
             unfinished_ids = {rows[row].request.request_id for row in live_rows if rows[row].finish_reason is None}
             aborted_ids = await self._step_boundary(unfinished_ids)
@@ -582,9 +598,15 @@ class EmbeddedEngine(InferenceEngine):
                         rows[row].finish_reason = "abort"
             else:
                 version = self._weight_version
-                with torch.inference_mode():
+                prompt_of_row = batch.prefill_source  # the prefill step expands it
+                with torch.inference_mode(), recorder.recording() if recorder else contextlib.nullcontext():
                     next_tokens, tokens_host, log_probs_host = self._decode_step(batch)
                 self._decode_steps += 1
+                if recorder is not None:
+                    keep_routes(recorder.take(), [rows[row] for row in live_rows],
+                                None if prefilled else (prompt_of_row.tolist() if prompt_of_row is not None
+                                                        else list(range(len(live_rows)))))
+                prefilled = True
                 stepped_rows = []
                 for batch_position, row in enumerate(live_rows):
                     if rows[row].finish_reason is None:
@@ -708,6 +730,10 @@ class EmbeddedEngine(InferenceEngine):
                          stop_window_tokens=stop_window_tokens(params))
 
     def _to_output(self, row: _RowState) -> GenerationOutput:
+        routed = None
+        if row.request.return_routed_experts and row.routed_experts:
+            fed = len(row.request.input_ids) + len(row.output_ids) - 1
+            routed = torch.cat(row.routed_experts)[:fed]
         return GenerationOutput(
             request_id=row.request.request_id,
             output_ids=row.output_ids,
@@ -716,7 +742,24 @@ class EmbeddedEngine(InferenceEngine):
             weight_version=row.output_weight_versions[-1] if row.output_weight_versions else self._weight_version,
             text=self.tokenizer.decode(row.output_ids, skip_special_tokens=True),
             output_weight_versions=row.output_weight_versions,
+            routed_experts=routed,
         )
+
+
+def keep_routes(routes: torch.Tensor, batch_rows: list[_RowState], prompt_of_row: list[int] | None) -> None:
+    """Append a step's routed experts (``routes`` ``[N, L, k]``, N = the step's input tokens) to the rows still
+    decoding: the prefill's left-padded prompt rows (``prompt_of_row[i]``: the prompt row of batch row i), or
+    one token per batch row in a decode step."""
+    routes = routes.to("cpu", torch.int16)
+    if prompt_of_row is None:
+        for position, row in enumerate(batch_rows):
+            if row.finish_reason is None:
+                row.routed_experts.append(routes[position:position + 1])
+        return
+    routes = routes.view(max(prompt_of_row) + 1, -1, *routes.shape[1:])
+    for row, prompt in zip(batch_rows, prompt_of_row, strict=True):
+        if row.finish_reason is None:
+            row.routed_experts.append(routes[prompt, routes.shape[1] - len(row.request.input_ids):])
 
 
 def _sample_by_seed(logits: torch.Tensor, batch_sampling: BatchSampling,

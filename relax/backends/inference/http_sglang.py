@@ -37,6 +37,7 @@ from relax.backends.inference.base import (
     InferenceEngine,
     PauseHolds,
 )
+from relax.backends.routing_replay import decode_routes
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,8 @@ class SGLangHTTPEngine(InferenceEngine):
         body = {"input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [_sampling_body(r) for r in requests], "return_logprob": True,
                 "rid": [r.request_id for r in requests]}
+        if any(r.return_routed_experts for r in requests):
+            body["return_routed_experts"] = True
         results = await self.http.request("POST", "/generate", json=body)
         if not isinstance(results, list) or len(results) != len(requests):
             raise EngineHTTPError(f"POST {self.base_url}/generate: expected {len(requests)} results for a batch, got "
@@ -267,10 +270,17 @@ class SGLangHTTPEngine(InferenceEngine):
         kind = finish.get("type") if isinstance(finish, dict) else finish
         reason: FinishReason = kind if kind in ("stop", "length", "abort") else "stop"
         versions = meta.get("output_token_weight_versions")
+        routed = None
+        if request.return_routed_experts:
+            if not isinstance(meta.get("routed_experts"), str):
+                raise EngineHTTPError(f"POST {self.base_url}/generate: no routed experts for request "
+                                      f"{request.request_id} (an SGLang server needs --enable-return-routed-experts)",
+                                      self.base_url, "/generate")
+            routed = decode_routes(meta["routed_experts"])
         return GenerationOutput(
             request_id=request.request_id, output_ids=output_ids, output_log_probs=log_probs, finish_reason=reason,
             weight_version=version, text=result.get("text") or "",
-            output_weight_versions=[int(v) for v in versions] if versions else None,
+            output_weight_versions=[int(v) for v in versions] if versions else None, routed_experts=routed,
         )
 
     # ---------------------------------------------------------------------------- control

@@ -32,6 +32,8 @@ class TrainBatch:
     # Per sample, the processor tensors of its media (pixel values, grid sizes, audio features), or
     # None for a text-only sample; they go through the model's multimodal path with gradients.
     multimodal: list[dict[str, torch.Tensor] | None] | None = None
+    # Per sample, the experts the engine routed its tokens to, ``[T_i - 1, L, k]`` (rollout routing replay).
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -44,6 +46,7 @@ class TrainBatch:
             fields={name: [values[i] for i in indices] for name, values in self.fields.items()},
             gather_ids=None if self.gather_ids is None else [self.gather_ids[i] for i in indices],
             multimodal=None if self.multimodal is None else [self.multimodal[i] for i in indices],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
         )
 
     def num_loss_tokens(self) -> int:

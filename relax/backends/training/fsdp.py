@@ -52,6 +52,7 @@ from relax.backends.model_family import (
     rope_positions,
 )
 from relax.backends.model_registry import traits
+from relax.backends.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
@@ -98,6 +99,7 @@ class TrainSettings:
     sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
     lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
     moe_aux_loss_coef: float | None = None  # None: the MoE family's own (`relax.backends.training.moe`)
+    routing_replay: bool = False  # forwards route tokens to a batch's recorded experts (`routing_replay`, R3)
     log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
@@ -307,6 +309,7 @@ class FSDPTrainBackend(TrainBackend):
         if self._moe_aux is not None:
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
+        self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1
@@ -437,6 +440,16 @@ class FSDPTrainBackend(TrainBackend):
             inputs["media"] = forward_inputs(self.model.hf_model, raw_media, inputs["input_ids"], device, torch.float32)
         return inputs, to_device(targets, device)
 
+    def _routes_replayed(self, mb: TrainBatch):
+        """Inside: the routers of ``mb``'s forward (and of its recomputation in backward) take the experts the
+        engine recorded for its tokens, when the batch carries them (rollout routing replay)."""
+        if self._routing is None or mb.routed_experts is None:
+            return nullcontext()
+        shape = (len(self._routing.routers), self._routing.top_k)
+        routes = token_routes(mb.routed_experts, [len(t) for t in mb.tokens], shape, self.settings.sequence_packing,
+                              self.settings.device)
+        return self._routing.replaying(routes)
+
     def _autocast(self):
         """Models outside FSDP compute in ``compute_dtype`` through autocast (FSDP casts by itself)."""
         enabled = not self.fsdp and self.settings.compute_dtype != torch.float32
@@ -525,7 +538,8 @@ class FSDPTrainBackend(TrainBackend):
         try:
             with self._cast_once():
                 for indices, mb in self._micro_batches(batch, budget, same_count_on_all_ranks=False):
-                    outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
+                    with self._routes_replayed(mb):
+                        outputs = self._per_token_outputs(mb, entropy_grad=False, top_k=top_k)
                     for row, (index, resp_len) in enumerate(zip(indices, mb.response_lengths)):
                         yield index, row, resp_len, outputs
         finally:
@@ -595,27 +609,34 @@ class FSDPTrainBackend(TrainBackend):
             placeholder = mb is None
             if placeholder:
                 mb = self._placeholder(batch, self.settings.pad_token_id)
-            outputs = self._per_token_outputs(mb, entropy_grad)
-            tensors = self._micro_batch_tensors(mb, outputs.response_mask, num_samples, num_tokens)
-            if outputs.gathered is not None:
-                tensors.fields["gathered_log_probs"] = outputs.gathered
-            loss, metrics = loss_fn(tensors, outputs.primary, outputs.entropy)
-            if self._moe_aux is not None and self.model.router_logits is not None:
-                # the step's loss holds coef x the samples' mean auxiliary loss, as the families' own forward adds it
-                routing, padding = self.model.router_logits
-                self.model.router_logits = None
-                aux = self._moe_aux(routing, padding) * (len(mb) / num_samples)
-                loss = loss + self._moe_aux.coef * aux
-                metrics = {**metrics, "moe_aux_loss": aux.detach()}
-            if placeholder:  # a forward and backward for the collectives, adding nothing
-                loss = loss * 0.0
-                metrics = {name: value * 0.0 for name, value in metrics.items()}
-            # Each rank's loss is its share of the global mean (global denominators): the gradient
-            # must be the sum over ranks, and FSDP's reduction averages, hence the factor.
-            (loss * self.world_size).backward()
+            # through backward: checkpointed layers route again when they recompute
+            with self._routes_replayed(mb):
+                loss, metrics = self._micro_batch_loss(mb, loss_fn, entropy_grad, num_samples, num_tokens)
+                if placeholder:  # a forward and backward for the collectives, adding nothing
+                    loss = loss * 0.0
+                    metrics = {name: value * 0.0 for name, value in metrics.items()}
+                # Each rank's loss is its share of the global mean (global denominators): the gradient
+                # must be the sum over ranks, and FSDP's reduction averages, hence the factor.
+                (loss * self.world_size).backward()
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value.detach().float()
         return totals
+
+    def _micro_batch_loss(self, mb: TrainBatch, loss_fn: LossFn, entropy_grad: bool, num_samples: int,
+                          num_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        outputs = self._per_token_outputs(mb, entropy_grad)
+        tensors = self._micro_batch_tensors(mb, outputs.response_mask, num_samples, num_tokens)
+        if outputs.gathered is not None:
+            tensors.fields["gathered_log_probs"] = outputs.gathered
+        loss, metrics = loss_fn(tensors, outputs.primary, outputs.entropy)
+        if self._moe_aux is not None and self.model.router_logits is not None:
+            # the step's loss holds coef x the samples' mean auxiliary loss, as the families' own forward adds it
+            routing, padding = self.model.router_logits
+            self.model.router_logits = None
+            aux = self._moe_aux(routing, padding) * (len(mb) / num_samples)
+            loss = loss + self._moe_aux.coef * aux
+            metrics = {**metrics, "moe_aux_loss": aux.detach()}
+        return loss, metrics
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

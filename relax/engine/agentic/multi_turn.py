@@ -64,6 +64,9 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     traces: list[dict[str, Any]] = field(default_factory=list)
+    # The last turn's routed experts (R3): its request held the whole history, so they cover every token but the
+    # last one of the finished trajectory, which always ends with that turn's output.
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def of_prompt(cls, sample: Sample) -> Trajectory:
@@ -83,6 +86,7 @@ class Trajectory:
         self.loss_mask += [1] * len(output.output_ids)
         self.log_probs += output.output_log_probs
         self.versions += output.output_weight_versions or [output.weight_version] * len(output.output_ids)
+        self.routed_experts = output.routed_experts
 
     def add_observation_tokens(self, ids: list[int], media: dict[str, torch.Tensor] | None) -> None:
         self.tokens += ids
@@ -101,6 +105,7 @@ class Trajectory:
         failed = stop_reason == "env_error"
         sample.loss_mask = [0] * len(response) if failed else self.loss_mask
         sample.rollout_log_probs = self.log_probs
+        sample.rollout_routed_experts = self.routed_experts
         sample.multimodal_train_inputs = self.media_inputs()
         sample.status = STATUS_OF_STOP_REASON[stop_reason]
         distinct_versions = set(self.versions)
@@ -213,6 +218,7 @@ async def _play(args: Any, env: BaseInteractionEnv, encoder: ObservationEncoder,
             request_id=f"{request_prefix}-t{turn}", input_ids=list(trajectory.tokens),
             sampling_params=replace(sampling, max_new_tokens=max_new_tokens, seed=turn_seed(sampling.seed, turn)),
             multimodal_inputs=trajectory.media_inputs(),
+            return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)),
         )
         output = (await args.engine.generate([request]))[0]
         trajectory.add_model_tokens(output)

@@ -36,10 +36,13 @@ def apply_output(sample: Sample, output: GenerationOutput) -> None:
     versions = output.output_weight_versions
     # Per-token versions only when a weight update landed mid-response; otherwise one number.
     sample.weight_version = list(versions) if versions and len(set(versions)) > 1 else output.weight_version
+    sample.rollout_routed_experts = output.routed_experts
 
 
-async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
-    """Generate one response for every sample (in place) in a single engine call."""
+async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampling: SamplingParams,
+                           return_routed_experts: bool = False) -> list[Sample]:
+    """Generate one response for every sample (in place) in a single engine call; with ``return_routed_experts``
+    each sample also keeps the experts the engine routed its tokens to (rollout routing replay)."""
     requests = [
         GenerationRequest(
             request_id=f"g{sample.group_index}-i{sample.index}-{position}",
@@ -47,6 +50,7 @@ async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampl
             sampling_params=replace(sampling),
             # The processor tensors, shared with the trainer (HTTP engines take sample.multimodal_inputs' raw media).
             multimodal_inputs=sample.multimodal_train_inputs,
+            return_routed_experts=return_routed_experts,
         )
         for position, sample in enumerate(samples)
     ]
