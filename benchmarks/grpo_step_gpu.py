@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from relax.config import RelaxConfig
 from relax.core.build import build_roles
@@ -41,6 +41,12 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                 tie_word_embeddings=True)
+# Qwen3-30B-A3B's layer (128 experts, 8 per token) with fewer layers (--layers, default 4): 3.1B parameters
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     max_position_embeddings=4096, tie_word_embeddings=False)
+SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "30b-a3b": QWEN3_30B_A3B}
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
 
@@ -60,11 +66,15 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>")
 
 
-def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int) -> tuple[Path, Path]:
+def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
+                    device: str = "cpu") -> tuple[Path, Path]:
     model_dir, data = root / "model", root / "prompts.jsonl"
     torch.manual_seed(0)
-    config = Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    shape = dict(shape)
+    config = transformers.CONFIG_MAPPING[shape.pop("model_type", "qwen3")](**shape, pad_token_id=0, eos_token_id=1,
+                                                                            bos_token_id=None)
+    with torch.device(device):  # a few billion parameters initialise in seconds on the GPU, minutes on the CPU
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
     word_tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
     generator = torch.Generator().manual_seed(1)
     with data.open("w") as handle:
@@ -72,6 +82,18 @@ def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int) 
             ids = torch.randint(2, shape["vocab_size"], (prompt_len,), generator=generator).tolist()
             handle.write(json.dumps({"input": " ".join(f"t{i}" for i in ids), "label": ""}) + "\n")
     return model_dir, data
+
+
+def active_params(shape: dict) -> int:
+    """Parameters a token goes through (the LM head, not the embedding): a MoE layer counts its chosen experts."""
+    hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+    head_dim, kv_heads = shape["head_dim"], shape["num_key_value_heads"]
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if "num_experts" in shape:
+        mlp = 3 * hidden * shape["moe_intermediate_size"] * shape["num_experts_per_tok"] + hidden * shape["num_experts"]
+    else:
+        mlp = 3 * hidden * shape["intermediate_size"]
+    return layers * (attention + mlp) + hidden * shape["vocab_size"]
 
 
 def synchronize(device: str) -> None:
@@ -105,7 +127,11 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--shape", default="0.6b", choices=["0.6b", "4b"], help="the Qwen3 shape (random init)")
+    parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES), help="the Qwen3 shape (random init)")
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
+    parser.add_argument("--routing-replay", action="store_true", help="--use-rollout-routing-replay (MoE shapes)")
+    parser.add_argument("--use-tis", action="store_true",
+                        help="--use-tis: also logs the engine/trainer log-prob mismatch (train/tis_mismatch_*)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="fixed micro-batches of this many samples (the previous trainer setting: 8)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=16384,
@@ -122,21 +148,24 @@ def main() -> None:
                         help="time model.generate on the same prompts too")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    shape = TINY if args.tiny else {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B}[args.shape]
+    shape = dict(TINY if args.tiny else SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
     batching = ({"micro_batch_size": args.micro_batch_size} if args.micro_batch_size else
                 {"use_dynamic_batch_size": True, "max_tokens_per_gpu": args.max_tokens_per_gpu})
     extra = {"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static else {}
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len)
+        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len, args.device)
         cfg = RelaxConfig(
             hf_checkpoint=str(model_dir), prompt_data=str(data), custom_rm_path="benchmarks.grpo_step_gpu:parity_reward",
             rollout_batch_size=args.prompts, n_samples_per_prompt=args.samples_per_prompt,
             rollout_max_response_len=args.new_tokens, lr=1e-6, rollout_max_prompt_len=args.prompt_len,
             num_rollout=args.steps, gradient_checkpointing=args.gradient_checkpointing, device=args.device,
             use_tensorboard=False, dump_samples=0, output_dir=str(root / "run"), engine_core=args.engine_core,
-            colocate=args.colocate, **batching, **extra,
+            colocate=args.colocate, use_rollout_routing_replay=args.routing_replay, use_tis=args.use_tis,
+            **batching, **extra,
         )
         roles = build_roles(cfg)
         roles.rollout.sampling = replace(roles.rollout.sampling, ignore_eos=True)
@@ -170,7 +199,9 @@ def main() -> None:
     step_s = [round(m["perf/step_s"], 3) for m in steps]
     phase_keys = sorted({k for m in steps for k in m if k.startswith("perf/gpu_") or k == "perf/offload_s"})
     result = {
-        "model": f"Qwen3-{args.shape.upper()} shape, random init" if not args.tiny else "tiny Qwen3",
+        "model": (f"Qwen3-{args.shape.upper()} shape, {shape['num_hidden_layers']} layers, random init"
+                  if not args.tiny else "tiny Qwen3"),
+        "active_params": active_params(shape), "routing_replay": args.routing_replay,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "sequences_per_step": sequences, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -183,6 +214,10 @@ def main() -> None:
         "weight_sync_s": mean("perf/weight_sync_s"),
         "rollout_tokens_per_s": generated / mean("perf/rollout_s"),
         "train_tokens_per_s": trained / mean("perf/train_s"),
+        # 6 x active parameters x tokens (the forward of old log-probs, when computed, is not counted)
+        "train_mfu_989": 6 * active_params(shape) * trained / mean("perf/train_s") / 989e12,
+        **{key.removeprefix("train/"): mean(key) for key in ("train/tis_mismatch_kl", "train/tis_mismatch_abs")
+           if args.use_tis},
         "peak_gpu_memory_gib": peak_gib,
         "engine_core": args.engine_core,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

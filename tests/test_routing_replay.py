@@ -274,3 +274,20 @@ def test_routes_travel_through_the_data_plane_and_stay_out_of_sample_dumps():
     back = [record_to_sample(record) for record in decode_rows(encode_rows(samples))]
     assert torch.equal(back[0].rollout_routed_experts, routes) and back[1].rollout_routed_experts is None
     assert "rollout_routed_experts" not in samples[0].to_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replay_in_bf16_on_the_gpu(moe_dirs, capsys):
+    """The engine (Hugging Face decode path) and the trainer both in bf16 on CUDA, as in a GPU run: replay never
+    widens the gap, and leaves it within the dense families' bf16 tolerance (tests/test_model_families.py)."""
+    path = moe_dirs["qwen3_moe"]
+    model = load_model(path, torch.bfloat16).to("cuda")
+    outputs = _generate(EmbeddedEngine(model, transformers.AutoTokenizer.from_pretrained(path)), max_new_tokens=32)
+    backend = FSDPTrainBackend(path, _settings(device=torch.device("cuda"), compute_dtype=torch.bfloat16,
+                                               routing_replay=True), trainable=False)
+    without, replayed = _gaps(backend, PROMPTS, outputs, replay=False), _gaps(backend, PROMPTS, outputs, replay=True)
+    with capsys.disabled():
+        print(f"\nbf16 CUDA qwen3_moe: |log-prob gap| without replay max {without.max():.2e} mean "
+              f"{without.mean():.2e}; with replay max {replayed.max():.2e} mean {replayed.mean():.2e}")
+    assert replayed.mean() <= without.mean() + 1e-4 and replayed.mean() < 0.05

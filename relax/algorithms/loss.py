@@ -118,6 +118,7 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
             # How far the engine's sampling distribution is from the trainer's (the mismatch TIS corrects).
             metrics["tis_mismatch_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k1"))
             metrics["tis_mismatch_k3_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k3"))
+            metrics["tis_mismatch_abs"] = agg((old_log_probs - mb.fields["rollout_log_probs"]).abs())
         if isinstance(terms, M2POTerms):
             # Micro-batch scalars, weighted by the micro-batch's share of the step's samples so that
             # their sum over micro-batches (what the trainer logs) is the step's mean.
