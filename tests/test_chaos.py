@@ -185,7 +185,7 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
         argv = tiny_train_args(
             tiny_workspace, run_dir, "--num-rollout", str(steps), "--save-interval", "2", "--skip-eval-before-train",
             "--dump-samples", "0", "--no-use-tensorboard", "--rollout-external", "--rollout-engine-protocol",
-            "relax", "--rollout-external-engine-addrs", *urls, *extra)
+            "relax", "--rollout-external-engine-addrs", *urls, "--reward-timeout", "300", *extra)
         argv[argv.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_held"
         return argv
 
