@@ -118,6 +118,10 @@ class RelaxConfig(BaseModel):
     video_fps_max_frames: int = _field(768, "Most frames sampled from a video.", "multimodal", ge=1)
     frame_factor: int = _field(2, "Sampled frame counts are multiples of this.", "multimodal", ge=1)
     audio_sample_rate: int = _field(16000, "Audio is resampled to this rate (Hz).", "multimodal", ge=1)
+    use_audio_in_video: bool = _field(
+        False, "Give an omni model each video's sound track too, inside the video's tokens and interleaved with its "
+        "frames by time (the Qwen3-Omni thinker's use_audio_in_video); a video without sound gets silence of its "
+        "length. Needs video in --multimodal-keys.", "multimodal")
     mm_processor_pool_size: int = _field(
         2, "Worker threads that decode and process media off the rollout loop.", "multimodal", ge=1
     )
@@ -1077,6 +1081,9 @@ class RelaxConfig(BaseModel):
                                  "renders each media item as the model's placeholder tokens")
             if self.loss_type == "sft":
                 raise ValueError(f"{flag('loss_type')} sft does not take {flag('multimodal_keys')} yet")
+        if self.use_audio_in_video and "video" not in (self.multimodal_keys or {}):
+            raise ValueError(f"{flag('use_audio_in_video')} gives each video its sound track: it needs video in "
+                             f"{flag('multimodal_keys')}")
         if self.image_min_token_num > self.image_max_token_num:
             raise ValueError(f"{flag('image_min_token_num')} is above {flag('image_max_token_num')}")
         self._check_mode(spec)

@@ -86,13 +86,13 @@ def _request(rid: str, ids: list[int], inputs: dict | None, **params) -> Generat
 
 def _forward_log_probs(family: Family, ids: list[int], inputs: dict | None, outputs: list[int],
                        temperature: float) -> torch.Tensor:
-    """The training forward's log-prob of each output token, media placeholders masked as the engine masks them
-    (a model never writes one)."""
+    """The training forward's log-prob of each output token, media placeholders and the boundaries around media
+    masked as the engine masks them (a model never writes one)."""
     full = torch.tensor([ids + outputs])
     kwargs = forward_inputs(family.model, inputs, full, full.device, torch.float32) if inputs else {}
     with torch.no_grad():
         logits = family.model(input_ids=full, **kwargs).logits[0, len(ids) - 1:-1].float()
-    logits[:, MediaTokens.of(family.model.config).ids] = float("-inf")
+    logits[:, MediaTokens.of(family.model.config).never_generated] = float("-inf")
     logits = logits / (temperature or 1.0)
     return logits.log_softmax(-1).gather(1, torch.tensor(outputs)[:, None])[:, 0]
 
@@ -158,9 +158,9 @@ def test_sampled_log_probs_equal_the_training_forward(family):
 
 
 def test_greedy_outputs_equal_model_generate(family):
-    """`model.generate` greedy, media placeholders suppressed (the engine never writes them)."""
+    """`model.generate` greedy, media placeholders and boundaries suppressed (the engine never writes them)."""
     core = family.engine("on")
-    media_ids = MediaTokens.of(family.model.config).ids
+    media_ids = MediaTokens.of(family.model.config).never_generated
     for index, item in enumerate(family.items()[:2]):
         ids, inputs = family.prompt(item)
         (out,) = asyncio.run(core.generate([_request(f"g{index}", ids, inputs, max_new_tokens=6)]))

@@ -306,7 +306,7 @@ def test_unknown_content_type_is_a_media_error():
 def test_settings_field_names_are_the_upstream_flag_names():
     flags = ["--image-min-token-num", "--image-max-token-num", "--video-min-token-num", "--video-max-token-num",
              "--video-fps", "--video-fps-min-frames", "--video-fps-max-frames", "--frame-factor",
-             "--audio-sample-rate", "--image-resize-scale-factor"]
+             "--audio-sample-rate", "--image-resize-scale-factor", "--use-audio-in-video"]
     assert sorted(f[2:].replace("-", "_") for f in flags) == sorted(f.name for f in dataclasses.fields(MultimodalSettings))
 
 

@@ -30,6 +30,7 @@ SPECIALS = [
     "<|video_pad|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>", "<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>",
     "<|VIDEO|>",
 ]
+QWEN3_OMNI_SPECIALS = ["<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"]  # Qwen3-Omni's audio tokens
 VL_EXTRA = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
 OMNI_EXTRA = {
     "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
@@ -53,21 +54,27 @@ VL_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>", "<|vision
                         "<|audio_bos|><|AUDIO|><|audio_eos|>")
 OMNI_TEMPLATE = _template("<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_bos|><|VIDEO|><|vision_eos|>",
                           "<|audio_bos|><|AUDIO|><|audio_eos|>")
+QWEN3_OMNI_EXTRA = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+                    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+                    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
+QWEN3_OMNI_TEMPLATE = _template("<|vision_start|><|image_pad|><|vision_end|>",
+                                "<|vision_start|><|video_pad|><|vision_end|>", "<|audio_start|><|audio_pad|><|audio_end|>")
 QUESTIONS = {"image": "How many shapes?", "audio": "Higher or lower?", "video": "Which way does the dot move?"}
 
 
-def build_tokenizer(omni: bool) -> PreTrainedTokenizerFast:
+def build_tokenizer(omni: bool, qwen3_omni: bool = False) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS + (QWEN3_OMNI_SPECIALS if qwen3_omni else []),
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(list(QUESTIONS.values()) * 20 + ["higher lower left right 1 2 3 4"] * 20,
                                 trainer=trainer)
+    extra = QWEN3_OMNI_EXTRA if qwen3_omni else OMNI_EXTRA if omni else VL_EXTRA
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  padding_side="left", extra_special_tokens=OMNI_EXTRA if omni else VL_EXTRA)
-    tok.chat_template = OMNI_TEMPLATE if omni else VL_TEMPLATE
+                                  padding_side="left", extra_special_tokens=extra)
+    tok.chat_template = QWEN3_OMNI_TEMPLATE if qwen3_omni else OMNI_TEMPLATE if omni else VL_TEMPLATE
     return tok
 
 
@@ -124,6 +131,42 @@ def build_tiny_omni(tmp_path: Path, seed: int = 0) -> Path:
     Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     image_processor().save_pretrained(folder)
+    image_keys = json.loads((folder / "preprocessor_config.json").read_text())
+    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, return_attention_mask=True,
+                            chunk_length=2).save_pretrained(folder)
+    audio_keys = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**image_keys, **audio_keys}, indent=2))
+    return folder
+
+
+def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
+    """A random Qwen3-Omni MoE thinker (four experts, two per token; Qwen3-VL's deepstack vision tower; Qwen3-Omni's
+    chunked audio encoder) + tokenizer + one ``preprocessor_config.json`` with the WhisperFeatureExtractor (clips
+    padded to 2 s) and the image processor (16-px patches), in ``tmp_path / "tiny_qwen3_omni"``."""
+    import transformers
+
+    folder = Path(tmp_path) / "tiny_qwen3_omni"
+    tok = build_tokenizer(omni=True, qwen3_omni=True)
+    torch.manual_seed(seed)
+    audio, image, video, astart, aend, vstart, vend, user = _ids(
+        tok, "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|audio_end|>", "<|vision_start|>",
+        "<|vision_end|>", "<|im_start|>")
+    text = _text_config(tok)
+    text.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
+    config = transformers.Qwen3OmniMoeThinkerConfig(
+        audio_config={"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "num_mel_bins": 128, "max_source_positions": 1500, "output_dim": 64,
+                      "downsample_hidden_size": 16},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [1]},
+        text_config=text, audio_token_id=audio, image_token_id=image, video_token_id=video,
+        audio_start_token_id=astart, vision_start_token_id=vstart, user_token_id=user)
+    transformers.Qwen3OmniMoeThinkerForConditionalGeneration(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
+                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3).save_pretrained(folder)
     image_keys = json.loads((folder / "preprocessor_config.json").read_text())
     WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, return_attention_mask=True,
                             chunk_length=2).save_pretrained(folder)
@@ -241,9 +284,11 @@ def make_audio_rows(tmp_path: Path, n: int, seed: int = 0, seconds: float = 1.0)
     return _write_rows(folder, "rows", rows)
 
 
-def make_video_rows(tmp_path: Path, n: int, seed: int = 0, frames: int = 8, size: int = 56) -> Path:
+def make_video_rows(tmp_path: Path, n: int, seed: int = 0, frames: int = 8, size: int = 56,
+                    sound: bool = False) -> Path:
     """``n`` mp4 clips (PyAV, libx264) of a dot moving left or right, rows {"prompt": "<video>...",
-    "videos": ["videos/v_00001.mp4"], "label": "left"|"right"}."""
+    "videos": ["videos/v_00001.mp4"], "label": "left"|"right"}; ``sound``: every other clip also has an AAC
+    track (a tone rising for "right", falling for "left"), the others are silent."""
     import av
     from PIL import Image, ImageDraw
 
@@ -259,6 +304,7 @@ def make_video_rows(tmp_path: Path, n: int, seed: int = 0, frames: int = 8, size
         with av.open(str(folder / name), mode="w") as container:
             stream = container.add_stream("libx264", rate=4)
             stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
+            track = container.add_stream("aac", rate=16000, layout="mono") if sound and i % 2 else None
             for k in range(frames):
                 image = Image.new("RGB", (size, size), "white")
                 x = x0 + step * k
@@ -267,5 +313,19 @@ def make_video_rows(tmp_path: Path, n: int, seed: int = 0, frames: int = 8, size
                     container.mux(packet)
             for packet in stream.encode():
                 container.mux(packet)
+            if track is not None:  # as long as the video (frames / 4 fps), in AAC's 1024-sample frames
+                t = np.arange(16000 * frames // 4) / 16000
+                pitch = 440 * (1 + t) if label == "right" else 880 / (1 + t)
+                samples = (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32)
+                for start in range(0, len(samples), 1024):
+                    chunk = np.zeros((1, 1024), np.float32)
+                    piece = samples[start:start + 1024]
+                    chunk[0, :len(piece)] = piece
+                    frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="mono")
+                    frame.sample_rate = 16000
+                    for packet in track.encode(frame):
+                        container.mux(packet)
+                for packet in track.encode():
+                    container.mux(packet)
         rows.append({"prompt": "<video>" + QUESTIONS["video"], "videos": [name], "label": label})
     return _write_rows(folder, "rows", rows)

@@ -11,7 +11,9 @@ one or several sequences, concatenated in sequence order.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,18 +68,32 @@ class MediaTokens:
     image: int | None = None
     video: int | None = None
     audio: int | None = None
+    # The tokens around a media item (vision / audio start and end): the families' 3D rope reads a vision start
+    # as "media follows", so a response must not contain one either.
+    boundaries: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, config) -> MediaTokens:
-        return cls(
+        media = cls(
             image=_config_value(config, "image_token_id", "image_token_index"),
             video=_config_value(config, "video_token_id", "video_token_index"),
             audio=_config_value(config, "audio_token_id", "audio_token_index"),
         )
+        if not media.ids:
+            return media
+        names = ("vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")
+        boundaries = tuple(dict.fromkeys(i for i in (_config_value(config, name) for name in names) if i is not None))
+        return dataclasses.replace(media, boundaries=boundaries)
 
     @property
     def ids(self) -> list[int]:
         return [i for i in (self.image, self.video, self.audio) if i is not None]
+
+    @property
+    def never_generated(self) -> list[int]:
+        """What a model must never write in a response (the engine masks them, the trainer's log-probs too):
+        media placeholders and the boundaries around media."""
+        return [*self.ids, *(i for i in self.boundaries if i not in self.ids)]
 
     def type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids``: 0 text, 1 image, 2 video (what Qwen-VL's rope index reads)."""
@@ -100,22 +116,38 @@ def audio_token_count(feature_length: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
-def placeholder_counts(inputs: dict[str, torch.Tensor], merge_size: int) -> dict[str, list[int]]:
+def audio_token_counter(config) -> Callable[[int], int]:
+    """The model's tokens per clip of N mel frames: Qwen3-Omni's chunked audio encoder counts by its own rule
+    (transformers' function for the family, with the model's window), the others as `audio_token_count`."""
+    if not str(getattr(config, "model_type", "")).startswith("qwen3_omni_moe"):
+        return audio_token_count
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    audio = getattr(config, "audio_config", None) or config.thinker_config.audio_config
+    return lambda frames: int(_get_feat_extract_output_lengths(torch.tensor(frames), audio.n_window))
+
+
+def placeholder_counts(inputs: dict[str, torch.Tensor], merge_size: int,
+                       audio_tokens: Callable[[int], int] = audio_token_count) -> dict[str, list[int]]:
     """How many placeholder tokens each media item takes in the prompt, per kind, in order."""
     counts: dict[str, list[int]] = {}
     for kind, key in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
         if key in inputs:
             counts[kind] = [int(grid.prod()) // merge_size**2 for grid in torch.as_tensor(inputs[key])]
     if "feature_attention_mask" in inputs:
-        counts["audio"] = [audio_token_count(int(n)) for n in torch.as_tensor(inputs["feature_attention_mask"]).sum(-1)]
+        counts["audio"] = [audio_tokens(int(n)) for n in torch.as_tensor(inputs["feature_attention_mask"]).sum(-1)]
     return counts
 
 
-def expand_placeholders(token_ids: list[int], tokens: MediaTokens, counts: dict[str, list[int]]) -> list[int]:
-    """Repeat each media placeholder token by its item's token count (the processor's expansion).
+def expand_placeholders(token_ids: list[int], tokens: MediaTokens, counts: dict[str, list[int]],
+                        video_tokens: list[list[int]] | None = None) -> list[int]:
+    """Repeat each media placeholder token by its item's token count (the processor's expansion); with
+    ``video_tokens`` (audio in video), video i's placeholder becomes ``video_tokens[i]`` instead.
 
     Raises ValueError when the prompt's placeholders and the media items do not pair up."""
     remaining = {kind: list(values) for kind, values in counts.items()}
+    if video_tokens is not None:
+        remaining["video"] = list(video_tokens)
     by_id = {getattr(tokens, kind): kind for kind in ("image", "video", "audio") if getattr(tokens, kind) is not None}
     out: list[int] = []
     for token in token_ids:
@@ -125,11 +157,46 @@ def expand_placeholders(token_ids: list[int], tokens: MediaTokens, counts: dict[
             continue
         if not remaining.get(kind):
             raise ValueError(f"the prompt has more {kind} placeholders than {kind} items")
-        out.extend([token] * remaining[kind].pop(0))
+        item = remaining[kind].pop(0)
+        out.extend(item if isinstance(item, list) else [token] * item)
     left = {kind: len(values) for kind, values in remaining.items() if values}
     if left:
         raise ValueError(f"media items without a placeholder in the rendered prompt: {left}")
     return out
+
+
+def audio_in_video_tokens(config, grid_thw: torch.Tensor, merge_size: int, seconds_per_grid: float,
+                          audio_tokens: int, audio_end: int) -> list[int]:
+    """The tokens that stand for one video with its sound track in the prompt of a Qwen3-Omni thinker
+    (use_audio_in_video): audio start, then the video's tokens (each temporal grid at its start time) and the
+    audio's tokens (one per position of ``position_id_per_seconds``) merged by time, video first at a tie, then
+    ``audio_end`` (the tokenizer's audio end token); its 3D rope (``get_rope_index``) walks the same order."""
+    media = MediaTokens.of(config)
+    start, per_second = _config_value(config, "audio_start_token_id"), _config_value(config, "position_id_per_seconds")
+    if start is None or per_second is None:
+        raise ValueError(f"{type(config).__name__} does not interleave audio with video (use_audio_in_video)")
+    frames, height, width = (int(v) for v in grid_thw)
+    per_frame = (height // merge_size) * (width // merge_size)
+    video_times = [t * seconds_per_grid * per_second for t in range(frames) for _ in range(per_frame)]
+    out, v, a = [start], 0, 0
+    while v < len(video_times) and a < audio_tokens:
+        if video_times[v] <= a:
+            out.append(media.video)
+            v += 1
+        else:
+            out.append(media.audio)
+            a += 1
+    out += [media.video] * (len(video_times) - v) + [media.audio] * (audio_tokens - a)
+    return out + [audio_end]
+
+
+def has_audio_in_video(config, input_ids: torch.Tensor) -> bool:
+    """Whether a video of ``input_ids`` carries its sound track (a vision start right before an audio start)."""
+    vision_start, audio_start = (_config_value(config, name) for name in ("vision_start_token_id",
+                                                                           "audio_start_token_id"))
+    if vision_start is None or audio_start is None or input_ids.shape[-1] < 2:
+        return False
+    return bool(((input_ids[..., :-1] == vision_start) & (input_ids[..., 1:] == audio_start)).any())
 
 
 def concat_inputs(per_sequence: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
@@ -177,6 +244,7 @@ def rope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     if "feature_attention_mask" in inputs:
         candidates["audio_seqlens"] = inputs["feature_attention_mask"].sum(-1)
     candidates = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in candidates.items()}
+    candidates["use_audio_in_video"] = has_audio_in_video(model.config, input_ids)
     positions, _ = owner.get_rope_index(**_accepted(owner.get_rope_index, candidates))
     return positions
 

@@ -51,8 +51,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("Qwen2.5-Omni thinker", ("qwen2_5_omni", "qwen2_5_omni_thinker"), ("text", "image", "video", "audio"),
                 "Qwen/Qwen2.5-Omni-7B", test_id="qwen2_5_omni"),
     ModelFamily("Qwen3-Omni MoE thinker", ("qwen3_omni_moe", "qwen3_omni_moe_thinker"),
-                ("text", "image", "video", "audio"), "Qwen/Qwen3-Omni-30B-A3B-Instruct",
-                not_supported="its thinker has no tiny end-to-end case yet (the Qwen2.5-Omni thinker has one)"),
+                ("text", "image", "video", "audio"), "Qwen/Qwen3-Omni-30B-A3B-Instruct", test_id="qwen3_omni_moe"),
     ModelFamily("GLM-4.5 / 4.6 / 4.7 (MoE)", ("glm4_moe",), ("text",), "zai-org/GLM-4.5-Air", test_id="glm4_moe"),
     ModelFamily("GLM-5 (DSA)", ("glm_moe_dsa",), ("text",), "zai-org/GLM-5",
                 not_supported="its sparse-attention indexer gives other log-probs in a full forward than in cached "

@@ -164,6 +164,10 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     check_model_family(config, model_path)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
+    if cfg.use_audio_in_video and not config.model_type.startswith("qwen3_omni_moe"):
+        raise ConfigError(f"{flag('use_audio_in_video')}: the model at {model_path} ({config.model_type}) does not "
+                          "take video with its sound track here; the Qwen3-Omni thinker does (Qwen2.5-Omni "
+                          "interleaves by chunks of seconds, not built yet)")
     check_context_length(cfg, config, model_path)
     check_data_files(cfg, training)
     if cfg.load:

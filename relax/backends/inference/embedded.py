@@ -263,10 +263,10 @@ class EmbeddedEngine(InferenceEngine):
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
-        # A model never writes media placeholders itself (an untrained one may try, which would
-        # break the next multimodal forward): their logits are masked out.
+        # A model never writes media placeholders or the boundaries around media itself (an untrained one may
+        # try, which would break the next multimodal forward and the trainer's 3D rope): their logits are masked.
         self._media_tokens = MediaTokens.of(model.config)
-        self._suppressed_ids = torch.tensor(self._media_tokens.ids, dtype=torch.long, device=self.device)
+        self._suppressed_ids = torch.tensor(self._media_tokens.never_generated, dtype=torch.long, device=self.device)
         self._pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # transformers 5.24 names the KV-cache argument `cache`; earlier 5.x releases call it
         # `past_key_values` (5.24 still accepts that, with a deprecation warning).

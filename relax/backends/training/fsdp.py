@@ -302,7 +302,7 @@ class FSDPTrainBackend(TrainBackend):
         self._warned_oversized = False
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []
-        media_ids = MediaTokens.of(hf_model.config).ids
+        media_ids = MediaTokens.of(hf_model.config).never_generated
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not value_head else None

@@ -60,6 +60,18 @@ def _read_pyav(source: MediaSource, target_rate: int) -> np.ndarray:
     return np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
 
 
+def video_sound(item: Any, clip: Any, sample_rate: int = 16000) -> np.ndarray:
+    """A video's sound track as `load_audio` gives it, or silence as long as the video (``clip``: its
+    `VideoClip`) when it has no audio stream, so every video of a use_audio_in_video run has its track."""
+    try:
+        return load_audio(item, sample_rate)
+    except MediaError as err:
+        if "no audio stream" not in str(err):
+            raise
+    seconds = clip.total_frames / clip.source_fps if clip.source_fps > 0 else len(clip.frames) / clip.sample_fps
+    return np.zeros(max(1, round(seconds * sample_rate)), np.float32)
+
+
 def load_audio(item: Any, sample_rate: int = 16000) -> np.ndarray:
     """Decode an audio item to mono float32 at `sample_rate`.
 

@@ -36,7 +36,7 @@ from typing import Any, Self
 import numpy as np
 from PIL import Image
 
-from relax.data.multimodal.audio import load_audio
+from relax.data.multimodal.audio import load_audio, video_sound
 from relax.data.multimodal.errors import MediaError, media_context
 from relax.data.multimodal.image import fetch_image, smart_resize
 from relax.data.multimodal.placeholders import ResolvedPrompt, resolve_row
@@ -67,6 +67,9 @@ class ProcessedRow:
     images: list[Image.Image] = field(default_factory=list)  # RGB, smart-resized
     videos: list[VideoClip] = field(default_factory=list)
     audios: list[np.ndarray] = field(default_factory=list)  # mono float32 at audio_sample_rate
+    # With use_audio_in_video: for video i, the index in `audios` of its sound track (audios stay in prompt order,
+    # a video's track where the video is), which the prompt carries inside the video's placeholder
+    video_audio: list[int] = field(default_factory=list)
     model_inputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -97,6 +100,9 @@ def _load_media(resolved: ResolvedPrompt, index: int, config: RowProcessingConfi
                 out.images.append(fetch_image(ref.value, s, spec))
             elif ref.kind == "video":
                 out.videos.append(fetch_video(ref.value, s, spec, config.video_total_token_budget))
+                if s.use_audio_in_video:
+                    out.video_audio.append(len(out.audios))
+                    out.audios.append(video_sound(ref.value, out.videos[-1], s.audio_sample_rate))
             else:
                 out.audios.append(load_audio(ref.value, s.audio_sample_rate))
 

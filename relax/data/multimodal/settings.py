@@ -37,6 +37,9 @@ class MultimodalSettings:
     video_fps_max_frames: int = 768
     frame_factor: int = 2
     audio_sample_rate: int = 16000
+    # Each video's sound track joins the prompt as audio interleaved with its frames (the omni thinkers'
+    # use_audio_in_video); a silent video gets silence of its length.
+    use_audio_in_video: bool = False
     # None: align image sizes to patch_size * merge_size; 0: no alignment (only the pixel bounds apply).
     image_resize_scale_factor: int | None = None
 

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from transformers import AutoFeatureExtractor, AutoImageProcessor
 
-from relax.backends.model_family import MediaTokens, expand_placeholders, placeholder_counts
+from relax.backends.model_family import (
+    MediaTokens,
+    audio_in_video_tokens,
+    audio_token_counter,
+    expand_placeholders,
+    placeholder_counts,
+)
 from relax.data.chat_template import render_prompt
 from relax.data.multimodal import (
     MediaError,
@@ -59,6 +65,19 @@ def audio_feature_extractor(model_path: str | Path, media_tokens: MediaTokens) -
         raise ValueError(f"{model_path}: an audio model needs its feature extractor saved beside it ({err})") from None
 
 
+def audio_end_token(tokenizer: Any, model_config: Any, model_path: str | Path) -> int:
+    """The token that closes an audio item: the config's, else the tokenizer's audio end token (Qwen3-Omni)."""
+    configured = getattr(model_config, "audio_end_token_id", None)
+    if configured is not None:
+        return int(configured)
+    name = getattr(tokenizer, "audio_eos_token", None)
+    token = tokenizer.convert_tokens_to_ids(name) if name else None
+    if token is None or token == tokenizer.unk_token_id:
+        raise ValueError(f"{model_path}: --use-audio-in-video needs the audio end token, which neither the model "
+                         "config (audio_end_token_id) nor the tokenizer (audio_eos_token) names")
+    return int(token)
+
+
 class MultimodalPreparer:
     def __init__(self, tokenizer: Any, model_config: Any, model_path: str | Path, settings: MultimodalSettings,
                  system_prompt: str | None, template_kwargs: dict[str, Any], pool_size: int,
@@ -69,6 +88,10 @@ class MultimodalPreparer:
             raise ValueError(f"{model_path}: --multimodal-keys is set but the model has no media tokens "
                              f"({type(model_config).__name__} is a text model)")
         self.spec = vision_spec(model_path, model_config)
+        self.audio_tokens = audio_token_counter(model_config)
+        self.model_config = model_config
+        if settings.use_audio_in_video:
+            self.audio_end_id = audio_end_token(tokenizer, model_config, model_path)
         self.system_prompt = system_prompt
         self.template_kwargs = template_kwargs
         self.skip_bad_samples = skip_bad_samples
@@ -108,9 +131,20 @@ class MultimodalPreparer:
     def _fill(self, sample: Sample, row) -> None:
         text = render_prompt(row.messages, self.tokenizer, True, self.system_prompt, self.template_kwargs)
         inputs = {key: torch.from_numpy(value) for key, value in row.model_inputs.items()}
-        counts = placeholder_counts(inputs, self.spec.merge_size)
+        counts = placeholder_counts(inputs, self.spec.merge_size, self.audio_tokens)
+        video_tokens = None
+        if row.video_audio:  # each video's sound track sits inside its placeholder, not in an audio placeholder
+            audio_counts = counts.pop("audio")
+            video_tokens = [
+                audio_in_video_tokens(self.model_config, inputs["video_grid_thw"][video], self.spec.merge_size,
+                                      float(inputs["video_second_per_grid"][video]), audio_counts[audio],
+                                      self.audio_end_id)
+                for video, audio in enumerate(row.video_audio)]
+            standalone = [n for index, n in enumerate(audio_counts) if index not in set(row.video_audio)]
+            if standalone:
+                counts["audio"] = standalone
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        sample.tokens = expand_placeholders(list(token_ids), self.media_tokens, counts)
+        sample.tokens = expand_placeholders(list(token_ids), self.media_tokens, counts, video_tokens)
         sample.multimodal_train_inputs = inputs
 
     def process_images(self, images: list[Any]) -> dict[str, torch.Tensor]:
@@ -123,7 +157,7 @@ class MultimodalPreparer:
 
     def expand_media(self, token_ids: list[int], inputs: dict[str, torch.Tensor]) -> tuple[list[int], dict[str, torch.Tensor]]:
         """``token_ids`` with each media placeholder repeated by its item's token count, and ``inputs``."""
-        counts = placeholder_counts(inputs, self.spec.merge_size)
+        counts = placeholder_counts(inputs, self.spec.merge_size, self.audio_tokens)
         return expand_placeholders(list(token_ids), self.media_tokens, counts), inputs
 
     def close(self) -> None:
