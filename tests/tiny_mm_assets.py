@@ -148,9 +148,8 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
     folder = Path(tmp_path) / "tiny_qwen3_omni"
     tok = build_tokenizer(omni=True, qwen3_omni=True)
     torch.manual_seed(seed)
-    audio, image, video, astart, aend, vstart, vend, user = _ids(
-        tok, "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|audio_end|>", "<|vision_start|>",
-        "<|vision_end|>", "<|im_start|>")
+    audio, image, video, astart, vstart, user = _ids(
+        tok, "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|vision_start|>", "<|im_start|>")
     text = _text_config(tok)
     text.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                 rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
