@@ -30,8 +30,36 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return hf
 
 
-def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
+# Qwen3's chat template as it behaves (written here, not copied): ChatML; an assistant message of the history keeps
+# its reasoning (`reasoning_content`, or the text before `</think>`) only after the last user message; the generation
+# prompt opens an empty reasoning block when `enable_thinking` is false (`--apply-chat-template-kwargs`).
+QWEN3_TEMPLATE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% set content = m['content'] or '' %}{% set reasoning = m.get('reasoning_content') or '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_query %}<think>\n{{ reasoning }}\n</think>\n\n{% endif %}{{ content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    """The character tokenizer with Qwen3's reasoning tokens and its chat template (`QWEN3_TEMPLATE`)."""
     tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [*SPECIALS, "<think>", "</think>"]})
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model_dir(directory: Path, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
+    tokenizer = tokenizer or build_tokenizer()
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
