@@ -136,10 +136,28 @@ def test_the_engine_records_every_token_it_feeds(moe_dirs):
     assert mixed[2].routed_experts.shape[0] == len(PROMPTS[2]) + len(mixed[2].output_ids) - 1
 
 
-def test_asking_a_dense_model_or_the_engine_core_for_routes_names_the_request(tiny_workspace):
+def test_asking_a_dense_model_for_routes_fails_that_caller_only(tiny_workspace):
+    """Named in the error; through the batcher of `relax serve`, the other callers merged into the same engine call
+    still get their outputs."""
+    from relax.backends.inference.batcher import RequestBatcher
+
     engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
     with pytest.raises(ValueError, match="request 'r0' asks for routed experts.*no mixture-of-experts"):
         _generate(engine, PROMPTS[:1])
+
+    async def two_callers():
+        batcher = RequestBatcher(engine, window_s=0.05)
+        batcher.start()
+        try:
+            good = GenerationRequest("good", PROMPTS[0], SamplingParams(max_new_tokens=4, seed=1))
+            bad = GenerationRequest("bad", PROMPTS[1], SamplingParams(max_new_tokens=4, seed=2),
+                                    return_routed_experts=True)
+            return await asyncio.gather(batcher.generate([good]), batcher.generate([bad]), return_exceptions=True)
+        finally:
+            await batcher.stop()
+
+    good, bad = asyncio.run(two_callers())
+    assert len(good[0].output_ids) == 4 and isinstance(bad, ValueError) and "'bad'" in str(bad)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text", "deepseek_v3"])

@@ -174,6 +174,36 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
     return folder
 
 
+def build_tiny_qwen3_5_vl(tmp_path, experts: bool = False):
+    """A random Qwen3.5 vision-language model (three gated-DeltaNet layers and one full-attention layer, Qwen3-VL's
+    vision tower without deepstack) with its image processor; ``experts``: the Qwen3.5 MoE layout."""
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    folder = tmp_path / ("tiny_qwen3_5_vl_moe" if experts else "tiny_qwen3_5_vl")
+    tok = build_tokenizer(omni=False)
+    torch.manual_seed(0)
+    text = _text_config(tok)
+    text.update(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
+    if experts:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    image_id, video_id, start, end = _ids(tok, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    name = "Qwen3_5Moe" if experts else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, image_token_id=image_id, video_token_id=video_id, vision_start_token_id=start,
+        vision_end_token_id=end,
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 16, "num_position_embeddings": 64})
+    getattr(transformers, f"{name}ForConditionalGeneration")(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
+                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3).save_pretrained(folder)
+    return folder
+
+
 def build_tiny_qwen3_vl(tmp_path, experts: bool = False):
     """A random Qwen3-VL (16-px patches, deepstack, interleaved mrope) with its image processor; ``experts``: the
     Qwen3-VL MoE layout (four experts, two per token)."""

@@ -39,9 +39,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("Qwen3.5 MoE (text)", ("qwen3_5_moe_text",), ("text",), "Qwen/Qwen3.5 MoE language models",
                 test_id="qwen3_5_moe_text"),
     ModelFamily("Qwen3.5 / Qwen3.6 (vision-language)", ("qwen3_5", "qwen3_5_moe"), ("text", "image", "video"),
-                "Qwen/Qwen3.5-*",
-                not_supported="its vision-language wrapper has no tiny end-to-end case yet (the Qwen3.5 language "
-                "models are supported on their own)"),
+                "Qwen/Qwen3.5-*", test_id="qwen3_5"),
     ModelFamily("Qwen2-VL / Qwen2.5-VL", ("qwen2_vl", "qwen2_5_vl"), ("text", "image", "video"),
                 "Qwen/Qwen2.5-VL-3B-Instruct", test_id="qwen2_5_vl"),
     ModelFamily("Qwen3-VL", ("qwen3_vl",), ("text", "image", "video"), "Qwen/Qwen3-VL-8B-Instruct",

@@ -118,6 +118,10 @@ class InferenceEngine(abc.ABC):
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Generate every request; outputs come back in request order."""
 
+    def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        """Raise ValueError or TypeError, naming the request, for one this engine cannot serve, before any work
+        (a batcher checks each caller's requests alone, so one caller's bad request fails no other caller)."""
+
     async def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreOutput]:
         """Log-probs of given tokens under the served weights (a teacher for on-policy distillation)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score tokens")

@@ -77,6 +77,7 @@ class RequestBatcher:
         """Outputs of ``requests`` in order, generated together with other concurrent jobs."""
         if self._queue is None:
             raise RuntimeError("RequestBatcher.start() was not called")
+        self.engine.check_requests(requests)  # a bad request fails its caller only, not the batch it would join
         job = _Job(list(requests), asyncio.get_running_loop().create_future())
         self._pending_ids.update(request.request_id for request in job.requests)
         self._queue.put_nowait(job)

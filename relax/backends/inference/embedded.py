@@ -364,10 +364,7 @@ class EmbeddedEngine(InferenceEngine):
         running batch; on the Hugging Face path they decode in batches of at most
         ``max_batch_size`` with one generator per distinct seed (see the module doc)."""
         requests = list(requests)
-        for request in requests:
-            _validate_request(request)
-            if request.return_routed_experts:
-                self._check_routing(request)
+        self.check_requests(requests)
         if not requests:
             return []
         self._check_weights()
@@ -380,6 +377,12 @@ class EmbeddedEngine(InferenceEngine):
                     raise
                 if self.recoveries == recoveries:  # the first of the calls this failure failed recovers for all
                     self._recover(error)
+
+    def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        for request in requests:
+            _validate_request(request)
+            if request.return_routed_experts:
+                self._check_routing(request)
 
     def _check_routing(self, request: GenerationRequest) -> None:
         if self._routing is None:
