@@ -26,6 +26,7 @@ from relax.utils.tracking import read_metrics
 from tests.tiny_families import TEXT_CONFIGS, build_text_family
 from tests.tiny_mm_assets import (
     build_tiny_omni,
+    build_tiny_qwen3_5_vl,
     build_tiny_qwen3_omni,
     build_tiny_qwen3_vl,
     build_tiny_vl,
@@ -38,7 +39,8 @@ MULTIMODAL = {"qwen2_5_vl": (build_tiny_vl, make_image_rows, "image"),
               "qwen3_vl": (build_tiny_qwen3_vl, make_image_rows, "image"),
               "qwen3_vl_moe": (functools.partial(build_tiny_qwen3_vl, experts=True), make_image_rows, "image"),
               "qwen2_5_omni": (build_tiny_omni, make_audio_rows, "audio"),
-              "qwen3_omni_moe": (build_tiny_qwen3_omni, make_audio_rows, "audio")}
+              "qwen3_omni_moe": (build_tiny_qwen3_omni, make_audio_rows, "audio"),
+              "qwen3_5": (build_tiny_qwen3_5_vl, make_image_rows, "image")}
 # float32 rounding of two different programs (the engine's decode with a cache, the trainer's packed or padded
 # forward): measured <= 5e-7 per token on every family here
 LOG_PROB_TOLERANCE = 1e-5
