@@ -38,7 +38,7 @@ from relax.cli.main import main
 from relax.utils.tracking import read_metrics
 from tests.http_servers import Server
 from tests.tiny_families import TEXT_CONFIGS, build_text_family
-from tests.tiny_mm_assets import build_tiny_qwen3_vl
+from tests.tiny_mm_assets import build_tiny_qwen3_5_vl, build_tiny_qwen3_omni, build_tiny_qwen3_vl
 
 MOE_FAMILIES = [name for name, config in TEXT_CONFIGS.items() if "num_experts" in config and name != "glm_moe_dsa"]
 LOG_PROB_TOLERANCE = 1e-5  # tests/test_model_families.py: the engine and the trainer of a dense family
@@ -56,6 +56,8 @@ def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     dirs = {name: build_text_family(name, root / name) for name in MOE_FAMILIES}
     dirs["qwen3_vl_moe"] = build_tiny_qwen3_vl(root / "qwen3_vl_moe", experts=True)
+    dirs["qwen3_5_moe"] = build_tiny_qwen3_5_vl(root / "qwen3_5_moe", experts=True)
+    dirs["qwen3_omni_moe"] = build_tiny_qwen3_omni(root / "qwen3_omni_moe")
     return dirs
 
 
@@ -75,7 +77,7 @@ def _gaps(backend: FSDPTrainBackend, prompts, outputs, replay: bool) -> torch.Te
     return torch.cat([(mine - torch.tensor(o.output_log_probs)).abs() for mine, o in zip(log_probs, outputs)])
 
 
-@pytest.mark.parametrize("family", [*MOE_FAMILIES, "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", [*MOE_FAMILIES, "qwen3_vl_moe", "qwen3_5_moe", "qwen3_omni_moe"])
 def test_a_router_replaying_its_own_choice_computes_what_it_computed(family, moe_dirs):
     """`replayed_weights` is each family's own formula: at the router's own experts it gives its own weights (and
     the same forward); at other experts the forward changes (the replay is not a no-op)."""

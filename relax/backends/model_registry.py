@@ -58,8 +58,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("DeepSeek-V3 / Kimi K2 (MLA, MoE)", ("deepseek_v3",), ("text",),
                 "deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct", test_id="deepseek_v3"),
     ModelFamily("Kimi K2.5 (vision-language)", ("kimi_k25",), ("text", "image", "video"), "moonshotai/Kimi-K2.5",
-                not_supported="its MoonViT tower and processor have no tiny end-to-end case yet (its language "
-                "model is DeepSeek-V3's, which is supported)"),
+                not_supported="its MoonViT image layout (NaViT resize, padding to the merge kernel, its own patch "
+                "order) exists only as transformers' torchvision processor, which does not load beside Relax's torch; "
+                "Relax's numpy media path lays out the Qwen-VL families only (its language model is DeepSeek-V3's, "
+                "which is supported)"),
     ModelFamily("Gemma 3 (text)", ("gemma3_text",), ("text",), "google/gemma-3-1b-it", test_id="gemma3_text"),
 )
 
