@@ -36,8 +36,10 @@ from relax.distributed.process_group import free_port
 from relax.utils.tracking import read_metrics
 from tests.conftest import ROOT, run_relax, tiny_train_args
 
-# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
-pytestmark = pytest.mark.xdist_group("ray")
+# Tests that start Ray clusters in this process share one xdist worker with the other such tests, one after the
+# other (scripts/test.sh runs two workers). The Ray chaos run is a subprocess with its own cluster and mostly waits
+# (heartbeats, restarts: 1m40 of CPU in 5m40 alone): it has a worker of its own, beside the rest of the suite.
+IN_PROCESS_RAY = pytest.mark.xdist_group("ray")
 
 pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
@@ -71,6 +73,7 @@ def _compare(mine: list[dict], theirs: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray-chaos")
 def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, tmp_path):
     reference_dir = tmp_path / "reference"
     reference = run_relax("train", *tiny_train_args(tiny_workspace, reference_dir, *MODE), timeout=600)
@@ -104,6 +107,7 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
     assert state["global_restarts"] == len(faults) and "rollout" in format_state(state)
 
 
+@IN_PROCESS_RAY
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_name, monkeypatch):
     """Without health checks too: a write to a killed storage unit, or a read from a stopped one, ends within the
