@@ -689,6 +689,30 @@ class RelaxConfig(BaseModel):
     group_rm: bool = _field(
         False, "Call the custom reward once per prompt group: `fn(args, samples) -> list`.", "reward"
     )
+    rm_url: str | None = _field(
+        None, "URL of a reward server (upstream's remote_rm; `--rm-type remote_rm` names it too): each sample is "
+        "POSTed as {prompt, response, label, metadata} and the answer is a number or {\"reward\": x}. Refused "
+        "connections, timeouts, 5xx and 429 are retried with exponential backoff (0.5 s doubling to 30 s, 10 "
+        "attempts) within --reward-timeout; retries are logged in reward/remote_retries. A secret (it may hold a "
+        "token): logs show scheme, host and path only.", "reward", secret=True,
+    )
+    genrm_model_path: str | None = _field(
+        None, "A judge model (GenRM, LLM-as-judge) folder: an embedded engine in the scoring process generates a "
+        "verdict per sample from --genrm-prompt-template; the number in its last \\boxed{}, after its last "
+        "`score:`, or a leading yes/no is the reward.", "reward",
+    )
+    genrm_prompt_template: str | None = _field(
+        None, "The judge's prompt (or a file holding it), with the fields {prompt}, {response} and {label}; "
+        "default: asks for a score in \\boxed{}.", "reward",
+    )
+    genrm_sampling_config: dict[str, Any] | None = _field(
+        None, "JSON: the judge's sampling, keys temperature (0.1), top_p (1.0), top_k (-1), max_response_len "
+        "(4096), upstream's defaults.", "reward",
+    )
+    genrm_engine_config: dict[str, Any] | None = _field(
+        None, "JSON: the judge's engine, keys device and dtype (default: the run's), engine_core, "
+        "mem_fraction_static, max_batch_size.", "reward",
+    )
     custom_rm_workers: int = _field(
         0, "Run a synchronous --custom-rm-path function in this many worker processes instead of threads of the "
         "trainer: a crash or a leak costs only its worker (replaced; the sample scored 0 and counted in "

@@ -48,6 +48,9 @@ def setup_logging(run_dir: Path | None) -> None:
                         handlers=handlers, force=True)
     # The console shows warnings and the progress bar; run.log keeps the per-step lines.
     handlers[0].setLevel(logging.WARNING)
+    # httpx logs every request's URL at INFO, and a URL may hold a token (--rm-url): warnings only.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def resolved_config_text(cfg) -> str:

@@ -46,6 +46,8 @@ from relax.engine.agentic.env_workers import EnvWorkerPool
 from relax.engine.agentic.tools import prompt_tool_settings
 from relax.engine.rewards.compute import RewardComputer
 from relax.engine.rewards.custom import load_dotted_function
+from relax.engine.rewards.genrm import GenerativeReward, GenRMSettings
+from relax.engine.rewards.remote import REMOTE_RM_TYPE, RemoteReward
 from relax.engine.rollout.context import GenerateFunction, PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.multimodal import MultimodalPreparer
@@ -199,7 +201,7 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
         # A rule reward compares every response with the row's label: a row without one is refused at load.
-        required_label_for=cfg.rm_type if cfg.loss_type != "sft" else None,
+        required_label_for=cfg.rm_type if cfg.loss_type != "sft" and cfg.rm_type != REMOTE_RM_TYPE else None,
         **prompt_tool_settings(cfg),
     )
 
@@ -297,11 +299,30 @@ def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> Multimoda
 
 def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
     try:
-        return RewardComputer(cfg.rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
+        rm_type = cfg.rm_type
+        if rm_type == REMOTE_RM_TYPE:  # upstream's name of the reward server's reward
+            if cfg.rm_url is None:
+                raise ValueError(f"--rm-type {REMOTE_RM_TYPE} needs {flag('rm_url')}")
+            rm_type = None
+        return RewardComputer(rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
                               timeout_s=cfg.reward_timeout, custom_workers=cfg.custom_rm_workers,
-                              worker_memory_mb=cfg.reward_worker_memory_mb)
+                              worker_memory_mb=cfg.reward_worker_memory_mb, remote=remote_reward(cfg))
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
+
+
+def remote_reward(cfg: RelaxConfig) -> RemoteReward | GenerativeReward | None:
+    """The reward server (--rm-url) or the judge model (--genrm-model-path), if the run names one."""
+    if cfg.rm_url is not None and cfg.genrm_model_path is not None:
+        raise ValueError(f"{flag('rm_url')} and {flag('genrm_model_path')} both given; set one")
+    if cfg.rm_url is not None:
+        return RemoteReward(cfg.rm_url)
+    if cfg.genrm_model_path is None:
+        return None
+    device = resolve_device(cfg)
+    return GenerativeReward(GenRMSettings.from_flags(
+        cfg.genrm_model_path, cfg.genrm_prompt_template, cfg.genrm_sampling_config, cfg.genrm_engine_config,
+        str(device), str(resolve_dtype(cfg, device)).removeprefix("torch.")))
 
 
 def build_dynamic_sampling(cfg: RelaxConfig) -> DynamicSampling | None:

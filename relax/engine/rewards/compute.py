@@ -80,14 +80,16 @@ class RewardComputer:
         timeout_s: float = DEFAULT_REWARD_TIMEOUT_S,
         custom_workers: int = 0,
         worker_memory_mb: int | None = None,
+        remote: Callable[[Any, Sample], Any] | None = None,
     ) -> None:
-        if rm_type is None and custom_rm_path is None:
-            raise ValueError("no reward configured: set --rm-type to a rule reward or --custom-rm-path to a function")
-        if rm_type is not None and custom_rm_path is not None:
-            raise ValueError(
-                f"--rm-type {rm_type!r} and --custom-rm-path {custom_rm_path!r} both given; set one "
-                "(a custom function can call get_reward_fn itself)"
-            )
+        sources = [name for name, given in (("--rm-type", rm_type), ("--custom-rm-path", custom_rm_path),
+                                            ("--rm-url / --genrm-model-path", remote)) if given is not None]
+        if not sources:
+            raise ValueError("no reward configured: set --rm-type to a rule reward, --custom-rm-path to a function, "
+                             "--rm-url to a reward server or --genrm-model-path to a judge model")
+        if len(sources) > 1:
+            raise ValueError(f"{' and '.join(sources)} both given; set one (a custom function can call "
+                             "get_reward_fn itself)")
         if group_rm and custom_rm_path is None:
             raise ValueError("--group-rm scores whole groups and needs a --custom-rm-path function")
         if rm_type is not None:
@@ -96,8 +98,10 @@ class RewardComputer:
             raise ValueError(f"--reward-timeout must be a positive number of seconds, got {timeout_s}")
         self.timeout_s = timeout_s
         self._rm_type = rm_type
-        self._custom_fn = load_custom_reward(custom_rm_path) if custom_rm_path is not None else None
-        self._custom_fn_is_async = inspect.iscoroutinefunction(self._custom_fn)
+        # A remote reward (a server, a judge model) is an async function of (args, sample) like a custom one.
+        self._custom_fn = load_custom_reward(custom_rm_path) if custom_rm_path is not None else remote
+        self._custom_fn_is_async = remote is not None or inspect.iscoroutinefunction(self._custom_fn)
+        self._remote = remote
         if custom_workers and (self._custom_fn is None or self._custom_fn_is_async):
             raise ValueError("--custom-rm-workers runs a synchronous --custom-rm-path function in worker processes; "
                              + ("there is none" if self._custom_fn is None else
@@ -132,6 +136,8 @@ class RewardComputer:
         whose reward ran past the timeout, since the previous call."""
         metrics = {"reward/num_errors": self._errors_since_metrics, "reward/num_timeouts": self._timeouts_since_metrics}
         self._errors_since_metrics = self._timeouts_since_metrics = 0
+        if hasattr(self._remote, "pop_metrics"):  # a reward server's retries, a judge's unreadable verdicts
+            metrics.update(self._remote.pop_metrics())
         return metrics
 
     def close(self) -> None:
