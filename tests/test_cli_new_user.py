@@ -38,7 +38,7 @@ def test_the_saved_config_hides_exactly_the_secret_fields():
         ("question", "answer", "meta", "tools")
     assert saved["rollout_stop_token_ids"] == [7] and saved["calculate_per_token_loss"] is True
     assert saved["image_max_token_num"] == 99
-    assert set(RelaxConfig.secret_fields()) == {"rollout_api_key", "rollout_engine_api_key", "notify_urls"}
+    assert set(RelaxConfig.secret_fields()) == {"rollout_api_key", "rollout_engine_api_key", "notify_urls", "rm_url"}
 
 
 # ---- 24. the saved config re-runs ----------------------------------------------------------------------------

@@ -13,7 +13,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from relax.cli.upstream_flags import explain
 from relax.config import SECTIONS, ConfigError, RelaxConfig, fields_by_section, flag
+
+UPSTREAM_PREFIX = "upstream Relax's "
 
 
 def _unwrap_optional(annotation: Any) -> Any:
@@ -63,7 +66,9 @@ def _add_field_argument(group: argparse._ArgumentGroup, name: str) -> None:
 
 def build_parser(prog: str = "relax train", description: str | None = None) -> argparse.ArgumentParser:
     """A parser whose flags are exactly the config fields; unset flags stay absent."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    # No abbreviations: an upstream flag that is a prefix of a Relax flag would silently set it.
+    parser = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+                                     allow_abbrev=False)
     parser.add_argument("--config", dest="config_file", help="YAML file of settings; flags override it.")
     for section, names in fields_by_section().items():
         group = parser.add_argument_group(f"{section} settings")
@@ -87,6 +92,9 @@ def read_yaml_settings(path: str | Path) -> dict[str, Any]:
     known = set(RelaxConfig.model_fields)
     for key in settings:
         if key not in known:
+            reason = explain("--" + key.replace("_", "-"))
+            if reason is not None:
+                raise ConfigError(f"--config: {path}: {UPSTREAM_PREFIX}setting {key!r}: {reason}")
             hint = difflib.get_close_matches(key, known, n=1)
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
             raise ConfigError(f"--config: {path}: unknown setting {key!r}{suggestion}")
@@ -115,11 +123,17 @@ def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict
         for token in unknown:
             name = token.split("=", 1)[0]
             if not name.startswith("-"):
-                problems.append(f"unexpected argument {token!r}")
+                if not (problems and problems[-1].startswith(UPSTREAM_PREFIX)):  # an upstream flag's value
+                    problems.append(f"unexpected argument {token!r}")
+                continue
+            reason = explain(name)
+            if reason is not None:
+                problems.append(f"{UPSTREAM_PREFIX}{name}: {reason}")
                 continue
             hints = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
             problems.append(f"unknown flag {name}" + (f"; did you mean {' or '.join(hints)}?" if hints else ""))
-        raise ConfigError("; ".join(problems) + f" ({parser.prog} --help lists every setting)")
+        raise ConfigError("\n  ".join(["flags Relax does not take:", *problems])
+                          + f"\n({parser.prog} --help lists every setting)")
     return vars(namespace)
 
 
