@@ -200,6 +200,59 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
     assert TOKEN not in stderr
 
 
+def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, tmp_path):
+    """`/scale_out` with ``engine_urls`` on `relax train --rollout-api-port` (issue 19): a `relax serve` server is
+    health-checked, loads the trainer's current weights from --rollout-weights-dir, joins the router and serves the
+    training's groups; `/scale_in` drains and removes it; the training goes on and trains every step once."""
+    import os
+    import subprocess
+    import sys
+
+    from relax.utils.tracking import read_metrics
+    from tests.conftest import ROOT, tiny_train_args
+    from tests.http_servers import Server
+
+    port, out = free_loopback_port(), tmp_path / "run"
+    external = Server(tiny_workspace / "model", api_key=None, weight_update_root=out)
+    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "40", "--skip-eval-before-train", "--dump-samples",
+                           "0", "--rollout-api-port", str(port), "--rollout-api-key", TOKEN)
+    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_paced"  # ~0.5 s steps
+    train = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "train", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        _wait_for_scaling_api(url, train)
+        with httpx.Client(base_url=url, timeout=60, headers=auth) as client:
+            joined = client.post("/scale_out", json={"engine_urls": [external.url], "timeout_secs": 120})
+            assert joined.status_code == 200, joined.text
+            op = _wait_terminal(client, "scale_out", joined.json()["request_id"], timeout_s=120)
+            assert op["status"] == "ACTIVE", op
+            assert external.engine.weight_version >= op["weight_version"]  # the trainer's, then newer ones
+            engines = client.get("/engines").json()["models"]["default"]["engines"]
+            assert external.url in [e["url"] for e in engines]
+            deadline = time.monotonic() + 120
+            while external.health()["engine_calls"] == 0:  # the training's groups reach it
+                assert time.monotonic() < deadline and train.poll() is None
+                time.sleep(0.1)
+            left = client.post("/scale_in", json={"engine_urls": [external.url]})
+            assert left.status_code == 200, left.text
+            assert _wait_terminal(client, "scale_in", left.json()["request_id"])["status"] == "COMPLETED"
+            calls = external.health()["engine_calls"]
+            assert train.poll() is None
+        _, stderr = train.communicate(timeout=600)
+        assert train.returncode == 0, stderr[-3000:]
+        assert external.health()["engine_calls"] == calls  # removed: no request after it left
+    finally:
+        if train.poll() is None:
+            train.kill()
+        external.stop()
+    trained = [row for row in read_metrics(out / "metrics.jsonl") if "train/loss" in row]
+    assert [row["step"] for row in trained] == list(range(1, 41))
+
+
 # ---- hard to break (issue 14, items 19-22) ----------------------------------------------------------------------
 def test_a_rejected_request_never_wedges_the_api(service):
     client, manager, router, created, _ = service

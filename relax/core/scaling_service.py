@@ -3,7 +3,8 @@
 The API answers from a thread and event loop of its own, so it stays responsive while a training step holds the
 training's loop; the operations it starts run on the training's loop, beside the engines they add and remove. New
 engines are embedded engines built like the first one (in a worker thread, so `timeout_secs` holds while a model
-loads); they load the trainer's current weights before they join the router.
+loads), or external servers named by ``engine_urls`` (`relax serve` or SGLang, which must see --rollout-weights-dir);
+either loads the trainer's current weights before it joins the router.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.router import EngineRouter
 from relax.config import RelaxConfig
 from relax.core.build import Roles, build_engine
@@ -36,12 +38,19 @@ def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoo
                                          roles.inference_dtype)
         return engine, None
 
+    weights_dir = Path(cfg.rollout_weights_dir or Path(cfg.output_dir) / "engine_weights").resolve()
+
+    async def connect_engine(url: str) -> SGLangHTTPEngine:
+        # A server of the SGLang protocol (`relax serve`, SGLang) that sees --rollout-weights-dir: it loads each
+        # version the trainer publishes there, the first one before it is routed to
+        return SGLangHTTPEngine(url, api_key=cfg.rollout_engine_api_key, weights_dir=weights_dir)
+
     def current_weights():
         version = max(engine.weight_version for engine in router.engines)
         buckets = roles.actor.weight_buckets(roles.inference_dtype, cfg.update_weight_buffer_size)
         return version, itertools.chain.from_iterable(buckets)
 
-    return ScaleManager(router, weights=current_weights, factory=create_engine,
+    return ScaleManager(router, weights=current_weights, factory=create_engine, connector=connect_engine,
                         drain_timeout_s=cfg.scale_in_drain_timeout, max_engines=cfg.scale_out_max_engines, loop=loop)
 
 
