@@ -86,9 +86,10 @@ def digit_fraction_paced(args, sample):
 
 
 def digit_fraction_held(args, sample):
-    """`digit_fraction_slow` that first waits while the file $RELAX_CHAOS_HOLD exists (at most 120 s): the chaos
-    harness holds a run that would otherwise outrun its faults (benchmarks.chaos_cpu.run_with_faults). A run that
-    uses it needs a --reward-timeout above that wait, or a held sample would score 0."""
+    """`digit_fraction_slow` that first waits while the file $RELAX_CHAOS_HOLD exists (at most 120 s): a test holds
+    a run that would otherwise outrun what the test does to it (the chaos harness's faults,
+    benchmarks.chaos_cpu.run_with_faults; a scale-out). A run that uses it needs a --reward-timeout above that wait,
+    or a held sample would score 0."""
     import os
     import time
     from pathlib import Path

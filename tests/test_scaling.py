@@ -214,13 +214,17 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
 
     port, out = free_loopback_port(), tmp_path / "run"
     external = Server(tiny_workspace / "model", api_key=None, weight_update_root=out)
-    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "40", "--skip-eval-before-train", "--dump-samples",
-                           "0", "--rollout-api-port", str(port), "--rollout-api-key", TOKEN)
-    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_paced"  # ~0.5 s steps
+    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "20", "--skip-eval-before-train", "--dump-samples",
+                           "0", "--rollout-api-port", str(port), "--rollout-api-key", TOKEN, "--reward-timeout", "300")
+    # The training's rewards wait while the hold file exists: the steps go on only when the test lets them, so the
+    # run can neither end before the engine joins nor before it leaves, however loaded the machine is.
+    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_held"
+    hold = tmp_path / "hold"
+    hold.touch()
     train = subprocess.Popen(
         [sys.executable, "-m", "relax.cli.main", "train", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True)
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
@@ -233,15 +237,18 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
             assert external.engine.weight_version >= op["weight_version"]  # the trainer's, then newer ones
             engines = client.get("/engines").json()["models"]["default"]["engines"]
             assert external.url in [e["url"] for e in engines]
+            hold.unlink()
             deadline = time.monotonic() + 120
             while external.health()["engine_calls"] == 0:  # the training's groups reach it
                 assert time.monotonic() < deadline and train.poll() is None
-                time.sleep(0.1)
+                time.sleep(0.05)
+            hold.touch()
             left = client.post("/scale_in", json={"engine_urls": [external.url]})
             assert left.status_code == 200, left.text
             assert _wait_terminal(client, "scale_in", left.json()["request_id"])["status"] == "COMPLETED"
             calls = external.health()["engine_calls"]
             assert train.poll() is None
+        hold.unlink()
         _, stderr = train.communicate(timeout=600)
         assert train.returncode == 0, stderr[-3000:]
         assert external.health()["engine_calls"] == calls  # removed: no request after it left
@@ -250,7 +257,7 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
             train.kill()
         external.stop()
     trained = [row for row in read_metrics(out / "metrics.jsonl") if "train/loss" in row]
-    assert [row["step"] for row in trained] == list(range(1, 41))
+    assert [row["step"] for row in trained] == list(range(1, 21))
 
 
 # ---- hard to break (issue 14, items 19-22) ----------------------------------------------------------------------
