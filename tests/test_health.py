@@ -59,6 +59,9 @@ def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expect
         with pytest.raises(RoleFailedError, match=rf"the rollout role(.s process)? \(pid {role.pid}\) .*{expected}"):
             asyncio.run(monitor.guard(training()))
         assert time.monotonic() - started < 10
+        # The run has ended, as a real one would after the error: without this the verdict's exit timer would end
+        # this process (pytest's) once its grace passed during the slow checks below.
+        monitor.stop()
         state = read_state(tmp_path)
         assert not state["roles"]["rollout"]["healthy"] and expected in state["fatal"]
 

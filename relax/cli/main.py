@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
+import faulthandler
 import json
 import logging
 import os
@@ -421,6 +422,8 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve":
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A crash in native code (a segfault in a library) leaves every thread's Python stack on stderr, not nothing.
+    faulthandler.enable()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 0 if argv else 2
