@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import difflib
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -420,10 +421,18 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "serve":
             "model-docs": cmd_model_docs}
 
 
+def _report_native_crashes() -> None:
+    """A crash in native code (a segfault in a library) leaves every thread's Python stack on stderr, not nothing;
+    where stderr is no file (captured, as under pytest's capsys) there is nowhere to write it."""
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # A crash in native code (a segfault in a library) leaves every thread's Python stack on stderr, not nothing.
-    faulthandler.enable()
+    _report_native_crashes()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 0 if argv else 2

@@ -77,7 +77,9 @@ class RequestBatcher:
         """Outputs of ``requests`` in order, generated together with other concurrent jobs."""
         if self._queue is None:
             raise RuntimeError("RequestBatcher.start() was not called")
-        self.engine.check_requests(requests)  # a bad request fails its caller only, not the batch it would join
+        check = getattr(self.engine, "check_requests", None)  # any engine-like object may be batched
+        if check is not None:
+            check(requests)  # a bad request fails its caller only, not the batch it would join
         job = _Job(list(requests), asyncio.get_running_loop().create_future())
         self._pending_ids.update(request.request_id for request in job.requests)
         self._queue.put_nowait(job)
