@@ -93,6 +93,10 @@ VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2
               "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [1]}
 
 
+# The tiny MoE layouts: four experts, two per token.
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
 def image_processor() -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
                                     patch_size=14, temporal_patch_size=2, merge_size=2)
@@ -151,7 +155,7 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
     audio, image, video, astart, vstart, user = _ids(
         tok, "<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|vision_start|>", "<|im_start|>")
     text = _text_config(tok)
-    text.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+    text.update(head_dim=16, **_EXPERTS, decoder_sparse_step=1,
                 rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
     config = transformers.Qwen3OmniMoeThinkerConfig(
         audio_config={"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
@@ -163,9 +167,7 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
         audio_start_token_id=astart, vision_start_token_id=vstart, user_token_id=user)
     transformers.Qwen3OmniMoeThinkerForConditionalGeneration(config).save_pretrained(folder)
     tok.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
-                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3).save_pretrained(folder)
+    qwen3_vl_image_processor().save_pretrained(folder)
     image_keys = json.loads((folder / "preprocessor_config.json").read_text())
     WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, return_attention_mask=True,
                             chunk_length=2).save_pretrained(folder)
@@ -174,62 +176,49 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_tiny_qwen3_5_vl(tmp_path, experts: bool = False):
-    """A random Qwen3.5 vision-language model (three gated-DeltaNet layers and one full-attention layer, Qwen3-VL's
-    vision tower without deepstack) with its image processor; ``experts``: the Qwen3.5 MoE layout."""
-    import transformers
-    from transformers import Qwen2VLImageProcessorPil
+def qwen3_vl_image_processor() -> Qwen2VLImageProcessorPil:
+    """Qwen3-VL's geometry (16-px patches, 2x2 merge) on small images."""
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
+                                    temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
-    folder = tmp_path / ("tiny_qwen3_5_vl_moe" if experts else "tiny_qwen3_5_vl")
+
+def _build_qwen3_vision_language(folder: Path, class_prefix: str, text_extra: dict, vision_extra: dict) -> Path:
+    """A random ``{class_prefix}ForConditionalGeneration`` (interleaved mrope text, a two-block vision tower) with the
+    VL tokenizer and `qwen3_vl_image_processor`, saved to ``folder``."""
+    import transformers
+
     tok = build_tokenizer(omni=False)
     torch.manual_seed(0)
     text = _text_config(tok)
-    text.update(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=16, linear_value_head_dim=16,
-                rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
-    if experts:
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    text.update(head_dim=16, rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True), **text_extra)
     image_id, video_id, start, end = _ids(tok, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    name = "Qwen3_5Moe" if experts else "Qwen3_5"
-    config = getattr(transformers, f"{name}Config")(
+    config = getattr(transformers, f"{class_prefix}Config")(
         text_config=text, image_token_id=image_id, video_token_id=video_id, vision_start_token_id=start,
         vision_end_token_id=end,
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "num_position_embeddings": 64})
-    getattr(transformers, f"{name}ForConditionalGeneration")(config).save_pretrained(folder)
+                       "patch_size": 16, "num_position_embeddings": 64, **vision_extra})
+    getattr(transformers, f"{class_prefix}ForConditionalGeneration")(config).save_pretrained(folder)
     tok.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
-                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3).save_pretrained(folder)
+    qwen3_vl_image_processor().save_pretrained(folder)
     return folder
 
 
-def build_tiny_qwen3_vl(tmp_path, experts: bool = False):
+def build_tiny_qwen3_vl(tmp_path, experts: bool = False) -> Path:
     """A random Qwen3-VL (16-px patches, deepstack, interleaved mrope) with its image processor; ``experts``: the
     Qwen3-VL MoE layout (four experts, two per token)."""
-    import transformers
-    from transformers import Qwen2VLImageProcessorPil
+    return _build_qwen3_vision_language(
+        tmp_path / ("tiny_qwen3_vl_moe" if experts else "tiny_qwen3_vl"), "Qwen3VLMoe" if experts else "Qwen3VL",
+        {**_EXPERTS, "decoder_sparse_step": 1} if experts else {}, {"deepstack_visual_indexes": [1]})
 
-    folder = tmp_path / ("tiny_qwen3_vl_moe" if experts else "tiny_qwen3_vl")
-    tok = build_tokenizer(omni=False)
-    torch.manual_seed(0)
-    text = _text_config(tok)
-    text.update(head_dim=16, rope_parameters=dict(text["rope_parameters"], mrope_interleaved=True))
-    if experts:
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-    image_id, video_id, start, end = _ids(tok, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    name = "Qwen3VLMoe" if experts else "Qwen3VL"
-    config = getattr(transformers, f"{name}Config")(
-        text_config=text, image_token_id=image_id, video_token_id=video_id, vision_start_token_id=start,
-        vision_end_token_id=end,
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [1]})
-    getattr(transformers, f"{name}ForConditionalGeneration")(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16,
-                             temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3).save_pretrained(folder)
-    return folder
+
+def build_tiny_qwen3_5_vl(tmp_path, experts: bool = False) -> Path:
+    """A random Qwen3.5 vision-language model (three gated-DeltaNet layers and one full-attention layer, a vision
+    tower without deepstack) with its image processor; ``experts``: the Qwen3.5 MoE layout."""
+    linear = {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+    return _build_qwen3_vision_language(
+        tmp_path / ("tiny_qwen3_5_vl_moe" if experts else "tiny_qwen3_5_vl"), "Qwen3_5Moe" if experts else "Qwen3_5",
+        {**linear, **({**_EXPERTS, "shared_expert_intermediate_size": 32} if experts else {})}, {})
 
 
 def no_video(cls):
