@@ -133,8 +133,14 @@ def build_tiny_omni(tmp_path: Path, seed: int = 0) -> Path:
         video_token_index=video, audio_start_token_id=abos, audio_end_token_id=aeos, vision_start_token_id=vbos,
         vision_end_token_id=veos, user_token_id=user)
     Qwen2_5OmniThinkerForConditionalGeneration(config).save_pretrained(folder)
+    return _save_omni_processors(folder, tok, image_processor())
+
+
+def _save_omni_processors(folder: Path, tok, images: Qwen2VLImageProcessorPil) -> Path:
+    """The tokenizer, and one ``preprocessor_config.json`` holding the image processor's keys and a
+    WhisperFeatureExtractor's (128 mel bins; chunk_length 2: clips padded to 2 s = 200 frames, not 30 s)."""
     tok.save_pretrained(folder)
-    image_processor().save_pretrained(folder)
+    images.save_pretrained(folder)
     image_keys = json.loads((folder / "preprocessor_config.json").read_text())
     WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, return_attention_mask=True,
                             chunk_length=2).save_pretrained(folder)
@@ -166,14 +172,7 @@ def build_tiny_qwen3_omni(tmp_path: Path, seed: int = 0) -> Path:
         text_config=text, audio_token_id=audio, image_token_id=image, video_token_id=video,
         audio_start_token_id=astart, vision_start_token_id=vstart, user_token_id=user)
     transformers.Qwen3OmniMoeThinkerForConditionalGeneration(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    qwen3_vl_image_processor().save_pretrained(folder)
-    image_keys = json.loads((folder / "preprocessor_config.json").read_text())
-    WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, return_attention_mask=True,
-                            chunk_length=2).save_pretrained(folder)
-    audio_keys = json.loads((folder / "preprocessor_config.json").read_text())
-    (folder / "preprocessor_config.json").write_text(json.dumps({**image_keys, **audio_keys}, indent=2))
-    return folder
+    return _save_omni_processors(folder, tok, qwen3_vl_image_processor())
 
 
 def qwen3_vl_image_processor() -> Qwen2VLImageProcessorPil:
