@@ -601,14 +601,14 @@ class EmbeddedEngine(InferenceEngine):
                         rows[row].finish_reason = "abort"
             else:
                 version = self._weight_version
-                prompt_of_row = batch.prefill_source  # the prefill step expands it
+                # which prompt row each batch row reads in the prefill step (which expands them), None after it
+                prompt_of_row = None if prefilled else (batch.prefill_source.tolist() if batch.prefill_source
+                                                        is not None else list(range(len(live_rows))))
                 with torch.inference_mode(), recorder.recording() if recorder else contextlib.nullcontext():
                     next_tokens, tokens_host, log_probs_host = self._decode_step(batch)
                 self._decode_steps += 1
                 if recorder is not None:
-                    keep_routes(recorder.take(), [rows[row] for row in live_rows],
-                                None if prefilled else (prompt_of_row.tolist() if prompt_of_row is not None
-                                                        else list(range(len(live_rows)))))
+                    _keep_routes(recorder.take(), [rows[row] for row in live_rows], prompt_of_row)
                 prefilled = True
                 stepped_rows = []
                 for batch_position, row in enumerate(live_rows):
@@ -749,7 +749,7 @@ class EmbeddedEngine(InferenceEngine):
         )
 
 
-def keep_routes(routes: torch.Tensor, batch_rows: list[_RowState], prompt_of_row: list[int] | None) -> None:
+def _keep_routes(routes: torch.Tensor, batch_rows: list[_RowState], prompt_of_row: list[int] | None) -> None:
     """Append a step's routed experts (``routes`` ``[N, L, k]``, N = the step's input tokens) to the rows still
     decoding: the prefill's left-padded prompt rows (``prompt_of_row[i]``: the prompt row of batch row i), or
     one token per batch row in a decode step."""
