@@ -244,7 +244,8 @@ def rope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     if "feature_attention_mask" in inputs:
         candidates["audio_seqlens"] = inputs["feature_attention_mask"].sum(-1)
     candidates = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in candidates.items()}
-    candidates["use_audio_in_video"] = has_audio_in_video(model.config, input_ids)
+    if "use_audio_in_video" in inspect.signature(owner.get_rope_index).parameters:  # the omni thinkers
+        candidates["use_audio_in_video"] = has_audio_in_video(model.config, input_ids)
     positions, _ = owner.get_rope_index(**_accepted(owner.get_rope_index, candidates))
     return positions
 
