@@ -116,10 +116,15 @@ def audio_token_count(feature_length: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
+def is_qwen3_omni(config) -> bool:
+    """The Qwen3-Omni thinker (or the whole omni model): its own audio token count and audio inside video."""
+    return str(getattr(config, "model_type", "")).startswith("qwen3_omni_moe")
+
+
 def audio_token_counter(config) -> Callable[[int], int]:
     """The model's tokens per clip of N mel frames: Qwen3-Omni's chunked audio encoder counts by its own rule
     (transformers' function for the family, with the model's window), the others as `audio_token_count`."""
-    if not str(getattr(config, "model_type", "")).startswith("qwen3_omni_moe"):
+    if not is_qwen3_omni(config):
         return audio_token_count
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 

@@ -100,7 +100,7 @@ class RoutingReplay:
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no mixture-of-experts routers: there is no routing to replay")
-        self.top_k = int(self.routers[0].top_k)
+        self.shape = (len(self.routers), int(self.routers[0].top_k))  # (L, k)
         self._routes: torch.Tensor | None = None  # [N, L, k]
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))

@@ -23,7 +23,7 @@ from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.relax_server import RelaxServerEngine, RelaxServerSettings
 from relax.backends.inference.router import EngineRouter
 from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
-from relax.backends.model_family import load_model
+from relax.backends.model_family import is_qwen3_omni, load_model
 from relax.backends.model_registry import UnsupportedModelError, check_supported
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.backends.training.liger import liger_unavailable_reason
@@ -166,7 +166,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     check_model_family(config, model_path)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
-    if cfg.use_audio_in_video and not config.model_type.startswith("qwen3_omni_moe"):
+    if cfg.use_audio_in_video and not is_qwen3_omni(config):
         raise ConfigError(f"{flag('use_audio_in_video')}: the model at {model_path} ({config.model_type}) does not "
                           "take video with its sound track here; the Qwen3-Omni thinker does (Qwen2.5-Omni "
                           "interleaves by chunks of seconds, not built yet)")

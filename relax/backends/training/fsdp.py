@@ -445,9 +445,8 @@ class FSDPTrainBackend(TrainBackend):
         engine recorded for its tokens, when the batch carries them (rollout routing replay)."""
         if self._routing is None or mb.routed_experts is None:
             return nullcontext()
-        shape = (len(self._routing.routers), self._routing.top_k)
-        routes = token_routes(mb.routed_experts, [len(t) for t in mb.tokens], shape, self.settings.sequence_packing,
-                              self.settings.device)
+        routes = token_routes(mb.routed_experts, [len(t) for t in mb.tokens], self._routing.shape,
+                              self.settings.sequence_packing, self.settings.device)
         return self._routing.replaying(routes)
 
     def _autocast(self):

@@ -136,7 +136,7 @@ class RewardComputer:
         whose reward ran past the timeout, since the previous call."""
         metrics = {"reward/num_errors": self._errors_since_metrics, "reward/num_timeouts": self._timeouts_since_metrics}
         self._errors_since_metrics = self._timeouts_since_metrics = 0
-        if hasattr(self._remote, "pop_metrics"):  # a reward server's retries, a judge's unreadable verdicts
+        if self._remote is not None:  # a reward server's retries, a judge's verdicts
             metrics.update(self._remote.pop_metrics())
         return metrics
 
