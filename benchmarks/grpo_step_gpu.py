@@ -182,7 +182,9 @@ def main() -> None:
             print(f"step {rollout_id + 1}: {metrics['perf/step_s']:.2f} s (rollout {metrics['perf/rollout_s']:.2f} s, "
                   f"train {metrics['perf/train_s']:.2f} s, sync {metrics['perf/weight_sync_s']:.2f} s, offload "
                   f"{metrics.get('perf/offload_s', 0):.2f} s) {memory}", flush=True)
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        # the controller resets the peak counter at each phase: the run's peak is the largest phase peak
+        peak_gib = max([torch.cuda.max_memory_allocated() / 2**30] + [v for m in steps for k, v in m.items()
+                       if k.startswith("perf/gpu_peak_gib")]) if args.device == "cuda" else None
         prompts = [s.tokens for s in roles.rollout.data_source.prompts_for_step(0)]
         repeated = [p for p in prompts for _ in range(args.samples_per_prompt)]
         del controller, roles

@@ -123,18 +123,16 @@ def test_a_family_that_cannot_work_yet_is_refused_with_its_reason(family, tmp_pa
     assert not (tmp_path / "run").exists()  # refused before a run directory is made
 
 
-TEXT_SUPPORTED = [family for family in SUPPORTED if family.test_id in TEXT_CONFIGS]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", TEXT_SUPPORTED, ids=[family.test_id for family in TEXT_SUPPORTED])
+@pytest.mark.parametrize("family", SUPPORTED, ids=[family.test_id for family in SUPPORTED])
 def test_the_family_trains_in_bf16_on_the_gpu(family, tmp_path, tiny_workspace):
-    """The same loop on CUDA in bfloat16 (the engine core where it runs the family, flash/varlen attention in
-    packed training): the engine's and the trainer's log-probs agree to bf16 rounding."""
-    model = build_text_family(family.test_id, tmp_path / family.test_id)
+    """The same loop on CUDA in bfloat16 for every supported row, media included (the engine core where it runs the
+    family, flash/varlen attention in packed training): the engine's and the trainer's log-probs agree to bf16
+    rounding, before and after the first weight sync."""
+    model, data = _workspace(family, tmp_path, tiny_workspace)
     run_dir = tmp_path / "run"
-    assert _train(model, ["--prompt-data", str(tiny_workspace / "train.jsonl")], run_dir, 2, "--device", "cuda") == 0
+    assert _train(model, data, run_dir, 2, "--device", "cuda") == 0
     rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
