@@ -1,7 +1,8 @@
-"""Images, video and audio through rollout, reward and training, on tiny random Qwen2.5-VL and
-Qwen2.5-Omni models: real media files, the real engine and trainer, no stand-ins."""
+"""Images, video and audio through rollout, reward and training, on tiny random Qwen2.5-VL, Qwen3-VL (dense and
+MoE), Qwen3.5 and Qwen2.5-Omni models: real media files, the real engine and trainer, no stand-ins."""
 
 import asyncio
+import functools
 import json
 import math
 
@@ -18,6 +19,7 @@ from relax.data.multimodal import MediaError
 from relax.utils.tracking import Tracker
 from tests.tiny_mm_assets import (
     build_tiny_omni,
+    build_tiny_qwen3_5_vl,
     build_tiny_qwen3_vl,
     build_tiny_vl,
     make_audio_rows,
@@ -49,11 +51,14 @@ def _encoder_moved(roles, before) -> bool:
     return any(not torch.equal(now[name], value) for name, value in before.items())
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "audio", "qwen3-vl-image"])
+@pytest.mark.parametrize("kind", ["image", "video", "audio", "qwen3-vl-image", "qwen3-vl-video",
+                                  "qwen3-vl-moe-video", "qwen3.5-video"])
 def test_media_flow_through_rollout_and_training(kind, tmp_path):
-    builders = {"audio": build_tiny_omni, "qwen3-vl-image": build_tiny_qwen3_vl}
+    builders = {"audio": build_tiny_omni, "qwen3-vl-image": build_tiny_qwen3_vl, "qwen3-vl-video": build_tiny_qwen3_vl,
+                "qwen3-vl-moe-video": functools.partial(build_tiny_qwen3_vl, experts=True),
+                "qwen3.5-video": build_tiny_qwen3_5_vl}
     model = builders.get(kind, build_tiny_vl)(tmp_path)
-    kind = kind.removeprefix("qwen3-vl-")
+    kind = kind.rpartition("-")[2]
     rows = {"image": make_image_rows, "video": make_video_rows, "audio": make_audio_rows}[kind](tmp_path, 8)
     # small frames for the tiny clips (upstream's default floor, 128 tokens per frame, would upscale them)
     extra = ["--video-min-token-num", "4", "--video-max-token-num", "16"] if kind == "video" else []

@@ -195,6 +195,31 @@ def audio_in_video_tokens(config, grid_thw: torch.Tensor, merge_size: int, secon
     return out + [audio_end]
 
 
+# Families whose processor writes a video as one block per temporal patch, each after its timestamp text
+# (``<1.5 seconds><|vision_start|>pads<|vision_end|>``), and whose rope index splits the video's grid per patch
+_TIMESTAMPED_VIDEO_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+def has_timestamped_video(config) -> bool:
+    """Whether the model lays a video out frame by frame with timestamps (Qwen3-VL, Qwen3.5)."""
+    return getattr(config, "model_type", None) in _TIMESTAMPED_VIDEO_TYPES
+
+
+def timestamped_video_tokens(config, grid_thw: torch.Tensor, merge_size: int, grid_seconds: list[float],
+                             encode: Callable[[str], list[int]]) -> list[int]:
+    """The tokens that stand for one video's placeholder in a Qwen3-VL-style prompt: per temporal patch,
+    ``encode(f"<{seconds:.1f} seconds>")``, vision start, the patch's video tokens, vision end (the placeholder
+    sits inside the template's own vision start/end, as in transformers' processor)."""
+    media = MediaTokens.of(config)
+    start, end = (_config_value(config, name) for name in ("vision_start_token_id", "vision_end_token_id"))
+    frames, height, width = (int(v) for v in grid_thw)
+    if start is None or end is None or len(grid_seconds) != frames:
+        raise ValueError(f"{type(config).__name__}: a video of {frames} temporal patches with "
+                         f"{len(grid_seconds)} timestamps (or no vision start/end tokens)")
+    per_frame = [start] + [media.video] * ((height // merge_size) * (width // merge_size)) + [end]
+    return [token for seconds in grid_seconds for token in encode(f"<{seconds:.1f} seconds>") + per_frame]
+
+
 def has_audio_in_video(config, input_ids: torch.Tensor) -> bool:
     """Whether a video of ``input_ids`` carries its sound track (a vision start right before an audio start)."""
     vision_start, audio_start = (_config_value(config, name) for name in ("vision_start_token_id",

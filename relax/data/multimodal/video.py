@@ -48,6 +48,15 @@ class VideoClip:
         """Seconds one temporal patch spans (`second_per_grid_ts` of Qwen2.5-VL)."""
         return spec.temporal_patch_size / self.sample_fps
 
+    def grid_seconds(self, spec: VisionSpec) -> list[float]:
+        """Each temporal patch's time in the source video: the mean of its first and last frame's time, the frame
+        list padded with its last frame to whole patches (the timestamps Qwen3-VL's processor writes per frame)."""
+        indices = [int(i) for i in self.frame_indices]
+        size = spec.temporal_patch_size
+        indices += [indices[-1]] * (-len(indices) % size)
+        fps = self.source_fps if self.source_fps > 0 else self.sample_fps
+        return [(indices[i] + indices[i + size - 1]) / 2 / fps for i in range(0, len(indices), size)]
+
 
 def smart_nframes(total_frames: int, source_fps: float, settings: MultimodalSettings) -> int:
     """How many frames to sample from a video of `total_frames` at `source_fps` (see the module docstring)."""

@@ -22,7 +22,9 @@ from relax.backends.model_family import (
     audio_in_video_tokens,
     audio_token_counter,
     expand_placeholders,
+    has_timestamped_video,
     placeholder_counts,
+    timestamped_video_tokens,
 )
 from relax.data.chat_template import render_prompt
 from relax.data.multimodal import (
@@ -143,9 +145,17 @@ class MultimodalPreparer:
             standalone = [n for index, n in enumerate(audio_counts) if index not in set(row.video_audio)]
             if standalone:
                 counts["audio"] = standalone
+        elif row.videos and has_timestamped_video(self.model_config):
+            video_tokens = [
+                timestamped_video_tokens(self.model_config, inputs["video_grid_thw"][i], self.spec.merge_size,
+                                         clip.grid_seconds(self.spec), self._encode_plain)
+                for i, clip in enumerate(row.videos)]
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         sample.tokens = expand_placeholders(list(token_ids), self.media_tokens, counts, video_tokens)
         sample.multimodal_train_inputs = inputs
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def process_images(self, images: list[Any]) -> dict[str, torch.Tensor]:
         """Processor tensors of images an environment returned (PIL images or any media item), sized
