@@ -83,3 +83,26 @@ def test_the_merged_weights_are_what_peft_merges(tiny_workspace):
 def test_lora_flags_are_checked(tiny_workspace, tmp_path, args, message, capsys):
     assert _train(tiny_workspace, tmp_path / "run", 1, *args) != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("scope", "targets", "in_vision", "in_language"), [
+    ("all", ("all-linear",), True, True),
+    ("language", ("all-linear",), False, True),
+    ("vision", ("qkv", "proj"), True, False),
+])
+def test_lora_scope_chooses_the_towers(tmp_path, scope, targets, in_vision, in_language):
+    from relax.backends.model_family import load_model
+    from tests.tiny_mm_assets import build_tiny_vl
+
+    model = load_model(build_tiny_vl(tmp_path), torch.float32)
+    inject(model, LoraSettings(rank=2, alpha=4, target_modules=targets, scope=scope))
+    adapters = [name for name, _ in model.named_parameters() if is_adapter(name)]
+    assert any(".visual." in f".{name}" for name in adapters) == in_vision
+    assert any(".visual." not in f".{name}" for name in adapters) == in_language
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(adapters)
+
+
+def test_lora_scope_vision_needs_named_targets(tmp_path):
+    with pytest.raises(ValueError, match="--lora-scope vision needs --target-modules names"):
+        LoraSettings(rank=2, alpha=4, target_modules=("all-linear",), scope="vision").peft_config()
