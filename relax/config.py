@@ -449,6 +449,22 @@ class RelaxConfig(BaseModel):
         ge=1,
         le=65535,
     )
+    rollout_serve_replicas: int = _field(
+        0,
+        "Run the rollout engines as a Ray Serve deployment of this many replicas (each an embedded engine in a Ray "
+        "process of its own; a local Ray on 127.0.0.1 is started when none runs): Serve routes each prompt group to "
+        "a replica, health-checks the replicas every --rollout-health-check-interval s and replaces a dead one "
+        "(its groups are sent again), and the scaling API's num_replicas sets the replica count. Weights reach the "
+        "replicas as versioned safetensors under --rollout-weights-dir. 0: the engine in the trainer's process. "
+        "docs/placement.md.",
+        "engines",
+        ge=0,
+        le=1024,
+    )
+    rollout_num_gpus_per_engine: float = _field(
+        1.0, "GPUs each Serve replica reserves on CUDA (upstream's flag; a fraction shares a GPU between replicas, "
+        "or with the trainer).", "engines", gt=0,
+    )
     rollout_api_key: str | None = _field(
         None, "Bearer token the scaling API's control endpoints require (default: $RELAX_API_KEY, as `relax serve` "
         "and `relax scale`; never logged, never saved).",
@@ -479,6 +495,19 @@ class RelaxConfig(BaseModel):
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
                                  f"{flag('rollout_api_port')}")
+        if self.rollout_serve_replicas:
+            serve = flag("rollout_serve_replicas")
+            if self.placement != "in_process":
+                raise ValueError(f"{serve} starts the engines' Serve deployment from the trainer's process: it needs "
+                                 f"the in-process placement (drop {flag('placement')} ray)")
+            if self.rollout_external:
+                raise ValueError(f"{serve} and {flag('rollout_external')} both name the rollout engines; external "
+                                 "servers join a Serve run through the scaling API (/scale_out with engine_urls)")
+            if self.colocate:
+                raise ValueError(f"{serve} keeps each engine in a Ray process of its own, whose memory is not "
+                                 f"handed to the trainer between phases: drop {flag('colocate')}")
+        elif self.changed("rollout_num_gpus_per_engine"):
+            raise ValueError(f"{flag('rollout_num_gpus_per_engine')} needs {flag('rollout_serve_replicas')}")
         if self.changed("rollout_engine_max_relaunches") and not self.use_fault_tolerance:
             raise ValueError(f"{flag('rollout_engine_max_relaunches')} needs {flag('use_fault_tolerance')}")
         if (self.use_fault_tolerance and self.rollout_external
@@ -492,7 +521,7 @@ class RelaxConfig(BaseModel):
             set_flags = [flag(name) for name in ("rollout_external_engine_addrs", "rollout_engine_api_key",
                                                  "rollout_weights_dir", "rollout_engine_protocol",
                                                  "rollout_weight_sync_address")
-                         if self.changed(name)]
+                         if self.changed(name) and not (name == "rollout_weights_dir" and self.rollout_serve_replicas)]
             if set_flags:
                 raise ValueError(f"{', '.join(set_flags)} {'needs' if len(set_flags) == 1 else 'need'} "
                                  f"{flag('rollout_external')}")

@@ -186,6 +186,8 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
             monitor.detach_actors()
         if service is not None:
             service.shutdown()
+        else:
+            close_engines(roles)
         if monitor is not None:  # after the teardown: until then a fatal verdict still bounds it (FATAL_GRACE_S)
             monitor.stop()
     stop = controller.graceful_stop
@@ -206,6 +208,16 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
     print(f"final checkpoint: {controller.last_checkpoint} (relax export {run_dir} OUT_DIR writes a Hugging Face "
           "folder)")
     return 0
+
+
+def close_engines(roles) -> None:
+    """End what the in-process rollout's engines started (a Serve deployment and its Ray, HTTP clients)."""
+    close = getattr(getattr(roles.rollout, "engine", None), "aclose", None)
+    if close is not None:
+        try:
+            asyncio.run(close())
+        except Exception as error:  # noqa: BLE001 - the run's result stands; say what was left behind
+            logging.getLogger("relax").warning("closing the rollout engines failed: %s", error)
 
 
 async def _run_with_scaling_api(controller, cfg, roles):

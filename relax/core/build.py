@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -223,11 +224,40 @@ def build_engine(model_path: Path, tokenizer, cfg: RelaxConfig, device: torch.de
                           max_recoveries=cfg.rollout_engine_max_relaunches if cfg.use_fault_tolerance else 0)
 
 
+def rollout_weights_dir(cfg: RelaxConfig) -> Path:
+    """Where versioned weights for engines outside the trainer's process go (--rollout-weights-dir)."""
+    return Path(cfg.rollout_weights_dir or Path(cfg.output_dir) / "engine_weights").resolve()
+
+
+def engine_router(cfg: RelaxConfig, engines: list, transport=None) -> EngineRouter:
+    """A router in front of engines outside the trainer's process, with the run's health-check settings."""
+    return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size,
+                        health_check_interval_s=cfg.rollout_health_check_interval,
+                        health_check_timeout_s=cfg.rollout_health_check_timeout,
+                        health_check_max_failures=cfg.rollout_health_check_max_consecutive_failures,
+                        relaunch_limit=cfg.rollout_engine_max_relaunches if cfg.use_fault_tolerance else 0)
+
+
+def build_serve_engine(cfg: RelaxConfig) -> EngineRouter:
+    """`--rollout-serve-replicas N`: the engines as a Ray Serve deployment (`relax.core.serve_rollout`), behind a
+    router so that external servers can join it through the scaling API. Versions a previous process published
+    are removed first: the trainer publishes its own weights at its first sync, and a replica must not start from
+    a version number this run will publish again with other weights."""
+    from relax.core.serve_rollout import EngineDeployment, ServeEngine
+
+    if world_size() > 1:
+        raise ConfigError(f"{flag('rollout_serve_replicas')} runs the engines in Ray processes; under torchrun each "
+                          "rank generates on its own GPU instead: drop one of them")
+    weights_dir = rollout_weights_dir(cfg)
+    shutil.rmtree(weights_dir, ignore_errors=True)
+    return engine_router(cfg, [ServeEngine(EngineDeployment(cfg, weights_dir), weights_dir)])
+
+
 def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     """`--rollout-external`: HTTP adapters for the servers at --rollout-external-engine-addrs behind a router
     (also for one server: the router retries and health-checks). They load new weights from
     --rollout-weights-dir (default <output-dir>/engine_weights), which they must see at the same path."""
-    weights_dir = Path(cfg.rollout_weights_dir or Path(cfg.output_dir) / "engine_weights").resolve()
+    weights_dir = rollout_weights_dir(cfg)
     key = cfg.rollout_engine_api_key
     if cfg.rollout_engine_protocol == "openai":
         model_name = Path(cfg.hf_checkpoint).name if cfg.hf_checkpoint else "default"
@@ -249,11 +279,7 @@ def build_external_engine(cfg: RelaxConfig, tokenizer) -> EngineRouter:
     logger.info("rollout on %d external %s engine(s): %s; weights via %s", len(engines), cfg.rollout_engine_protocol,
                 ", ".join(cfg.rollout_external_engine_addrs),
                 f"{transport.backend} broadcast" if transport else weights_dir)
-    return EngineRouter(engines, weight_transport=transport, bucket_bytes=cfg.update_weight_buffer_size,
-                        health_check_interval_s=cfg.rollout_health_check_interval,
-                        health_check_timeout_s=cfg.rollout_health_check_timeout,
-                        health_check_max_failures=cfg.rollout_health_check_max_consecutive_failures,
-                        relaunch_limit=cfg.rollout_engine_max_relaunches if cfg.use_fault_tolerance else 0)
+    return engine_router(cfg, engines, transport)
 
 
 def build_vllm_server_engine(cfg: RelaxConfig, address: str, tokenizer, weights_dir: Path) -> VLLMServerEngine:
@@ -530,6 +556,8 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
     )
     if cfg.rollout_external:
         engine = build_external_engine(cfg, tokenizer)
+    elif cfg.rollout_serve_replicas:
+        engine = build_serve_engine(cfg)
     else:
         engine = build_engine(ctx.model_path, tokenizer, cfg, ctx.device, ctx.dtype)
         if cfg.rollout_api_port is not None:  # engines come and go through the scaling API: route through a router

@@ -4,7 +4,8 @@ The API answers from a thread and event loop of its own, so it stays responsive 
 training's loop; the operations it starts run on the training's loop, beside the engines they add and remove. New
 engines are embedded engines built like the first one (in a worker thread, so `timeout_secs` holds while a model
 loads), or external servers named by ``engine_urls`` (`relax serve` or SGLang, which must see --rollout-weights-dir);
-either loads the trainer's current weights before it joins the router.
+either loads the trainer's current weights before it joins the router. With --rollout-serve-replicas the engines are
+a Ray Serve deployment: ``num_replicas`` sets its replica count (Serve starts, health-checks and drains replicas).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.router import EngineRouter
 from relax.config import RelaxConfig
-from relax.core.build import Roles, build_engine
+from relax.core.build import Roles, build_engine, rollout_weights_dir
 from relax.engine.scaling import ScaleManager
 from relax.serving.server import resolve_api_key
 
@@ -38,7 +39,7 @@ def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoo
                                          roles.inference_dtype)
         return engine, None
 
-    weights_dir = Path(cfg.rollout_weights_dir or Path(cfg.output_dir) / "engine_weights").resolve()
+    weights_dir = rollout_weights_dir(cfg)
 
     async def connect_engine(url: str) -> SGLangHTTPEngine:
         # A server of the SGLang protocol (`relax serve`, SGLang) that sees --rollout-weights-dir: it loads each
@@ -50,8 +51,11 @@ def scale_manager(cfg: RelaxConfig, roles: Roles, loop: asyncio.AbstractEventLoo
         buckets = roles.actor.weight_buckets(roles.inference_dtype, cfg.update_weight_buffer_size)
         return version, itertools.chain.from_iterable(buckets)
 
-    return ScaleManager(router, weights=current_weights, factory=create_engine, connector=connect_engine,
-                        drain_timeout_s=cfg.scale_in_drain_timeout, max_engines=cfg.scale_out_max_engines, loop=loop)
+    # Engines that are a Serve deployment: ray_native scaling sets its replica count instead of building engines
+    deployment = next((getattr(e, "deployment", None) for e in router.engines if hasattr(e, "deployment")), None)
+    return ScaleManager(router, weights=current_weights, factory=None if deployment else create_engine,
+                        connector=connect_engine, drain_timeout_s=cfg.scale_in_drain_timeout,
+                        max_engines=cfg.scale_out_max_engines, loop=loop, replicas=deployment)
 
 
 @asynccontextmanager
@@ -64,6 +68,7 @@ async def scaling_api(cfg: RelaxConfig, roles: Roles) -> AsyncIterator[ScaleMana
     from relax.utils.http_server import ThreadedServer
 
     manager = scale_manager(cfg, roles, asyncio.get_running_loop())
+    await manager.refresh_replicas()
     api_key = resolve_api_key(cfg.rollout_api_key)
     server = ThreadedServer(create_scaling_app(manager, api_key), "127.0.0.1", cfg.rollout_api_port,
                             name="relax-scaling-api")

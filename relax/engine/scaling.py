@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -138,17 +138,34 @@ EngineConnector = Callable[[str], Awaitable[InferenceEngine]]
 WeightSource = Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]]]
 
 
+class ReplicaPool(Protocol):
+    """Engines that are replicas of one deployment (`relax.core.serve_rollout.EngineDeployment`): ray_native
+    scaling sets their count and the deployment creates, health-checks, drains and removes them; a replica loads
+    the newest published weights before the deployment routes to it."""
+
+    def target(self) -> int: ...
+
+    async def scale_to(self, count: int) -> None: ...
+
+    async def wait_running(self, count: int, timeout_s: float) -> list[str]: ...
+
+    async def replicas(self) -> list[dict[str, Any]]: ...
+
+
 class ScaleManager:
     """Runs scale operations against an `EngineRouter`, one at a time.
 
     ``loop`` is the event loop the router's engines run on (default: the loop of the first scale call);
-    ``max_engines`` caps a scale-out's target (each engine may be a whole model in memory).
+    ``max_engines`` caps a scale-out's target (each engine may be a whole model in memory). With ``replicas``
+    (the engines are a Serve deployment) ray_native ``num_replicas`` counts that deployment's replicas and the
+    deployment creates and removes them; ``engine_urls`` still add and remove external engines in the router.
     """
 
     def __init__(self, router: EngineRouter, weights: WeightSource, factory: EngineFactory | None = None,
                  connector: EngineConnector | None = None, failure_policy: str = "rollback_all",
                  drain_timeout_s: float = 60.0, health_timeout_s: float = 30.0,
-                 max_engines: int = DEFAULT_MAX_ENGINES, loop: asyncio.AbstractEventLoop | None = None):
+                 max_engines: int = DEFAULT_MAX_ENGINES, loop: asyncio.AbstractEventLoop | None = None,
+                 replicas: ReplicaPool | None = None):
         if failure_policy not in ("rollback_all", "keep_partial"):
             raise ValueError(f"failure_policy must be rollback_all or keep_partial, got {failure_policy!r}")
         self.loop = loop
@@ -169,6 +186,10 @@ class ScaleManager:
         self.operations: dict[str, ScaleOperation] = {}
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._counter = itertools.count(1)
+        self.replicas = replicas
+        self.initial_replicas = replicas.target() if replicas is not None else 0
+        self._replica_table: list[dict[str, Any]] = []  # the deployment's replicas at the last operation's end
+        self._replicas_before: dict[str, int] = {}  # running replica scale-outs: the count to roll back to
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def get(self, request_id: str) -> ScaleOperation:
@@ -183,9 +204,20 @@ class ScaleManager:
     def engine_table(self) -> list[dict]:
         # The router names engines by base URL (or repr for in-process ones), not by our engine ids.
         healthy = {s["engine"]: s["healthy"] for s in self.router.stats()}
-        return [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
-                 "is_healthy": healthy.get(engine_name(r.engine), False), "weight_version": r.engine.weight_version}
-                for r in self.engines]
+        # A Serve deployment is listed as its replicas
+        table = [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
+                  "is_healthy": healthy.get(engine_name(r.engine), False), "weight_version": r.engine.weight_version}
+                 for r in self.engines if self.replicas is None or not hasattr(r.engine, "deployment")]
+        version = self.router.weight_version
+        return table + [{"engine_id": f"serve-replica-{r['replica_id']}", "url": None, "status": "serve_replica",
+                         "is_healthy": r["state"] == "RUNNING", "weight_version": version, "state": r["state"],
+                         "pid": r.get("pid")}
+                        for r in self._replica_table]
+
+    async def refresh_replicas(self) -> None:
+        """Read the deployment's replicas (for `engine_table`); call it on the engines' loop."""
+        if self.replicas is not None:
+            self._replica_table = await self.replicas.replicas()
 
     def _engine_id(self, engine: InferenceEngine) -> str:
         url = getattr(engine, "base_url", None)
@@ -250,7 +282,17 @@ class ScaleManager:
             if replayed is not None:
                 return replayed  # idempotent retry
             self._check_idle()
-            if request.num_replicas > 0:
+            if request.num_replicas > 0 and self.replicas is not None:
+                op = self._new("scale_out", request, model_name=request.model_name, num_replicas=request.num_replicas)
+                current = self.replicas.target()
+                if request.num_replicas <= current:
+                    self._move(op, ScaleStatus.NOOP, message=f"{current} replicas already serve")
+                    return op
+                if request.num_replicas > self.max_engines:
+                    return self._reject(op, f"num_replicas {request.num_replicas} is above the limit of "
+                                            f"{self.max_engines} engines (--scale-out-max-engines)")
+                runner = self._grow_replicas(op, current, request.num_replicas)
+            elif request.num_replicas > 0:
                 op = self._new("scale_out", request, model_name=request.model_name, num_replicas=request.num_replicas)
                 missing = request.num_replicas - len(self.engines)
                 if missing <= 0:
@@ -280,6 +322,34 @@ class ScaleManager:
                 runner = self._connect_engines(op, new_urls)
             self._start(op, runner, request.timeout_secs or max(self.health_timeout_s * 4, 60.0))
             return op
+
+    async def _grow_replicas(self, op: ScaleOperation, current: int, target: int) -> None:
+        self._replicas_before[op.request_id] = current
+        before = {r["replica_id"] for r in await self.replicas.replicas()}
+        op.weight_version = self.router.weight_version
+        self._move(op, ScaleStatus.CREATING)
+        await self.replicas.scale_to(target)
+        self._move(op, ScaleStatus.HEALTH_CHECKING)  # a replica runs once its constructor and health check passed
+        running = await self.replicas.wait_running(target, max(self.health_timeout_s * 4, 60.0))
+        op.engine_ids = [f"serve-replica-{rid}" for rid in running if rid not in before]
+        # Each new replica loaded the newest published version in its constructor, before Serve routed to it.
+        self._move(op, ScaleStatus.WEIGHT_SYNCING)
+        self._move(op, ScaleStatus.READY)
+        await self.refresh_replicas()
+        self._replicas_before.pop(op.request_id, None)
+        self._move(op, ScaleStatus.ACTIVE, message=f"{target - current} replicas added ({target} serve)")
+
+    async def _shrink_replicas(self, op: ScaleOperation, target: int, drain_s: float) -> None:
+        """Serve stops sending the leaving replicas calls and lets them finish the ones they hold (its graceful
+        shutdown, up to --scale-in-drain-timeout); nothing they hold is lost."""
+        before = {r["replica_id"] for r in await self.replicas.replicas()}
+        self._move(op, ScaleStatus.DRAINING)
+        await self.replicas.scale_to(target)
+        self._move(op, ScaleStatus.REMOVING)
+        running = await self.replicas.wait_running(target, drain_s + max(self.health_timeout_s, 30.0))
+        op.removed_engines = [f"serve-replica-{rid}" for rid in sorted(before - set(running))]
+        await self.refresh_replicas()
+        self._move(op, ScaleStatus.COMPLETED, message=f"{target} replicas serve")
 
     async def _create_engines(self, op: ScaleOperation, count: int) -> None:
         self._move(op, ScaleStatus.CREATING)
@@ -326,6 +396,8 @@ class ScaleManager:
             self._move(op, ScaleStatus.FAILED, error_message=f"{type(err).__name__}: {err}")
 
     async def _rollback(self, op: ScaleOperation) -> None:
+        if op.request_id in self._replicas_before:  # a replica scale-out: back to the count before it
+            await self.replicas.scale_to(self._replicas_before.pop(op.request_id))
         for record in [r for r in self.engines if r.engine_id in op.engine_ids and not r.initial]:
             await self.router.remove_engine(record.engine, drain=False)
             self.engines.remove(record)
@@ -356,6 +428,22 @@ class ScaleManager:
                            engine_urls=request.engine_urls)
             removable = sorted((r for r in self.engines if not r.initial), key=lambda r: r.added_at, reverse=True)
             initial = len(self.engines) - len(removable)
+            if request.num_replicas is not None and self.replicas is not None:
+                current = self.replicas.target()
+                if request.num_replicas < self.initial_replicas:
+                    return self._reject(op, f"target {request.num_replicas} is below the {self.initial_replicas} "
+                                            "initial replicas, which are protected")
+                if request.num_replicas >= current:
+                    self._move(op, ScaleStatus.NOOP, message=f"{current} replicas serve: nothing to remove")
+                    return op
+                if request.dry_run:
+                    self._move(op, ScaleStatus.NOOP, message=f"dry run: would remove {current - request.num_replicas} "
+                                                             "replicas (Serve chooses which)")
+                    return op
+                drain = 0.0 if request.force else (request.timeout_secs or self.drain_timeout_s)
+                self._start(op, self._shrink_replicas(op, request.num_replicas, drain),
+                            drain + max(self.health_timeout_s, 30.0) * 2)
+                return op
             if request.num_replicas is not None:
                 if request.num_replicas < initial:
                     return self._reject(op, f"target {request.num_replicas} is below the {initial} initial engines, "

@@ -97,6 +97,7 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
 
     @routes.get("/engines")
     async def engines() -> dict:
+        await manager.refresh_replicas()  # a Serve deployment's replicas as Serve sees them now
         table = manager.engine_table()
         return {"models": {"default": {"engines": table}}, "total_engines": len(table)}
 

@@ -1,0 +1,157 @@
+"""Rollout engines as a Ray Serve deployment (`--rollout-serve-replicas`; issue 19): real Ray, real Serve, real
+signals. A fully-async training runs on a Serve deployment of one engine; the scaling API takes it to three replicas
+(Serve starts them, each loads the current weights before Serve routes to it), a replica is SIGKILLed and Serve
+replaces it while training goes on, and the API takes it back to one (Serve drains the two that leave). Every step
+is trained once with all its groups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from relax.config import ConfigError
+from relax.distributed.process_group import free_loopback_port
+from relax.utils.tracking import read_metrics
+from tests.conftest import ROOT, run_relax, tiny_train_args
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.xdist_group("ray-serve")
+
+TOKEN = "serve-scale-secret"
+STEPS = 24
+
+
+def _replicas(url: str) -> list[dict]:
+    engines = httpx.get(f"{url}/engines", timeout=30).json()["models"]["default"]["engines"]
+    return [e for e in engines if e["status"] == "serve_replica"]
+
+
+def _wait(predicate, train, what: str, timeout_s: float = 180.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+        except httpx.TransportError:  # the API is not up (yet), or the training is gone: checked below
+            value = None
+        if value:
+            return value
+        if train.poll() is not None:
+            raise AssertionError(f"the training ended while waiting for {what}:\n{train.stderr.read()[-4000:]}")
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _scale(url: str, direction: str, count: int) -> dict:
+    done = run_relax("scale", direction, "--url", url, "--num-replicas", str(count), "--api-key", TOKEN, timeout=400)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_serve_replicas_scale_1_3_1_and_a_killed_one_is_replaced_while_training_goes_on(tiny_workspace, tmp_path):
+    port, out, hold = free_loopback_port(), tmp_path / "run", tmp_path / "hold"
+    args = tiny_train_args(tiny_workspace, out, "--fully-async", "--max-staleness", "1", "--num-rollout", str(STEPS),
+                           "--skip-eval-before-train", "--dump-samples", "0", "--rollout-serve-replicas", "1",
+                           "--rollout-health-check-interval", "1", "--rollout-api-port", str(port),
+                           "--rollout-api-key", TOKEN, "--reward-timeout", "300")
+    # Rewards wait while the hold file exists: the run cannot end before the test is done with it
+    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_held"
+    hold.touch()
+    train = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _up(url), train, "scaling API", timeout_s=240)
+        first = _replicas(url)
+        assert len(first) == 1 and first[0]["is_healthy"]
+
+        grown = _scale(url, "out", 3)
+        assert grown["status"] == "ACTIVE" and len(grown["engine_ids"]) == 2, grown
+        three = _replicas(url)
+        assert len(three) == 3 and all(r["is_healthy"] for r in three) and train.poll() is None
+        _run_steps(out, hold, train, 4, "steps on three replicas")
+
+        victim = three[-1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        replaced = _wait(lambda: _replaced(url, victim["engine_id"]), train, "Serve's replacement of the killed replica")
+        assert len(replaced) == 3 and victim["engine_id"] not in {r["engine_id"] for r in replaced}
+        _run_steps(out, hold, train, 2, "steps after the restart")
+
+        shrunk = _scale(url, "in", 1)
+        assert shrunk["status"] == "COMPLETED" and len(shrunk["removed_engines"]) == 2, shrunk
+        assert len(_replicas(url)) == 1 and train.poll() is None
+        rejected = httpx.post(f"{url}/scale_in", json={"num_replicas": 0},
+                              headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        assert rejected.status_code == 400 and "initial replicas" in rejected.text  # the first replica is protected
+        hold.unlink()
+        _, stderr = train.communicate(timeout=600)
+        assert train.returncode == 0, stderr[-3000:]
+    finally:
+        hold.unlink(missing_ok=True)
+        if train.poll() is None:
+            train.kill()
+            train.wait(30)
+    rows = [row for row in read_metrics(out / "metrics.jsonl") if "data/produced_groups" in row]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step trained once
+    assert all(row["data/produced_groups"] == row["data/consumed_groups"] == 4 for row in rows)
+    assert all(row["data/dropped_failed_groups"] == 0 for row in rows)
+    assert all(row["perf/rollout_version_lag"] <= 1 for row in rows)  # replicas serve the trainer's weights
+    assert TOKEN not in stderr
+
+
+def _run_steps(out, hold, train, count: int, what: str) -> None:
+    """Let the held run train ``count`` more steps, then hold it again."""
+    target = _trained_steps(out) + count
+    hold.unlink()
+    try:
+        _wait(lambda: _trained_steps(out) >= target, train, what)
+    finally:
+        hold.touch()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/engines", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _trained_steps(out) -> int:
+    path = out / "metrics.jsonl"
+    return sum(1 for row in read_metrics(path) if "train/loss" in row) if path.exists() else 0
+
+
+def _replaced(url: str, killed: str) -> list[dict] | None:
+    replicas = _replicas(url)
+    running = [r for r in replicas if r["is_healthy"]]
+    if len(running) == len(replicas) == 3 and killed not in {r["engine_id"] for r in replicas}:
+        return replicas
+    return None
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--placement", "ray"], "needs the in-process placement"),
+    (["--colocate"], "drop --colocate"),
+    (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:9"], "external servers join"),
+])
+def test_serve_replicas_refuse_what_they_cannot_do(tiny_workspace, tmp_path, extra, message):
+    from relax.cli.args import parse_config
+
+    with pytest.raises((ConfigError, SystemExit, ValueError)) as raised:
+        parse_config(tiny_train_args(tiny_workspace, tmp_path / "run", "--rollout-serve-replicas", "2", *extra))
+    assert message in str(raised.value)
+
+
+def test_gpus_per_engine_needs_serve_replicas(tiny_workspace, tmp_path):
+    from relax.cli.args import parse_config
+
+    with pytest.raises((ConfigError, SystemExit, ValueError)) as raised:
+        parse_config(tiny_train_args(tiny_workspace, tmp_path / "run", "--rollout-num-gpus-per-engine", "0.5"))
+    assert "--rollout-num-gpus-per-engine needs --rollout-serve-replicas" in str(raised.value)
