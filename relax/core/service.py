@@ -7,11 +7,11 @@ on a machine without GPUs), starts one `RoleWorker` Ray actor per role the run n
 for the async modes, a TransferQueue controller. It returns `RayRoles`: the `Roles` the
 controllers already drive, with proxies in place of the role objects. `shutdown` ends all of it.
 
-Plain Ray actors rather than Ray Serve deployments: the controller is the only caller of each
-role, so Serve's HTTP proxy, autoscaling and request routing add processes (about 0.5 GiB RSS on
-these machines) and latency without use; a Ray actor handle is the same async call interface that a
-Serve ``DeploymentHandle`` gives, and the gloo weight-sync group needs one long-lived process per
-engine, which an actor is by construction.
+Plain Ray actors rather than Ray Serve deployments for these roles: the actor's process group and the weight-sync
+group need fixed, long-lived members that Serve (which replaces replicas at will) does not give, and the controller
+is each role's only caller, so Serve's proxy and router would add processes without use. The rollout *engines* are
+where replication pays: they are a Serve deployment with ``--rollout-serve-replicas`` (`relax.core.serve_rollout`;
+docs/placement.md says what was tried).
 """
 
 from __future__ import annotations
