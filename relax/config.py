@@ -875,7 +875,8 @@ class RelaxConfig(BaseModel):
         {},
         "With --placement ray: JSON mapping a role (actor, rollout, critic, reference) to [replicas, "
         "gpus_per_replica], e.g. '{\"actor\": [1, 1], \"rollout\": [1, 1]}'. On a machine without GPUs the second "
-        "number is CPUs per replica. Roles left out get [1, 1]. Only 1 replica per role is supported for now.",
+        "number is CPUs per replica. Roles left out get [1, 1]. actor, critic and reference take N replicas as N "
+        "processes of one FSDP2 process group (each trains on its share of every batch); rollout takes 1.",
         "placement",
     )
     ray_address: str | None = _field(
@@ -921,8 +922,10 @@ class RelaxConfig(BaseModel):
                 raise ValueError(f"--resource: unknown role {role!r}; choose among {list(placeable)}")
             if len(value) != 2 or value[0] != int(value[0]) or value[0] < 1 or value[1] < 0:
                 raise ValueError(f"--resource {role}: expects [replicas >= 1, gpus_per_replica >= 0], got {value}")
-            if value[0] != 1:
-                raise ValueError(f"--resource {role}: only 1 replica per role is supported, got {int(value[0])}")
+            if value[0] != 1 and role == "rollout":
+                raise ValueError(f"--resource rollout: one rollout process (it holds the prompt cursor and the "
+                                 f"rewards), got {int(value[0])}; several engines: --rollout-serve-replicas with "
+                                 "the in-process placement, or --rollout-external servers")
         if self.placement != "ray":
             for name in ("resource", "ray_address"):
                 if getattr(self, name):

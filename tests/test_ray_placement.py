@@ -48,7 +48,7 @@ def test_placement_flags_are_validated_naming_the_flag(tiny_workspace, tmp_path)
         (["--resource", '{"actor": [1, 1]}'], "--resource needs --placement ray"),
         (["--weight-sync-transport", "disk"], "--weight-sync-transport needs --placement ray or --rollout-external"),
         (["--placement", "ray", "--resource", '{"judge": [1, 1]}'], "unknown role 'judge'"),
-        (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "only 1 replica"),
+        (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "one rollout process"),
         (["--placement", "ray", "--resource", '{"actor": [1, -1]}'], "gpus_per_replica >= 0"),
         (["--placement", "ray", "--loss-type", "sft"], "--placement ray does not support --loss-type sft"),
     ]
@@ -130,6 +130,42 @@ def test_sync_mode_in_ray_processes_then_resume_in_process(tiny_workspace, tmp_p
         asyncio.run(controller.run())
     rows = [row for row in read_metrics(resumed_out / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 1 and math.isfinite(rows[0]["train/loss"])
+
+
+@needs_ray
+def test_the_actor_across_two_processes_trains_as_one_process_does(tiny_workspace, tmp_path, ray_guard):
+    """`--resource '{"actor": [2, 1]}'`: two Ray processes form one FSDP2 (gloo) process group, each trains on its
+    share of the batch; one step gives the loss and the weights of the same step in one process (float32 rounding
+    of a two-way gradient reduction), and the engine receives them bit for bit."""
+    from relax.cli.main import controller_class
+    from relax.core.build import build_roles
+
+    # Adam's first step moves each weight by +-lr whatever its gradient's size, so a near-zero gradient whose sign
+    # differs by rounding would move a weight by 2 lr: a large epsilon makes the step proportional to the gradient
+    one_step = ("--num-rollout", "1", "--skip-eval-before-train", "--dump-samples", "0", "--no-use-tensorboard",
+                "--adam-eps", "1.0")
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / "two", "--placement", "ray", "--resource",
+                                       '{"actor": [2, 1], "rollout": [1, 1]}', *one_step))
+
+    def check(service):
+        ranks = [report for name, report in service.health().items() if report["role"] == "actor"]
+        assert sorted(report["rank"] for report in ranks) == [0, 1]
+        engine, trainer = service.engine_weights(), service.trainer_weights()
+        for name, tensor in trainer.items():
+            assert torch.equal(engine[name], tensor), name
+        return trainer
+
+    two_ranks = _run_with_ray(cfg, check)
+    reference = parse_config(tiny_train_args(tiny_workspace, tmp_path / "one", *one_step))
+    roles = build_roles(reference)
+    with Tracker(reference.output_dir, use_tensorboard=False) as tracker:
+        asyncio.run(controller_class(reference)(reference, roles, tracker).run())
+    one_process = {name: p.detach() for name, p in roles.actor.backend.model.hf_model.named_parameters()}
+    for name, tensor in two_ranks.items():
+        torch.testing.assert_close(tensor, one_process[name], atol=1e-6, rtol=1e-5, msg=name)
+    loss = [row["train/loss"] for row in read_metrics(tmp_path / "two" / "metrics.jsonl") if "train/loss" in row]
+    expected = [row["train/loss"] for row in read_metrics(tmp_path / "one" / "metrics.jsonl") if "train/loss" in row]
+    assert loss == pytest.approx(expected, abs=1e-6)
 
 
 @needs_ray

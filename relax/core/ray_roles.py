@@ -42,22 +42,38 @@ def log_to_run_log(run_dir: Path, role: str) -> None:
     relax_logger.setLevel(logging.INFO)
 
 
-class RoleWorker:
-    """One role in its own process; ``name`` is ``actor``, ``rollout``, ``critic`` or ``reference``."""
+def process_label(name: str, rank: int) -> str:
+    """How a role's process is named (heartbeats, logs, the service's worker table): ``actor``, ``actor-1``, ..."""
+    return f"{name}-{rank}" if rank else name
 
-    def __init__(self, name: str, cfg: Any) -> None:
+
+class RoleWorker:
+    """One role in its own process; ``name`` is ``actor``, ``rollout``, ``critic`` or ``reference``.
+
+    ``group`` = ``(rank, world_size, master_addr, master_port)`` makes it one rank of a role spread over several
+    processes: the role's FSDP2 process group is the default group of these processes (torchrun's variables, set
+    before the role is built), every rank receives the whole batch and trains on its share."""
+
+    def __init__(self, name: str, cfg: Any, group: tuple[int, int, str, int] | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.rank = 0
+        if group is not None:
+            self.rank, world_size, master_addr, master_port = group
+            # Ray gives each process its own GPU as device 0 (CUDA_VISIBLE_DEVICES)
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                              MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from relax.core import build
 
         self.name = name
         self.cfg = cfg
-        log_to_run_log(Path(cfg.output_dir), name)
+        label = process_label(name, self.rank)
+        log_to_run_log(Path(cfg.output_dir), label)
         self._heartbeat = None
         if cfg.use_health_check:  # beats from a thread: a long training step still beats, a stopped process not
             from relax.core.health import HEARTBEAT_DIR, Heartbeat
 
-            self._heartbeat = Heartbeat(Path(cfg.output_dir) / HEARTBEAT_DIR, name).start()
+            self._heartbeat = Heartbeat(Path(cfg.output_dir) / HEARTBEAT_DIR, label).start()
         device = build.resolve_device(cfg)
         if device.type == "cpu":
             torch.set_num_threads(1)  # roles share the machine's cores; one thread each
@@ -80,7 +96,7 @@ class RoleWorker:
         """Role name, pid, node address, and for the rollout the engine's weight version."""
         import ray
 
-        report = {"role": self.name, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+        report = {"role": self.name, "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                   "torch_threads": torch.get_num_threads()}
         if self.name == "rollout":
             report["weight_version"] = self.role.engine.weight_version
@@ -164,6 +180,10 @@ class RoleWorker:
         from relax.distributed.weight_sync import dtype_from_name
 
         buckets = self.role.weight_buckets(dtype_from_name(dtype), bucket_bytes)
+        if self.rank:  # gathering a full tensor is a collective of every rank; rank 0 alone sends it
+            for _ in buckets:
+                pass
+            return {}
         if transport == "broadcast":
             from relax.distributed.weight_broadcast import BroadcastPublisher
 
@@ -215,25 +235,30 @@ def role_died(role: str, err: Exception) -> RoleDiedError:
 
 class RemoteRole:
     """What every proxy shares: calls that name the role when its process is gone, instead of Ray's bare
-    ``ActorDiedError``."""
+    ``ActorDiedError``. A role spread over several processes (``handles``: its ranks in order) gets every call on
+    every rank at once (their collectives meet) and answers with rank 0's result."""
 
-    def __init__(self, name: str, handle: Any) -> None:
+    def __init__(self, name: str, handle: Any | list[Any]) -> None:
         self.name = name
-        self.handle = handle
+        self.handles = list(handle) if isinstance(handle, list | tuple) else [handle]
+        self.handle = self.handles[0]
 
     async def _call(self, method: str, *args: Any) -> Any:
+        import asyncio
+
         import ray
 
         try:
-            return await getattr(self.handle, method).remote(*args)
+            results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in self.handles))
         except ray.exceptions.RayActorError as err:
             raise role_died(self.name, err) from err
+        return results[0]
 
     def _wait(self, method: str, *args: Any) -> Any:
         import ray
 
         try:
-            return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
+            return ray.get([getattr(h, method).remote(*args) for h in self.handles], timeout=CALL_TIMEOUT_S)[0]
         except ray.exceptions.RayActorError as err:
             raise role_died(self.name, err) from err
 
@@ -247,7 +272,7 @@ class RemoteRole:
         if not asynchronous:
             self._wait("save", str(directory), include_optimizer)
             return []
-        return [_named_future(self, self.handle.save.remote(str(directory), include_optimizer).future())]
+        return [_named_future(self, h.save.remote(str(directory), include_optimizer).future()) for h in self.handles]
 
     def load(self, directory: Path) -> None:
         self._wait("load", str(directory))

@@ -29,7 +29,15 @@ import torch
 
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.build import Roles, build_advantages, build_context, needs_reference
-from relax.core.ray_roles import RemoteActor, RemoteCritic, RemoteReference, RemoteRollout, RoleWorker, role_died
+from relax.core.ray_roles import (
+    RemoteActor,
+    RemoteCritic,
+    RemoteReference,
+    RemoteRollout,
+    RoleWorker,
+    process_label,
+    role_died,
+)
 from relax.core.registry import PLACEABLE_ROLES, roles_for_config
 from relax.distributed.process_group import free_loopback_port
 
@@ -110,13 +118,20 @@ class RayService:
         return RayRoles(
             tokenizer=ctx.tokenizer,
             rollout=RemoteRollout(self.workers["rollout"], health["eval_sets"]),
-            actor=RemoteActor(self.workers["actor"], cfg.train_batch_size),
+            actor=RemoteActor(self.ranks("actor"), cfg.train_batch_size),
             advantages=advantages,
-            reference=RemoteReference(self.workers["reference"]) if "reference" in self.workers else None,
+            reference=RemoteReference(self.ranks("reference")) if "reference" in self.workers else None,
             total_steps=ctx.total_steps, device=ctx.device, inference_dtype=ctx.dtype,
-            critic=RemoteCritic(self.workers["critic"]) if "critic" in self.workers else None,
+            critic=RemoteCritic(self.ranks("critic")) if "critic" in self.workers else None,
             service=self,
         )
+
+    def replicas(self, name: str) -> int:
+        return int(self.cfg.resource.get(name, [1, 1])[0])
+
+    def ranks(self, name: str) -> list[Any]:
+        """The processes of role ``name`` in rank order."""
+        return [self.workers[process_label(name, rank)] for rank in range(self.replicas(name))]
 
     def _start_ray(self, roles: list[str]) -> None:
         import ray
@@ -132,7 +147,7 @@ class RayService:
                          logging_level="warning")
             else:
                 # Logical CPUs: the bundles, plus TransferQueue's controller and storage unit, whatever the cores.
-                reserved = sum(self._bundle(name).get("CPU", 0) for name in roles) + 3
+                reserved = sum(self._bundle(name).get("CPU", 0) * self.replicas(name) for name in roles) + 3
                 ray.init(include_dashboard=False, num_cpus=max(8, int(reserved + 0.999)), log_to_driver=False,
                          logging_level="warning", runtime_env={"env_vars": env})
             self.started_ray = True
@@ -146,23 +161,36 @@ class RayService:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundles = [self._bundle(name) for name in roles]
+        processes = [(name, rank) for name in roles for rank in range(self.replicas(name))]
+        bundles = [self._bundle(name) for name, _ in processes]
         self.placement_group = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"{flag('resource')}: Ray could not reserve {bundles} within {START_TIMEOUT_S:.0f} s; "
                               f"the cluster has {ray.cluster_resources()}") from None
+        # A role on several processes: one process group over them, rendezvous at its rank 0's node
+        rendezvous = {name: (self._bundle_node_ip(processes.index((name, 0))), free_loopback_port())
+                      for name in roles if self.replicas(name) > 1}
         worker_class = ray.remote(RoleWorker)
-        for index, (name, bundle) in enumerate(zip(roles, bundles, strict=True)):
-            self.workers[name] = worker_class.options(
+        for index, ((name, rank), bundle) in enumerate(zip(processes, bundles, strict=True)):
+            group = (rank, self.replicas(name), *rendezvous[name]) if name in rendezvous else None
+            self.workers[process_label(name, rank)] = worker_class.options(
                 name=None, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                      placement_group_bundle_index=index),
-            ).remote(name, self.cfg)
+            ).remote(name, self.cfg, group)
         # Building a role loads its model; a failure surfaces here with the worker's traceback.
         for name, worker in self.workers.items():
             self._wait(worker.health.remote())
+
+    def _bundle_node_ip(self, index: int) -> str:
+        """The address of the node that holds bundle ``index`` of the placement group."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        node_id = placement_group_table(self.placement_group)["bundles_to_node_id"][index]
+        return next((node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id), "127.0.0.1")
 
     def _start_transfer_queue(self) -> None:
         from relax.data_plane.tq_plane import start_local_transfer_queue
@@ -190,9 +218,11 @@ class RayService:
         transport = self.cfg.resolved_weight_sync_transport
         dtype = str(self.sync_dtype).removeprefix("torch.")
         root = str(self.weight_root) if transport == "disk" else None
-        actor, rollout = self.workers["actor"], self.workers["rollout"]
-        publish = _named("actor", actor.publish_weights.remote(version, transport, dtype,
-                                                               self.cfg.update_weight_buffer_size, root))
+        rollout = self.workers["rollout"]
+        # every actor rank gathers (a collective), rank 0 sends
+        publish = _named("actor", _first(asyncio.gather(*(
+            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
+            for rank in self.ranks("actor")))))
         if transport == "broadcast":
             sent, received = await asyncio.gather(
                 publish, _named("rollout", rollout.receive_weights.remote(version, transport)))
@@ -208,7 +238,8 @@ class RayService:
         return self._wait(self.workers["rollout"].engine_weights.remote())
 
     def trainer_weights(self) -> dict[str, torch.Tensor]:
-        return self._wait(self.workers["actor"].trainer_weights.remote(str(self.sync_dtype).removeprefix("torch.")))
+        dtype = str(self.sync_dtype).removeprefix("torch.")
+        return self._wait([rank.trainer_weights.remote(dtype) for rank in self.ranks("actor")])[0]
 
     def health(self) -> dict[str, dict]:
         return {name: self._wait(worker.health.remote()) for name, worker in self.workers.items()}
@@ -267,6 +298,11 @@ async def _named(role: str, ref):
         return await ref
     except ray.exceptions.RayActorError as err:
         raise role_died(role, err) from err
+
+
+async def _first(results):
+    """Rank 0's answer of a call every rank of a role made."""
+    return (await results)[0]
 
 
 def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:
