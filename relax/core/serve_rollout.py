@@ -40,7 +40,7 @@ from relax.backends.inference.base import (
 )
 from relax.backends.inference.http_sglang import distinct_seeds
 from relax.backends.inference.router import group_key
-from relax.config import RelaxConfig
+from relax.config import RelaxConfig, flag
 from relax.distributed.weight_disk import DiskPublisher, DiskReceiver, complete_versions
 
 logger = logging.getLogger("relax")
@@ -50,6 +50,7 @@ DEPLOYMENT_NAME = "EngineReplica"
 RAY_CPUS = 8  # logical CPUs of a Ray this module starts: replicas and Serve's controller, whatever the cores
 MAX_CALL_RETRIES = 3  # a call that met a dying replica is sent again this many times
 KEEP_VERSIONS = 3  # a replica loading version v while v+1 and v+2 are published still finds v
+START_TIMEOUT_S = 300.0  # the deployment's first replicas (Ray processes, model loads)
 
 
 class EngineReplica:
@@ -135,11 +136,40 @@ class EngineDeployment:
             graceful_shutdown_timeout_s=cfg.scale_in_drain_timeout, graceful_shutdown_wait_loop_s=0.2,
         )
         started = time.perf_counter()
-        self.handle = serve.run(deployment.options(num_replicas=cfg.rollout_serve_replicas).bind(cfg, str(weights_dir)),
-                                name=APP_NAME, route_prefix=None, external_scaler_enabled=True)
-        self._target = cfg.rollout_serve_replicas
+        try:
+            self.handle = serve._run(deployment.options(num_replicas=cfg.rollout_serve_replicas).bind(
+                cfg, str(weights_dir)), name=APP_NAME, route_prefix=None, external_scaler_enabled=True,
+                _blocking=False)
+            self._target = cfg.rollout_serve_replicas
+            self._wait_started(resources, START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
         logger.info("rollout engines: Ray Serve deployment %s/%s with %d replica(s) up in %.1f s", APP_NAME,
                     DEPLOYMENT_NAME, self._target, time.perf_counter() - started)
+
+    def _wait_started(self, resources: dict[str, float], timeout_s: float) -> None:
+        """Until the application runs; a failed deployment or one Ray cannot place within ``timeout_s`` (a replica
+        asking for more than the cluster has would wait forever) raises naming the cause."""
+        import ray
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            application = serve.status().applications.get(APP_NAME)
+            status = getattr(application, "status", None)
+            if status == ApplicationStatus.RUNNING:
+                return
+            if status == ApplicationStatus.DEPLOY_FAILED:
+                raise RuntimeError(f"{flag('rollout_serve_replicas')}: the rollout engines' Serve deployment failed: "
+                                   f"{application.message}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{flag('rollout_serve_replicas')}: {self._target} replica(s) of {resources} each did not start "
+                    f"within {timeout_s:g} s (the cluster has {ray.cluster_resources()}; "
+                    f"{flag('rollout_num_gpus_per_engine')} sets a replica's GPUs)")
+            time.sleep(0.2)
 
     # ---- ReplicaPool (relax.engine.scaling) -------------------------------------------------------------------
     def target(self) -> int:
