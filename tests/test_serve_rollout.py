@@ -155,3 +155,37 @@ def test_gpus_per_engine_needs_serve_replicas(tiny_workspace, tmp_path):
     with pytest.raises((ConfigError, SystemExit, ValueError)) as raised:
         parse_config(tiny_train_args(tiny_workspace, tmp_path / "run", "--rollout-num-gpus-per-engine", "0.5"))
     assert "--rollout-num-gpus-per-engine needs --rollout-serve-replicas" in str(raised.value)
+
+
+def test_a_replica_decodes_each_call_with_one_version_and_loads_new_ones_between_calls(tiny_workspace, tmp_path):
+    """The replica's admission (without Serve around it: a real engine, real published weights): a call that
+    wants version 1 while a version-0 call is decoding waits for it, the load happens between them, and each
+    call's tokens all come from the version it was sent with."""
+    import asyncio
+
+    import torch
+
+    from relax.backends.inference.base import GenerationRequest, SamplingParams
+    from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.core.serve_rollout import EngineReplica
+    from relax.distributed.weight_disk import DiskPublisher, DiskReceiver
+
+    engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
+    replica = object.__new__(EngineReplica)  # its state without Serve's replica context
+    replica.engine, replica.weights = engine, DiskReceiver(tmp_path / "weights", engine)
+    replica._calls, replica._loading, replica._turn = 0, False, asyncio.Condition()
+    moved = [(name, p.detach() + 0.05) for name, p in engine.model.named_parameters()]
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        first = asyncio.create_task(replica.generate(
+            [GenerationRequest(f"g0-i{i}-0", [1, 2, 3], sampling) for i in range(4)], 0))
+        await asyncio.sleep(0)  # admitted with version 0
+        await DiskPublisher(tmp_path / "weights").publish([moved], 1)
+        second = await replica.generate([GenerationRequest("g1-i0-0", [1, 2, 3], sampling)], 1)
+        return await first, second
+
+    first, second = asyncio.run(scenario())
+    assert all(o.weight_version == 0 and set(o.output_weight_versions or [0]) == {0} for o in first)
+    assert second[0].weight_version == 1 and set(second[0].output_weight_versions or [1]) == {1}
+    assert torch.equal(dict(engine.model.named_parameters())[moved[0][0]], moved[0][1])

@@ -9,7 +9,9 @@ recorded reason (stale, failed); the counts are logged as ``data/*``.
 
 Weight updates and in-flight generation:
 - without ``--partial-rollout`` a weight push waits until the generation in flight finishes, so
-  every sample comes from one weight version;
+  every sample comes from one weight version (``perf/weight_push_wait_s``), except on engines that decode each call
+  with the version it was sent with (a Serve deployment, `relax.core.serve_rollout`): there the push overlaps the
+  generation in flight and the next step's calls take the new version;
 - with ``--partial-rollout`` the push lands between decode steps; a response then carries the
   version of each token, and ``--mask-offpolicy-in-partial-rollout`` keeps only the tokens of the
   newest version in the loss.
@@ -150,17 +152,28 @@ class AsyncController(SyncController):
         return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        if self.cfg.partial_rollout:
+        if self.cfg.partial_rollout or self._calls_keep_their_version():
             metrics = await super().sync_weights(version)
+            metrics["perf/weight_push_wait_s"] = 0.0
         else:
+            waiting = time.perf_counter()
             await self._bounded(self._generating.acquire(), f"the generation in flight to end before pushing weight "
                                 f"version {version}")
             try:
+                waited = time.perf_counter() - waiting
                 metrics = await super().sync_weights(version)
+                metrics["perf/weight_push_wait_s"] = waited
             finally:
                 self._generating.release()
         await self.gate.publish(version)
         return metrics
+
+    def _calls_keep_their_version(self) -> bool:
+        """Whether every engine decodes each call with the one version it was sent with (a Serve deployment): then
+        the push overlaps the generation in flight, whose samples keep their version."""
+        engine = getattr(self.roles.rollout, "engine", None)
+        engines = getattr(engine, "engines", None) or ([engine] if engine is not None else [])
+        return bool(engines) and all(getattr(e, "calls_keep_their_version", False) for e in engines)
 
     async def _bounded(self, awaitable, what: str):
         """Await ``awaitable`` for at most --data-wait-timeout seconds; a hang becomes an error naming ``what``."""

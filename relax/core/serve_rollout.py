@@ -14,7 +14,8 @@ mechanisms around engines are Serve's, not ours:
   shutdown: a replica leaving gets no new calls and finishes the ones it holds (up to ``--scale-in-drain-timeout``).
 - **Weights**: the trainer publishes each version once as safetensors under the rollout weights directory
   (`ServeEngine.publish_weights`, the disk transport shared with external engines); every call carries the version
-  it wants and a replica loads it before serving the call (one load per replica and version), and a replica Serve
+  it wants and a replica loads it between calls (after the calls in flight, before the call that wants it: every
+  call is decoded by one version, so a weight push does not wait for the generation in flight), and a replica Serve
   starts (scale-out, restart) loads the newest published version in its constructor, before Serve routes to it.
 """
 
@@ -72,23 +73,45 @@ class EngineReplica:
         self.engine = build_engine(model_path, AutoTokenizer.from_pretrained(model_path), cfg, device,
                                    resolve_dtype(cfg, device))
         self.weights = DiskReceiver(weights_dir, self.engine)
-        self._loading = asyncio.Lock()
+        # Every call is decoded by one weight version: a load waits for the calls in flight, and calls wait for it
+        self._calls = 0
+        self._loading = False
+        self._turn = asyncio.Condition()
         newest = self.weights.latest_version()
         if newest is not None:  # started while a training runs (scale-out, a restart): serve its weights first
-            await self._serve_version(newest)
+            await self._load(newest)
 
-    async def _serve_version(self, version: int) -> None:
-        if self.engine.weight_version >= version:
-            return
-        async with self._loading:  # concurrent calls wanting the new version load it once
-            if self.engine.weight_version >= version:
-                return
-            newer = [v for v in complete_versions(self.weights.root) if v >= version]
-            await self.weights.apply(newer[-1] if newer else version)
+    async def _load(self, version: int) -> None:
+        newer = [v for v in complete_versions(self.weights.root) if v >= version]
+        await self.weights.apply(newer[-1] if newer else version)
+
+    async def _admit(self, version: int) -> None:
+        """Count a call in once the replica serves ``version`` or newer; the first call that wants a newer version
+        loads it, after the calls in flight (older weights) have finished."""
+        async with self._turn:
+            while True:
+                if self._loading:
+                    await self._turn.wait()
+                elif self.engine.weight_version >= version:
+                    self._calls += 1
+                    return
+                else:
+                    self._loading = True
+                    try:
+                        await self._turn.wait_for(lambda: self._calls == 0)
+                        await self._load(version)
+                    finally:
+                        self._loading = False
+                        self._turn.notify_all()
 
     async def generate(self, requests: list[GenerationRequest], version: int) -> list[GenerationOutput]:
-        await self._serve_version(version)
-        return await self.engine.generate(requests)
+        await self._admit(version)
+        try:
+            return await self.engine.generate(requests)
+        finally:
+            async with self._turn:
+                self._calls -= 1
+                self._turn.notify_all()
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.engine.abort(request_ids)
@@ -230,6 +253,10 @@ class ServeEngine(InferenceEngine):
 
     ``weights_dir`` / `publish_weights` / `load_weights` are the disk transport of `EngineRouter` (the trainer's
     tensors are written once, shared with external engines of the same directory)."""
+
+    # Each call is decoded by the one version it names (the replica loads a new version between calls): a weight
+    # push needs not wait for the generation in flight to keep every sample on one version.
+    calls_keep_their_version = True
 
     def __init__(self, deployment: EngineDeployment, weights_dir: Path) -> None:
         self.deployment = deployment
