@@ -18,11 +18,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from relax.backends.model_family import forward_inputs, load_model, rope_positions
+from relax.backends.model_family import load_model
 from relax.data.multimodal import MultimodalSettings
 from relax.data.sample import Sample
 from relax.engine.rollout.multimodal import MultimodalPreparer
 from relax.utils.tracking import read_metrics
+from tests.rope_checks import ours_and_native_logits
 from tests.tiny_mm_assets import build_tiny_omni, build_tiny_qwen3_omni, make_video_rows
 
 SETTINGS = MultimodalSettings(video_min_token_num=4, video_max_token_num=16, use_audio_in_video=True)
@@ -100,17 +101,8 @@ def test_the_trainers_positions_are_the_models_own_with_use_audio_in_video(omni)
     model's forward would place the tokens elsewhere."""
     model = load_model(omni.folder, torch.float32).eval()
     for sample in omni.samples:
-        ids = torch.tensor([sample.tokens])
-        mask = torch.ones_like(ids)
-        inputs = sample.multimodal_train_inputs
-        kwargs = forward_inputs(model, inputs, ids, torch.device("cpu"), torch.float32)
-        with torch.no_grad():
-            ours = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions(model, ids, mask, inputs),
-                         **kwargs).logits
-            native = model(input_ids=ids, attention_mask=mask, use_audio_in_video=True, **kwargs).logits
-            model.model.rope_deltas = None
-            wrong = model(input_ids=ids, attention_mask=mask, use_audio_in_video=False, **kwargs).logits
-            model.model.rope_deltas = None
+        ours, native = ours_and_native_logits(model, sample, use_audio_in_video=True)
+        _, wrong = ours_and_native_logits(model, sample, use_audio_in_video=False)
         assert torch.allclose(ours, native, atol=1e-5)
         assert not torch.allclose(ours, wrong, atol=1e-3)
 

@@ -20,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoTokenizer, Qwen3VLProcessor
 
-from relax.backends.model_family import forward_inputs, has_timestamped_video, load_model, rope_positions
+from relax.backends.model_family import has_timestamped_video, load_model
 from relax.data.multimodal import MultimodalSettings, VisionSpec, fetch_video
 from relax.data.multimodal.video import VideoClip
 from relax.data.sample import Sample
 from relax.engine.rollout.multimodal import MultimodalPreparer
+from tests.rope_checks import ours_and_native_logits
 from tests.tiny_mm_assets import build_tiny_qwen3_5_vl, build_tiny_qwen3_vl, make_video_rows
 
 SETTINGS = MultimodalSettings(video_min_token_num=4, video_max_token_num=16)
@@ -79,16 +80,7 @@ def test_the_prompt_is_the_processors_token_for_token(family):
 def test_our_positions_are_the_models_own(family):
     model = load_model(family.folder, torch.float32).eval()
     for sample in family.samples:
-        ids = torch.tensor([sample.tokens])
-        mask = torch.ones_like(ids)
-        inputs = sample.multimodal_train_inputs
-        kwargs = forward_inputs(model, inputs, ids, torch.device("cpu"), torch.float32)
-        with torch.no_grad():
-            ours = model(input_ids=ids, attention_mask=mask, position_ids=rope_positions(model, ids, mask, inputs),
-                         **kwargs).logits
-            model.model.rope_deltas = None
-            native = model(input_ids=ids, attention_mask=mask, **kwargs).logits
-            model.model.rope_deltas = None
+        ours, native = ours_and_native_logits(model, sample)
         assert torch.allclose(ours, native, atol=1e-5)
 
 
