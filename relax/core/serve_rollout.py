@@ -3,8 +3,8 @@
 Each Serve replica is one embedded engine (built as the in-process engine is) in a Ray process of its own, so the
 mechanisms around engines are Serve's, not ours:
 
-- **Routing**: the rollout sends each prompt group as one call through a `DeploymentHandle`; Serve's router places it
-  on a replica by queue length, and a replica's batcher decodes the calls it holds as one batch.
+- **Routing**: the rollout sends one call per replica (whole prompt groups each) through a `DeploymentHandle`;
+  Serve's router places each on a replica by queue length, and a replica decodes a call as one batch.
 - **Health and restarts**: Serve calls each replica's ``check_health`` every ``--rollout-health-check-interval``
   seconds and replaces a replica that fails it or dies; a call that was on a dead replica is sent again and Serve
   routes it to a live one (`ServeEngine.generate`), so no group is lost.
@@ -249,7 +249,8 @@ def _is_replica_loss(error: BaseException) -> bool:
 
 
 class ServeEngine(InferenceEngine):
-    """`InferenceEngine` over the deployment: one call per prompt group, the version it wants in every call.
+    """`InferenceEngine` over the deployment: one call per replica (whole prompt groups), the version it wants in
+    every call.
 
     ``weights_dir`` / `publish_weights` / `load_weights` are the disk transport of `EngineRouter` (the trainer's
     tensors are written once, shared with external engines of the same directory)."""
@@ -277,9 +278,15 @@ class ServeEngine(InferenceEngine):
         groups: dict[str, list[int]] = {}
         for position, request in enumerate(requests):
             groups.setdefault(group_key(request.request_id), []).append(position)
+        # One call per replica, whole groups each (a replica decodes a call as one batch; many small calls would
+        # each pay Serve's routing and decode apart); Serve's router spreads the calls over the replicas.
+        calls = max(1, min(len(groups), self.deployment.target()))
+        chunks: list[list[int]] = [[] for _ in range(calls)]
+        for index, positions in enumerate(groups.values()):
+            chunks[index % calls].extend(positions)
         outputs: list[GenerationOutput | None] = [None] * len(requests)
 
-        async def run_group(positions: list[int]) -> None:
+        async def run_call(positions: list[int]) -> None:
             batch = [requests[p] for p in positions]
             for attempt in range(MAX_CALL_RETRIES + 1):
                 response = self.deployment.handle.generate.remote(batch, self._version)
@@ -291,16 +298,15 @@ class ServeEngine(InferenceEngine):
                 except Exception as error:
                     if not _is_replica_loss(error) or attempt == MAX_CALL_RETRIES:
                         raise
-                    logger.warning("a rollout engine replica was lost with %d requests of group %s (%s); sending "
-                                   "them again (%d/%d)", len(batch), group_key(batch[0].request_id),
-                                   type(error).__name__, attempt + 1, MAX_CALL_RETRIES)
+                    logger.warning("a rollout engine replica was lost with %d requests (%s); sending them again "
+                                   "(%d/%d)", len(batch), type(error).__name__, attempt + 1, MAX_CALL_RETRIES)
                 finally:
                     for request in batch:
                         self._in_flight.pop(request.request_id, None)
             for position, output in zip(positions, results):
                 outputs[position] = output
 
-        await asyncio.gather(*(run_group(positions) for positions in groups.values()))
+        await asyncio.gather(*(run_call(positions) for positions in chunks))
         return outputs  # type: ignore[return-value]
 
     async def abort(self, request_ids: Sequence[str]) -> None:
