@@ -4,7 +4,8 @@ Both modes run the quickstart configuration (16 prompts x 8 samples per step, th
 number of steps with the roles in separate Ray processes (`--placement ray`: actor and rollout each in their own
 process, one torch thread each), so the only difference is the mode: in sync the rollout of step s+1 waits for the
 update of step s; in fully-async (`--max-staleness 1`) it runs while step s trains. The in-process colocated loop (the
-default placement) is measured too, for reference. Seconds per step are the mean of the trainer's `perf/step_s` over
+default placement) is measured too, for reference, and fully-async with the trainer in this process and the engine a
+Ray Serve replica (`--rollout-serve-replicas 1`), whose weight push overlaps the generation in flight. Seconds per step are the mean of the trainer's `perf/step_s` over
 the steps after the first few (start-up and the first compilation-like warm-ups excluded).
 
     python benchmarks/modes_cpu.py [--steps 80] [--warmup 5]
@@ -34,6 +35,8 @@ RUNS = {
     "colocate": ["--placement", "ray"],
     "fully_async": ["--placement", "ray", "--fully-async", "--max-staleness", "1"],
     "colocate_in_process": [],
+    # the trainer in this process, the engine a Ray Serve replica: the push overlaps the generation in flight
+    "fully_async_serve": ["--fully-async", "--max-staleness", "1", "--rollout-serve-replicas", "1"],
 }
 
 
@@ -70,6 +73,8 @@ def main() -> None:
                 "rollout_s": statistics.fmean(r.get("perf/rollout_s", 0.0) for r in steps),
                 "train_s": statistics.fmean(r.get("perf/train_s", 0.0) for r in steps),
                 "wait_for_rollout_s": statistics.fmean(r.get("perf/wait_for_rollout_s", 0.0) for r in steps),
+                "weight_sync_s": statistics.fmean(r.get("perf/weight_sync_s", 0.0) for r in steps),
+                "weight_push_wait_s": statistics.fmean(r.get("perf/weight_push_wait_s", 0.0) for r in steps),
                 "wall_s_including_startup": round(outcome["wall_s"], 1),
                 "steps_measured": len(steps),
             }
@@ -79,6 +84,13 @@ def main() -> None:
         "fully_async_s_per_step": round(results["fully_async"]["s_per_step"], 4),
         "speedup": round(results["colocate"]["s_per_step"] / results["fully_async"]["s_per_step"], 3),
         "colocate_in_process_s_per_step": round(results["colocate_in_process"]["s_per_step"], 4),
+        "fully_async_serve_s_per_step": round(results["fully_async_serve"]["s_per_step"], 4),
+        "serve_speedup_vs_colocate_in_process": round(results["colocate_in_process"]["s_per_step"]
+                                                      / results["fully_async_serve"]["s_per_step"], 3),
+        # the trainer's wait for the generation in flight before each push: what the overlapped push removes
+        "fully_async_push_wait_s": round(results["fully_async"]["weight_push_wait_s"], 4),
+        "fully_async_serve_push_wait_s": round(results["fully_async_serve"]["weight_push_wait_s"], 4),
+        "fully_async_serve_wait_for_rollout_s": round(results["fully_async_serve"]["wait_for_rollout_s"], 4),
         "details": results,
         "config": {"steps": args.steps, "warmup_steps_excluded": args.warmup, "workload": "quickstart: 16 prompts x 8",
                    "placement": "ray: actor and rollout in separate processes, 1 torch thread each",
@@ -91,7 +103,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, r in results.items():
         print(f"{name:22s} {r['s_per_step']:.3f} s/step (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
-              f"waiting for rollout {r['wait_for_rollout_s']:.3f})")
+              f"waiting for rollout {r['wait_for_rollout_s']:.3f}, weight sync {r['weight_sync_s']:.3f} after "
+              f"waiting {r['weight_push_wait_s']:.3f} for the generation in flight)")
     print(f"speedup fully-async vs colocate: {report['speedup']:.2f}x  -> {args.out}")
 
 

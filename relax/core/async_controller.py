@@ -62,7 +62,7 @@ class AsyncController(SyncController):
         # With the engines in other processes the producer only waits on HTTP, so the trainer's compute
         # moves off the event loop and the two overlap (see relax.core.compute_thread).
         self._compute_thread = None
-        if cfg.rollout_external and cfg.placement == "in_process":
+        if (cfg.rollout_external or cfg.rollout_serve_replicas) and cfg.placement == "in_process":
             self._compute_thread = ComputeThread(roles.device)
             roles = dataclasses.replace(roles, **{
                 name: OffLoopRole(getattr(roles, name), self._compute_thread)

@@ -13,9 +13,9 @@ short-lived event loop of that thread; `OffLoopRole` wraps a role so that its co
 there while everything else (attributes, plain methods such as `Actor.weight_buckets` and `save`)
 stays on the caller's thread. The trainer still awaits each call, so role calls never overlap each other.
 
-It is used only when the rollout runs in other processes (``--rollout-external``): an embedded
-engine decodes on the loop thread, and two threads of torch compute in one process compete for the
-CPU (measured 1.7x slower per step on CPU, see `relax.backends.inference.embedded`).
+It is used only when the rollout runs in other processes (``--rollout-external``,
+``--rollout-serve-replicas``): an embedded engine decodes on the loop thread, and two threads of torch compute in
+one process compete for the CPU (measured 1.7x slower per step on CPU, see `relax.backends.inference.embedded`).
 """
 
 from __future__ import annotations
