@@ -189,3 +189,11 @@ def test_a_replica_decodes_each_call_with_one_version_and_loads_new_ones_between
     assert all(o.weight_version == 0 and set(o.output_weight_versions or [0]) == {0} for o in first)
     assert second[0].weight_version == 1 and set(second[0].output_weight_versions or [1]) == {1}
     assert torch.equal(dict(engine.model.named_parameters())[moved[0][0]], moved[0][1])
+
+
+def test_an_empty_call_reaches_no_replica(tmp_path):
+    import asyncio
+
+    from relax.core.serve_rollout import ServeEngine
+
+    assert asyncio.run(ServeEngine(None, tmp_path).generate([])) == []  # no deployment is touched

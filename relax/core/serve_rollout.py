@@ -273,6 +273,8 @@ class ServeEngine(InferenceEngine):
         return f"serve://{APP_NAME}/{DEPLOYMENT_NAME}"
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        if not requests:  # nothing to route (a step whose groups were all taken from the carry-over, say)
+            return []
         await self._resumed.wait()
         requests = distinct_seeds(requests)
         groups: dict[str, list[int]] = {}
