@@ -452,9 +452,9 @@ class RelaxConfig(BaseModel):
     rollout_serve_replicas: int = _field(
         0,
         "Run the rollout engines as a Ray Serve deployment of this many replicas (each an embedded engine in a Ray "
-        "process of its own; a local Ray on 127.0.0.1 is started when none runs): Serve routes each prompt group to "
-        "a replica, health-checks the replicas every --rollout-health-check-interval s and replaces a dead one "
-        "(its groups are sent again), and the scaling API's num_replicas sets the replica count. Weights reach the "
+        "process of its own; a local Ray on 127.0.0.1 is started when none runs): Serve routes the calls (one per "
+        "replica, whole prompt groups) to replicas, health-checks them every --rollout-health-check-interval s and "
+        "replaces a dead one (its calls are sent again), and the scaling API's num_replicas sets the replica count. Weights reach the "
         "replicas as versioned safetensors under --rollout-weights-dir. 0: the engine in the trainer's process. "
         "docs/placement.md.",
         "engines",
@@ -497,9 +497,6 @@ class RelaxConfig(BaseModel):
                                  f"{flag('rollout_api_port')}")
         if self.rollout_serve_replicas:
             serve = flag("rollout_serve_replicas")
-            if self.placement != "in_process":
-                raise ValueError(f"{serve} starts the engines' Serve deployment from the trainer's process: it needs "
-                                 f"the in-process placement (drop {flag('placement')} ray)")
             if self.rollout_external:
                 raise ValueError(f"{serve} and {flag('rollout_external')} both name the rollout engines; external "
                                  "servers join a Serve run through the scaling API (/scale_out with engine_urls)")

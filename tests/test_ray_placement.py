@@ -133,6 +133,30 @@ def test_sync_mode_in_ray_processes_then_resume_in_process(tiny_workspace, tmp_p
 
 
 @needs_ray
+def test_fully_async_with_the_rollout_engines_on_ray_serve_under_ray_placement(tiny_workspace, tmp_path, ray_guard):
+    """`--placement ray --rollout-serve-replicas 2`: the rollout role's process starts the engines' Serve
+    deployment in the run's Ray; the weights it receives reach the replicas; every group is trained once."""
+    out = tmp_path / "serve"
+    cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness",
+                                       "1", "--rollout-serve-replicas", "2", *RUN))
+
+    def check(service):
+        from ray import serve
+
+        from relax.core.serve_rollout import APP_NAME, DEPLOYMENT_NAME
+
+        deployment = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME]
+        assert deployment.replica_states.get("RUNNING") == 2
+        assert service.health()["rollout"]["weight_version"] == 3
+
+    _run_with_ray(cfg, check)
+    rows = [row for row in read_metrics(out / "metrics.jsonl") if "data/produced_groups" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["data/produced_groups"] == row["data/consumed_groups"] == 4 for row in rows)
+    assert all(row["perf/rollout_version_lag"] <= 1 for row in rows)
+
+
+@needs_ray
 def test_the_actor_across_two_processes_trains_as_one_process_does(tiny_workspace, tmp_path, ray_guard):
     """`--resource '{"actor": [2, 1]}'`: two Ray processes form one FSDP2 (gloo) process group, each trains on its
     share of the batch; one step gives the loss and the weights of the same step in one process (float32 rounding

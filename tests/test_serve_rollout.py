@@ -137,7 +137,7 @@ def _replaced(url: str, killed: str) -> list[dict] | None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--placement", "ray"], "needs the in-process placement"),
+    (["--placement", "ray", "--rollout-api-port", "8100"], "--rollout-api-port needs the in-process placement"),
     (["--colocate"], "drop --colocate"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:9"], "external servers join"),
 ])

@@ -214,6 +214,9 @@ class RoleWorker:
                 for bucket in self.role.weight_buckets(dtype_from_name(dtype), 1 << 30) for name, tensor in bucket}
 
     async def close(self) -> None:
+        close_engines = getattr(getattr(self.role, "engine", None), "aclose", None)
+        if self.name == "rollout" and close_engines is not None:  # a Serve deployment it started, HTTP clients
+            await close_engines()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._sync_group is not None:

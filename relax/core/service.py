@@ -147,7 +147,9 @@ class RayService:
                          logging_level="warning")
             else:
                 # Logical CPUs: the bundles, plus TransferQueue's controller and storage unit, whatever the cores.
-                reserved = sum(self._bundle(name).get("CPU", 0) * self.replicas(name) for name in roles) + 3
+                # and the rollout engines' Serve replicas (one CPU each) and Serve's controller
+                reserved = (sum(self._bundle(name).get("CPU", 0) * self.replicas(name) for name in roles) + 3
+                            + (self.cfg.rollout_serve_replicas + 1 if self.cfg.rollout_serve_replicas else 0))
                 ray.init(include_dashboard=False, num_cpus=max(8, int(reserved + 0.999)), log_to_driver=False,
                          logging_level="warning", runtime_env={"env_vars": env})
             self.started_ray = True
