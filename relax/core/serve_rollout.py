@@ -113,9 +113,6 @@ class EngineReplica:
                 self._calls -= 1
                 self._turn.notify_all()
 
-    async def abort(self, request_ids: list[str]) -> None:
-        await self.engine.abort(request_ids)
-
     async def check_health(self) -> None:
         """Serve's periodic probe: raising (or not answering in time) gets this replica replaced."""
         await self.engine.health()
