@@ -73,6 +73,7 @@ class ScaleRejectedError(ValueError):
 MAX_REPLICAS = 1024
 MAX_TIMEOUT_S = 86400.0
 DEFAULT_MAX_ENGINES = 32  # upstream's autoscaler ceiling
+REPLICA_START_TIMEOUT_S = 300.0  # a deployment's new replicas: Ray processes that import torch and load a model
 RequestId = Field(None, min_length=1, max_length=128,
                   description="idempotency key: the same id with the same body returns the same operation")
 
@@ -291,7 +292,10 @@ class ScaleManager:
                 if request.num_replicas > self.max_engines:
                     return self._reject(op, f"num_replicas {request.num_replicas} is above the limit of "
                                             f"{self.max_engines} engines (--scale-out-max-engines)")
-                runner = self._grow_replicas(op, current, request.num_replicas)
+                # A replica is a new process loading a model: bounded by the request's timeout_secs, else generously
+                timeout_s = request.timeout_secs or REPLICA_START_TIMEOUT_S
+                self._start(op, self._grow_replicas(op, current, request.num_replicas, timeout_s), timeout_s)
+                return op
             elif request.num_replicas > 0:
                 op = self._new("scale_out", request, model_name=request.model_name, num_replicas=request.num_replicas)
                 missing = request.num_replicas - len(self.engines)
@@ -323,14 +327,14 @@ class ScaleManager:
             self._start(op, runner, request.timeout_secs or max(self.health_timeout_s * 4, 60.0))
             return op
 
-    async def _grow_replicas(self, op: ScaleOperation, current: int, target: int) -> None:
+    async def _grow_replicas(self, op: ScaleOperation, current: int, target: int, timeout_s: float) -> None:
         self._replicas_before[op.request_id] = current
         before = {r["replica_id"] for r in await self.replicas.replicas()}
         op.weight_version = self.router.weight_version
         self._move(op, ScaleStatus.CREATING)
         await self.replicas.scale_to(target)
         self._move(op, ScaleStatus.HEALTH_CHECKING)  # a replica runs once its constructor and health check passed
-        running = await self.replicas.wait_running(target, max(self.health_timeout_s * 4, 60.0))
+        running = await self.replicas.wait_running(target, timeout_s)
         op.engine_ids = [f"serve-replica-{rid}" for rid in running if rid not in before]
         # Each new replica loaded the newest published version in its constructor, before Serve routed to it.
         self._move(op, ScaleStatus.WEIGHT_SYNCING)
