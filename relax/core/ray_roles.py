@@ -50,19 +50,22 @@ def process_label(name: str, rank: int) -> str:
 class RoleWorker:
     """One role in its own process; ``name`` is ``actor``, ``rollout``, ``critic`` or ``reference``.
 
-    ``group`` = ``(rank, world_size, master_addr, master_port)`` makes it one rank of a role spread over several
-    processes: the role's FSDP2 process group is the default group of these processes (torchrun's variables, set
-    before the role is built), every rank receives the whole batch and trains on its share."""
+    ``group`` = ``(rank, world_size, init_method)`` makes it one rank of a role spread over several processes: the
+    role's FSDP2 process group is the default group of these processes (torchrun's variables and the rendezvous,
+    ``file://`` on one node or ``tcp://`` across nodes, set before the role is built), every rank receives the whole
+    batch and trains on its share."""
 
-    def __init__(self, name: str, cfg: Any, group: tuple[int, int, str, int] | None = None) -> None:
+    def __init__(self, name: str, cfg: Any, group: tuple[int, int, str] | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.rank = 0
         if group is not None:
-            self.rank, world_size, master_addr, master_port = group
+            from relax.distributed.process_group import PG_INIT_METHOD_ENV
+
+            self.rank, world_size, init_method = group
             # Ray gives each process its own GPU as device 0 (CUDA_VISIBLE_DEVICES)
-            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                              MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+            os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                               PG_INIT_METHOD_ENV: init_method})
         from relax.core import build
 
         self.name = name

@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,12 +172,12 @@ class RayService:
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"{flag('resource')}: Ray could not reserve {bundles} within {START_TIMEOUT_S:.0f} s; "
                               f"the cluster has {ray.cluster_resources()}") from None
-        # A role on several processes: one process group over them, rendezvous at its rank 0's node
-        rendezvous = {name: (self._bundle_node_ip(processes.index((name, 0))), free_loopback_port())
+        # A role on several processes: one process group over them
+        rendezvous = {name: self._rendezvous(name, [processes.index((name, rank)) for rank in range(self.replicas(name))])
                       for name in roles if self.replicas(name) > 1}
         worker_class = ray.remote(RoleWorker)
         for index, ((name, rank), bundle) in enumerate(zip(processes, bundles, strict=True)):
-            group = (rank, self.replicas(name), *rendezvous[name]) if name in rendezvous else None
+            group = (rank, self.replicas(name), rendezvous[name]) if name in rendezvous else None
             self.workers[process_label(name, rank)] = worker_class.options(
                 name=None, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
@@ -186,13 +187,19 @@ class RayService:
         for name, worker in self.workers.items():
             self._wait(worker.health.remote())
 
-    def _bundle_node_ip(self, index: int) -> str:
-        """The address of the node that holds bundle ``index`` of the placement group."""
+    def _rendezvous(self, name: str, bundles: list[int]) -> str:
+        """Where the processes of role ``name`` (in ``bundles``) meet: a fresh file when they share one node (no
+        port: one picked here could be taken before rank 0 binds it), else a TCP port on rank 0's node."""
         import ray
         from ray.util.placement_group import placement_group_table
 
-        node_id = placement_group_table(self.placement_group)["bundles_to_node_id"][index]
-        return next((node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id), "127.0.0.1")
+        nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        if len({nodes[index] for index in bundles}) == 1:
+            path = Path(self.cfg.output_dir).resolve() / ".process_groups" / f"{name}-{uuid.uuid4().hex}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return f"file://{path}"
+        address = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == nodes[bundles[0]])
+        return f"tcp://{address}:{29500 + os.getpid() % 1000}"
 
     def _start_transfer_queue(self) -> None:
         from relax.data_plane.tq_plane import start_local_transfer_queue

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+PG_INIT_METHOD_ENV = "RELAX_PG_INIT_METHOD"
+
 # Releases of objects whose destructors use the default group (an FSDP2 model and its optimizer). They must run
 # before the group goes: an FSDP2 module collected after it (at interpreter exit, or as cyclic garbage after
 # destroy_process_group) aborts the process with "terminate called without an active exception" about one exit
@@ -41,12 +43,15 @@ def ensure_process_group(device: torch.device) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        # RELAX_PG_INIT_METHOD: a rendezvous other than torchrun's MASTER_ADDR/PORT (a file for processes of one node)
+        init_method = os.environ.get(PG_INIT_METHOD_ENV, "env://")
+        dist.init_process_group(backend, init_method=init_method, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     else:
+        # One process needs no rendezvous: an in-memory store, no port (a free port picked here could be taken by
+        # another process before the store binds it)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{free_loopback_port()}", rank=0, world_size=1
-        )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     atexit.register(shutdown_process_group)
