@@ -208,7 +208,7 @@ class ScaleManager:
         # A Serve deployment is listed as its replicas
         table = [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
                   "is_healthy": healthy.get(engine_name(r.engine), False), "weight_version": r.engine.weight_version}
-                 for r in self.engines if self.replicas is None or not hasattr(r.engine, "deployment")]
+                 for r in self.engines if self.replicas is None or getattr(r.engine, "deployment", None) is not self.replicas]
         version = self.router.weight_version
         return table + [{"engine_id": f"serve-replica-{r['replica_id']}", "url": None, "status": "serve_replica",
                          "is_healthy": r["state"] == "RUNNING", "weight_version": version, "state": r["state"],
