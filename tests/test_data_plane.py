@@ -241,20 +241,27 @@ def test_clear_keeps_unread_groups_for_the_next_step(plane_factory):
 
 
 def test_surplus_groups_are_carried_to_the_next_step_first(plane_factory):
+    """Groups of one partition come in the order they become ready, which TransferQueue does not tie to the
+    write order (its storage units report rows independently); what is fixed is that the carried surplus of
+    the previous step comes before anything of the new one, and that every group is served exactly once."""
     plane = plane_factory()
 
     async def scenario() -> None:
         await plane.put(0, [s for g in range(5) for s in make_group(g)])
         await plane.mark_complete(0)
         step0 = await collect(plane, 0, batch_size=4, max_groups=3)
-        assert [sorted(groups_of(b)) for b in step0] == [[0], [1], [2]]
+        served0 = [sorted(groups_of(b)) for b in step0]
+        assert all(len(groups) == 1 for groups in served0) and len(served0) == 3
         assert plane.carried_groups() == 2
         await plane.clear(0)
 
         await plane.put(1, [s for g in range(10, 13) for s in make_group(g)])
         await plane.mark_complete(1)
         step1 = await collect(plane, 1, batch_size=8, max_groups=3)
-        assert [sorted(groups_of(b)) for b in step1] == [[3, 4], [10]]  # the surplus of step 0 comes first
+        served1 = [sorted(groups_of(b)) for b in step1]
+        carried = sorted(set(range(5)) - {g for groups in served0 for g in groups})
+        assert served1[0] == carried  # the surplus of step 0 comes first
+        assert len(served1) == 2 and len(served1[1]) == 1 and served1[1][0] in {10, 11, 12}
         assert plane.carried_groups() == 2
 
     asyncio.run(scenario())
