@@ -158,6 +158,102 @@ def test_a_group_split_over_two_puts_is_refused():
         asyncio.run(plane.put(0, group[2:]))
 
 
+# ---- streaming roles ---------------------------------------------------------------------------
+async def run_role(plane: DataPlane, step: int, name: str, needs: tuple[str, ...], gives: str, compute) -> list[int]:
+    """A streaming role: reads the groups of ``step`` as they become ready and writes field ``gives`` back."""
+    seen = []
+    async for groups in plane.stage_stream(step, name, needs, (gives,)):
+        seen.extend(g[0].group_index for g in groups)
+        samples = [s for g in groups for s in g]
+        await asyncio.sleep(0.003 * (len(seen) % 3))  # roles of uneven speed
+        await plane.write_fields(step, groups, {gives: [compute(s) for s in samples]})
+    return seen
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streaming_roles_see_every_group_once_and_the_trainer_gets_their_fields(plane_factory, seed):
+    """Two chained roles (the second needs the first's field) read beside the trainer, which needs both: every
+    role sees every group exactly once, the trainer reads each group once with the fields that belong to its own
+    samples, and only the trainer accounts."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    plane = plane_factory()
+    num_groups = 14
+    sizes = {g: rng.randint(1, 5) for g in range(num_groups)}
+
+    def first(s: Sample) -> torch.Tensor:
+        return torch.full((s.response_length,), float(s.index))
+
+    def second(s: Sample) -> torch.Tensor:
+        return s.stage_fields["a"] * 2 + 1
+
+    async def produce() -> None:
+        group = 0
+        while group < num_groups:
+            chunk = list(range(group, min(group + rng.randint(1, 3), num_groups)))
+            await plane.put(0, [s for g in chunk for s in make_group(g, sizes[g])])
+            group = chunk[-1] + 1
+            await asyncio.sleep(rng.random() * 0.01)
+        await plane.mark_complete(0)
+
+    async def scenario():
+        roles = [asyncio.create_task(run_role(plane, 0, "a_role", (), "a", first)),
+                 asyncio.create_task(run_role(plane, 0, "b_role", ("a",), "b", second))]
+        trainer = asyncio.create_task(collect(plane, 0, batch_size=6, needs=("a", "b")))
+        await asyncio.wait_for(produce(), WAIT_S)
+        return await trainer, [await asyncio.wait_for(r, WAIT_S) for r in roles]
+
+    batches, (seen_a, seen_b) = asyncio.run(scenario())
+    assert sorted(seen_a) == sorted(seen_b) == list(range(num_groups))
+    read = [s for batch in batches for s in batch]
+    assert Counter(s.group_index for s in read) == Counter(sizes)
+    for s in read:
+        assert torch.equal(s.stage_fields["a"], torch.full((2,), float(s.index)))
+        assert torch.equal(s.stage_fields["b"], torch.full((2,), 2.0 * s.index + 1))
+    for batch in batches:  # whole groups per batch
+        assert all(count == sizes[g] for g, count in groups_of(batch).items())
+    counts = plane.accounting()[0]
+    assert counts["consumed"] == num_groups and counts["outstanding"] == 0
+
+
+def test_groups_a_role_has_not_reached_are_carried_not_lost(plane_factory):
+    """The trainer's partition is cleared while a role has not processed some groups: they go to the carry-over
+    buffer without the role's field, and the next stream serves them."""
+    plane = plane_factory()
+
+    async def scenario():
+        await plane.put(0, make_group(0) + make_group(1))
+        await plane.mark_complete(0)
+        await plane.clear(0)  # no role ran, the trainer read nothing
+        assert plane.carried_groups() == 2
+        await plane.mark_complete(1)
+        batches = await collect(plane, 1, batch_size=8, needs=("a",))
+        assert groups_of(batches[0]) == {0: 4, 1: 4}
+        assert all("a" not in s.stage_fields for s in batches[0])  # the trainer computes what is missing
+
+    asyncio.run(scenario())
+
+
+def test_write_fields_refuses_a_wrong_count_and_a_role_named_like_the_trainer():
+    import torch
+
+    plane = InProcessDataPlane()
+
+    async def scenario():
+        await plane.put(0, make_group(0))
+        stream = plane.stage_stream(0, "a_role", (), ("a",))
+        groups = await anext(stream)
+        with pytest.raises(ValueError, match="field 'a': 3 values for 4 samples"):
+            await plane.write_fields(0, groups, {"a": [torch.zeros(2)] * 3})
+        with pytest.raises(ValueError, match="name of its own"):
+            await anext(plane.stage_stream(0, "train"))
+
+    asyncio.run(scenario())
+
+
 # ---- staleness --------------------------------------------------------------------------------
 def test_staleness_gate_blocks_until_the_trainer_catches_up():
     async def scenario() -> None:

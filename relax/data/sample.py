@@ -47,6 +47,9 @@ class Sample:
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
     rollout_routed_experts: Any = None  # a torch int tensor (not JSON: left out of dumps)
+    # Per-response-token tensors the streaming roles computed before training (``ref_log_probs``, ``advantages``;
+    # relax.core.streaming_roles), by field name; not JSON: left out of dumps.
+    stage_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_length(self) -> int:
@@ -66,4 +69,5 @@ class Sample:
         data["status"] = self.status.value
         data.pop("multimodal_train_inputs", None)
         data.pop("rollout_routed_experts", None)
+        data.pop("stage_fields", None)
         return data

@@ -5,11 +5,14 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Iterable
 
+import torch
+
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane.ledger import GroupLedger
 from relax.data_plane.staleness import StalenessGate
 
 Group = list[Sample]
+TRAIN_TASK = "train"  # the trainer's reading of a partition; a streaming role reads it under its own name
 
 
 def partition_id(step: int) -> str:
@@ -77,8 +80,11 @@ class DataPlane(abc.ABC):
         return indexes
 
     # ---- reader side -------------------------------------------------------------------
-    async def stream(self, step: int, batch_size: int, max_groups: int | None = None) -> AsyncIterator[list[Sample]]:
+    async def stream(self, step: int, batch_size: int, max_groups: int | None = None,
+                     needs: tuple[str, ...] = ()) -> AsyncIterator[list[Sample]]:
         """Yield batches of whole groups of ``step`` as soon as ``batch_size`` samples are ready.
+
+        ``needs``: stage fields (`write_fields`) a group must carry before the trainer reads it.
 
         A batch is the shortest run of groups holding at least ``batch_size`` samples (exactly
         ``batch_size`` when the group size divides it); the tail is flushed when the partition is
@@ -113,7 +119,7 @@ class DataPlane(abc.ABC):
             while True:
                 while count_samples(g for _, g in admitted) >= batch_size:
                     yield self._hand_over(admitted, batch_size)
-                new_groups = await self._read_groups(step)
+                new_groups = await self._read_groups(step, TRAIN_TASK, needs, ())
                 if new_groups is None:
                     break
                 for group in new_groups:
@@ -124,6 +130,30 @@ class DataPlane(abc.ABC):
             for origin, group in admitted:  # the caller stopped early: keep what it did not get
                 self._carry.append((origin, group))
                 self._ledger.carried_over(origin)
+
+    # ---- streaming roles ---------------------------------------------------------------
+    async def stage_stream(self, step: int, stage: str, needs: tuple[str, ...] = (),
+                           gives: tuple[str, ...] = ()) -> AsyncIterator[list[Group]]:
+        """The groups of ``step`` for streaming role ``stage``, as they become ready: each group once, once it carries
+        the fields in ``needs``; ends when the partition is complete and ``stage`` has seen every group. The role
+        answers each yielded list with `write_fields` giving the fields in ``gives``. No accounting: a role reads
+        beside the trainer, which alone consumes, drops and carries groups."""
+        if not stage or stage == TRAIN_TASK:
+            raise ValueError(f"a streaming role needs a name of its own, got {stage!r}")
+        while True:
+            groups = await self._read_groups(step, stage, needs, gives)
+            if groups is None:
+                return
+            yield groups
+
+    async def write_fields(self, step: int, groups: list[Group], fields: dict[str, list[torch.Tensor]]) -> None:
+        """Attach per-sample ``fields`` (one tensor per sample of ``groups``, in order) to groups of ``step`` a
+        streaming role read; they become readable for ``needs`` of later readers, and the samples' ``stage_fields``."""
+        count = count_samples(groups)
+        for name, values in fields.items():
+            if len(values) != count:
+                raise ValueError(f"field {name!r}: {len(values)} values for {count} samples")
+        await self._write_fields(step, groups, fields)
 
     def _hand_over(self, admitted: list[tuple[int, Group]], batch_size: int) -> list[Sample]:
         """Pop the shortest prefix of groups with ``batch_size`` samples and count them consumed."""
@@ -179,12 +209,19 @@ class DataPlane(abc.ABC):
         """Mark partition ``step`` complete after ``written_groups`` groups were written."""
 
     @abc.abstractmethod
-    async def _read_groups(self, step: int) -> list[Group] | None:
-        """Wait for at least one unread group of ``step`` and take all ready ones; None once complete and drained."""
+    async def _read_groups(self, step: int, task: str, needs: tuple[str, ...],
+                           gives: tuple[str, ...]) -> list[Group] | None:
+        """Wait for at least one group of ``step`` not read by ``task`` yet that carries the fields ``needs``, and
+        take all such ones; None once complete and every group was read by ``task``. ``gives``: the fields
+        ``task`` will write for what it reads (an implementation may pass its end-of-step marker on with them)."""
+
+    @abc.abstractmethod
+    async def _write_fields(self, step: int, groups: list[Group], fields: dict[str, list[torch.Tensor]]) -> None:
+        """Store ``fields`` for the samples of ``groups`` (checked: one value per sample)."""
 
     @abc.abstractmethod
     async def _take_unread(self, step: int) -> list[Group]:
-        """Take (without waiting) every group of ``step`` not read yet."""
+        """Take (without waiting) every group of ``step`` the trainer has not read, whatever fields it carries."""
 
     @abc.abstractmethod
     async def _drop_partition(self, step: int) -> None:

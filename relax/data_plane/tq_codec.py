@@ -35,9 +35,13 @@ def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
 
+# Not in the record: the streaming roles' fields travel as columns of their own (`encode_fields`).
+_NOT_RECORDED = {*TOKEN_COLUMNS, "stage_fields"}
+
+
 def _record(sample: Sample) -> dict[str, Any]:
     """The sample's non-per-token fields, plus how to restore the per-token ones."""
-    record = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample) if f.name not in TOKEN_COLUMNS}
+    record = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample) if f.name not in _NOT_RECORDED}
     record["status"] = sample.status.value
     record["none_fields"] = [name for name in TOKEN_COLUMNS if getattr(sample, name) is None]
     record["scalar_weight_version"] = isinstance(sample.weight_version, int)
@@ -78,6 +82,20 @@ def decode_rows(data: TensorDict) -> list[dict[str, Any]]:
             record["weight_version"] = record["weight_version"][0]
         records.append(record)
     return records
+
+
+def encode_fields(fields: dict[str, list[torch.Tensor]]) -> TensorDict:
+    """A streaming role's per-sample fields (one 1-D tensor per row) as jagged float32 columns."""
+    rows = len(next(iter(fields.values())))
+    return TensorDict({name: torch.nested.nested_tensor([v.detach().reshape(-1).float().cpu() for v in values],
+                                                        layout=torch.jagged)
+                       for name, values in fields.items()}, batch_size=rows)
+
+
+def decode_field(column: torch.Tensor) -> list[torch.Tensor]:
+    """The per-row tensors of a column written by `encode_fields`."""
+    parts = column.unbind() if column.is_nested else list(column)
+    return [part.reshape(-1).clone() for part in parts]
 
 
 def record_to_sample(record: dict[str, Any]) -> Sample:

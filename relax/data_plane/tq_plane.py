@@ -25,13 +25,17 @@ import time
 import uuid
 from typing import Any
 
+import torch
+
 from relax.data.sample import Sample
-from relax.data_plane.base import DataPlane, Group, partition_id
+from relax.data_plane.base import TRAIN_TASK, DataPlane, Group, partition_id
 from relax.data_plane.staleness import StalenessGate
-from relax.data_plane.tq_codec import COLUMNS, decode_rows, encode_rows, record_to_sample
+from relax.data_plane.tq_codec import COLUMNS, decode_field, decode_rows, encode_fields, encode_rows, record_to_sample
 from relax.utils.errors import RunFault
 
 END_MARKER = "end_of_step"
+# A column only the end marker's row has: a reader that needs stage fields (which the marker never gets) polls it.
+END_COLUMN = "end_of_step_written_groups"
 CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_queue"
 LIVENESS_INTERVAL_S = 2.0
 UNANSWERED_LIMIT_S = 30.0
@@ -170,7 +174,8 @@ class TransferQueueDataPlane(DataPlane):
         self._liveness = TransferQueueLiveness(transfer_queue_actors()) if client is None else None
         self.task_name = task_name
         self.poll_interval_s = poll_interval_s
-        self._read_so_far: dict[int, int] = {}  # groups read per step
+        self._read_so_far: dict[int, dict[str, int]] = {}  # groups read per step, per reader task
+        self._rows_of: dict[int, Any] = {}  # id(group) -> its rows (BatchMeta), for a streaming role's write-back
         self._expected: dict[int, int] = {}  # groups written per step, known from the end marker
 
     async def _bounded(self, call, what: str, step: int | None = None):
@@ -197,13 +202,14 @@ class TransferQueueDataPlane(DataPlane):
 
     # ---- writer side -------------------------------------------------------------------
     async def _insert_rows(self, step: int, samples: list[Sample], custom_meta: list[dict],
-                           extra_records: list[dict] | None = None) -> None:
-        """Allocate rows in ``train_{step}``, tag them with ``custom_meta`` and write them."""
+                           extra_records: list[dict] | None = None) -> Any:
+        """Allocate rows in ``train_{step}``, tag them with ``custom_meta`` and write them; returns their rows."""
         meta = await self._bounded(self._client.async_get_meta(data_fields=COLUMNS, batch_size=len(samples),
                                                                partition_id=partition_id(step), mode="insert"),
                                    "row allocation", step)
         meta.update_custom_meta(custom_meta)
         await self._bounded(self._client.async_put(encode_rows(samples, extra_records), metadata=meta), "write", step)
+        return meta
 
     async def _write_groups(self, step: int, groups: list[Group]) -> None:
         samples, custom_meta = [], []
@@ -214,44 +220,90 @@ class TransferQueueDataPlane(DataPlane):
         await self._insert_rows(step, samples, custom_meta)
 
     async def _write_end(self, step: int, written_groups: int) -> None:
-        await self._insert_rows(step, [Sample()], [{"group_key": f"end:{uuid.uuid4().hex}", "group_size": 1}],
-                                [{END_MARKER: True, "written_groups": written_groups}])
+        row = await self._insert_rows(step, [Sample()], [{"group_key": f"end:{uuid.uuid4().hex}", "group_size": 1}],
+                                      [{END_MARKER: True, "written_groups": written_groups}])
+        await self._put_fields(row, {END_COLUMN: [torch.tensor([float(written_groups)])]}, step)
 
     # ---- reader side -------------------------------------------------------------------
-    async def _fetch_ready_groups(self, step: int) -> list[Group]:
-        """Every complete group of ``step`` ready now (marked consumed for ``task_name``); never waits."""
-        meta = await self._bounded(self._client.async_get_meta(data_fields=COLUMNS, batch_size=1,
+    def _task(self, task: str) -> str:
+        """TransferQueue's consumer task of reader ``task``: the trainer's is ``task_name``, a streaming role's is
+        named under it (the same in every process of a run)."""
+        return self.task_name if task == TRAIN_TASK else f"{self.task_name}/{task}"
+
+    async def _fetch_ready_groups(self, step: int, task: str = TRAIN_TASK, needs: tuple[str, ...] = (),
+                                  gives: tuple[str, ...] = ()) -> list[Group]:
+        """Every complete group of ``step`` ready now for ``task`` (with the fields ``needs``), marked consumed for
+        it; never waits. ``gives``: remember the groups' rows for the role's `write_fields`."""
+        meta = await self._bounded(self._client.async_get_meta(data_fields=[*COLUMNS, *needs], batch_size=1,
                                                                partition_id=partition_id(step), mode="fetch",
-                                                               task_name=self.task_name), "poll", step)
+                                                               task_name=self._task(task)), "poll", step)
         if meta.size == 0:
             return []
-        records = decode_rows(await self._bounded(self._client.async_get_data(meta), "read", step))
+        data = await self._bounded(self._client.async_get_data(meta), "read", step)
+        records = decode_rows(data)
+        stage_columns = {name: decode_field(data[name]) for name in needs}
         groups: dict[str, Group] = {}
-        for record, custom in zip(records, meta.get_all_custom_meta(), strict=True):
+        rows: dict[str, list[int]] = {}
+        for row, (record, custom) in enumerate(zip(records, meta.get_all_custom_meta(), strict=True)):
             if record.get(END_MARKER):
                 self._expected[step] = record["written_groups"]
                 self._ledger.produced_at_least(step, record["written_groups"])
                 continue
-            groups.setdefault(custom["group_key"], []).append(record_to_sample(record))
-        self._read_so_far[step] = self._read_so_far.get(step, 0) + len(groups)
+            sample = record_to_sample(record)
+            sample.stage_fields = {name: values[row] for name, values in stage_columns.items()}
+            groups.setdefault(custom["group_key"], []).append(sample)
+            rows.setdefault(custom["group_key"], []).append(row)
+        if gives:  # the rows a role will write its fields back to
+            for key, group in groups.items():
+                self._rows_of[id(group)] = meta.select_samples(rows[key])
+        read = self._read_so_far.setdefault(step, {})
+        read[task] = read.get(task, 0) + len(groups)
         return list(groups.values())
 
-    def _drained(self, step: int) -> bool:
-        expected = self._expected.get(step)
-        return expected is not None and self._read_so_far.get(step, 0) >= expected
+    async def _poll_end(self, step: int, task: str) -> None:
+        """Learn how many groups ``step`` has from its end marker's own column (a reader whose ``needs`` the
+        marker's row never carries does not see the marker in its polls)."""
+        meta = await self._bounded(self._client.async_get_meta(data_fields=[END_COLUMN], batch_size=1,
+                                                               partition_id=partition_id(step), mode="fetch",
+                                                               task_name=f"{self._task(task)}/end"), "poll", step)
+        if meta.size:
+            data = await self._bounded(self._client.async_get_data(meta), "read", step)
+            written = int(decode_field(data[END_COLUMN])[0][0])
+            self._expected[step] = written
+            self._ledger.produced_at_least(step, written)
 
-    async def _read_groups(self, step: int) -> list[Group] | None:
+    async def _write_fields(self, step: int, groups: list[Group], fields: dict[str, list[torch.Tensor]]) -> None:
+        from transfer_queue.metadata import BatchMeta
+
+        try:
+            metas = [self._rows_of.pop(id(group)) for group in groups]
+        except KeyError:
+            raise KeyError(f"step {step}: a group written back was not read by a streaming role of this "
+                           "plane") from None
+        await self._put_fields(BatchMeta.concat(metas), fields, step)
+
+    async def _put_fields(self, rows: Any, fields: dict[str, list[torch.Tensor]], step: int) -> None:
+        await self._bounded(self._client.async_put(encode_fields(fields), metadata=rows), "field write", step)
+
+    def _drained(self, step: int, task: str) -> bool:
+        expected = self._expected.get(step)
+        return expected is not None and self._read_so_far.get(step, {}).get(task, 0) >= expected
+
+    async def _read_groups(self, step: int, task: str, needs: tuple[str, ...],
+                           gives: tuple[str, ...]) -> list[Group] | None:
         while True:
-            groups = await self._fetch_ready_groups(step)
+            groups = await self._fetch_ready_groups(step, task, needs, gives)
             if groups:
                 return groups
-            if self._drained(step):
+            if step not in self._expected and needs:
+                await self._poll_end(step, task)
+            if self._drained(step, task):
                 return None
             await self._check_alive(step)
             await asyncio.sleep(self.poll_interval_s)
 
     async def _take_unread(self, step: int) -> list[Group]:
-        return await self._fetch_ready_groups(step)
+        return await self._fetch_ready_groups(step)  # without ``needs``: also groups a role has not reached
 
     async def _drop_partition(self, step: int) -> None:
         await self._bounded(self._client.async_clear_partition(partition_id(step)), "partition clear", step)
