@@ -65,6 +65,103 @@ def test_no_trained_sample_is_older_than_max_staleness(tiny_workspace, tmp_path,
     assert all(math.isfinite(row["train/loss"]) for row in metrics if "train/loss" in row)
 
 
+class StreamCheckingController(RecordingController):
+    """Records, per trained step, which fields the samples carried from the streaming roles."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.carried_fields: list[set[str]] = []
+
+    async def train_on(self, rollout_id, samples):
+        self.carried_fields.append(set.intersection(*(set(s.stage_fields) for s in samples)))
+        return await super().train_on(rollout_id, samples)
+
+
+def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(tiny_workspace, tmp_path, monkeypatch):
+    """--fully-async: the reference's log-probs and GRPO's advantages come from streaming roles that read each
+    group as rollout writes it (the in-step computation is never needed); --hybrid computes them in the step. With
+    the same seed the first step sees the same samples and weights, so the losses agree."""
+    from relax.components.actor_fwd import ActorFwd
+    from relax.components.advantages import Advantages
+
+    results = {}
+    for mode in ("--fully-async", "--hybrid"):
+        cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / mode.strip("-"), mode, "--num-rollout", "3",
+                                           "--use-kl-loss", "--kl-loss-coef", "0.1", "--skip-eval-before-train",
+                                           "--dump-samples", "0", "--rollout-max-batch-size", "4"))
+        roles = build_roles(cfg)
+        reference_calls, advantage_sizes = [], []
+        compute_log_probs, compute_advantages = ActorFwd.compute_log_probs, Advantages.compute
+
+        async def counted_log_probs(self, samples, _calls=reference_calls, _f=compute_log_probs):
+            _calls.append(len(samples))
+            return await _f(self, samples)
+
+        async def counted_advantages(self, samples, *args, _sizes=advantage_sizes, _f=compute_advantages):
+            _sizes.append(len(samples))
+            return await _f(self, samples, *args)
+
+        monkeypatch.setattr(ActorFwd, "compute_log_probs", counted_log_probs)
+        monkeypatch.setattr(Advantages, "compute", counted_advantages)
+        with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
+            controller = StreamCheckingController(cfg, roles, tracker)
+            asyncio.run(controller.run())
+        monkeypatch.undo()
+        results[mode] = (controller, reference_calls, advantage_sizes, read_metrics(tmp_path / mode.strip("-") / "metrics.jsonl"))
+
+    streamed, calls, sizes, rows = results["--fully-async"]
+    assert [role.name for role in streamed.streaming] == ["reference", "advantages"]
+    assert streamed.carried_fields == [{"ref_log_probs", "advantages"}] * 3
+    # The engine decodes one group per batch and rollout writes each group when it is scored: the roles take
+    # the groups as they arrive, in several calls per step, 48 samples in all.
+    assert sum(calls) == sum(sizes) == 48 and len(calls) > 3 and len(sizes) > 3, (calls, sizes)
+    assert all(row["data/consumed_groups"] == 4 for row in rows if "data/consumed_groups" in row)
+    hybrid, hybrid_calls, hybrid_sizes, hybrid_rows = results["--hybrid"]
+    assert hybrid.streaming == [] and hybrid.carried_fields == [set()] * 3
+    assert hybrid_calls == hybrid_sizes == [16] * 3  # the whole step, in the trainer
+    first, first_hybrid = rows[0], hybrid_rows[0]
+    for key in ("train/loss", "train/advantage_abs_mean", "rollout/reward_mean"):
+        assert math.isclose(first[key], first_hybrid[key], rel_tol=1e-4, abs_tol=1e-6), key
+
+
+def test_rollout_hands_each_group_on_while_the_rest_still_decode(tiny_workspace, tmp_path, monkeypatch):
+    """`Rollout.generate(on_group=...)`: the engine reports each group as it ends (here it decodes one group per
+    batch: the first is complete while 12 samples have no response yet), and each group is scored and handed on
+    by itself; the step's samples are the same as without streaming (one engine call, same seeds)."""
+    import relax.components.rollout as rollout_module
+
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--rollout-max-batch-size", "4",
+                                       "--num-rollout", "1", "--skip-eval-before-train"))
+    roles = build_roles(cfg)
+    pending_when_complete: dict[int, int] = {}
+    generate_samples = rollout_module.generate_samples
+
+    async def watched(engine, samples, *args, on_sample=None, **kwargs):
+        def on_sample_watched(sample):
+            if all(s.response_length for s in samples if s.group_index == sample.group_index):
+                pending_when_complete[sample.group_index] = sum(not s.response_length for s in samples)
+            on_sample(sample)
+        return await generate_samples(engine, samples, *args, on_sample=on_sample and on_sample_watched, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "generate_samples", watched)
+    handed = []
+
+    async def on_group(group):
+        assert len({s.group_index for s in group}) == 1 and all(s.reward is not None for s in group)
+        handed.append(group[0].group_index)
+
+    async def run():
+        streamed, _ = await roles.rollout.generate(0, on_group=on_group)
+        plain, _ = await roles.rollout.generate(0)
+        return streamed, plain
+
+    streamed, plain = asyncio.run(run())
+    groups = sorted({s.group_index for s in plain})
+    assert handed == groups
+    assert [pending_when_complete[g] for g in groups] == [12, 8, 4, 0]
+    assert [(s.tokens, s.reward) for s in streamed] == [(s.tokens, s.reward) for s in plain]
+
+
 def test_mask_older_tokens_keeps_only_the_newest_version():
     sample = Sample(response_length=4, loss_mask=[1, 1, 0, 1], weight_version=[3, 3, 4, 4])
     same = Sample(response_length=2, loss_mask=[1, 1], weight_version=5)

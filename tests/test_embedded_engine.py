@@ -388,3 +388,28 @@ def test_on_cuda_greedy_matches_hf_generate_and_sampling_is_seeded(tokenizer):
 
     assert sample(seed=7) == sample(seed=7) != sample(seed=8)
     assert asyncio.run(engine.health())["device"] == "cuda:0"
+
+
+def test_generate_streaming_reports_each_request_as_it_finishes(engine, tokenizer):
+    """Requests leave in the order they finish (short ones first), each reported once, with the output the call
+    returns; the samples equal a plain `generate` with the same seed (streaming changes no randomness)."""
+    limits = [9, 1, 5, 3, 9]
+    requests = requests_for(tokenizer, max_new_tokens=9, temperature=1.0, seed=7, ignore_eos=True)
+    for request, limit in zip(requests, limits):
+        request.sampling_params.max_new_tokens = limit
+    engine.max_batch_size = None if engine.core is not None else 2  # the HF path reports batch by batch
+    plain = generate(engine, requests)
+    reported: list[tuple[int, object]] = []
+
+    async def run():
+        return await engine.generate_streaming(requests, lambda position, output: reported.append((position, output)))
+
+    outputs = asyncio.run(run())
+    assert sorted(position for position, _ in reported) == list(range(len(requests)))
+    assert all(outputs[position] is output for position, output in reported)
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+    order = [position for position, _ in reported]
+    if engine.core is not None:  # per request: the 1-token request first, the 9-token ones last
+        assert order[0] == 1 and set(order[-2:]) == {0, 4}
+    else:  # per batch of two: positions 0-1 before 2-3 before 4
+        assert order == [0, 1, 2, 3, 4]

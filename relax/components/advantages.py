@@ -45,7 +45,7 @@ class Advantages:
         """One advantage per response token of each sample. With a KL in the reward, ``log_probs``
         (the sampling policy's) and ``ref_log_probs`` give the per-token k1 KL; PPO needs the
         critic's ``values``."""
-        masks = [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length) for s in samples]
+        masks = _response_masks(samples)
         kl = None
         if self.needs_kl:
             kl = [compute_approx_kl(lp, ref, "k1") for lp, ref in zip(log_probs, ref_log_probs)]
@@ -55,12 +55,24 @@ class Advantages:
             kl=kl, kl_coef=self.kl_coef, gamma=self.gamma, lambd=self.lambd, values=values,
         )
         advantages, returns = self.spec.compute_advantages_and_returns(inputs)
-        metrics = {"train/advantage_abs_mean": _masked_mean([a.abs() for a in advantages], masks)}
+        metrics = self.result_of(samples, advantages, masks).metrics
         if kl is not None:
             metrics["train/reward_kl"] = _masked_mean(kl, masks)
         if returns is not None:
             metrics["critic/returns_mean"] = _masked_mean(returns, masks)
         return AdvantageResult(advantages, returns, metrics)
+
+    def result_of(self, samples: list[Sample], advantages: list[torch.Tensor],
+                  masks: list[torch.Tensor] | None = None) -> AdvantageResult:
+        """The result (and its metrics) of advantages computed elsewhere: group by group as the groups arrived
+        (relax.core.streaming_roles), which for group-local estimators equals computing them over the step."""
+        masks = masks if masks is not None else _response_masks(samples)
+        return AdvantageResult(advantages, None, {"train/advantage_abs_mean": _masked_mean([a.abs() for a in advantages],
+                                                                                           masks)})
+
+
+def _response_masks(samples: list[Sample]) -> list[torch.Tensor]:
+    return [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length) for s in samples]
 
 
 def _masked_mean(per_token: list[torch.Tensor], masks: list[torch.Tensor]) -> float:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from relax.backends.inference.base import InferenceEngine, SamplingParams
 from relax.data.sample import Sample, SampleStatus
+from relax.data_plane.base import split_into_groups
 from relax.engine.agentic.multi_turn import STATUS_OF_STOP_REASON
 from relax.engine.filters.dynamic_sampling import apply_filter
 from relax.engine.rewards.compute import RewardComputer
@@ -19,8 +21,11 @@ from relax.engine.rollout.context import PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.generate import expand_groups, generate_samples
 from relax.engine.rollout.multimodal import MultimodalPreparer
+from relax.utils.aio import cancel_and_wait
 
 logger = logging.getLogger("relax")
+
+GroupSink = Callable[[list[Sample]], Awaitable[None]]  # takes each scored group as soon as it is complete
 
 
 def scalar_reward(sample: Sample) -> float:
@@ -151,21 +156,34 @@ class Rollout:
         # One seed per step: a resumed run samples exactly what the interrupted one would have.
         return (self.seed * 1_000_003 + rollout_id * 7919 + salt) % (2**63)
 
-    async def _sample_round(self, rollout_id: int, round_index: int, count: int) -> list[Sample]:
-        """Generate and score ``count`` prompt groups taken at the data source's cursor."""
+    async def _sample_round(self, rollout_id: int, round_index: int, count: int,
+                            on_group: GroupSink | None = None) -> list[Sample]:
+        """Generate and score ``count`` prompt groups taken at the data source's cursor (``on_group``: see
+        `_generate_and_score`)."""
         start, prompts = self.data_source.take(count)
         prompts = await self._prepare_media(prompts)
         samples = expand_groups(prompts, self.n_samples_per_prompt, start)
         # Refill rounds get their own seeds, disjoint from the step seeds of eval (salt 1 + set position).
         salt = 0 if round_index == 0 else 1_000_003 * round_index
         sampling = replace(self.sampling, seed=self._step_seed(rollout_id, salt=salt))
-        samples = await self._generate_and_score(samples, sampling)
-        if self.overlong is not None:
-            self.overlong.apply(samples)
+        finish = self._finish_group if on_group is None else None
+        samples = await self._generate_and_score(samples, sampling, on_group=on_group)
+        if finish is not None:
+            finish(samples)
         return samples
 
-    async def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    def _finish_group(self, samples: list[Sample]) -> None:
+        """What a scored group gets before it is handed on: the overlong penalty."""
+        if self.overlong is not None:
+            self.overlong.apply(samples)
+
+    async def generate(self, rollout_id: int, on_group: GroupSink | None = None) -> tuple[list[Sample], dict[str, float]]:
         """Scored samples of step ``rollout_id``, grouped by prompt, and rollout metrics.
+
+        ``on_group``: awaited with each group, scored, as soon as its last sample finishes, while the others still
+        decode (the asynchronous modes write it to training then). Groups it was given are in the returned samples
+        too. With dynamic sampling or a per-sample generate function it is not called: the caller takes the
+        returned samples.
 
         With dynamic sampling, groups the filter rejects are dropped and replaced by groups of the
         next prompts of the data source, round after round, until ``rollout_batch_size`` groups are
@@ -181,7 +199,7 @@ class Rollout:
         epoch = self.data_source.epoch_of_position(self.data_source.consumed)
         metrics: dict[str, float] = {}
         if self.dynamic_sampling is None:
-            samples = await self._sample_round(rollout_id, 0, batch_size)
+            samples = await self._sample_round(rollout_id, 0, batch_size, on_group)
         else:
             samples, metrics = await self._generate_filtered(rollout_id, batch_size)
         metrics.update(summarize_samples(samples, "rollout"))
@@ -198,26 +216,67 @@ class Rollout:
         return samples, metrics
 
     async def _generate_and_score(self, samples: list[Sample], sampling: SamplingParams,
-                                  evaluation: bool = False) -> list[Sample]:
+                                  evaluation: bool = False, on_group: GroupSink | None = None) -> list[Sample]:
         """Responses for ``samples`` from the engine (one call) or from the per-sample generate
         function, then rewards.
 
         A FAILED sample (its environment raised or hung; ``metadata["error"]``) is not shown to the
         reward: it gets reward 0.0, and its loss mask is all 0, so it stays in its group (group and
         batch sizes hold) without training the policy on a broken episode.
+
+        ``on_group`` (engine generation only): each group is scored, finished (`_finish_group`) and handed to it
+        as soon as the engine reports its last sample; the engine call is still the same single call.
         """
+        routed = self.routing_replay and not evaluation
+        if on_group is not None and self.per_sample is None:
+            return await self._generate_group_by_group(samples, sampling, routed, on_group)
         if self.per_sample is None:
-            samples = await generate_samples(self.engine, samples, sampling,
-                                             return_routed_experts=self.routing_replay and not evaluation)
+            samples = await generate_samples(self.engine, samples, sampling, return_routed_experts=routed)
         else:
             samples = await self.per_sample.run(self.engine, samples, sampling, evaluation)
+        await self._score(samples)
+        if on_group is not None:
+            self._finish_group(samples)
+            for group in split_into_groups(samples):
+                await on_group(group)
+        return samples
+
+    async def _generate_group_by_group(self, samples: list[Sample], sampling: SamplingParams, routed: bool,
+                                       on_group: GroupSink) -> list[Sample]:
+        """One engine call; each group scored and handed to ``on_group`` the moment its last sample is reported."""
+        groups = split_into_groups(samples)
+        group_of = {id(sample): group for group in groups for sample in group}
+        left = {id(group): len(group) for group in groups}
+        finished: asyncio.Queue[list[Sample]] = asyncio.Queue()
+
+        def on_sample(sample: Sample) -> None:
+            group = group_of[id(sample)]
+            left[id(group)] -= 1
+            if not left[id(group)]:
+                finished.put_nowait(group)
+
+        async def hand_on() -> None:
+            for _ in groups:
+                group = await finished.get()
+                await self._score(group)
+                self._finish_group(group)
+                await on_group(group)
+
+        handing = asyncio.create_task(hand_on())
+        try:
+            await generate_samples(self.engine, samples, sampling, return_routed_experts=routed, on_sample=on_sample)
+            await handing
+        finally:
+            await cancel_and_wait(handing)
+        return samples
+
+    async def _score(self, samples: list[Sample]) -> None:
         failed = [s for s in samples if s.status is SampleStatus.FAILED]
         # A generate function may have scored its samples already (an agent's reward from its output file).
         await self.rewards.score([s for s in samples if s.status is not SampleStatus.FAILED and s.reward is None])
         for sample in failed:
             sample.reward = 0.0
             sample.loss_mask = [0] * sample.response_length
-        return samples
 
     async def _prepare_media(self, prompts: list[Sample]) -> list[Sample]:
         """Decode and process the prompts' media in the worker pool (no-op for text runs)."""

@@ -33,6 +33,7 @@ from relax.config import RelaxConfig
 from relax.core.build import Roles
 from relax.core.compute_thread import ComputeThread, OffLoopRole
 from relax.core.controller import SyncController
+from relax.core.streaming_roles import generate_group_by_group, run_roles, streaming_roles
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
 from relax.utils.aio import cancel_and_wait
@@ -81,6 +82,10 @@ class AsyncController(SyncController):
         # step without them (its rollout metrics would be lost, a resume would skip its prompts).
         self._replied: dict[int, asyncio.Event] = {}
         self._producer_error: BaseException | None = None
+        # --fully-async: the reference and group-local advantages stream beside the trainer (relax.core.streaming_roles)
+        self.streaming = streaming_roles(cfg, self.roles, self.plane)
+        self._streamed_fields = tuple(role.gives for role in self.streaming)
+        self._streaming_task: asyncio.Task | None = None
 
     # ---- producer -------------------------------------------------------------------------
     async def _produce(self, start: int, total: int) -> None:
@@ -108,8 +113,7 @@ class AsyncController(SyncController):
 
     async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
         """Generate step ``step`` into its partition; returns the rollout metrics and the data cursor after it."""
-        samples, metrics = await self.roles.rollout.generate(step)
-        await self.plane.put(step, samples)
+        metrics = await generate_group_by_group(self.roles.rollout, self.plane, step)
         await self.plane.mark_complete(step)
         return metrics, self.roles.rollout.data_source.state_dict()
 
@@ -121,11 +125,32 @@ class AsyncController(SyncController):
     async def _collect(self, step: int) -> list[Sample]:
         batch_size = self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
         samples: list[Sample] = []
-        async for batch in self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size):
-            samples.extend(batch)
+
+        async def read() -> None:
+            async for batch in self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size,
+                                                 needs=self._streamed_fields):
+                samples.extend(batch)
+
+        await self._unless_a_streaming_role_fails(read())
         if self._producer_error is not None:
             raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
         return samples
+
+    async def _unless_a_streaming_role_fails(self, awaitable) -> None:
+        """Await ``awaitable``; a streaming role's failure ends the wait with that failure (the trainer would
+        otherwise wait for fields that never come)."""
+        if self._streaming_task is None:
+            await awaitable
+            return
+        waiting = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait({waiting, self._streaming_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self._streaming_task.done() and self._streaming_task.exception() is not None and not waiting.done():
+                names = ", ".join(role.name for role in self.streaming)
+                raise RuntimeError(f"a streaming role ({names}) failed") from self._streaming_task.exception()
+            await waiting
+        finally:
+            await cancel_and_wait(waiting)
 
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -208,12 +233,16 @@ class AsyncController(SyncController):
         start, last = await self._begin()
         await self.gate.publish(start)
         producer = asyncio.create_task(self._produce(start, self.roles.total_steps))
+        if self.streaming:
+            self._streaming_task = asyncio.create_task(run_roles(self.streaming, start, self.roles.total_steps))
         try:
             last = await self._train_steps(start, last)
             if self.graceful_stop.stopped_after_step is None:  # stopped early: the finally cancels the producer
                 await producer
         finally:
             await cancel_and_wait(producer)
+            if self._streaming_task is not None:
+                await cancel_and_wait(self._streaming_task)
             await self.plane.close()
             if self._compute_thread is not None:
                 self._compute_thread.close()

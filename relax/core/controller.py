@@ -23,6 +23,7 @@ from relax.core.build import Roles, lora_settings
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
 from relax.core.phases import PhaseClock
+from relax.core.streaming_roles import ADVANTAGES, REF_LOG_PROBS, streamed_field
 from relax.data.sample import Sample
 from relax.distributed.process_group import barrier, rank, world_size
 from relax.distributed.weight_sync import sync_weights_in_process
@@ -105,8 +106,9 @@ class SyncController:
         metrics: dict[str, float] = {}
         fields: dict[str, list[torch.Tensor]] = {}
         gather_ids = None
-        if roles.reference is not None:
-            fields["ref_log_probs"] = await roles.reference.compute_log_probs(samples)
+        if roles.reference is not None:  # a streaming role may have computed it as the groups arrived
+            fields["ref_log_probs"] = (streamed_field(samples, REF_LOG_PROBS)
+                                       or await roles.reference.compute_log_probs(samples))
         if roles.distillation is not None:
             teacher_fields, gather_ids = await roles.distillation.teacher_fields(samples)
             fields.update(teacher_fields)
@@ -120,9 +122,13 @@ class SyncController:
         if policy is None and (roles.advantages.needs_kl or distill_advantages):
             policy = await roles.actor.compute_log_probs(samples, gather_ids)
         values = await roles.critic.compute_values(samples) if roles.critic is not None else None
-        result = await roles.advantages.compute(
-            samples, policy.log_probs if policy is not None else None, fields.get("ref_log_probs"), values
-        )
+        streamed_advantages = streamed_field(samples, ADVANTAGES)
+        if streamed_advantages is not None:  # group-local advantages, streamed (relax.core.streaming_roles)
+            result = roles.advantages.result_of(samples, streamed_advantages)
+        else:
+            result = await roles.advantages.compute(
+                samples, policy.log_probs if policy is not None else None, fields.get("ref_log_probs"), values
+            )
         metrics.update(result.metrics)
         fields["advantages"] = result.advantages
         if distill_advantages:

@@ -124,6 +124,13 @@ class RoleWorker:
     async def compute_values(self, samples):
         return await self.role.compute_values(samples)
 
+    async def stream_role_step(self, step: int) -> int:
+        """The reference as a streaming role (``--fully-async``): reads the groups of partition ``train_{step}``
+        from TransferQueue as rollout writes them and writes their ``ref_log_probs`` back, in this process."""
+        from relax.core.streaming_roles import REF_LOG_PROBS, stream_role
+
+        return await stream_role(self._data_plane(), self.name, REF_LOG_PROBS, (), self.role.compute_log_probs, step)
+
     async def train(self, samples, *args):
         """Actor: ``(samples, fields, gather_ids)``; critic: ``(samples, returns, old_values)``."""
         return await self.role.train(samples, *args)
@@ -145,15 +152,16 @@ class RoleWorker:
         """Generate step ``rollout_id`` and write its groups into TransferQueue partition
         ``train_{rollout_id}`` (then the end marker); returns the rollout metrics and the data
         cursor after this step. The samples never pass through the controller's process."""
-        plane = self._writer_plane()
+        from relax.core.streaming_roles import generate_group_by_group
+
+        plane = self._data_plane()
         try:
-            samples, metrics = await self.role.generate(rollout_id)
-            await plane.put(rollout_id, samples)
+            metrics = await generate_group_by_group(self.role, plane, rollout_id)
         finally:
             await plane.mark_complete(rollout_id)
         return metrics, self.role.data_source.state_dict()
 
-    def _writer_plane(self):
+    def _data_plane(self):
         if self._plane is None:
             from relax.data_plane import StalenessGate
             from relax.data_plane.tq_plane import TransferQueueDataPlane
@@ -337,6 +345,9 @@ class RemoteReference(RemoteRole):
 
     async def compute_log_probs(self, samples):
         return await self._call("compute_log_probs", samples)
+
+    async def stream_role_step(self, step: int) -> int:
+        return await self._call("stream_role_step", step)
 
 
 class RemoteCritic(RemoteRole):

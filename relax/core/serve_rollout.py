@@ -37,6 +37,8 @@ from relax.backends.inference.base import (
     GenerationOutput,
     GenerationRequest,
     InferenceEngine,
+    OutputCallback,
+    OutputReporter,
     PauseHolds,
 )
 from relax.backends.inference.http_sglang import distinct_seeds
@@ -270,8 +272,14 @@ class ServeEngine(InferenceEngine):
         return f"serve://{APP_NAME}/{DEPLOYMENT_NAME}"
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        return await self.generate_streaming(requests, None)
+
+    async def generate_streaming(self, requests: Sequence[GenerationRequest],
+                                 on_output: OutputCallback | None) -> list[GenerationOutput]:
+        """`generate`, reporting the requests of each replica's call when that call returns."""
         if not requests:  # nothing to route (a step whose groups were all taken from the carry-over, say)
             return []
+        report = OutputReporter(len(requests), on_output)
         await self._resumed.wait()
         requests = distinct_seeds(requests)
         groups: dict[str, list[int]] = {}
@@ -304,9 +312,10 @@ class ServeEngine(InferenceEngine):
                         self._in_flight.pop(request.request_id, None)
             for position, output in zip(positions, results):
                 outputs[position] = output
+                report(position, output)
 
         await asyncio.gather(*(run_call(positions) for positions in chunks))
-        return outputs  # type: ignore[return-value]
+        return report.finish(outputs)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Cancel the calls carrying these requests (Serve cancels them on their replica)."""

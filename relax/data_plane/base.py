@@ -46,6 +46,7 @@ class DataPlane(abc.ABC):
         self._carry: list[tuple[int, Group]] = []  # (producing step, group), served first to the next stream
         self._open_steps: set[int] = set()
         self._written_group_indexes: dict[int, set[int]] = {}
+        self._cleared_steps: set[int] = set()  # a streaming role stops reading a partition the trainer cleared
 
     # ---- writer side -------------------------------------------------------------------
     async def put(self, step: int, samples: list[Sample]) -> None:
@@ -54,6 +55,7 @@ class DataPlane(abc.ABC):
         if not groups:
             return
         indexes = self._check_groups_arrive_whole(step, groups)
+        self._cleared_steps.discard(step)  # written again after a clear
         await self._write_groups(step, groups)
         self._written_group_indexes.setdefault(step, set()).update(indexes)
         self._open_steps.add(step)
@@ -140,7 +142,7 @@ class DataPlane(abc.ABC):
         beside the trainer, which alone consumes, drops and carries groups."""
         if not stage or stage == TRAIN_TASK:
             raise ValueError(f"a streaming role needs a name of its own, got {stage!r}")
-        while True:
+        while step not in self._cleared_steps:
             groups = await self._read_groups(step, stage, needs, gives)
             if groups is None:
                 return
@@ -180,6 +182,7 @@ class DataPlane(abc.ABC):
         for group in await self._take_unread(step):
             self._carry.append((step, group))
             self._ledger.carried_over(step)
+        self._cleared_steps.add(step)
         await self._drop_partition(step)
         self._open_steps.discard(step)
         self._written_group_indexes.pop(step, None)

@@ -26,13 +26,14 @@ class _Entry:
 class _Partition:
     entries: list[_Entry] = field(default_factory=list)
     complete: bool = False
+    dropped: bool = False  # cleared by the trainer: a streaming role still waiting on it is done with it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def ready_for(self, task: str, needs: tuple[str, ...]) -> list[_Entry]:
         return [e for e in self.entries if task not in e.read_by and e.fields.issuperset(needs)]
 
     def drained_for(self, task: str) -> bool:
-        return self.complete and all(task in e.read_by for e in self.entries)
+        return self.dropped or (self.complete and all(task in e.read_by for e in self.entries))
 
 
 class InProcessDataPlane(DataPlane):
@@ -65,6 +66,8 @@ class InProcessDataPlane(DataPlane):
 
     async def _read_groups(self, step: int, task: str, needs: tuple[str, ...],
                            gives: tuple[str, ...]) -> list[Group] | None:
+        if task != TRAIN_TASK and step in self._cleared_steps:
+            return None
         partition = self._partition(step)
         async with partition.changed:
             await partition.changed.wait_for(lambda: partition.ready_for(task, needs) or partition.drained_for(task))
@@ -99,4 +102,8 @@ class InProcessDataPlane(DataPlane):
         return [entry.group for entry in unread]
 
     async def _drop_partition(self, step: int) -> None:
-        self._partitions.pop(step, None)
+        partition = self._partitions.pop(step, None)
+        if partition is not None:
+            async with partition.changed:
+                partition.dropped = True
+                partition.changed.notify_all()

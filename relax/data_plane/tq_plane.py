@@ -295,6 +295,8 @@ class TransferQueueDataPlane(DataPlane):
             groups = await self._fetch_ready_groups(step, task, needs, gives)
             if groups:
                 return groups
+            if task != TRAIN_TASK and step in self._cleared_steps:
+                return None
             if step not in self._expected and needs:
                 await self._poll_end(step, task)
             if self._drained(step, task):

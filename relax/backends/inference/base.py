@@ -110,6 +110,31 @@ class ScoreOutput:
     top_log_probs: list[list[float]] | None = None
 
 
+OutputCallback = Callable[[int, "GenerationOutput"], None]
+
+
+class OutputReporter:
+    """``on_output`` once per position of a call, with the first output reported for it: an engine that retries a
+    call (a recovery, another engine) may produce a position twice; the caller keeps what it was told first."""
+
+    def __init__(self, count: int, on_output: OutputCallback | None) -> None:
+        self.count = count
+        self.on_output = on_output
+        self.outputs: dict[int, GenerationOutput] = {}
+
+    def __call__(self, position: int, output: GenerationOutput) -> None:
+        if position not in self.outputs:
+            self.outputs[position] = output
+            if self.on_output is not None:
+                self.on_output(position, output)
+
+    def finish(self, outputs: Sequence[GenerationOutput]) -> list[GenerationOutput]:
+        """Report what is left of the call's ``outputs``; the outputs as reported, in request order."""
+        for position, output in enumerate(outputs):
+            self(position, output)
+        return [self.outputs[position] for position in range(self.count)]
+
+
 class InferenceEngine(abc.ABC):
     """Async engine API. All methods are coroutines so that local and remote engines are
     called the same way."""
@@ -117,6 +142,14 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Generate every request; outputs come back in request order."""
+
+    async def generate_streaming(self, requests: Sequence[GenerationRequest],
+                                 on_output: OutputCallback) -> list[GenerationOutput]:
+        """`generate`, calling ``on_output(position, output)`` once per request as soon as this engine knows that
+        request finished, so a caller can act on early finishers (a rollout writes a GRPO group to training the
+        moment its last sample ends). An engine that only knows at the end of the call (this default) reports
+        every request then. The returned outputs are the reported ones."""
+        return OutputReporter(len(requests), on_output).finish(await self.generate(requests))
 
     def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
         """Raise ValueError or TypeError, naming the request, for one this engine cannot serve, before any work

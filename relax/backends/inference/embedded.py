@@ -61,6 +61,8 @@ from relax.backends.inference.base import (
     GenerationOutput,
     GenerationRequest,
     InferenceEngine,
+    OutputCallback,
+    OutputReporter,
     PauseHolds,
     SamplingParams,
     ScoreOutput,
@@ -363,15 +365,23 @@ class EmbeddedEngine(InferenceEngine):
         """Decode every request; outputs in request order. On the core (a supported model) the requests join the
         running batch; on the Hugging Face path they decode in batches of at most
         ``max_batch_size`` with one generator per distinct seed (see the module doc)."""
+        return await self.generate_streaming(requests, None)
+
+    async def generate_streaming(self, requests: Sequence[GenerationRequest],
+                                 on_output: OutputCallback | None) -> list[GenerationOutput]:
+        """`generate`, reporting each request as it finishes on the core, and each batch of at most
+        ``max_batch_size`` as it ends on the Hugging Face path. A recovery decodes the call again; what was
+        reported before it stays reported."""
         requests = list(requests)
         self.check_requests(requests)
         if not requests:
             return []
         self._check_weights()
+        reporter = OutputReporter(len(requests), on_output)
         while True:
             recoveries = self.recoveries
             try:
-                return await self._generate_once(requests)
+                return reporter.finish(await self._generate_once(requests, reporter))
             except Exception as error:
                 if not is_recoverable(error):
                     raise
@@ -410,9 +420,10 @@ class EmbeddedEngine(InferenceEngine):
             torch.cuda.empty_cache()
         self.core = self._build_core(self._core_settings)
 
-    async def _generate_once(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    async def _generate_once(self, requests: list[GenerationRequest],
+                             report: OutputReporter) -> list[GenerationOutput]:
         if self.core is not None:
-            return await self.core.generate(requests)
+            return await self.core.generate(requests, on_output=report)
         request_ids = [request.request_id for request in requests]
         self._in_flight_ids.update(request_ids)
         try:
@@ -420,7 +431,10 @@ class EmbeddedEngine(InferenceEngine):
             batch_size = self.max_batch_size or len(requests)
             outputs: list[GenerationOutput] = []
             for start in range(0, len(requests), batch_size):
-                outputs.extend(await self._generate_batch(requests[start : start + batch_size], generators))
+                for position, output in enumerate(await self._generate_batch(requests[start : start + batch_size],
+                                                                             generators), start):
+                    report(position, output)
+                    outputs.append(output)
             return outputs
         finally:
             self._in_flight_ids.subtract(request_ids)

@@ -38,7 +38,14 @@ from typing import Any
 
 import torch
 
-from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
+from relax.backends.inference.base import (
+    PAUSE_OPERATOR,
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    OutputCallback,
+    OutputReporter,
+)
 from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_sglang import distinct_seeds
 from relax.distributed.weight_sync import bucketize
@@ -294,6 +301,12 @@ class EngineRouter(InferenceEngine):
         """Place each request group on an engine, send every engine its requests in one call (so an embedded
         engine decodes them as one batch and shares the group's prefill), and retry the groups of an engine
         that fails on the others, at most ``max_retries`` times: no request is lost while one engine lives."""
+        return await self.generate_streaming(requests, None)
+
+    async def generate_streaming(self, requests: Sequence[GenerationRequest],
+                                 on_output: OutputCallback | None) -> list[GenerationOutput]:
+        """`generate`, reporting each request when its engine reports it (each engine's own `generate_streaming`)."""
+        report = OutputReporter(len(requests), on_output)
         requests = distinct_seeds(requests)
         groups: dict[str, list[int]] = {}
         for position, request in enumerate(requests):
@@ -308,8 +321,8 @@ class EngineRouter(InferenceEngine):
                 slot.outstanding += len(positions)
                 placed.setdefault(id(slot), (slot, []))[1].append((key, positions))
             batches = list(placed.values())
-            results = await asyncio.gather(*(self._run_batch(slot, items, requests) for slot, items in batches),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*(self._run_batch(slot, items, requests, report)
+                                             for slot, items in batches), return_exceptions=True)
             pending = []
             for (slot, items), result in zip(batches, results):
                 if isinstance(result, BaseException):
@@ -326,17 +339,18 @@ class EngineRouter(InferenceEngine):
                         outputs[position] = output
             if not pending:
                 break
-        return outputs  # type: ignore[return-value]
+        return report.finish(outputs)
 
-    async def _run_batch(self, slot: _Slot, items: list[tuple[str, list[int]]],
-                         requests: Sequence[GenerationRequest]) -> list[tuple[int, GenerationOutput]]:
+    async def _run_batch(self, slot: _Slot, items: list[tuple[str, list[int]]], requests: Sequence[GenerationRequest],
+                         report: OutputReporter) -> list[tuple[int, GenerationOutput]]:
         """One engine call for the groups placed on ``slot`` (already counted in its ``outstanding``)."""
         positions = [position for _, group in items for position in group]
         batch = [requests[position] for position in positions]
         ids = {request.request_id for request in batch}
         slot.in_flight.update(ids)
         try:
-            outputs = await self._watched(slot, slot.engine.generate(batch))
+            outputs = await self._watched(slot, slot.engine.generate_streaming(
+                batch, lambda index, output: report(positions[index], output)))
             slot.served += len(batch)
             return list(zip(positions, outputs))
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import replace
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
@@ -40,9 +41,11 @@ def apply_output(sample: Sample, output: GenerationOutput) -> None:
 
 
 async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampling: SamplingParams,
-                           return_routed_experts: bool = False) -> list[Sample]:
+                           return_routed_experts: bool = False,
+                           on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
     """Generate one response for every sample (in place) in a single engine call; with ``return_routed_experts``
-    each sample also keeps the experts the engine routed its tokens to (rollout routing replay)."""
+    each sample also keeps the experts the engine routed its tokens to (rollout routing replay). ``on_sample``:
+    called with each sample once its response is in, as the engine reports it (`generate_streaming`)."""
     requests = [
         GenerationRequest(
             request_id=f"g{sample.group_index}-i{sample.index}-{position}",
@@ -54,7 +57,14 @@ async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampl
         )
         for position, sample in enumerate(samples)
     ]
-    outputs = await engine.generate(requests)
-    for sample, output in zip(samples, outputs):
-        apply_output(sample, output)
+    if on_sample is None:
+        for sample, output in zip(samples, await engine.generate(requests)):
+            apply_output(sample, output)
+        return samples
+
+    def on_output(position: int, output: GenerationOutput) -> None:
+        apply_output(samples[position], output)
+        on_sample(samples[position])
+
+    await engine.generate_streaming(requests, on_output)
     return samples

@@ -23,6 +23,7 @@ which on CUDA overlaps the next step: see `_run`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import time
@@ -69,7 +70,9 @@ class EngineCore:
         self._random = random.Random()
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(self, requests: SequenceOf[GenerationRequest]) -> list[GenerationOutput]:
+    async def generate(self, requests: SequenceOf[GenerationRequest],
+                       on_output: Callable[[int, GenerationOutput], None] | None = None) -> list[GenerationOutput]:
+        """Outputs in request order; ``on_output(position, output)`` as each request finishes."""
         if self.runner.released:
             raise RuntimeError("the engine's KV pool is released (release_memory_occupation); resume it first")
         loop = asyncio.get_running_loop()
@@ -87,6 +90,9 @@ class EngineCore:
             sequence = self._new_sequence(request, seed, loop)
             sequence.media = self._encode_media(request, encoded)
             sequences.append(sequence)
+        if on_output is not None:
+            for position, sequence in enumerate(sequences):
+                sequence.future.add_done_callback(functools.partial(self._report, on_output, position, sequence))
         for sequence in sequences:
             self.scheduler.add(sequence)  # too long for the pool: raises before anything is queued twice
         self._ensure_loop(loop)
@@ -96,6 +102,10 @@ class EngineCore:
             self.abort([s.request_id for s in sequences if s.status is not SequenceStatus.FINISHED])
             raise
         return [self._output(s) for s in sequences]
+
+    def _report(self, on_output, position: int, sequence: Sequence, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            on_output(position, self._output(sequence))
 
     def abort(self, request_ids: SequenceOf[str]) -> None:
         """Finish these requests at the next step boundary with ``finish_reason == "abort"``."""
