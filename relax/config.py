@@ -870,10 +870,13 @@ class RelaxConfig(BaseModel):
     )
     resource: dict[str, list[float]] = _field(
         {},
-        "With --placement ray: JSON mapping a role (actor, rollout, critic, reference) to [replicas, "
-        "gpus_per_replica], e.g. '{\"actor\": [1, 1], \"rollout\": [1, 1]}'. On a machine without GPUs the second "
-        "number is CPUs per replica. Roles left out get [1, 1]. actor, critic and reference take N replicas as N "
-        "processes of one FSDP2 process group (each trains on its share of every batch); rollout takes 1.",
+        "With --placement ray: JSON mapping a role (actor, rollout, critic, reference, advantages, genrm) to "
+        "[replicas, gpus_per_replica], e.g. '{\"actor\": [1, 1], \"rollout\": [1, 1]}'. On a machine without GPUs "
+        "the second number is CPUs per replica. Roles left out get [1, 1]. actor, critic and reference take N "
+        "replicas as N processes of one FSDP2 process group (each trains on its share of every batch); rollout "
+        "takes 1. advantages (default: the controller's process) and genrm (the --genrm-model-path judge; default: "
+        "the rollout's process) get a process of their own only when named. actor_fwd is refused: the actor's "
+        "processes compute the old-policy log-probs.",
         "placement",
     )
     ray_address: str | None = _field(
@@ -913,8 +916,13 @@ class RelaxConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_placement(self) -> RelaxConfig:
-        placeable = ("actor", "rollout", "critic", "reference")
+        placeable = ("actor", "rollout", "critic", "reference", "advantages", "genrm")
         for role, value in self.resource.items():
+            if role == "actor_fwd":
+                raise ValueError("--resource actor_fwd: Relax computes the old-policy log-probs in the actor's own "
+                                 "processes, with the weights the update starts from (a separate actor_fwd holds "
+                                 "the version it last received, so its ratio would measure the sync lag); leave "
+                                 "the entry out, the actor's resources cover it (docs/placement.md)")
             if role not in placeable:
                 raise ValueError(f"--resource: unknown role {role!r}; choose among {list(placeable)}")
             if len(value) != 2 or value[0] != int(value[0]) or value[0] < 1 or value[1] < 0:
@@ -923,6 +931,11 @@ class RelaxConfig(BaseModel):
                 raise ValueError(f"--resource rollout: one rollout process (it holds the prompt cursor and the "
                                  f"rewards), got {int(value[0])}; several engines: --rollout-serve-replicas with "
                                  "the in-process placement, or --rollout-external servers")
+            if value[0] != 1 and role in ("advantages", "genrm"):
+                raise ValueError(f"--resource {role}: one process (it reads each step's groups once, in order), "
+                                 f"got {int(value[0])}")
+        if "genrm" in self.resource and self.genrm_model_path is None:
+            raise ValueError("--resource genrm: places the judge model of --genrm-model-path, which is not set")
         if self.placement != "ray":
             for name in ("resource", "ray_address"):
                 if getattr(self, name):

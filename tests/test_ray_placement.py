@@ -5,6 +5,7 @@ import asyncio
 import importlib.util
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -154,6 +155,64 @@ def test_fully_async_with_the_rollout_engines_on_ray_serve_under_ray_placement(t
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["data/produced_groups"] == row["data/consumed_groups"] == 4 for row in rows)
     assert all(row["perf/rollout_version_lag"] <= 1 for row in rows)
+
+
+@needs_ray
+def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tmp_path, ray_guard):
+    """`--placement ray --fully-async` with a KL loss: the rollout process writes each group to TransferQueue as it
+    is scored, the reference's process reads it there and writes its log-probs back, advantages stream in the
+    controller, and the trainer reads groups carrying both; every group once, every sample with its fields."""
+    out = tmp_path / "streaming"
+    cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness",
+                                       "1", "--use-kl-loss", "--kl-loss-coef", "0.1", "--rollout-max-batch-size", "4",
+                                       *RUN))
+    _run_with_ray(cfg)
+    rows = _assert_finite_losses(out)
+    for row in rows:
+        assert row["data/produced_groups"] == row["data/consumed_groups"] == 4, row
+        assert row["data/streamed_fields_fraction"] == 1.0, row
+    # Step 1 trains the initial weights, which the reference holds: its streamed log-probs, matched to their samples
+    # through TransferQueue, equal the actor's exactly (a sample given another's field would show a KL). Later steps
+    # have moved away from the reference.
+    assert abs(rows[0]["train/kl_loss"]) < 1e-6 and all(abs(row["train/kl_loss"]) > 1e-5 for row in rows[1:])
+
+
+@needs_ray
+def test_the_judge_and_the_advantages_in_processes_of_their_own(tiny_workspace, tmp_path, ray_guard):
+    """`--resource` places upstream's `genrm` (the --genrm-model-path judge) and `advantages` roles: the rollout's
+    rewards ask the judge's process for verdicts, the advantages stream from TransferQueue in their own process."""
+    from tests.test_remote_rewards import build_bigram_judge
+
+    judge = build_bigram_judge(tmp_path / "judge", "yes")
+    out = tmp_path / "placed"
+    resource = '{"actor": [1, 1], "rollout": [1, 1], "advantages": [1, 0], "genrm": [1, 1]}'
+    args = tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--resource", resource,
+                           "--genrm-model-path", str(judge), "--genrm-sampling-config",
+                           '{"temperature": 0, "max_response_len": 8}', *RUN)
+    at = args.index("--custom-rm-path")
+    cfg = parse_config(args[:at] + args[at + 2:])  # the judge is the reward
+
+    def check(service):
+        health = service.health()
+        assert {"actor", "rollout", "advantages", "genrm"} <= set(health), health
+        return health
+
+    _run_with_ray(cfg, check)
+    rows = _assert_finite_losses(out)
+    for row in rows:
+        assert row["reward/genrm_verdicts"] == 16 and row["rollout/reward_mean"] == 1.0, row
+        assert row["data/streamed_fields_fraction"] == 1.0 and row["data/consumed_groups"] == 4, row
+
+
+@pytest.mark.parametrize("resource, message", [
+    ('{"actor_fwd": [1, 1]}', "old-policy log-probs in the actor's own processes"),
+    ('{"advantages": [2, 0]}', "advantages: one process"),
+    ('{"genrm": [1, 1]}', "--genrm-model-path, which is not set"),
+])
+def test_resource_refuses_what_it_cannot_place_with_the_reason(resource, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(["--n-samples-per-prompt", "2", "--num-rollout", "1", "--placement", "ray", "--resource",
+                      resource])
 
 
 @needs_ray

@@ -16,10 +16,11 @@ Weight updates and in-flight generation:
   version of each token, and ``--mask-offpolicy-in-partial-rollout`` keeps only the tokens of the
   newest version in the loss.
 
-``--hybrid`` is this same pipeline with ``--partial-rollout`` refused: weights are pushed between
-generations. In both modes the reference/actor-forward passes and the advantages run inside the
-trainer's step over the whole step (as the sync loop does); upstream's placements that move them
-out (streaming roles) are not built yet, with in-process or Ray placement alike (docs/modes.md).
+``--fully-async`` streams: rollout writes each group as soon as it is scored, and the reference and group-local
+advantages run as streaming roles that read each group as it lands and write their fields back
+(`relax.core.streaming_roles`); the trainer reads groups carrying those fields. ``--hybrid`` is the same pipeline
+with ``--partial-rollout`` refused and nothing streamed: the reference/actor-forward passes and the advantages run
+inside the trainer's step over the whole step, as the sync loop does (upstream's hybrid; docs/modes.md).
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ class AsyncController(SyncController):
             raise RuntimeError(f"rollout of step {rollout_id + 1} failed") from self._producer_error
         metrics = self._rollout_metrics.pop(rollout_id, {})
         metrics["perf/wait_for_rollout_s"] = time.perf_counter() - started
+        if self._streamed_fields and samples:  # the rest (carried before a role reached them) is computed in the step
+            metrics["data/streamed_fields_fraction"] = sum(
+                all(name in s.stage_fields for name in self._streamed_fields) for s in samples) / len(samples)
         if self.cfg.mask_offpolicy_in_partial_rollout:
             metrics["rollout/masked_offpolicy_tokens"] = float(mask_older_tokens(samples))
         if samples:

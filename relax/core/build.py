@@ -8,6 +8,7 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -323,7 +324,9 @@ def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> Multimoda
         raise ConfigError(f"{flag('multimodal_keys')}: {err}") from None
 
 
-def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
+def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardComputer:
+    """The rewards of ``cfg``; ``remote`` stands in for the judge or reward server `remote_reward` would build (the
+    judge in its own Ray process)."""
     try:
         rm_type = cfg.rm_type
         if rm_type == REMOTE_RM_TYPE:  # upstream's name of the reward server's reward
@@ -332,7 +335,8 @@ def build_reward_computer(cfg: RelaxConfig) -> RewardComputer:
             rm_type = None
         return RewardComputer(rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
                               timeout_s=cfg.reward_timeout, custom_workers=cfg.custom_rm_workers,
-                              worker_memory_mb=cfg.reward_worker_memory_mb, remote=remote_reward(cfg))
+                              worker_memory_mb=cfg.reward_worker_memory_mb,
+                              remote=remote if remote is not None else remote_reward(cfg))
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
 

@@ -55,7 +55,8 @@ class RoleWorker:
     ``file://`` on one node or ``tcp://`` across nodes, set before the role is built), every rank receives the whole
     batch and trains on its share."""
 
-    def __init__(self, name: str, cfg: Any, group: tuple[int, int, str] | None = None) -> None:
+    def __init__(self, name: str, cfg: Any, group: tuple[int, int, str] | None = None,
+                 judge: str | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.rank = 0
@@ -83,8 +84,13 @@ class RoleWorker:
         ctx = build.build_context(cfg)
         if name == "actor":
             self.role = build.build_actor(ctx)
-        elif name == "rollout":
-            self.role = build.build_rollout(ctx)
+        elif name == "rollout":  # with a judge process (--resource genrm), the rewards ask it for verdicts
+            rewards = build.build_reward_computer(cfg, remote=RayJudge(judge)) if judge else None
+            self.role = build.build_rollout(ctx, rewards=rewards)
+        elif name == "advantages":
+            self.role = build.build_advantages(ctx)
+        elif name == "genrm":
+            self.role = build.remote_reward(cfg)
         elif name == "critic":
             self.role = build.build_critic(cfg, ctx.model_path, ctx.settings)
         elif name == "reference":
@@ -125,11 +131,28 @@ class RoleWorker:
         return await self.role.compute_values(samples)
 
     async def stream_role_step(self, step: int) -> int:
-        """The reference as a streaming role (``--fully-async``): reads the groups of partition ``train_{step}``
-        from TransferQueue as rollout writes them and writes their ``ref_log_probs`` back, in this process."""
-        from relax.core.streaming_roles import REF_LOG_PROBS, stream_role
+        """This role as a streaming role (``--fully-async``; the reference or the advantages): reads the groups of
+        partition ``train_{step}`` from TransferQueue as rollout writes them and writes its field back, in this
+        process (the samples never pass through the controller)."""
+        from relax.core.streaming_roles import ADVANTAGES, REF_LOG_PROBS, stream_role
 
-        return await stream_role(self._data_plane(), self.name, REF_LOG_PROBS, (), self.role.compute_log_probs, step)
+        if self.name == "reference":
+            return await stream_role(self._data_plane(), self.name, REF_LOG_PROBS, (), self.role.compute_log_probs,
+                                     step)
+
+        async def advantages(samples):
+            return (await self.role.compute(samples)).advantages
+
+        return await stream_role(self._data_plane(), self.name, ADVANTAGES, (), advantages, step)
+
+    # ---- advantages / the judge ----------------------------------------------------------------
+    async def compute_advantages(self, samples, log_probs=None, ref_log_probs=None, values=None):
+        return await self.role.compute(samples, log_probs, ref_log_probs, values)
+
+    async def verdict(self, sample) -> float:
+        """The judge's verdict on ``sample`` (its prompt, response, label and index); concurrent calls decode as
+        one batch in this process's engine."""
+        return await self.role(None, sample)
 
     async def train(self, samples, *args):
         """Actor: ``(samples, fields, gather_ids)``; critic: ``(samples, returns, old_values)``."""
@@ -348,6 +371,54 @@ class RemoteReference(RemoteRole):
 
     async def stream_role_step(self, step: int) -> int:
         return await self._call("stream_role_step", step)
+
+
+class RemoteAdvantages(RemoteRole):
+    """`relax.components.advantages.Advantages` in its own process (``--resource '{"advantages": [1, 0]}'``); its
+    settings (``spec``, ``needs_kl``, `result_of`) are read from the local copy ``local``, the work is done there."""
+
+    def __init__(self, handle: Any, local: Any) -> None:
+        super().__init__("advantages", handle)
+        self.local = local
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+    async def compute(self, samples, log_probs=None, ref_log_probs=None, values=None):
+        return await self._call("compute_advantages", samples, log_probs, ref_log_probs, values)
+
+    async def stream_role_step(self, step: int) -> int:
+        return await self._call("stream_role_step", step)
+
+
+class RayJudge:
+    """The GenRM judge in its own Ray process (``--resource '{"genrm": [1, g]}'``), called by actor name from the
+    rollout's rewards: ``await judge(args, sample)`` as `relax.engine.rewards.genrm.GenerativeReward` is called."""
+
+    def __init__(self, actor_name: str) -> None:
+        self.actor_name = actor_name
+        self._handle = None
+        self.verdicts = 0
+
+    async def __call__(self, args: Any, sample: Any) -> float:
+        import ray
+
+        from relax.data.sample import Sample
+
+        if self._handle is None:
+            self._handle = ray.get_actor(self.actor_name)
+        # What the judge's prompt reads (and its seed): not the sample's token lists and media.
+        shown = Sample(index=sample.index, prompt=sample.prompt, response=sample.response, label=sample.label)
+        try:
+            verdict = await self._handle.verdict.remote(shown)
+        except ray.exceptions.RayActorError as err:
+            raise role_died("genrm", err) from err
+        self.verdicts += 1
+        return verdict
+
+    def pop_metrics(self) -> dict[str, int]:
+        verdicts, self.verdicts = self.verdicts, 0
+        return {"reward/genrm_verdicts": verdicts}
 
 
 class RemoteCritic(RemoteRole):

@@ -32,6 +32,7 @@ from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.build import Roles, build_advantages, build_context, needs_reference
 from relax.core.ray_roles import (
     RemoteActor,
+    RemoteAdvantages,
     RemoteCritic,
     RemoteReference,
     RemoteRollout,
@@ -72,9 +73,16 @@ def bundle_for(per_replica: float, use_gpus: bool) -> dict[str, float]:
 
 
 def placed_roles(cfg: RelaxConfig) -> list[str]:
-    """The roles that get a Ray process: those the run needs among `PLACEABLE_ROLES`."""
+    """The roles that get a Ray process: those the run needs among `PLACEABLE_ROLES`, and the light ones that
+    have a home by default (advantages: the controller; the judge: the rollout's process) when --resource names
+    them."""
     needed = roles_for_config(cfg)
-    return [name for name in PLACEABLE_ROLES if name in needed]
+    placed = [name for name in PLACEABLE_ROLES if name in needed]
+    if "advantages" in needed and "advantages" in cfg.resource:
+        placed.append("advantages")
+    if cfg.genrm_model_path is not None and "genrm" in cfg.resource:
+        placed.append("genrm")
+    return placed
 
 
 class RayService:
@@ -120,7 +128,8 @@ class RayService:
             tokenizer=ctx.tokenizer,
             rollout=RemoteRollout(self.workers["rollout"], health["eval_sets"]),
             actor=RemoteActor(self.ranks("actor"), cfg.train_batch_size),
-            advantages=advantages,
+            advantages=RemoteAdvantages(self.workers["advantages"], advantages) if "advantages" in self.workers
+            else advantages,
             reference=RemoteReference(self.ranks("reference")) if "reference" in self.workers else None,
             total_steps=ctx.total_steps, device=ctx.device, inference_dtype=ctx.dtype,
             critic=RemoteCritic(self.ranks("critic")) if "critic" in self.workers else None,
@@ -176,13 +185,18 @@ class RayService:
         rendezvous = {name: self._rendezvous(name, [processes.index((name, rank)) for rank in range(self.replicas(name))])
                       for name in roles if self.replicas(name) > 1}
         worker_class = ray.remote(RoleWorker)
-        for index, ((name, rank), bundle) in enumerate(zip(processes, bundles, strict=True)):
+        # The judge's process starts first, under a name of this run: the rollout's rewards call it by that name.
+        judge = f"relax-genrm-{uuid.uuid4().hex[:12]}" if "genrm" in roles else None
+        order = sorted(range(len(processes)), key=lambda i: processes[i][0] != "genrm")
+        for index in order:
+            (name, rank), bundle = processes[index], bundles[index]
             group = (rank, self.replicas(name), rendezvous[name]) if name in rendezvous else None
             self.workers[process_label(name, rank)] = worker_class.options(
-                name=None, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=16,
+                name=judge if name == "genrm" else None, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                max_concurrency=16 if name != "genrm" else 256,  # the judge batches many verdicts at once
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                      placement_group_bundle_index=index),
-            ).remote(name, self.cfg, group)
+            ).remote(name, self.cfg, group, judge)
         # Building a role loads its model; a failure surfaces here with the worker's traceback.
         for name, worker in self.workers.items():
             self._wait(worker.health.remote())

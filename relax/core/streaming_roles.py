@@ -9,7 +9,8 @@ lands, the reference forwards of the others are done, overlapped with the genera
 
 - ``reference`` gives ``ref_log_probs`` (the reference is frozen, so a group's field stays valid whenever it is
   trained, also after a carry-over). Under ``--placement ray`` it runs in the reference's own process, reading and
-  writing TransferQueue there: its samples never pass through the controller.
+  writing TransferQueue there: its samples never pass through the controller. So do the advantages when
+  ``--resource`` gives them a process; otherwise they stream in the controller's process.
 - ``advantages`` gives ``advantages`` when they are group-local (the GRPO family, RLOO, Dr.GRPO, ...): a group's
   advantages depend on its rewards alone. Estimators over the whole step (REINFORCE++'s global whitening, PPO's
   critic and whitening, a KL in the reward, on-policy distillation's shaping, ``--mask-offpolicy-in-partial-rollout``
@@ -109,11 +110,13 @@ def streaming_roles(cfg: RelaxConfig, roles, plane: DataPlane) -> list[Streaming
                                       run_step=remote))
     if streams_advantages(cfg, roles):
         advantages = roles.advantages
+        remote = getattr(advantages, "stream_role_step", None)  # the advantages in their own Ray process
 
         async def compute_advantages(samples: list[Sample]) -> list[torch.Tensor]:
             return (await advantages.compute(samples)).advantages
 
-        streamed.append(StreamingRole("advantages", ADVANTAGES, compute=compute_advantages))
+        streamed.append(StreamingRole("advantages", ADVANTAGES, compute=None if remote else compute_advantages,
+                                      run_step=remote))
     for role in streamed:
         if role.run_step is None:
             role.run_step = _local_runner(plane, role)
