@@ -5,8 +5,10 @@ number of steps with the roles in separate Ray processes (`--placement ray`: act
 process, one torch thread each), so the only difference is the mode: in sync the rollout of step s+1 waits for the
 update of step s; in fully-async (`--max-staleness 1`) it runs while step s trains. The in-process colocated loop (the
 default placement) is measured too, for reference, and fully-async with the trainer in this process and the engine a
-Ray Serve replica (`--rollout-serve-replicas 1`), whose weight push overlaps the generation in flight. Seconds per step are the mean of the trainer's `perf/step_s` over
-the steps after the first few (start-up and the first compilation-like warm-ups excluded).
+Ray Serve replica (`--rollout-serve-replicas 1`), whose weight push overlaps the generation in flight; and, with a KL
+loss (a reference role), hybrid (reference log-probs and advantages in the trainer's step) against fully-async (the
+streaming roles: the reference in its own process reads each group from TransferQueue as it lands). Seconds per step
+are the mean of the trainer's `perf/step_s` over the steps after the first few (start-up and warm-ups excluded).
 
     python benchmarks/modes_cpu.py [--steps 80] [--warmup 5]
 
@@ -31,12 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "modes_cpu.json"
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 
+KL = ["--use-kl-loss", "--kl-loss-coef", "0.01"]
 RUNS = {
     "colocate": ["--placement", "ray"],
     "fully_async": ["--placement", "ray", "--fully-async", "--max-staleness", "1"],
     "colocate_in_process": [],
     # the trainer in this process, the engine a Ray Serve replica: the push overlaps the generation in flight
     "fully_async_serve": ["--fully-async", "--max-staleness", "1", "--rollout-serve-replicas", "1"],
+    # with a KL loss (a reference role): hybrid computes the reference's log-probs and the advantages in the
+    # trainer's step; fully-async streams them (the reference in its own process reads each group from TransferQueue)
+    "hybrid_kl": ["--placement", "ray", "--hybrid", "--max-staleness", "1", *KL],
+    "fully_async_kl": ["--placement", "ray", "--fully-async", "--max-staleness", "1", *KL],
 }
 
 
@@ -75,6 +82,8 @@ def main() -> None:
                 "wait_for_rollout_s": statistics.fmean(r.get("perf/wait_for_rollout_s", 0.0) for r in steps),
                 "weight_sync_s": statistics.fmean(r.get("perf/weight_sync_s", 0.0) for r in steps),
                 "weight_push_wait_s": statistics.fmean(r.get("perf/weight_push_wait_s", 0.0) for r in steps),
+                # the step's log-probs and advantages before the updates (less what the streaming roles did)
+                "prepare_s": statistics.fmean(r.get("perf/prepare_s", 0.0) for r in steps),
                 "wall_s_including_startup": round(outcome["wall_s"], 1),
                 "steps_measured": len(steps),
             }
@@ -91,6 +100,14 @@ def main() -> None:
         "fully_async_push_wait_s": round(results["fully_async"]["weight_push_wait_s"], 4),
         "fully_async_serve_push_wait_s": round(results["fully_async_serve"]["weight_push_wait_s"], 4),
         "fully_async_serve_wait_for_rollout_s": round(results["fully_async_serve"]["wait_for_rollout_s"], 4),
+        # streaming roles: the reference and the advantages off the trainer's step
+        "hybrid_kl_s_per_step": round(results["hybrid_kl"]["s_per_step"], 4),
+        "fully_async_kl_s_per_step": round(results["fully_async_kl"]["s_per_step"], 4),
+        "streaming_roles_speedup": round(results["hybrid_kl"]["s_per_step"] / results["fully_async_kl"]["s_per_step"],
+                                         3),
+        "hybrid_kl_prepare_s": round(results["hybrid_kl"]["prepare_s"], 4),
+        "fully_async_kl_prepare_s": round(results["fully_async_kl"]["prepare_s"], 4),
+        "fully_async_kl_wait_for_rollout_s": round(results["fully_async_kl"]["wait_for_rollout_s"], 4),
         "details": results,
         "config": {"steps": args.steps, "warmup_steps_excluded": args.warmup, "workload": "quickstart: 16 prompts x 8",
                    "placement": "ray: actor and rollout in separate processes, 1 torch thread each",
@@ -102,7 +119,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, r in results.items():
-        print(f"{name:22s} {r['s_per_step']:.3f} s/step (rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}, "
+        print(f"{name:22s} {r['s_per_step']:.3f} s/step (rollout {r['rollout_s']:.3f}, log-probs and advantages "
+              f"{r['prepare_s']:.3f}, updates {r['train_s']:.3f}, "
               f"waiting for rollout {r['wait_for_rollout_s']:.3f}, weight sync {r['weight_sync_s']:.3f} after "
               f"waiting {r['weight_push_wait_s']:.3f} for the generation in flight)")
     print(f"speedup fully-async vs colocate: {report['speedup']:.2f}x  -> {args.out}")

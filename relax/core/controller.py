@@ -103,6 +103,7 @@ class SyncController:
 
     async def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
         roles, cfg = self.roles, self.cfg
+        prepare_started = time.perf_counter()
         metrics: dict[str, float] = {}
         fields: dict[str, list[torch.Tensor]] = {}
         gather_ids = None
@@ -138,6 +139,8 @@ class SyncController:
             metrics.update(distill_metrics)
 
         train_started = time.perf_counter()
+        # what the step spent before the updates: log-probs, values, advantages (less when roles streamed them)
+        metrics["perf/prepare_s"] = train_started - prepare_started
         if roles.critic is not None:
             metrics.update(await roles.critic.train(samples, result.returns, values))
         if self._policy_trains(rollout_id):
