@@ -444,7 +444,8 @@ class RelaxConfig(BaseModel):
     rollout_api_port: int | None = _field(
         None,
         "Serve the rollout engines' elastic-scaling REST API (/scale_out, /scale_in, /engines; docs/engines.md) on "
-        "127.0.0.1:PORT while training, so engines can be added and removed during the run (`relax scale`).",
+        "127.0.0.1:PORT while training, so engines can be added and removed during the run (`relax scale`); under "
+        "--placement ray the rollout role's process serves it, on its node.",
         "engines",
         ge=1,
         le=65535,
@@ -486,9 +487,6 @@ class RelaxConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_external_engines(self) -> RelaxConfig:
-        if self.rollout_api_port is not None and self.placement != "in_process":
-            raise ValueError(f"{flag('rollout_api_port')} needs the in-process placement (the engines live in the "
-                             f"trainer's process); drop {flag('placement')} ray")
         if self.rollout_api_port is None:
             set_flags = [flag(name) for name in ("rollout_api_key", "scale_out_max_engines", "scale_in_drain_timeout")
                          if self.changed(name)]

@@ -146,9 +146,10 @@ def test_rollout_hands_each_group_on_while_the_rest_still_decode(tiny_workspace,
     monkeypatch.setattr(rollout_module, "generate_samples", watched)
     handed = []
 
-    async def on_group(group):
-        assert len({s.group_index for s in group}) == 1 and all(s.reward is not None for s in group)
-        handed.append(group[0].group_index)
+    async def on_group(groups):
+        for group in groups:
+            assert len({s.group_index for s in group}) == 1 and all(s.reward is not None for s in group)
+            handed.append(group[0].group_index)
 
     async def run():
         streamed, _ = await roles.rollout.generate(0, on_group=on_group)

@@ -204,6 +204,49 @@ def test_the_judge_and_the_advantages_in_processes_of_their_own(tiny_workspace, 
         assert row["data/streamed_fields_fraction"] == 1.0 and row["data/consumed_groups"] == 4, row
 
 
+@needs_ray
+def test_the_scaling_api_under_ray_placement_grows_and_shrinks_a_running_training(tiny_workspace, tmp_path):
+    """`--placement ray --rollout-api-port`: the rollout role's process, which holds the engines, serves the scaling
+    API; `relax scale out` adds an embedded engine there (given the weights its engines serve), `relax scale in`
+    drains it, and training goes on: every step trained once with all its groups."""
+    import httpx
+
+    from relax.distributed.process_group import free_loopback_port
+    from tests.test_serve_rollout import (
+        TOKEN,
+        _run_steps,
+        _scale,
+        _up,
+        _wait,
+        assert_every_step_trained_once,
+        finish_held_training,
+        held_training,
+    )
+
+    port, out, hold = free_loopback_port(), tmp_path / "run", tmp_path / "hold"
+    steps = 10
+    args = tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness", "1",
+                           "--num-rollout", str(steps), "--skip-eval-before-train", "--dump-samples", "0",
+                           "--rollout-api-port", str(port), "--rollout-api-key", TOKEN, "--reward-timeout", "300")
+    url = f"http://127.0.0.1:{port}"
+
+    def engines() -> list[dict]:
+        return httpx.get(f"{url}/engines", timeout=30).json()["models"]["default"]["engines"]
+
+    with held_training(args, hold) as train:
+        _wait(lambda: _up(url), train, "the scaling API in the rollout process", timeout_s=240)
+        assert len(engines()) == 1
+        grown = _scale(url, "out", 2)
+        assert grown["status"] == "ACTIVE" and len(grown["engine_ids"]) == 1, grown
+        assert len(engines()) == 2 and all(e["is_healthy"] for e in engines())
+        _run_steps(out, hold, train, 3, "steps on two engines")
+        shrunk = _scale(url, "in", 1)
+        assert shrunk["status"] == "COMPLETED" and len(shrunk["removed_engines"]) == 1, shrunk
+        stderr = finish_held_training(train, hold)
+    assert_every_step_trained_once(out, steps)
+    assert TOKEN not in stderr
+
+
 @pytest.mark.parametrize("resource, message", [
     ('{"actor_fwd": [1, 1]}', "old-policy log-probs in the actor's own processes"),
     ('{"advantages": [2, 0]}', "advantages: one process"),

@@ -6,12 +6,14 @@ is trained once with all its groups."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -60,14 +62,8 @@ def test_serve_replicas_scale_1_3_1_and_a_killed_one_is_replaced_while_training_
                            "--skip-eval-before-train", "--dump-samples", "0", "--rollout-serve-replicas", "1",
                            "--rollout-health-check-interval", "1", "--rollout-api-port", str(port),
                            "--rollout-api-key", TOKEN, "--reward-timeout", "300")
-    # Rewards wait while the hold file exists: the run cannot end before the test is done with it
-    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_held"
-    hold.touch()
-    train = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with held_training(args, hold) as train:
         _wait(lambda: _up(url), train, "scaling API", timeout_s=240)
         first = _replicas(url)
         assert len(first) == 1 and first[0]["is_healthy"]
@@ -90,20 +86,44 @@ def test_serve_replicas_scale_1_3_1_and_a_killed_one_is_replaced_while_training_
         rejected = httpx.post(f"{url}/scale_in", json={"num_replicas": 0},
                               headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         assert rejected.status_code == 400 and "initial replicas" in rejected.text  # the first replica is protected
-        hold.unlink()
-        _, stderr = train.communicate(timeout=600)
-        assert train.returncode == 0, stderr[-3000:]
+        stderr = finish_held_training(train, hold)
+    assert_every_step_trained_once(out, STEPS)
+    assert TOKEN not in stderr
+
+
+@contextlib.contextmanager
+def held_training(args: list[str], hold) -> Iterator[subprocess.Popen]:
+    """`relax train args` in a subprocess whose rewards wait while the file ``hold`` exists (so the run cannot end
+    before the test is done with it); killed if the block leaves it running."""
+    args = list(args)
+    args[args.index("--custom-rm-path") + 1] = "tests.e2e_rewards:digit_fraction_held"
+    hold.touch()
+    train = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield train
     finally:
         hold.unlink(missing_ok=True)
         if train.poll() is None:
             train.kill()
             train.wait(30)
+
+
+def finish_held_training(train: subprocess.Popen, hold) -> str:
+    """Let the held run finish; its stderr (it must have succeeded)."""
+    hold.unlink()
+    _, stderr = train.communicate(timeout=600)
+    assert train.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+def assert_every_step_trained_once(out, steps: int) -> None:
     rows = [row for row in read_metrics(out / "metrics.jsonl") if "data/produced_groups" in row]
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step trained once
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))  # every step trained once
     assert all(row["data/produced_groups"] == row["data/consumed_groups"] == 4 for row in rows)
     assert all(row["data/dropped_failed_groups"] == 0 for row in rows)
-    assert all(row["perf/rollout_version_lag"] <= 1 for row in rows)  # replicas serve the trainer's weights
-    assert TOKEN not in stderr
+    assert all(row["perf/rollout_version_lag"] <= 1 for row in rows)  # the engines serve the trainer's weights
 
 
 def _run_steps(out, hold, train, count: int, what: str) -> None:
@@ -137,7 +157,6 @@ def _replaced(url: str, killed: str) -> list[dict] | None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--placement", "ray", "--rollout-api-port", "8100"], "--rollout-api-port needs the in-process placement"),
     (["--colocate"], "drop --colocate"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:9"], "external servers join"),
 ])

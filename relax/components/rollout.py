@@ -25,7 +25,8 @@ from relax.utils.aio import cancel_and_wait
 
 logger = logging.getLogger("relax")
 
-GroupSink = Callable[[list[Sample]], Awaitable[None]]  # takes each scored group as soon as it is complete
+# Takes the scored groups complete now (several when they finish together: one write to the data plane for them).
+GroupSink = Callable[[list[list[Sample]]], Awaitable[None]]
 
 
 def scalar_reward(sample: Sample) -> float:
@@ -180,9 +181,9 @@ class Rollout:
     async def generate(self, rollout_id: int, on_group: GroupSink | None = None) -> tuple[list[Sample], dict[str, float]]:
         """Scored samples of step ``rollout_id``, grouped by prompt, and rollout metrics.
 
-        ``on_group``: awaited with each group, scored, as soon as its last sample finishes, while the others still
-        decode (the asynchronous modes write it to training then). Groups it was given are in the returned samples
-        too. With dynamic sampling or a per-sample generate function it is not called: the caller takes the
+        ``on_group``: awaited with the groups, scored, as soon as their last samples finish, while the others still
+        decode (the asynchronous modes write them to training then). Groups it was given are in the returned
+        samples too. With dynamic sampling or a per-sample generate function it is not called: the caller takes the
         returned samples.
 
         With dynamic sampling, groups the filter rejects are dropped and replaced by groups of the
@@ -224,8 +225,9 @@ class Rollout:
         reward: it gets reward 0.0, and its loss mask is all 0, so it stays in its group (group and
         batch sizes hold) without training the policy on a broken episode.
 
-        ``on_group`` (engine generation only): each group is scored, finished (`_finish_group`) and handed to it
-        as soon as the engine reports its last sample; the engine call is still the same single call.
+        ``on_group``: each group is scored, finished (`_finish_group`) and handed to it as soon as the engine
+        reports its last sample (engine generation; the engine call is still the same single call), or all at the
+        end (a per-sample generate function).
         """
         routed = self.routing_replay and not evaluation
         if on_group is not None and self.per_sample is None:
@@ -237,13 +239,13 @@ class Rollout:
         await self._score(samples)
         if on_group is not None:
             self._finish_group(samples)
-            for group in split_into_groups(samples):
-                await on_group(group)
+            await on_group(split_into_groups(samples))
         return samples
 
     async def _generate_group_by_group(self, samples: list[Sample], sampling: SamplingParams, routed: bool,
                                        on_group: GroupSink) -> list[Sample]:
-        """One engine call; each group scored and handed to ``on_group`` the moment its last sample is reported."""
+        """One engine call; each group scored and handed to ``on_group`` the moment its last sample is reported
+        (with the others that completed meanwhile)."""
         groups = split_into_groups(samples)
         group_of = {id(sample): group for group in groups for sample in group}
         left = {id(group): len(group) for group in groups}
@@ -256,11 +258,16 @@ class Rollout:
                 finished.put_nowait(group)
 
         async def hand_on() -> None:
-            for _ in groups:
-                group = await finished.get()
-                await self._score(group)
-                self._finish_group(group)
-                await on_group(group)
+            handed = 0
+            while handed < len(groups):
+                ready = [await finished.get()]
+                while not finished.empty():
+                    ready.append(finished.get_nowait())
+                ready_samples = [sample for group in ready for sample in group]
+                await self._score(ready_samples)
+                self._finish_group(ready_samples)
+                await on_group(ready)
+                handed += len(ready)
 
         handing = asyncio.create_task(hand_on())
         try:

@@ -82,6 +82,7 @@ class RoleWorker:
         if device.type == "cpu":
             torch.set_num_threads(1)  # roles share the machine's cores; one thread each
         ctx = build.build_context(cfg)
+        self._engine_settings = (ctx.tokenizer, ctx.device, ctx.dtype)  # what a scaled-out engine is built with
         if name == "actor":
             self.role = build.build_actor(ctx)
         elif name == "rollout":  # with a judge process (--resource genrm), the rewards ask it for verdicts
@@ -99,6 +100,7 @@ class RoleWorker:
             raise ValueError(f"no Ray worker for role {name!r}")
         self._sync_group = None
         self._plane = None
+        self._scaling_server = None
 
     # ---- every role -----------------------------------------------------------------------
     async def health(self) -> dict:
@@ -164,6 +166,16 @@ class RoleWorker:
 
     async def evaluate(self, step: int):
         return await self.role.evaluate(step)
+
+    async def start_scaling_api(self) -> None:
+        """Serve the engines' scaling API (--rollout-api-port) from this process, which holds the engines; the
+        operations run on this process's event loop, beside the generations."""
+        import asyncio
+
+        from relax.core.scaling_service import rollout_process_scale_manager, start_scaling_server
+
+        manager = rollout_process_scale_manager(self.cfg, self.role, *self._engine_settings, asyncio.get_running_loop())
+        self._scaling_server = await start_scaling_server(self.cfg, manager)
 
     async def data_source_state(self) -> dict:
         return self.role.data_source.state_dict()
@@ -248,6 +260,9 @@ class RoleWorker:
                 for bucket in self.role.weight_buckets(dtype_from_name(dtype), 1 << 30) for name, tensor in bucket}
 
     async def close(self) -> None:
+        if self._scaling_server is not None:
+            self._scaling_server.stop()
+            self._scaling_server = None
         close_engines = getattr(getattr(self.role, "engine", None), "aclose", None)
         if self.name == "rollout" and close_engines is not None:  # a Serve deployment it started, HTTP clients
             await close_engines()

@@ -119,6 +119,8 @@ class RayService:
                 self._start_transfer_queue()
             if cfg.resolved_weight_sync_transport == "broadcast":
                 self._join_weight_sync_group()
+            if cfg.rollout_api_port is not None:  # the engines live in the rollout's process: it serves the API
+                self._wait(self.workers["rollout"].start_scaling_api.remote())
             health = self._wait(self.workers["rollout"].health.remote())
         except BaseException:
             self.shutdown()

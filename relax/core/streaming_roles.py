@@ -10,7 +10,8 @@ lands, the reference forwards of the others are done, overlapped with the genera
 - ``reference`` gives ``ref_log_probs`` (the reference is frozen, so a group's field stays valid whenever it is
   trained, also after a carry-over). Under ``--placement ray`` it runs in the reference's own process, reading and
   writing TransferQueue there: its samples never pass through the controller. So do the advantages when
-  ``--resource`` gives them a process; otherwise they stream in the controller's process.
+  ``--resource`` gives them a process; otherwise, under Ray placement, they are computed in the step (streaming
+  them in the controller would read every group a second time to save cheap math).
 - ``advantages`` gives ``advantages`` when they are group-local (the GRPO family, RLOO, Dr.GRPO, ...): a group's
   advantages depend on its rewards alone. Estimators over the whole step (REINFORCE++'s global whitening, PPO's
   critic and whitening, a KL in the reward, on-policy distillation's shaping, ``--mask-offpolicy-in-partial-rollout``
@@ -36,7 +37,7 @@ import torch
 
 from relax.config import RelaxConfig
 from relax.data.sample import Sample, SampleStatus
-from relax.data_plane import DataPlane, Group
+from relax.data_plane import DataPlane, Group, InProcessDataPlane
 
 logger = logging.getLogger("relax")
 
@@ -76,9 +77,9 @@ async def generate_group_by_group(rollout, plane: DataPlane, step: int) -> dict[
     sampling, per-sample generate functions) are written then. Returns the rollout metrics."""
     written: set[int] = set()
 
-    async def write(group: list[Sample]) -> None:
-        await plane.put(step, group)
-        written.add(group[0].group_index)
+    async def write(groups: list[list[Sample]]) -> None:
+        await plane.put(step, [sample for group in groups for sample in group])
+        written.update(group[0].group_index for group in groups)
 
     samples, metrics = await rollout.generate(step, on_group=write)
     await plane.put(step, [s for s in samples if s.group_index not in written])
@@ -108,9 +109,11 @@ def streaming_roles(cfg: RelaxConfig, roles, plane: DataPlane) -> list[Streaming
         remote = getattr(reference, "stream_role_step", None)  # the reference in its own Ray process
         streamed.append(StreamingRole("reference", REF_LOG_PROBS, compute=None if remote else reference.compute_log_probs,
                                       run_step=remote))
-    if streams_advantages(cfg, roles):
-        advantages = roles.advantages
-        remote = getattr(advantages, "stream_role_step", None)  # the advantages in their own Ray process
+    advantages = roles.advantages
+    remote = getattr(advantages, "stream_role_step", None)  # the advantages in their own Ray process
+    # In the controller's process under Ray placement, streaming them would read every group from TransferQueue a
+    # second time to save cheap math: there they are computed in the step, from the samples the trainer reads.
+    if streams_advantages(cfg, roles) and (remote is not None or isinstance(plane, InProcessDataPlane)):
 
         async def compute_advantages(samples: list[Sample]) -> list[torch.Tensor]:
             return (await advantages.compute(samples)).advantages
