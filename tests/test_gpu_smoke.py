@@ -22,6 +22,9 @@ TEXT_CASES = {
                             "--opd-loss-coef", "0.5", "--opd-log-prob-top-k", "4", "--use-tis"],
     "opd-engine-teacher": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}", "--opd-type", "engine", "--use-tis"],
     "fully-async": ["--fully-async", "--max-staleness", "1", "--use-tis"],
+    # the reference and the advantages as streaming roles, groups reported by the engine core as they finish
+    "fully-async-streaming-kl": ["--fully-async", "--max-staleness", "1", "--use-tis", "--use-kl-loss",
+                                 "--kl-loss-coef", "0.01"],
 }
 
 
@@ -49,7 +52,10 @@ def test_text_paths_on_cuda(name, tiny_workspace, tmp_path):
     extra = [a.format(teacher=tiny_workspace / "model") for a in TEXT_CASES[name]]
     cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--num-rollout", "2", "--device", "cuda",
                                        "--skip-eval-before-train", "--dump-samples", "0", *extra))
-    _two_steps(cfg)
+    rows = _two_steps(cfg)
+    if name == "fully-async-streaming-kl":  # every trained sample carried the streamed fields
+        assert all(row["data/streamed_fields_fraction"] == 1.0 for row in rows if "train/loss" in row)
+        assert abs(next(row for row in rows if "train/loss" in row)["train/kl_loss"]) < 1e-3  # step 1: policy = ref
 
 
 @pytest.mark.parametrize("kind", ["image", "audio"])
