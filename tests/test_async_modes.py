@@ -124,6 +124,32 @@ def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(t
         assert math.isclose(first[key], first_hybrid[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 
+def test_a_failing_streaming_role_ends_the_run_naming_it_instead_of_hanging(tiny_workspace, tmp_path, monkeypatch):
+    """The trainer waits for the fields the streaming roles write: when a role fails, the wait ends with that
+    failure (not at --data-wait-timeout, not never)."""
+    from relax.components.actor_fwd import ActorFwd
+
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--num-rollout", "3",
+                                       "--use-kl-loss", "--kl-loss-coef", "0.1", "--skip-eval-before-train",
+                                       "--dump-samples", "0", "--data-wait-timeout", "600"))
+    roles = build_roles(cfg)
+    calls = []
+    compute_log_probs = ActorFwd.compute_log_probs
+
+    async def failing(self, samples):
+        calls.append(len(samples))
+        if len(calls) > 1:
+            raise RuntimeError("the reference's device fell over")
+        return await compute_log_probs(self, samples)
+
+    monkeypatch.setattr(ActorFwd, "compute_log_probs", failing)
+    with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
+        controller = AsyncController(cfg, roles, tracker)
+        with pytest.raises(RuntimeError, match=r"a streaming role \(reference, advantages\) failed") as raised:
+            asyncio.run(asyncio.wait_for(controller.run(), 120))
+    assert "the reference's device fell over" in str(raised.value.__cause__)
+
+
 def test_rollout_hands_each_group_on_while_the_rest_still_decode(tiny_workspace, tmp_path, monkeypatch):
     """`Rollout.generate(on_group=...)`: the engine reports each group as it ends (here it decodes one group per
     batch: the first is complete while 12 samples have no response yet), and each group is scored and handed on

@@ -295,9 +295,12 @@ def test_the_actor_across_two_processes_trains_as_one_process_does(tiny_workspac
 
 
 @needs_ray
-@pytest.mark.parametrize("mode, transport", [("--fully-async", "broadcast"),
+@pytest.mark.parametrize("mode, transport", [("--fully-async", "broadcast"), ("--fully-async", "disk"),
                                              pytest.param("--hybrid", "disk", marks=pytest.mark.slow)])
 def test_async_modes_in_ray_processes_account_every_group_once(tiny_workspace, tmp_path, ray_guard, mode, transport):
+    """Over broadcast the controller pushes each version; over disk the actor publishes and the rollout's engines
+    follow the published versions themselves (nothing waits for the generation in flight), and the run ends with
+    the engine serving its last version, equal to the trainer's weights."""
     out = tmp_path / mode.strip("-")
     cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", mode, "--max-staleness", "1",
                                        "--weight-sync-transport", transport, *RUN))
@@ -308,6 +311,11 @@ def test_async_modes_in_ray_processes_account_every_group_once(tiny_workspace, t
         assert row["data/outstanding_groups"] == 0
     if transport == "disk":
         assert (out / "weight_sync").is_dir()
+        assert all(row["perf/weight_push_wait_s"] == 0.0 for row in rows)
+        pulled = sum(row.get("perf/weight_pull_versions", 0) for row in rows)
+        assert 1 <= pulled <= 3, pulled  # the engines loaded versions themselves (the last one at the end of the run)
+        lags = [row["perf/rollout_version_lag"] for row in rows]
+        assert max(lags) <= 1, lags
 
 
 @needs_ray

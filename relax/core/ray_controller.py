@@ -1,6 +1,7 @@
 """The training loops under Ray placement: the same controllers, with the weight push going over
 the configured transport between processes and, in the async modes, TransferQueue as the data
-plane (the rollout process writes each step's groups; the controller streams them)."""
+plane (the rollout process writes each step's groups; the controller streams them). In the async modes over
+disk the weights are a versioned service: the actor publishes, the rollout's engines follow (no push, no wait)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,28 @@ class RayAsyncController(AsyncController, RaySyncController):
 
             plane = TransferQueueDataPlane(StalenessGate(cfg.max_staleness))
         super().__init__(cfg, roles, tracker, plane)
+        # Over disk, weights are a versioned service: the actor publishes each version and the step goes on; the
+        # rollout's engines load the newest between generations (with --partial-rollout a push must land inside
+        # the generation in flight, so it stays a push).
+        self.pull_weights = cfg.resolved_weight_sync_transport == "disk" and not cfg.partial_rollout
+        self._following = False
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        if not self.pull_weights:
+            return await super().sync_weights(version)
+        if not self._following:
+            await self.roles.rollout.follow_published_weights(str(self.roles.service.weight_root))
+            self._following = True
+        metrics = await self.roles.service.publish_weights(version)
+        metrics["perf/weight_push_wait_s"] = 0.0  # nothing waits for the generation in flight
+        await self.gate.publish(version)
+        return metrics
+
+    async def _run(self):
+        last = await super()._run()
+        if self.pull_weights:  # the run ends with its engines serving its final weights
+            await self.roles.rollout.catch_up_with_published_weights()
+        return last
 
     async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
         """The rollout process writes the groups into TransferQueue itself (samples never pass through here)."""

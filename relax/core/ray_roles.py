@@ -14,6 +14,8 @@ with ``await handle.method.remote(...)``; the few synchronous members the contro
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -101,6 +103,8 @@ class RoleWorker:
         self._sync_group = None
         self._plane = None
         self._scaling_server = None
+        self._between_calls = asyncio.Lock()  # held while the engines generate: no weight load lands inside
+        self._follower = None
 
     # ---- every role -----------------------------------------------------------------------
     async def health(self) -> dict:
@@ -162,16 +166,38 @@ class RoleWorker:
 
     # ---- rollout ------------------------------------------------------------------------------
     async def generate(self, rollout_id: int):
-        return await self.role.generate(rollout_id)
+        async with self._engine_calls():
+            return await self.role.generate(rollout_id)
 
     async def evaluate(self, step: int):
-        return await self.role.evaluate(step)
+        async with self._engine_calls():
+            return await self.role.evaluate(step)
+
+    async def follow_published_weights(self, root: str) -> None:
+        """From now on the engines load each version the actor publishes under ``root`` by themselves, between
+        generations (the trainer publishes and goes on: `relax.distributed.weight_disk.DiskFollower`)."""
+        from relax.distributed.weight_disk import DiskFollower
+
+        if self._follower is None:
+            self._follower = DiskFollower(root, self.role.engine, self._between_calls)
+            self._follower.start()
+
+    async def catch_up_with_published_weights(self) -> int:
+        """Load the newest published version now (the end of a run); the version the engines serve."""
+        async with self._engine_calls():
+            return self.role.engine.weight_version
+
+    @contextlib.asynccontextmanager
+    async def _engine_calls(self):
+        """A generation with the newest published weights (when following them), and no weight load during it."""
+        async with self._between_calls:
+            if self._follower is not None:
+                await self._follower.catch_up()
+            yield
 
     async def start_scaling_api(self) -> None:
         """Serve the engines' scaling API (--rollout-api-port) from this process, which holds the engines; the
         operations run on this process's event loop, beside the generations."""
-        import asyncio
-
         from relax.core.scaling_service import rollout_process_scale_manager, start_scaling_server
 
         manager = rollout_process_scale_manager(self.cfg, self.role, *self._engine_settings, asyncio.get_running_loop())
@@ -191,7 +217,10 @@ class RoleWorker:
 
         plane = self._data_plane()
         try:
-            metrics = await generate_group_by_group(self.role, plane, rollout_id)
+            async with self._engine_calls():
+                metrics = await generate_group_by_group(self.role, plane, rollout_id)
+            if self._follower is not None:
+                metrics.update(self._follower.pop_metrics())
         finally:
             await plane.mark_complete(rollout_id)
         return metrics, self.role.data_source.state_dict()
@@ -260,6 +289,9 @@ class RoleWorker:
                 for bucket in self.role.weight_buckets(dtype_from_name(dtype), 1 << 30) for name, tensor in bucket}
 
     async def close(self) -> None:
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
         if self._scaling_server is not None:
             self._scaling_server.stop()
             self._scaling_server = None
@@ -296,8 +328,6 @@ class RemoteRole:
         self.handle = self.handles[0]
 
     async def _call(self, method: str, *args: Any) -> Any:
-        import asyncio
-
         import ray
 
         try:
@@ -479,3 +509,9 @@ class RemoteRollout(RemoteRole):
 
     async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
         return await self._call("generate_into_plane", rollout_id)
+
+    async def follow_published_weights(self, root: str) -> None:
+        await self._call("follow_published_weights", root)
+
+    async def catch_up_with_published_weights(self) -> int:
+        return await self._call("catch_up_with_published_weights")

@@ -244,10 +244,7 @@ class RayService:
         dtype = str(self.sync_dtype).removeprefix("torch.")
         root = str(self.weight_root) if transport == "disk" else None
         rollout = self.workers["rollout"]
-        # every actor rank gathers (a collective), rank 0 sends
-        publish = _named("actor", _first(asyncio.gather(*(
-            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
-            for rank in self.ranks("actor")))))
+        publish = self._publish(version, transport, dtype, root)
         if transport == "broadcast":
             sent, received = await asyncio.gather(
                 publish, _named("rollout", rollout.receive_weights.remote(version, transport)))
@@ -257,6 +254,23 @@ class RayService:
         metrics = {**sent, **received}
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
         return metrics
+
+    async def publish_weights(self, version: int) -> dict[str, float]:
+        """Write the actor's weights as ``version`` under the disk root and return: the engines follow the root
+        themselves (`RoleWorker.follow_published_weights`)."""
+        started = time.perf_counter()
+        metrics = await self._publish(version, "disk", str(self.sync_dtype).removeprefix("torch."),
+                                      str(self.weight_root))
+        metrics["perf/weight_sync_s"] = time.perf_counter() - started
+        return metrics
+
+    def _publish(self, version: int, transport: str, dtype: str, root: str | None):
+        """Every actor rank gathers (a collective), rank 0 sends; rank 0's metrics."""
+        import asyncio
+
+        return _named("actor", _first(asyncio.gather(*(
+            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
+            for rank in self.ranks("actor")))))
 
     # ---- checks -------------------------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,9 @@ After each publish the publisher keeps the newest ``keep_last`` complete version
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -57,6 +59,9 @@ SAFETENSORS_DTYPES = {
     "float8_e5m2": "F8_E5M2",
 }
 TORCH_DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+
+
+logger = logging.getLogger("relax")
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -251,6 +256,57 @@ class DiskReceiver:
 
 # safetensors itself refuses headers over 100 MB; a length beyond the file is a corrupt or hostile file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class DiskFollower:
+    """An engine that follows the versions published under ``root`` (the pull side of the disk transport): the
+    trainer publishes and goes on; this applies the newest complete version in the background whenever
+    ``between_calls`` (an `asyncio.Lock` its owner holds while the engine generates) is free, and on demand before a
+    generation (`catch_up`). A version pulled from under it (the publisher keeps only the newest few) is skipped for
+    the next one; the engine keeps serving its current version meanwhile."""
+
+    def __init__(self, root: str | Path, engine: InferenceEngine, between_calls: asyncio.Lock,
+                 interval_s: float = 0.1) -> None:
+        self.receiver = DiskReceiver(root, engine)
+        self.between_calls = between_calls
+        self.interval_s = interval_s
+        self.applied: list[SyncMetrics] = []  # since the last `pop_metrics`
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._follow(), name="relax-weight-follower")
+
+    async def catch_up(self) -> None:
+        """Apply the newest published version now if it is newer than the served one; the caller holds
+        ``between_calls``."""
+        latest = self.receiver.latest_version()
+        if latest is None or latest <= self.receiver.engine.weight_version:
+            return
+        try:
+            self.applied.append(await self.receiver.apply(latest))
+        except (WeightSyncError, FileNotFoundError) as error:  # removed meanwhile: a newer one exists
+            logger.warning("weight version %d could not be loaded (%s); waiting for the next one", latest, error)
+
+    def pop_metrics(self) -> dict[str, float]:
+        applied, self.applied = self.applied, []
+        if not applied:
+            return {}
+        return {"perf/weight_pull_s": sum(m.seconds for m in applied), "perf/weight_pull_versions": float(len(applied))}
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self.between_calls.locked():
+                async with self.between_calls:
+                    await self.catch_up()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
