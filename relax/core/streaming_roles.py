@@ -9,11 +9,11 @@ lands, the reference forwards of the others are done, overlapped with the genera
 
 - ``reference`` gives ``ref_log_probs`` (the reference is frozen, so a group's field stays valid whenever it is
   trained, also after a carry-over). Under ``--placement ray`` it runs in the reference's own process, reading and
-  writing TransferQueue there: its samples never pass through the controller. So do the advantages when
-  ``--resource`` gives them a process; otherwise, under Ray placement, they are computed in the step (streaming
-  them in the controller would read every group a second time to save cheap math).
+  writing TransferQueue there: its samples never pass through the controller.
 - ``advantages`` gives ``advantages`` when they are group-local (the GRPO family, RLOO, Dr.GRPO, ...): a group's
-  advantages depend on its rewards alone. Estimators over the whole step (REINFORCE++'s global whitening, PPO's
+  advantages depend on its rewards alone. Under ``--placement ray`` they stream only in a process of their own
+  (``--resource``); in the controller they would read every group a second time to save cheap math, so there they
+  are computed in the step. Estimators over the whole step (REINFORCE++'s global whitening, PPO's
   critic and whitening, a KL in the reward, on-policy distillation's shaping, ``--mask-offpolicy-in-partial-rollout``
   which edits loss masks after rollout) stay in the trainer's step, as upstream's hybrid mode computes them.
 - Old-policy log-probs (upstream's ``actor_fwd``) stay in the trainer: they must come from the weights the update
@@ -29,7 +29,6 @@ drops them and counts them).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,8 +37,6 @@ import torch
 from relax.config import RelaxConfig
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane import DataPlane, Group, InProcessDataPlane
-
-logger = logging.getLogger("relax")
 
 REF_LOG_PROBS = "ref_log_probs"
 ADVANTAGES = "advantages"
