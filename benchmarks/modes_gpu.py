@@ -19,6 +19,11 @@ async wins when training and rollout take similar time on one GPU, which ``--pro
 ``--new-tokens`` set (the per-phase times are in the result).
 
     NCCL_NVLS_ENABLE=0 python -m benchmarks.modes_gpu      # writes benchmarks/results/modes_gpu.json
+
+``--gpus 1`` runs both layouts on one GPU (the server beside the trainer: a smoke test of the script, and the
+one-GPU figures). ``--kl`` adds a KL loss, so a reference role; ``--modes hybrid,fully_async`` then compares the
+reference and advantages in the trainer's step (``--hybrid``) against the streaming roles (``--fully-async``: the
+reference reads each group as the server's answers come in), reported as ``streaming_speedup``.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ from relax.distributed.process_group import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "modes_gpu.json"
-PHASES = ("perf/rollout_s", "perf/train_s", "perf/wait_for_rollout_s", "perf/weight_sync_s")
+PHASES = ("perf/rollout_s", "perf/prepare_s", "perf/train_s", "perf/wait_for_rollout_s", "perf/weight_sync_s")
 
 
 def train_args(model_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> list[str]:
-    return ["train", "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--input-key", "input",
+    kl = ["--use-kl-loss", "--kl-loss-coef", "0.001"] if args.kl else []
+    return ["train", *kl, "--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--input-key", "input",
             "--label-key", "label", "--custom-rm-path", "benchmarks.grpo_step_gpu:parity_reward",
             "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples_per_prompt),
             "--rollout-max-response-len", str(args.new_tokens), "--micro-batch-size", str(args.micro_batch_size),
@@ -80,21 +86,23 @@ def run_colocate(model_dir: Path, data: Path, out: Path, args: argparse.Namespac
         "colocate", args.timeout)
 
 
-def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> None:
+def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, mode: str = "--fully-async") -> None:
+    """Rollout in a `relax serve` process (on GPU 1; with ``--gpus 1`` beside the trainer on GPU 0), training here;
+    ``mode`` ``--hybrid`` keeps the reference and the advantages in the trainer's step (no streaming roles)."""
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
-    serve_device = "1" if args.device == "cuda" else ""
+    serve_device = ("1" if args.gpus > 1 else "0") if args.device == "cuda" else ""
     server = subprocess.Popen(
         [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
          "--device", args.device, "--batch-window-ms", str(args.batch_window_ms), "--log-level", "warning"],
         cwd=ROOT, env=environment(serve_device), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_server(url, server, args.timeout)
-        command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), "--fully-async",
+        command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), mode,
                    "--max-staleness", "1", "--rollout-external", "--rollout-external-engine-addrs", url,
                    "--weight-sync-transport", "broadcast"]
         try:
-            run(command, environment("0" if args.device == "cuda" else ""), "fully_async", args.timeout)
+            run(command, environment("0" if args.device == "cuda" else ""), mode.strip("-"), args.timeout)
         finally:
             (out / "server_health.json").write_text(httpx.get(f"{url}/health", timeout=10).text)
     finally:
@@ -151,7 +159,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--output", type=Path, default=RESULT)
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep the two run directories here")
-    parser.add_argument("--modes", default="colocate,fully_async", help="which runs (the speedup needs both)")
+    parser.add_argument("--modes", default="colocate,fully_async",
+                        help="which runs among colocate, fully_async, hybrid (speedup: colocate / fully_async; "
+                             "streaming_speedup: hybrid / fully_async)")
+    parser.add_argument("--kl", action="store_true",
+                        help="a KL loss, so a reference role: in fully_async it streams, in hybrid it is in the step")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"needs {args.gpus} GPUs, found {torch.cuda.device_count()}")
@@ -161,7 +173,10 @@ def main() -> None:
         root = Path(tmp)
         runs = args.runs_dir or root
         model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len)
-        for mode, launch in (("colocate", run_colocate), ("fully_async", run_fully_async)):
+        def run_hybrid(*launch_args) -> None:
+            run_fully_async(*launch_args, mode="--hybrid")
+
+        for mode, launch in (("colocate", run_colocate), ("fully_async", run_fully_async), ("hybrid", run_hybrid)):
             if mode in args.modes.split(","):
                 launch(model_dir, data, runs / mode, args)
                 results[mode] = summarize(runs / mode, args.warmup)
@@ -169,8 +184,10 @@ def main() -> None:
     report = {"benchmark": "modes_gpu"}
     for mode, summary in results.items():
         report[f"{mode}_s_per_step"] = round(summary["s_per_step"], 3)
-    if len(results) == 2:
+    if "colocate" in results and "fully_async" in results:
         report["speedup"] = round(results["colocate"]["s_per_step"] / results["fully_async"]["s_per_step"], 3)
+    if "hybrid" in results and "fully_async" in results:  # the streaming roles (with --kl: the reference)
+        report["streaming_speedup"] = round(results["hybrid"]["s_per_step"] / results["fully_async"]["s_per_step"], 3)
     report.update({
         "details": results,
         "config": {"model": "tiny Qwen3" if args.tiny else "Qwen3-0.6B shape, random init",
@@ -178,8 +195,10 @@ def main() -> None:
                    "prompt_len": args.prompt_len, "new_tokens_max": args.new_tokens,
                    "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup_steps": args.warmup,
                    "colocate": f"torchrun --nproc-per-node {args.gpus}, sync loop, DataParallelEngine, FSDP2",
-                   "fully_async": "relax serve on GPU 1 + relax train --fully-async --max-staleness 1 on GPU 0, "
-                                  "NCCL weight broadcast",
+                   "fully_async": f"relax serve on GPU {1 if args.gpus > 1 else 0} + relax train --fully-async "
+                                  "--max-staleness 1 on GPU 0, NCCL weight broadcast",
+                   "hybrid": "as fully_async with --hybrid: reference and advantages in the trainer's step",
+                   "kl_loss": args.kl,
                    "batch_window_ms": args.batch_window_ms},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "versions": {"torch": torch.__version__},

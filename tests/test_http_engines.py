@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.base import GenerationRequest, SamplingParams, group_key
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.backends.inference.http_openai import OpenAIHTTPEngine
 from relax.backends.inference.http_sglang import EngineUnavailableError, SGLangHTTPEngine, distinct_seeds
-from relax.backends.inference.router import EngineRouter, group_key
+from relax.backends.inference.router import EngineRouter
 from relax.utils.tracking import read_metrics
 from tests.conftest import run_relax, tiny_train_args
 from tests.http_servers import API_KEY, Server, free_port, wait_until
@@ -94,6 +94,27 @@ def test_sglang_adapter_matches_the_embedded_engine(servers, reference):
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineUnavailableError, match=f"{dead}/generate: cannot reach"):
         asyncio.run(SGLangHTTPEngine(dead, timeout_s=5).generate([request("x", prompt, 1)]))
+
+
+def test_sglang_adapter_streams_group_by_group_with_the_samples_of_one_batched_call(servers, reference):
+    """`generate_streaming` posts each prompt group on its own, at once: every request is reported once with its
+    group, and the samples equal those of one batched call (each request keeps the seed that call gives it)."""
+    (server,) = servers(1)
+    engine = Recording(server.url, api_key=API_KEY, timeout_s=30)
+    prompts = [reference.tokenizer(text)["input_ids"] for text in ("3+4=", "12+9=", "7+7=")]
+    requests = [request(f"g{g}-i{g * 10 + i}-{g * 3 + i}", prompts[g], 6, 1.0, seed=11)
+                for g in range(3) for i in range(3)]
+    batched = asyncio.run(engine.generate(requests))
+    engine.seen.clear()
+    reported: list[int] = []
+    streamed = asyncio.run(engine.generate_streaming(requests, lambda position, _: reported.append(position)))
+    assert sorted(reported) == list(range(9))
+    assert [o.output_ids for o in streamed] == [o.output_ids for o in batched]
+    for start in range(0, 9, 3):  # a group is reported together: its three positions are adjacent in the order
+        group = set(range(start, start + 3))
+        indexes = [i for i, position in enumerate(reported) if position in group]
+        assert indexes == list(range(indexes[0], indexes[0] + 3)), reported
+    assert len(engine.seen) == 9  # three posts of three requests, no request twice
 
 
 def test_weight_update_through_disk_is_bit_identical(servers, model_dir, tmp_path, reference):

@@ -15,8 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
-from relax.backends.inference.router import EngineRouter, NoEngineAvailableError, group_key
+from relax.backends.inference.base import (
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    SamplingParams,
+    group_key,
+)
+from relax.backends.inference.router import EngineRouter, NoEngineAvailableError
 
 
 class Store:

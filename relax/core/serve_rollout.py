@@ -40,9 +40,9 @@ from relax.backends.inference.base import (
     OutputCallback,
     OutputReporter,
     PauseHolds,
+    positions_by_group,
 )
 from relax.backends.inference.http_sglang import distinct_seeds
-from relax.backends.inference.router import group_key
 from relax.config import RelaxConfig, flag
 from relax.distributed.weight_disk import DiskPublisher, DiskReceiver, complete_versions
 
@@ -282,9 +282,7 @@ class ServeEngine(InferenceEngine):
         report = OutputReporter(len(requests), on_output)
         await self._resumed.wait()
         requests = distinct_seeds(requests)
-        groups: dict[str, list[int]] = {}
-        for position, request in enumerate(requests):
-            groups.setdefault(group_key(request.request_id), []).append(position)
+        groups = positions_by_group(requests)
         # One call per replica, whole groups each (a replica decodes a call as one batch; many small calls would
         # each pay Serve's routing and decode apart); Serve's router spreads the calls over the replicas.
         calls = max(1, min(len(groups), self.deployment.target()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -108,6 +109,25 @@ class ScoreOutput:
     log_probs: list[float]  # log p(token) of each response token
     top_ids: list[list[int]] | None = None  # [response_length][top_k]
     top_log_probs: list[list[float]] | None = None
+
+
+# A rollout names each request g{group}-i{index}-{position} (`relax.engine.rollout.generate`): the samples of a
+# GRPO group share the prefix, so engines keep a group together (one batch shares its prompt's prefill).
+GROUP_PREFIX = re.compile(r"^g(\d+)-")
+
+
+def group_key(request_id: str) -> str:
+    """``g3-i12-0`` -> ``g3``; any other id is its own group."""
+    match = GROUP_PREFIX.match(request_id)
+    return f"g{match.group(1)}" if match else request_id
+
+
+def positions_by_group(requests: Sequence[GenerationRequest]) -> dict[str, list[int]]:
+    """The positions of ``requests`` per prompt group, groups in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for position, request in enumerate(requests):
+        groups.setdefault(group_key(request.request_id), []).append(position)
+    return groups
 
 
 OutputCallback = Callable[[int, "GenerationOutput"], None]

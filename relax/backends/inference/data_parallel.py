@@ -21,8 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest, InferenceEngine
-from relax.backends.inference.router import group_key
+from relax.backends.inference.base import (
+    PAUSE_OPERATOR,
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    group_key,
+)
 
 
 def assign_groups(requests: Sequence[GenerationRequest], world_size: int) -> list[int]:

@@ -35,7 +35,10 @@ from relax.backends.inference.base import (
     GenerationOutput,
     GenerationRequest,
     InferenceEngine,
+    OutputCallback,
+    OutputReporter,
     PauseHolds,
+    positions_by_group,
 )
 from relax.backends.routing_replay import decode_routes
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
@@ -248,6 +251,24 @@ class SGLangHTTPEngine(InferenceEngine):
             raise EngineHTTPError(f"POST {self.base_url}/generate: expected {len(requests)} results for a batch, got "
                                   f"{str(results)[:200]}", self.base_url, "/generate")
         return [self._parse_generation(request, result) for request, result in zip(requests, results)]
+
+    async def generate_streaming(self, requests: Sequence[GenerationRequest],
+                                 on_output: OutputCallback | None) -> list[GenerationOutput]:
+        """`generate`, one ``POST /generate`` per prompt group, all at once: each group is reported when its answer
+        comes (the server batches the concurrent posts as it batches one; each request keeps the seed one batched
+        call would give it, so the samples are the same)."""
+        requests = distinct_seeds(requests)
+        groups = positions_by_group(requests)
+        if len(groups) <= 1:
+            return await super().generate_streaming(requests, on_output)
+        report = OutputReporter(len(requests), on_output)
+
+        async def post(positions: list[int]) -> None:
+            for position, output in zip(positions, await self.generate([requests[p] for p in positions])):
+                report(position, output)
+
+        await asyncio.gather(*(post(positions) for positions in groups.values()))
+        return report.finish([report.outputs[position] for position in range(len(requests))])
 
     def _parse_generation(self, request: GenerationRequest, result: Any) -> GenerationOutput:
         if not isinstance(result, dict) or not isinstance(result.get("meta_info"), dict):

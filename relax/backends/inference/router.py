@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -45,6 +44,7 @@ from relax.backends.inference.base import (
     InferenceEngine,
     OutputCallback,
     OutputReporter,
+    positions_by_group,
 )
 from relax.backends.inference.http_broadcast import BroadcastWeightTransport
 from relax.backends.inference.http_sglang import distinct_seeds
@@ -52,7 +52,6 @@ from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger(__name__)
 
-GROUP_PREFIX = re.compile(r"^g(\d+)-")
 MAX_STICKY_GROUPS = 100_000
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024  # one collective per bucket; bounds the flat copy it needs
 
@@ -65,12 +64,6 @@ class EngineUnresponsiveError(RuntimeError):
     """An engine with requests in flight stopped answering its health checks (hung, stopped, partitioned)."""
 
     retryable = True
-
-
-def group_key(request_id: str) -> str:
-    """``g3-i12-0`` -> ``g3``; any other id is its own group."""
-    match = GROUP_PREFIX.match(request_id)
-    return f"g{match.group(1)}" if match else request_id
 
 
 def is_retryable(error: BaseException) -> bool:
@@ -308,9 +301,7 @@ class EngineRouter(InferenceEngine):
         """`generate`, reporting each request when its engine reports it (each engine's own `generate_streaming`)."""
         report = OutputReporter(len(requests), on_output)
         requests = distinct_seeds(requests)
-        groups: dict[str, list[int]] = {}
-        for position, request in enumerate(requests):
-            groups.setdefault(group_key(request.request_id), []).append(position)
+        groups = positions_by_group(requests)
         outputs: list[GenerationOutput | None] = [None] * len(requests)
         tried: dict[str, set[int]] = {key: set() for key in groups}
         pending = list(groups.items())
