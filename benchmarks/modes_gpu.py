@@ -92,15 +92,21 @@ def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Names
     port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     serve_device = ("1" if args.gpus > 1 else "0") if args.device == "cuda" else ""
+    # NCCL refuses two ranks on one GPU: with --gpus 1 the weights go through files the server reads
+    weights = ([] if args.gpus > 1
+               else ["--weight-sync-transport", "disk", "--rollout-weights-dir", str(out.parent / f"{out.name}_weights")])
+    if weights:
+        (out.parent / f"{out.name}_weights").mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(
         [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
-         "--device", args.device, "--batch-window-ms", str(args.batch_window_ms), "--log-level", "warning"],
+         "--device", args.device, "--batch-window-ms", str(args.batch_window_ms), "--log-level", "warning",
+         *(["--weight-update-root", weights[-1]] if weights else [])],
         cwd=ROOT, env=environment(serve_device), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_server(url, server, args.timeout)
         command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), mode,
                    "--max-staleness", "1", "--rollout-external", "--rollout-external-engine-addrs", url,
-                   "--weight-sync-transport", "broadcast"]
+                   *(weights or ["--weight-sync-transport", "broadcast"])]
         try:
             run(command, environment("0" if args.device == "cuda" else ""), mode.strip("-"), args.timeout)
         finally:
@@ -196,7 +202,9 @@ def main() -> None:
                    "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup_steps": args.warmup,
                    "colocate": f"torchrun --nproc-per-node {args.gpus}, sync loop, DataParallelEngine, FSDP2",
                    "fully_async": f"relax serve on GPU {1 if args.gpus > 1 else 0} + relax train --fully-async "
-                                  "--max-staleness 1 on GPU 0, NCCL weight broadcast",
+                                  "--max-staleness 1 on GPU 0, "
+                                  + ("NCCL weight broadcast" if args.gpus > 1 else "weights through files (NCCL "
+                                     "refuses two ranks on one GPU)"),
                    "hybrid": "as fully_async with --hybrid: reference and advantages in the trainer's step",
                    "kl_loss": args.kl,
                    "batch_window_ms": args.batch_window_ms},

@@ -140,3 +140,44 @@ def test_learning_rate_schedule():
     assert lr_lambda(2, 2, 10, "cosine", 0.1) == pytest.approx(1.0)
     assert lr_lambda(6, 2, 10, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_lambda(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1)
+
+
+def test_a_checkpointed_block_recomputes_with_the_rope_its_forward_ran_with():
+    """Autograd may recompute a checkpointed block on another thread (CUDA's backward worker) or after the
+    trainer's `rope_scope` closed; the recomputation must still dispatch RoPE as the forward did, or it saves tensors
+    of other shapes and the backward fails (seen on the H200). Here the backward runs outside the scope."""
+    from torch.utils.checkpoint import checkpoint
+
+    from relax.backends.training import liger
+
+    def block(x: torch.Tensor, seen: list[bool]) -> torch.Tensor:
+        seen.append(liger._ROPE_ACTIVE.get())
+        return x.sin()
+
+    def run(**kwargs) -> list[bool]:
+        seen: list[bool] = []
+        x = torch.ones(3, requires_grad=True)
+        with liger.rope_scope(True):
+            y = checkpoint(block, x, seen, use_reentrant=False, **kwargs)
+        y.sum().backward()  # the recomputation, outside the scope
+        return seen
+
+    assert run() == [True, False]  # the fault: the recomputation would take Hugging Face's RoPE
+    assert run(context_fn=liger.checkpoint_context) == [True, True]
+
+
+def test_the_trainer_checkpoints_blocks_with_that_context(tiny_workspace):
+    import dataclasses
+
+    from relax.backends.training import liger
+
+    backend = make_backend(tiny_workspace / "model")
+    settings = dataclasses.replace(backend.settings, gradient_checkpointing=True)
+    checkpointed = FSDPTrainBackend(tiny_workspace / "model", settings)
+    functions = {getattr(module, "_gradient_checkpointing_func", None) for module in checkpointed.model.modules()}
+    functions.discard(None)
+    assert functions and all(f.keywords == {"use_reentrant": False, "context_fn": liger.checkpoint_context}
+                             for f in functions)
+    metrics = checkpointed.train_step(make_batch(), build_policy_loss_fn(
+        PolicyLossSettings("ppo_clip", 0.2, 0.2, None, "token-mean")))
+    assert torch.isfinite(torch.tensor(metrics["loss"]))

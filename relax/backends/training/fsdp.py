@@ -54,7 +54,12 @@ from relax.backends.model_family import (
 from relax.backends.model_registry import traits
 from relax.backends.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
-from relax.backends.training.liger import apply_liger_kernels, liger_unavailable_reason, rope_scope
+from relax.backends.training.liger import (
+    apply_liger_kernels,
+    checkpoint_context,
+    liger_unavailable_reason,
+    rope_scope,
+)
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
 from relax.backends.training.lora import LoraSettings, inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
@@ -287,7 +292,9 @@ class FSDPTrainBackend(TrainBackend):
                         self.lora.rank, self.lora.hf_targets(), self.lora.scope, adapters, 100 * adapters / total,
                         total)
         if settings.gradient_checkpointing and trainable:
-            hf_model.gradient_checkpointing_enable()
+            # non-reentrant, so that a block's recomputation can be given the context its forward had
+            hf_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
                 hf_model.enable_input_require_grads()
         self._liger = False

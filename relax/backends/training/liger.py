@@ -109,6 +109,14 @@ def apply_liger_kernels(language_model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` of the trainer's activation checkpointing: the recomputation of a checkpointed block runs with
+    the RoPE its forward ran with. Autograd may recompute on another thread (CUDA's backward worker) or after the
+    trainer's `rope_scope` has closed, where the context variable is not set: Hugging Face's RoPE would then save
+    tensors of other shapes than liger's did, and the backward fails (found on the H200 with a KL loss)."""
+    return contextlib.nullcontext(), rope_scope(_ROPE_ACTIVE.get())
+
+
 @contextlib.contextmanager
 def rope_scope(enabled: bool):
     """liger's RoPE for the forwards (and backward recomputations) inside; Hugging Face's elsewhere."""
