@@ -178,6 +178,29 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
 
 
 @needs_ray
+def test_hybrid_holds_the_reference_in_the_actors_process(tiny_workspace, tmp_path, ray_guard):
+    """`--hybrid` as upstream places it: no reference process; the actor's process holds the reference beside the
+    policy and computes its log-probs over the whole step (step 1's KL against the initial weights is 0)."""
+    out = tmp_path / "hybrid"
+    cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", "--hybrid", "--max-staleness", "1",
+                                       "--use-kl-loss", "--kl-loss-coef", "0.1", *RUN))
+
+    def check(service):
+        assert set(service.health()) == {"actor", "rollout"}, service.health()
+
+    _run_with_ray(cfg, check)
+    rows = _assert_finite_losses(out)
+    assert abs(rows[0]["train/kl_loss"]) < 1e-6 and all(abs(row["train/kl_loss"]) > 1e-5 for row in rows[1:])
+    assert all(row["data/consumed_groups"] == 4 and "data/streamed_fields_fraction" not in row for row in rows)
+    with pytest.raises(ConfigError, match="with --hybrid the reference runs in the actor's processes"):
+        from relax.core.service import RayService
+
+        RayService(parse_config(tiny_train_args(tiny_workspace, tmp_path / "refused", "--placement", "ray", "--hybrid",
+                                                "--use-kl-loss", "--num-rollout", "1", "--resource",
+                                                '{"actor": [1, 1], "rollout": [1, 1], "reference": [1, 1]}'))).start()
+
+
+@needs_ray
 def test_the_judge_and_the_advantages_in_processes_of_their_own(tiny_workspace, tmp_path, ray_guard):
     """`--resource` places upstream's `genrm` (the --genrm-model-path judge) and `advantages` roles: the rollout's
     rewards ask the judge's process for verdicts, the advantages stream from TransferQueue in their own process."""

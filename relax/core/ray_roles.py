@@ -85,8 +85,11 @@ class RoleWorker:
             torch.set_num_threads(1)  # roles share the machine's cores; one thread each
         ctx = build.build_context(cfg)
         self._engine_settings = (ctx.tokenizer, ctx.device, ctx.dtype)  # what a scaled-out engine is built with
+        self.reference = None  # --hybrid: the reference beside the policy in the actor's processes (upstream's)
         if name == "actor":
             self.role = build.build_actor(ctx)
+            if cfg.hybrid and build.needs_reference(cfg, build.build_advantages(ctx)):
+                self.reference = build.build_reference(ctx)
         elif name == "rollout":  # with a judge process (--resource genrm), the rewards ask it for verdicts
             rewards = build.build_reward_computer(cfg, remote=RayJudge(judge)) if judge else None
             self.role = build.build_rollout(ctx, rewards=rewards)
@@ -132,6 +135,10 @@ class RoleWorker:
         if self.name == "reference":
             return await self.role.compute_log_probs(samples)
         return await self.role.compute_log_probs(samples, gather_ids)
+
+    async def reference_log_probs(self, samples):
+        """The reference's log-probs, from the reference this actor process holds (--hybrid)."""
+        return await self.reference.compute_log_probs(samples)
 
     async def compute_values(self, samples):
         return await self.role.compute_values(samples)
@@ -406,13 +413,15 @@ class RemoteActor(RemoteRole):
 
 
 class RemoteReference(RemoteRole):
-    """`relax.components.actor_fwd.ActorFwd` (the reference) in another process."""
+    """`relax.components.actor_fwd.ActorFwd` (the reference) in another process: its own, or, with ``inside`` =
+    ``"actor"`` (--hybrid), the actor's processes, which hold it beside the policy."""
 
-    def __init__(self, handle: Any) -> None:
-        super().__init__("reference", handle)
+    def __init__(self, handle: Any, inside: str | None = None) -> None:
+        super().__init__(inside or "reference", handle)
+        self._method = "reference_log_probs" if inside else "compute_log_probs"
 
     async def compute_log_probs(self, samples):
-        return await self._call("compute_log_probs", samples)
+        return await self._call(self._method, samples)
 
     async def stream_role_step(self, step: int) -> int:
         return await self._call("stream_role_step", step)

@@ -95,6 +95,7 @@ class RayService:
         self.started_transfer_queue = False
         self.sync_dtype: torch.dtype | None = None
         self.weight_root = Path(cfg.output_dir) / "weight_sync"
+        self.reference_in_actor = False
 
     @property
     def async_mode(self) -> bool:
@@ -107,7 +108,13 @@ class RayService:
         self.sync_dtype = ctx.dtype
         roles = placed_roles(cfg)
         advantages = build_advantages(ctx)
-        if "reference" in roles and not needs_reference(cfg, advantages):
+        # --hybrid (upstream's): the reference lives in the actor's processes, beside the policy
+        self.reference_in_actor = cfg.hybrid and needs_reference(cfg, advantages)
+        if self.reference_in_actor and "reference" in cfg.resource:
+            raise ConfigError(f"{flag('resource')} reference: with --hybrid the reference runs in the actor's "
+                              "processes, beside the policy (upstream's hybrid); drop the entry, the actor's "
+                              "resources hold it")
+        if "reference" in roles and (self.reference_in_actor or not needs_reference(cfg, advantages)):
             roles.remove("reference")
         check_resource_covers(cfg, roles)
         if cfg.ray_address:
@@ -132,7 +139,8 @@ class RayService:
             actor=RemoteActor(self.ranks("actor"), cfg.train_batch_size),
             advantages=RemoteAdvantages(self.workers["advantages"], advantages) if "advantages" in self.workers
             else advantages,
-            reference=RemoteReference(self.ranks("reference")) if "reference" in self.workers else None,
+            reference=(RemoteReference(self.ranks("reference")) if "reference" in self.workers
+                       else RemoteReference(self.ranks("actor"), inside="actor") if self.reference_in_actor else None),
             total_steps=ctx.total_steps, device=ctx.device, inference_dtype=ctx.dtype,
             critic=RemoteCritic(self.ranks("critic")) if "critic" in self.workers else None,
             service=self,
