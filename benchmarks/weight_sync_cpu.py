@@ -133,15 +133,15 @@ def bench_disk(trainer: torch.nn.Module, config, args) -> tuple[list[float], boo
     return times, weights_digest(engine.model) == weights_digest(trainer)
 
 
-def _engine_process(port: int, config_dict: dict, dtype: str, syncs: int, threads: int, device: str,
-                    results) -> None:
-    """The engine side of the broadcast benchmark: report after each received version."""
+def _engine_process(port: int, rank: int, world_size: int, config_dict: dict, dtype: str, syncs: int, threads: int,
+                    device: str, results) -> None:
+    """One engine of the broadcast benchmark (group rank ``rank``): report after each received version."""
     torch.set_num_threads(threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     engine = new_engine(Qwen3Config(**config_dict), getattr(torch, dtype), device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    group = WeightSyncGroup.init("127.0.0.1", port, 1, 2, backend=backend, timeout_s=TIMEOUT_S,
+    group = WeightSyncGroup.init("127.0.0.1", port, rank, world_size, backend=backend, timeout_s=TIMEOUT_S,
                                  device=torch.device(device))
     receiver = BroadcastReceiver(group, engine)
     for _ in range(syncs):
@@ -151,32 +151,53 @@ def _engine_process(port: int, config_dict: dict, dtype: str, syncs: int, thread
     group.close()
 
 
-def bench_broadcast(trainer: torch.nn.Module, config, args) -> tuple[list[float], bool]:
+def engine_device(args, index: int) -> str:
+    """Engine ``index``'s device: ``--engine-device`` on CPU; on CUDA one GPU each, from ``--engine-device`` on."""
+    if not args.engine_device.startswith("cuda"):
+        return args.engine_device
+    first = int(args.engine_device.partition(":")[2] or 0)
+    return f"cuda:{first + index}"
+
+
+def bench_broadcast(trainer: torch.nn.Module, config, args, engines: int = 1) -> tuple[list[float], bool]:
+    """A sync ends when every one of ``engines`` engine processes serves the version (one broadcast to all)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_loopback_port()
-    engine_process = context.Process(target=_engine_process, args=(
-        port, config.to_dict(), args.dtype, args.repeats + 1, args.threads, args.engine_device, results))
-    engine_process.start()
+    processes = [context.Process(target=_engine_process, args=(
+        port, rank, engines + 1, config.to_dict(), args.dtype, args.repeats + 1, args.threads,
+        engine_device(args, rank - 1), results)) for rank in range(1, engines + 1)]
+    for process in processes:
+        process.start()
     try:
         backend = "nccl" if args.trainer_device.startswith("cuda") else "gloo"
-        group = WeightSyncGroup.init("127.0.0.1", port, 0, 2, backend=backend, timeout_s=TIMEOUT_S,
+        group = WeightSyncGroup.init("127.0.0.1", port, 0, engines + 1, backend=backend, timeout_s=TIMEOUT_S,
                                      device=torch.device(args.trainer_device))
         publisher = BroadcastPublisher(group)
 
+        digests: list[str] = []  # an engine done with its last version reports its digest, maybe before the others
+
         def sync(version: int) -> None:
             asyncio.run(publisher.publish(buckets_of(trainer, args), version))
-            kind, served, _ = results.get(timeout=TIMEOUT_S)
-            assert (kind, served) == ("synced", version), (kind, served)
+            synced = 0
+            while synced < engines:
+                kind, value, _ = results.get(timeout=TIMEOUT_S)
+                if kind == "digest":
+                    digests.append(value)
+                    continue
+                assert (kind, value) == ("synced", version), (kind, value)
+                synced += 1
 
         times = time_syncs(sync, args.repeats)
-        _, digest, _ = results.get(timeout=TIMEOUT_S)
+        while len(digests) < engines:
+            digests.append(results.get(timeout=TIMEOUT_S)[1])
         group.close()
     finally:
-        engine_process.join(timeout=TIMEOUT_S)
-        if engine_process.is_alive():
-            engine_process.kill()
-    return times, digest == weights_digest(trainer)
+        for process in processes:
+            process.join(timeout=TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+    return times, all(digest == weights_digest(trainer) for digest in digests)
 
 
 TRANSPORTS = {"in_process": bench_in_process, "broadcast": bench_broadcast, "disk": bench_disk}
@@ -196,6 +217,13 @@ def bench_model(name: str, args) -> dict:
                                            "gb_per_s": result["sync_bytes"] / median / 1e9}
         print(f"{name:>10} ({parameters / 1e6:6.1f} M params, {result['buckets']} buckets) {transport:>10}: "
               f"{median:7.3f} s/sync  identical={identical}", flush=True)
+    for engines in (int(n) for n in args.engines.split(",") if int(n) > 1):  # the fan-out to several engines
+        times, identical = bench_broadcast(trainer, config, args, engines)
+        median = statistics.median(times)
+        result["transports"][f"broadcast_to_{engines}"] = {
+            "seconds_per_sync": median, "times": times, "bit_identical": identical,
+            "gb_per_s": result["sync_bytes"] / median / 1e9}  # per link: every engine receives the whole model
+        print(f"{name:>10} broadcast to {engines} engines: {median:7.3f} s/sync  identical={identical}", flush=True)
     base = result["transports"]["in_process"]["seconds_per_sync"]
     result["ratio_vs_in_process"] = {transport: entry["seconds_per_sync"] / base
                                      for transport, entry in result["transports"].items()}
@@ -213,6 +241,8 @@ def main(defaults: dict | None = None, description: str = __doc__) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "weight_sync_cpu.json")
     parser.add_argument("--name", default="weight_sync_cpu", help="the result's benchmark name")
+    parser.add_argument("--engines", default="1", help="engine counts of the broadcast, e.g. 1,3,7 (on CUDA each "
+                        "engine takes its own GPU from --engine-device on)")
     parser.set_defaults(**(defaults or {}))
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -227,7 +257,9 @@ def main(defaults: dict | None = None, description: str = __doc__) -> None:
                    "engine_device": args.engine_device,
                    "in_process": "an engine in the trainer's process, on the trainer's device",
                    "broadcast": f"{'nccl' if args.trainer_device.startswith('cuda') else 'gloo'}, 127.0.0.1, "
-                                "1 engine process",
+                                "1 engine process; broadcast_to_N: one broadcast to N engine processes "
+                                "(gb_per_s per link)",
+                   "engines": args.engines,
                    "disk": "safetensors per bucket + manifest, fsync on, system temp dir"},
         "models": models,
         "total_s": time.perf_counter() - started,

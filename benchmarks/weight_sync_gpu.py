@@ -10,6 +10,12 @@ randomly initialised Qwen3-0.6B- and Qwen3-4B-shaped models in bfloat16 with 512
 - in_process: the colocated copy into an engine on the trainer's own GPU, for reference.
 
     NCCL_NVLS_ENABLE=0 python -m benchmarks.weight_sync_gpu     # writes results/weight_sync_gpu.json
+    NCCL_NVLS_ENABLE=0 python -m benchmarks.weight_sync_gpu --engines 1,3,7   # one broadcast to 1, 3 and 7 engines
+                                                                                  # on GPUs 1..7 (8 GPUs)
+
+``--engines`` adds ``broadcast_to_N`` rows: one NCCL broadcast from the trainer to N engine processes, each on its
+own GPU, timed until every engine serves the version; ``gb_per_s`` is per link (each engine receives the whole
+model). The same option runs on CPU with gloo (`benchmarks/weight_sync_cpu.py --engines 1,3`).
 """
 
 from __future__ import annotations
