@@ -289,6 +289,36 @@ def test_disk_manifest_mismatch_leaves_the_engine_on_its_previous_version(tiny_w
     assert not asyncio.run(engine.health())["paused"]
 
 
+def test_a_following_engine_skips_a_damaged_version_once_and_takes_the_next(tiny_workspace, tmp_path, caplog):
+    """`DiskFollower` (the engines following the published versions): a version that cannot be loaded leaves the
+    engine on its version, is reported once (not on every poll), and the next good version is applied."""
+    from relax.distributed.weight_disk import DiskFollower
+
+    engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
+    sync_dir = tmp_path / "sync"
+    publisher = DiskPublisher(sync_dir, keep_last=5, fsync=False)
+    state = engine_state(engine)
+
+    async def scenario() -> None:
+        follower = DiskFollower(sync_dir, engine, asyncio.Lock())
+        await publisher.publish(bucketize(perturbed(state, 1).items(), BUCKET_BYTES), 1)
+        path = version_dir(sync_dir, 1) / MANIFEST_NAME
+        manifest = json.loads(path.read_text())
+        manifest["version"] = 99
+        path.write_text(json.dumps(manifest))
+        for _ in range(3):
+            await follower.catch_up()
+        assert engine.weight_version == 0 and follower.pop_metrics() == {}
+        await publisher.publish(bucketize(perturbed(state, 2).items(), BUCKET_BYTES), 2)
+        await follower.catch_up()
+        assert engine.weight_version == 2 and follower.pop_metrics()["perf/weight_pull_versions"] == 1.0
+
+    with caplog.at_level("WARNING", logger="relax"):
+        asyncio.run(scenario())
+    assert_engine_matches(engine_state(engine), perturbed(state, 2))
+    assert sum("weight version 1 could not be loaded" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_check_manifest_names_the_tensor_and_version(tiny_workspace):
     engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
     shapes = engine_weight_specs(engine)

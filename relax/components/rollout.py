@@ -167,10 +167,9 @@ class Rollout:
         # Refill rounds get their own seeds, disjoint from the step seeds of eval (salt 1 + set position).
         salt = 0 if round_index == 0 else 1_000_003 * round_index
         sampling = replace(self.sampling, seed=self._step_seed(rollout_id, salt=salt))
-        finish = self._finish_group if on_group is None else None
         samples = await self._generate_and_score(samples, sampling, on_group=on_group)
-        if finish is not None:
-            finish(samples)
+        if on_group is None:  # handed-on groups were finished before they left
+            self._finish_group(samples)
         return samples
 
     def _finish_group(self, samples: list[Sample]) -> None:
@@ -182,9 +181,9 @@ class Rollout:
         """Scored samples of step ``rollout_id``, grouped by prompt, and rollout metrics.
 
         ``on_group``: awaited with the groups, scored, as soon as their last samples finish, while the others still
-        decode (the asynchronous modes write them to training then). Groups it was given are in the returned
-        samples too. With dynamic sampling or a per-sample generate function it is not called: the caller takes the
-        returned samples.
+        decode (the asynchronous modes write them to training then); a per-sample generate function hands them all
+        on at its end. Groups it was given are in the returned samples too. With dynamic sampling it is not called:
+        the caller takes the returned samples.
 
         With dynamic sampling, groups the filter rejects are dropped and replaced by groups of the
         next prompts of the data source, round after round, until ``rollout_batch_size`` groups are

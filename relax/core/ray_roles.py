@@ -55,10 +55,11 @@ class RoleWorker:
     ``group`` = ``(rank, world_size, init_method)`` makes it one rank of a role spread over several processes: the
     role's FSDP2 process group is the default group of these processes (torchrun's variables and the rendezvous,
     ``file://`` on one node or ``tcp://`` across nodes, set before the role is built), every rank receives the whole
-    batch and trains on its share."""
+    batch and trains on its share. ``judge``: the Ray name of the GenRM judge's process, which the rollout's rewards
+    ask for verdicts; ``with_reference``: an actor that holds the reference beside the policy (--hybrid)."""
 
     def __init__(self, name: str, cfg: Any, group: tuple[int, int, str] | None = None,
-                 judge: str | None = None) -> None:
+                 judge: str | None = None, with_reference: bool = False) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.rank = 0
@@ -88,7 +89,7 @@ class RoleWorker:
         self.reference = None  # --hybrid: the reference beside the policy in the actor's processes (upstream's)
         if name == "actor":
             self.role = build.build_actor(ctx)
-            if cfg.hybrid and build.needs_reference(cfg, build.build_advantages(ctx)):
+            if with_reference:
                 self.reference = build.build_reference(ctx)
         elif name == "rollout":  # with a judge process (--resource genrm), the rewards ask it for verdicts
             rewards = build.build_reward_computer(cfg, remote=RayJudge(judge)) if judge else None
@@ -147,16 +148,9 @@ class RoleWorker:
         """This role as a streaming role (``--fully-async``; the reference or the advantages): reads the groups of
         partition ``train_{step}`` from TransferQueue as rollout writes them and writes its field back, in this
         process (the samples never pass through the controller)."""
-        from relax.core.streaming_roles import ADVANTAGES, REF_LOG_PROBS, stream_role
+        from relax.core.streaming_roles import stream_role
 
-        if self.name == "reference":
-            return await stream_role(self._data_plane(), self.name, REF_LOG_PROBS, (), self.role.compute_log_probs,
-                                     step)
-
-        async def advantages(samples):
-            return (await self.role.compute(samples)).advantages
-
-        return await stream_role(self._data_plane(), self.name, ADVANTAGES, (), advantages, step)
+        return await stream_role(self._data_plane(), self.name, self.role, step)
 
     # ---- advantages / the judge ----------------------------------------------------------------
     async def compute_advantages(self, samples, log_probs=None, ref_log_probs=None, values=None):

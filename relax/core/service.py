@@ -206,7 +206,7 @@ class RayService:
                 max_concurrency=16 if name != "genrm" else 256,  # the judge batches many verdicts at once
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
                                                                      placement_group_bundle_index=index),
-            ).remote(name, self.cfg, group, judge)
+            ).remote(name, self.cfg, group, judge, name == "actor" and self.reference_in_actor)
         # Building a role loads its model; a failure surfaces here with the worker's traceback.
         for name, worker in self.workers.items():
             self._wait(worker.health.remote())

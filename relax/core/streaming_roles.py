@@ -29,6 +29,7 @@ drops them and counts them).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -42,24 +43,35 @@ REF_LOG_PROBS = "ref_log_probs"
 ADVANTAGES = "advantages"
 
 
+FIELD_OF_ROLE = {"reference": REF_LOG_PROBS, "advantages": ADVANTAGES}
+
+
 @dataclass
 class StreamingRole:
-    """A role that turns the groups of a partition into field ``gives`` (one tensor per sample), reading groups once
-    they carry ``needs``. ``run_step`` processes one step's partition to its end; a role in another process has
-    its own ``run_step`` (a remote call that runs the same `stream_role` there)."""
+    """A role that gives field ``gives`` (one tensor per sample) to the groups of a partition; ``run_step`` processes
+    one step's partition to its end, here (`stream_role`) or, for a role in its own Ray process, there."""
 
     name: str
     gives: str
-    needs: tuple[str, ...] = ()
-    compute: Callable[[list[Sample]], Awaitable[list[torch.Tensor]]] | None = None
-    run_step: Callable[[int], Awaitable[int]] | None = None
+    run_step: Callable[[int], Awaitable[int]]
 
 
-async def stream_role(plane: DataPlane, name: str, gives: str, needs: tuple[str, ...],
-                      compute: Callable[[list[Sample]], Awaitable[list[torch.Tensor]]], step: int) -> int:
-    """Give field ``gives`` to every group of partition ``step`` as it arrives; returns how many groups it saw."""
+def _computation(name: str, role) -> Callable[[list[Sample]], Awaitable[list[torch.Tensor]]]:
+    """How role ``name`` computes its field from samples."""
+    if name == "reference":
+        return role.compute_log_probs
+
+    async def advantages(samples: list[Sample]) -> list[torch.Tensor]:
+        return (await role.compute(samples)).advantages
+
+    return advantages
+
+
+async def stream_role(plane: DataPlane, name: str, role, step: int) -> int:
+    """Give role ``name``'s field to every group of partition ``step`` as it arrives; how many groups it saw."""
+    gives, compute = FIELD_OF_ROLE[name], _computation(name, role)
     seen = 0
-    async for groups in plane.stage_stream(step, name, needs, (gives,)):
+    async for groups in plane.stage_stream(step, name, (), (gives,)):
         seen += len(groups)
         usable = [group for group in groups if _usable(group)]
         values = iter(await compute([s for group in usable for s in group]) if usable else [])
@@ -98,35 +110,20 @@ def streaming_roles(cfg: RelaxConfig, roles, plane: DataPlane) -> list[Streaming
     """The roles that stream in this run: none but in ``--fully-async``."""
     if not cfg.fully_async:
         return []
-    streamed = []
+    candidates = []
     # A reference over several ranks stays in the step: its ranks' forwards are collectives over one batch, and
     # each rank reading the partition on its own would give them different groups.
     if roles.reference is not None and len(getattr(roles.reference, "handles", ())) <= 1:
-        reference = roles.reference
-        remote = getattr(reference, "stream_role_step", None)  # the reference in its own Ray process
-        streamed.append(StreamingRole("reference", REF_LOG_PROBS, compute=None if remote else reference.compute_log_probs,
-                                      run_step=remote))
-    advantages = roles.advantages
-    remote = getattr(advantages, "stream_role_step", None)  # the advantages in their own Ray process
-    # In the controller's process under Ray placement, streaming them would read every group from TransferQueue a
-    # second time to save cheap math: there they are computed in the step, from the samples the trainer reads.
-    if streams_advantages(cfg, roles) and (remote is not None or isinstance(plane, InProcessDataPlane)):
-
-        async def compute_advantages(samples: list[Sample]) -> list[torch.Tensor]:
-            return (await advantages.compute(samples)).advantages
-
-        streamed.append(StreamingRole("advantages", ADVANTAGES, compute=None if remote else compute_advantages,
-                                      run_step=remote))
-    for role in streamed:
-        if role.run_step is None:
-            role.run_step = _local_runner(plane, role)
-    return streamed
-
-
-def _local_runner(plane: DataPlane, role: StreamingRole) -> Callable[[int], Awaitable[int]]:
-    async def run_step(step: int) -> int:
-        return await stream_role(plane, role.name, role.gives, role.needs, role.compute, step)
-    return run_step
+        candidates.append(("reference", roles.reference))
+    # In the controller's process under Ray placement, streaming the advantages would read every group from
+    # TransferQueue a second time to save cheap math: there they are computed in the step, unless they have a process.
+    if streams_advantages(cfg, roles) and (hasattr(roles.advantages, "stream_role_step")
+                                           or isinstance(plane, InProcessDataPlane)):
+        candidates.append(("advantages", roles.advantages))
+    # A role in its own Ray process streams there (its ``stream_role_step``); the others in this process.
+    return [StreamingRole(name, FIELD_OF_ROLE[name],
+                          getattr(role, "stream_role_step", None) or functools.partial(stream_role, plane, name, role))
+            for name, role in candidates]
 
 
 async def run_roles(streamed: list[StreamingRole], start: int, total: int) -> None:

@@ -17,7 +17,6 @@ After each publish the publisher keeps the newest ``keep_last`` complete version
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from relax.distributed.weight_sync import (
     check_manifest,
     engine_weight_specs,
 )
+from relax.utils.aio import cancel_and_wait
 from relax.utils.durable import fsync_path
 
 PUBLISHER_RUN = uuid.uuid4().hex  # this process's id in the manifests it publishes (see RUN_META_KEY)
@@ -271,6 +271,7 @@ class DiskFollower:
         self.between_calls = between_calls
         self.interval_s = interval_s
         self.applied: list[SyncMetrics] = []  # since the last `pop_metrics`
+        self._failed: int | None = None  # a version that could not be loaded: wait for a newer one
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -281,11 +282,12 @@ class DiskFollower:
         """Apply the newest published version now if it is newer than the served one; the caller holds
         ``between_calls``."""
         latest = self.receiver.latest_version()
-        if latest is None or latest <= self.receiver.engine.weight_version:
+        if latest is None or latest <= self.receiver.engine.weight_version or latest == self._failed:
             return
         try:
             self.applied.append(await self.receiver.apply(latest))
-        except (WeightSyncError, FileNotFoundError) as error:  # removed meanwhile: a newer one exists
+        except (WeightSyncError, FileNotFoundError) as error:  # removed meanwhile, or damaged: wait for a newer one
+            self._failed = latest
             logger.warning("weight version %d could not be loaded (%s); waiting for the next one", latest, error)
 
     def pop_metrics(self) -> dict[str, float]:
@@ -303,9 +305,7 @@ class DiskFollower:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
 
