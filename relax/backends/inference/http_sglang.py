@@ -268,7 +268,7 @@ class SGLangHTTPEngine(InferenceEngine):
                 report(position, output)
 
         await asyncio.gather(*(post(positions) for positions in groups.values()))
-        return report.finish([report.outputs[position] for position in range(len(requests))])
+        return [report.outputs[position] for position in range(len(requests))]
 
     def _parse_generation(self, request: GenerationRequest, result: Any) -> GenerationOutput:
         if not isinstance(result, dict) or not isinstance(result.get("meta_info"), dict):
