@@ -203,9 +203,10 @@ class RelaxConfig(BaseModel):
     )
     hybrid: bool = _field(
         False,
-        "Today the --fully-async pipeline with --partial-rollout refused (weights pushed between generations); "
-        "upstream's hybrid placement of the reference and advantages is not built yet (docs/modes.md). Exclusive "
-        "with --fully-async.",
+        "Rollout runs ahead as in --fully-async, while the reference, old-policy forwards and advantages run over "
+        "whole steps inside the trainer's step (under --placement ray the reference lives in the actor's "
+        "processes), as upstream's hybrid; --partial-rollout is refused. Exclusive with --fully-async "
+        "(docs/modes.md).",
         "mode",
     )
     max_staleness: int = _field(
@@ -227,6 +228,15 @@ class RelaxConfig(BaseModel):
         "generation before a weight push; past it the run stops with an error naming what it waited for.",
         "mode",
         gt=0,
+    )
+    train_stream_chunks: int = _field(
+        4,
+        "--fully-async: the trainer reads a step's groups as they land and trains on them in up to this many chunks "
+        "before the last group arrives (one optimizer step; the loss's global denominators are rescaled at the end, "
+        "so the update equals training on the whole step). 1 waits for the whole step. Steps that need the whole "
+        "batch first (old-policy log-probs, a critic, whitened or KL-shaped advantages) always wait.",
+        "mode",
+        ge=1,
     )
     mask_offpolicy_in_partial_rollout: bool = _field(
         False, "With --partial-rollout, keep only the tokens of the newest weight version in the loss.", "mode"

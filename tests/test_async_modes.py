@@ -26,9 +26,9 @@ class RecordingController(AsyncController):
         super().__init__(*args, **kwargs)
         self.trained: list[tuple[int, int, list]] = []
 
-    async def train_on(self, rollout_id, samples):
+    async def _after_training(self, rollout_id, samples):  # both paths: trained whole, or as the step arrived
         self.trained.append((rollout_id, self.gate.trained_version, [s.weight_version for s in samples]))
-        return await super().train_on(rollout_id, samples)
+        return await super()._after_training(rollout_id, samples)
 
 
 def _run(cfg) -> RecordingController:
@@ -72,9 +72,9 @@ class StreamCheckingController(RecordingController):
         super().__init__(*args, **kwargs)
         self.carried_fields: list[set[str]] = []
 
-    async def train_on(self, rollout_id, samples):
+    async def _after_training(self, rollout_id, samples):
         self.carried_fields.append(set.intersection(*(set(s.stage_fields) for s in samples)))
-        return await super().train_on(rollout_id, samples)
+        return await super()._after_training(rollout_id, samples)
 
 
 def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(tiny_workspace, tmp_path, monkeypatch):
@@ -120,7 +120,11 @@ def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(t
     assert hybrid.streaming == [] and hybrid.carried_fields == [set()] * 3
     assert hybrid_calls == hybrid_sizes == [16] * 3  # the whole step, in the trainer
     first, first_hybrid = rows[0], hybrid_rows[0]
-    for key in ("train/loss", "train/advantage_abs_mean", "rollout/reward_mean"):
+    # --fully-async trains each step in chunks as its groups arrive (--train-stream-chunks 4, one group each); the
+    # rescaled update is hybrid's whole-step update
+    assert all(row["perf/train_chunks"] == 4 and row["train/optimizer_steps"] == 1 for row in rows), rows
+    assert all("perf/train_chunks" not in row for row in hybrid_rows)
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/advantage_abs_mean", "rollout/reward_mean"):
         assert math.isclose(first[key], first_hybrid[key], rel_tol=1e-4, abs_tol=1e-6), key
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from relax.algorithms.aggregation import LossAggregation, Rescale, StepCounts, denominator_kind
 from relax.algorithms.loss import LossFn
 from relax.backends.training.base import LogProbs, TrainBackend, TrainBatch
 from relax.data.sample import Sample
@@ -48,6 +50,14 @@ def train_in_optimizer_steps(backend: TrainBackend, batch: TrainBatch, loss_fn: 
     return {f"{prefix}{name}": statistics.fmean(m[name] for m in per_step) for name in per_step[0]}
 
 
+@dataclass
+class _StreamedStep:
+    step: int
+    provisional: StepCounts
+    samples: int = 0
+    tokens: int = 0
+
+
 class Actor:
     """Trains on each rollout batch in ``len(samples) / train_batch_size`` optimizer steps.
 
@@ -56,11 +66,14 @@ class Actor:
     on-policy mode). With several steps they are computed once, before the first step.
     """
 
-    def __init__(self, backend: TrainBackend, loss_fn: LossFn, train_batch_size: int, routing_replay: bool = False):
+    def __init__(self, backend: TrainBackend, loss_fn: LossFn, train_batch_size: int, routing_replay: bool = False,
+                 loss_aggregation: LossAggregation = "seq-mean-token-mean"):
         self.backend = backend
         self.loss_fn = loss_fn
         self.train_batch_size = train_batch_size
         self.routing_replay = routing_replay  # forwards route tokens to the rollout's experts (R3)
+        self.loss_kind = denominator_kind(loss_aggregation)
+        self._streamed: _StreamedStep | None = None
 
     def needs_old_log_probs(self, num_samples: int) -> bool:
         return num_samples > self.train_batch_size
@@ -76,6 +89,41 @@ class Actor:
         batch = to_train_batch(samples, fields, gather_ids, routed_experts=self.routing_replay)
         metrics = train_in_optimizer_steps(self.backend, batch, self.loss_fn, self.train_batch_size, prefix="train/")
         metrics["train/optimizer_steps"] = float(math.ceil(len(samples) / self.train_batch_size))
+        return metrics
+
+    # ---- a step trained as its data arrives ------------------------------------------------
+    async def streamed_step_unsupported(self, num_samples: int) -> str | None:
+        """Why a step of ``num_samples`` cannot be trained chunk by chunk as its groups arrive, or None."""
+        if self.needs_old_log_probs(num_samples):
+            return f"several optimizer steps per rollout ({num_samples} samples, --global-batch-size " \
+                   f"{self.train_batch_size}) need the old-policy log-probs of the whole batch first"
+        if self.loss_kind == "tokens" and getattr(self.backend, "adds_per_sample_loss", False):
+            return "the MoE auxiliary loss divides by samples and the token-mean loss by tokens: one rescale " \
+                   "cannot correct both"
+        return None
+
+    async def train_chunk(self, step: int, samples: list[Sample], fields: dict[str, list[torch.Tensor]],
+                          expected_samples: int, last: bool) -> None:
+        """Add ``samples`` (whole groups of rollout step ``step``) to that step's one optimizer step; the first chunk
+        of a step opens it. The loss divides by provisional counts (``expected_samples``, and the tokens the first
+        chunk implies for them) that `finish_streamed_step` corrects. ``last``: no chunk follows."""
+        batch = to_train_batch(samples, fields, routed_experts=self.routing_replay)
+        if self._streamed is None or self._streamed.step != step:
+            tokens = math.ceil(batch.num_loss_tokens() * expected_samples / max(len(batch), 1))
+            self._streamed = _StreamedStep(step, StepCounts(expected_samples, max(tokens, 1)))
+            self.backend.begin_step(self.loss_fn, self._streamed.provisional)
+        self.backend.accumulate(batch, last=last)
+        self._streamed.samples += len(batch)
+        self._streamed.tokens += batch.num_loss_tokens()
+
+    async def finish_streamed_step(self, step: int) -> dict[str, float]:
+        """Apply the optimizer step of ``step``'s chunks; ``train/*`` metrics as `train` gives them."""
+        streamed, self._streamed = self._streamed, None
+        if streamed is None or streamed.step != step:
+            raise RuntimeError(f"no chunk of step {step + 1} was trained")
+        rescale = Rescale(streamed.provisional, StepCounts(streamed.samples, streamed.tokens), self.loss_kind)
+        metrics = {f"train/{name}": value for name, value in self.backend.end_step(rescale).items()}
+        metrics["train/optimizer_steps"] = 1.0
         return metrics
 
     def weight_buckets(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -28,13 +28,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
+
+import torch
 
 from relax.config import RelaxConfig
 from relax.core.build import Roles
 from relax.core.compute_thread import ComputeThread, OffLoopRole
 from relax.core.controller import SyncController
-from relax.core.streaming_roles import generate_group_by_group, run_roles, streaming_roles
+from relax.core.streaming_roles import (
+    ADVANTAGES,
+    generate_group_by_group,
+    run_roles,
+    streamed_field,
+    streaming_roles,
+    streams_advantages,
+)
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
 from relax.utils.aio import cancel_and_wait
@@ -87,6 +97,7 @@ class AsyncController(SyncController):
         self.streaming = streaming_roles(cfg, self.roles, self.plane)
         self._streamed_fields = tuple(role.gives for role in self.streaming)
         self._streaming_task: asyncio.Task | None = None
+        self._streams_training = False  # whether the trainer trains each step as its groups arrive (set by _run)
 
     # ---- producer -------------------------------------------------------------------------
     async def _produce(self, start: int, total: int) -> None:
@@ -123,41 +134,109 @@ class AsyncController(SyncController):
         await self.plane.mark_complete(step)
 
     # ---- trainer --------------------------------------------------------------------------
+    @property
+    def _step_samples(self) -> int:
+        return self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
+
+    def _read(self, step: int, batch_size: int):
+        """The trainer's stream of ``step``'s groups, in batches of ``batch_size`` samples."""
+        return self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size, needs=self._streamed_fields)
+
     async def _collect(self, step: int) -> list[Sample]:
-        batch_size = self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
         samples: list[Sample] = []
 
         async def read() -> None:
-            async for batch in self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size,
-                                                 needs=self._streamed_fields):
+            async for batch in self._read(step, self._step_samples):
                 samples.extend(batch)
 
         await self._unless_a_streaming_role_fails(read())
-        if self._producer_error is not None:
-            raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
+        await self._check_rollout_of(step, samples)
         return samples
 
-    async def _unless_a_streaming_role_fails(self, awaitable) -> None:
-        """Await ``awaitable``; a streaming role's failure ends the wait with that failure (the trainer would
-        otherwise wait for fields that never come)."""
+    async def _check_rollout_of(self, step: int, samples: list[Sample]) -> None:
+        """Raise the rollout's failure of ``step`` once its stream has ended."""
+        if self._producer_error is not None:
+            raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
+
+    async def _unless_a_streaming_role_fails(self, awaitable):
+        """Await ``awaitable`` and return its result; a streaming role's failure ends the wait with that failure (the
+        trainer would otherwise wait for fields that never come)."""
         if self._streaming_task is None:
-            await awaitable
-            return
+            return await awaitable
         waiting = asyncio.ensure_future(awaitable)
         try:
             await asyncio.wait({waiting, self._streaming_task}, return_when=asyncio.FIRST_COMPLETED)
             if self._streaming_task.done() and self._streaming_task.exception() is not None and not waiting.done():
                 names = ", ".join(role.name for role in self.streaming)
                 raise RuntimeError(f"a streaming role ({names}) failed") from self._streaming_task.exception()
-            await waiting
+            return await waiting
         finally:
             await cancel_and_wait(waiting)
+
+    async def _why_not_train_as_data_arrives(self) -> str | None:
+        """Why the trainer must wait for each step's whole batch before training on it, or None."""
+        cfg, roles = self.cfg, self.roles
+        if not cfg.fully_async:
+            return "--hybrid trains over whole steps"
+        if cfg.train_stream_chunks <= 1:
+            return "--train-stream-chunks 1"
+        if not streams_advantages(cfg, roles):
+            return "the advantages need the whole step (whitening, a critic, a KL in the reward, distillation or " \
+                   "--mask-offpolicy-in-partial-rollout)"
+        if cfg.num_critic_only_steps:
+            return "--num-critic-only-steps"
+        return await roles.actor.streamed_step_unsupported(self._step_samples)
+
+    async def _train_as_data_arrives(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Read step ``rollout_id``'s groups as they land and train on them in chunks of about
+        ``1 / --train-stream-chunks`` of the step, all in one optimizer step (upstream's StreamingDataLoader): the
+        trainer's forwards and backwards run while rollout still decodes the step's last groups."""
+        step, expected = rollout_id + 1, self._step_samples
+        chunk_size = max(self.cfg.n_samples_per_prompt, math.ceil(expected / self.cfg.train_stream_chunks))
+        samples: list[Sample] = []
+        advantages: list[torch.Tensor] = []
+        metrics = {"perf/prepare_s": 0.0, "perf/train_s": 0.0, "perf/train_chunks": 0.0}
+        chunks = self._read(rollout_id, chunk_size)
+        try:
+            while True:
+                batch = await self._bounded(self._unless_a_streaming_role_fails(anext(chunks, None)),
+                                            f"the data of rollout step {step} (partition train_{rollout_id})")
+                if batch is None:
+                    break
+                prepared = time.perf_counter()
+                fields = await self._per_sample_fields(batch)
+                streamed = streamed_field(batch, ADVANTAGES)  # group-local: a chunk of whole groups is enough
+                fields["advantages"] = streamed if streamed is not None else \
+                    (await self.roles.advantages.compute(batch)).advantages
+                advantages.extend(fields["advantages"])
+                trained = time.perf_counter()
+                with self.phases.phase("train", step, f"a chunk of {len(batch)} samples as the step arrives"):
+                    await self.roles.actor.train_chunk(rollout_id, batch, fields, expected,
+                                                       len(samples) + len(batch) >= expected)
+                metrics["perf/prepare_s"] += trained - prepared
+                metrics["perf/train_s"] += time.perf_counter() - trained
+                metrics["perf/train_chunks"] += 1
+                samples.extend(batch)
+        finally:
+            await chunks.aclose()
+        await self._check_rollout_of(rollout_id, samples)
+        if samples:
+            finished = time.perf_counter()
+            with self.phases.phase("train", step, "the step's optimizer update"):
+                metrics.update(await self.roles.actor.finish_streamed_step(rollout_id))
+            metrics["perf/train_s"] += time.perf_counter() - finished
+            metrics.update(self.roles.advantages.result_of(samples, advantages).metrics)
+        return samples, metrics
 
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
         self._waiting_step = rollout_id + 1
-        samples = await self._bounded(self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} "
-                                      f"(partition train_{rollout_id} of the data plane)")
+        if self._streams_training:
+            samples, trained = await self._train_as_data_arrives(rollout_id)
+        else:
+            samples, trained = await self._bounded(
+                self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} (partition train_{rollout_id} "
+                "of the data plane)"), None
         await self._bounded(self._reply(rollout_id).wait(), f"the rollout's reply for step {rollout_id + 1} (its "
                             "metrics and data cursor; its data is in)")
         del self._replied[rollout_id]
@@ -165,12 +244,17 @@ class AsyncController(SyncController):
             raise RuntimeError(f"rollout of step {rollout_id + 1} failed") from self._producer_error
         metrics = self._rollout_metrics.pop(rollout_id, {})
         metrics["perf/wait_for_rollout_s"] = time.perf_counter() - started
+        if trained is not None:  # the time the trainer computed while the step arrived was no wait
+            metrics["perf/wait_for_rollout_s"] -= trained["perf/train_s"] + trained["perf/prepare_s"]
         if self._streamed_fields and samples:  # the rest (carried before a role reached them) is computed in the step
             metrics["data/streamed_fields_fraction"] = sum(
                 all(name in s.stage_fields for name in self._streamed_fields) for s in samples) / len(samples)
         if self.cfg.mask_offpolicy_in_partial_rollout:
             metrics["rollout/masked_offpolicy_tokens"] = float(mask_older_tokens(samples))
-        if samples:
+        if trained is not None and samples:  # trained as it arrived; the weights still go out
+            metrics.update(trained)
+            metrics.update(await self._after_training(rollout_id, samples))
+        elif samples:
             metrics.update(await self.train_on(rollout_id, samples))
         else:
             logger.warning("step %d: no usable group arrived (all dropped); the weights stay", rollout_id + 1)
@@ -235,6 +319,10 @@ class AsyncController(SyncController):
     # ---- the loop -------------------------------------------------------------------------
     async def _run(self) -> dict[str, float]:
         start, last = await self._begin()
+        why_not = await self._why_not_train_as_data_arrives()
+        self._streams_training = why_not is None
+        logger.info("the trainer %s", f"waits for each step's whole batch ({why_not})" if why_not else
+                    f"trains each step as its groups arrive, in up to {self.cfg.train_stream_chunks} chunks")
         await self.gate.publish(start)
         producer = asyncio.create_task(self._produce(start, self.roles.total_steps))
         if self.streaming:

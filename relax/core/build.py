@@ -534,7 +534,7 @@ def build_actor(ctx: BuildContext) -> Actor:
     # The policy replays the rollout's routing (R3); the frozen reference routes by itself.
     settings = replace(ctx.settings, routing_replay=cfg.use_rollout_routing_replay)
     return Actor(FSDPTrainBackend(ctx.model_path, settings), loss_fn, cfg.train_batch_size,
-                 routing_replay=cfg.use_rollout_routing_replay)
+                 routing_replay=cfg.use_rollout_routing_replay, loss_aggregation=cfg.loss_aggregation)
 
 
 def build_advantages(ctx: BuildContext) -> Advantages:

@@ -87,6 +87,12 @@ class SyncController:
         updates, and the weight push to the engine as version ``rollout_id + 1``."""
         with self.phases.phase("train", rollout_id + 1, "log-probs, advantages and the updates"):
             metrics = await self._train(rollout_id, samples)
+        metrics.update(await self._after_training(rollout_id, samples))
+        return metrics
+
+    async def _after_training(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
+        """The weight push to the engines as version ``rollout_id + 1``, and the sample dump."""
+        metrics: dict[str, float] = {}
         engine_needs_weights = await self.memory.before_weight_sync()
         with self.phases.phase("weight_sync", rollout_id + 1, "the weights to reach the engines"):
             if self._policy_trains(rollout_id):
@@ -102,14 +108,11 @@ class SyncController:
         return rollout_id >= self.cfg.num_critic_only_steps
 
     async def _train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]:
-        roles, cfg = self.roles, self.cfg
+        roles = self.roles
         prepare_started = time.perf_counter()
         metrics: dict[str, float] = {}
-        fields: dict[str, list[torch.Tensor]] = {}
+        fields = await self._per_sample_fields(samples)
         gather_ids = None
-        if roles.reference is not None:  # a streaming role may have computed it as the groups arrived
-            fields["ref_log_probs"] = (streamed_field(samples, REF_LOG_PROBS)
-                                       or await roles.reference.compute_log_probs(samples))
         if roles.distillation is not None:
             teacher_fields, gather_ids = await roles.distillation.teacher_fields(samples)
             fields.update(teacher_fields)
@@ -117,8 +120,6 @@ class SyncController:
         if roles.actor.needs_old_log_probs(len(samples)):
             policy = await roles.actor.compute_log_probs(samples, gather_ids)
             fields["old_log_probs"] = policy.log_probs
-        if cfg.use_tis:
-            fields["rollout_log_probs"] = [rollout_log_probs(s) for s in samples]
         distill_advantages = roles.distillation is not None and roles.distillation.advantage_mode
         if policy is None and (roles.advantages.needs_kl or distill_advantages):
             policy = await roles.actor.compute_log_probs(samples, gather_ids)
@@ -147,6 +148,17 @@ class SyncController:
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
         metrics["perf/train_s"] = time.perf_counter() - train_started
         return metrics
+
+    async def _per_sample_fields(self, samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
+        """The loss's fields that each sample has on its own: the reference's log-probs (streamed, or computed here)
+        and, with TIS, the engine's log-probs."""
+        fields: dict[str, list[torch.Tensor]] = {}
+        if self.roles.reference is not None:  # a streaming role may have computed it as the groups arrived
+            fields["ref_log_probs"] = (streamed_field(samples, REF_LOG_PROBS)
+                                       or await self.roles.reference.compute_log_probs(samples))
+        if self.cfg.use_tis:
+            fields["rollout_log_probs"] = [rollout_log_probs(s) for s in samples]
+        return fields
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         return await sync_weights_in_process(

@@ -62,14 +62,11 @@ class RayAsyncController(AsyncController, RaySyncController):
     async def _end_failed_step(self, step: int) -> None:
         """Nothing to do: the rollout process writes the end-of-step marker also when generation fails."""
 
-    async def _collect(self, step: int):
+    async def _check_rollout_of(self, step: int, samples) -> None:
         """As in-process; a step that arrives empty may be a failed generation whose error reaches
         this process just after the end marker: wait briefly for it, so it is raised, not skipped."""
-        samples = await super()._collect(step)
         if not samples:
             deadline = time.monotonic() + PRODUCER_ERROR_GRACE_S
             while self._producer_error is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if self._producer_error is not None:
-                raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
-        return samples
+        await super()._check_rollout_of(step, samples)

@@ -165,6 +165,15 @@ class RoleWorker:
         """Actor: ``(samples, fields, gather_ids)``; critic: ``(samples, returns, old_values)``."""
         return await self.role.train(samples, *args)
 
+    async def streamed_step_unsupported(self, num_samples: int) -> str | None:
+        return await self.role.streamed_step_unsupported(num_samples)
+
+    async def train_chunk(self, step: int, samples, fields, expected_samples: int, last: bool) -> None:
+        await self.role.train_chunk(step, samples, fields, expected_samples, last)
+
+    async def finish_streamed_step(self, step: int) -> dict[str, float]:
+        return await self.role.finish_streamed_step(step)
+
     # ---- rollout ------------------------------------------------------------------------------
     async def generate(self, rollout_id: int):
         async with self._engine_calls():
@@ -397,6 +406,15 @@ class RemoteActor(RemoteRole):
 
     async def train(self, samples, fields, gather_ids=None) -> dict[str, float]:
         return await self._call("train", samples, fields, gather_ids)
+
+    async def streamed_step_unsupported(self, num_samples: int) -> str | None:
+        return await self._call("streamed_step_unsupported", num_samples)
+
+    async def train_chunk(self, step: int, samples, fields, expected_samples: int, last: bool) -> None:
+        await self._call("train_chunk", step, samples, fields, expected_samples, last)
+
+    async def finish_streamed_step(self, step: int) -> dict[str, float]:
+        return await self._call("finish_streamed_step", step)
 
     @property
     def backend(self) -> SimpleNamespace:

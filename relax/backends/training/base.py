@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from relax.algorithms.aggregation import Rescale, StepCounts
 from relax.algorithms.loss import LossFn
 
 
@@ -86,6 +87,19 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the global batch ``batch``; returns step metrics."""
+
+    @abc.abstractmethod
+    def begin_step(self, loss_fn: LossFn, counts: StepCounts) -> None:
+        """Open an optimizer step whose batch arrives in chunks; the loss divides by ``counts`` (provisional when
+        the chunks are not all known yet)."""
+
+    @abc.abstractmethod
+    def accumulate(self, batch: TrainBatch, last: bool = False) -> None:
+        """Add the gradients of chunk ``batch`` to the open step."""
+
+    @abc.abstractmethod
+    def end_step(self, rescale: Rescale | None = None) -> dict[str, float]:
+        """Apply the open step (gradients and metrics rescaled to the final counts by ``rescale``); its metrics."""
 
     @abc.abstractmethod
     def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from relax.algorithms.aggregation import Rescale, StepCounts
 from relax.algorithms.loss import LossFn, MicroBatchTensors
 from relax.backends.model_family import (
     MediaTokens,
@@ -247,6 +248,17 @@ class ResponseValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1)
 
 
+@dataclass
+class _OpenStep:
+    """An optimizer step between `begin_step` and `end_step`."""
+
+    loss_fn: LossFn
+    counts: StepCounts
+    totals: dict[str, torch.Tensor] = field(default_factory=dict)
+    template: TrainBatch | None = None  # the last chunk, the pattern of a placeholder micro-batch
+    reduced: bool = False  # whether the gradients were reduced over ranks after the last backward
+
+
 def lr_lambda(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:
     """LR multiplier at optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
     if warmup and step < warmup:
@@ -317,6 +329,7 @@ class FSDPTrainBackend(TrainBackend):
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
+        self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1
@@ -358,6 +371,11 @@ class FSDPTrainBackend(TrainBackend):
                 ),
             )
         release_before_shutdown(self.release)
+
+    @property
+    def adds_per_sample_loss(self) -> bool:
+        """Whether the loss gets a term divided by the step's samples whatever the aggregation (MoE auxiliary)."""
+        return self._moe_aux is not None
 
     # ---- memory between phases -------------------------------------------------------------
     @property
@@ -587,37 +605,72 @@ class FSDPTrainBackend(TrainBackend):
         return MicroBatchTensors(mask=mask, fields=fields, global_num_samples=num_samples, global_num_tokens=num_tokens)
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.begin_step(loss_fn, StepCounts(len(batch), batch.num_loss_tokens()))
+        self.accumulate(batch, last=True)
+        return self.end_step()
+
+    def begin_step(self, loss_fn: LossFn, counts: StepCounts) -> None:
+        """Open an optimizer step whose loss divides by ``counts`` (global: all chunks, all ranks); `accumulate`
+        adds chunks of its batch, `end_step` applies it."""
         assert self.optimizer is not None and self.scheduler is not None, "a frozen backend cannot train"
         self.reload()
-        num_samples, num_tokens = len(batch), batch.num_loss_tokens()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._open_step = _OpenStep(loss_fn, counts)
+
+    def accumulate(self, batch: TrainBatch, last: bool = False) -> None:
+        """Forward and backward of ``batch`` (every rank is given the whole chunk and trains on its share) into the
+        open step's gradients; ``last``: no chunk follows, so its last micro-batch reduces the gradients over
+        ranks (otherwise `end_step` does)."""
+        step = self._open_step
+        if step is None:
+            raise RuntimeError("accumulate() outside a step: call begin_step() first")
         micro_batches = self._micro_batches(self._rank_share(batch), self.settings.max_tokens_per_gpu,
                                             same_count_on_all_ranks=True)
-        self.optimizer.zero_grad(set_to_none=True)
         # rope_scope: a checkpointed layer recomputes in backward with the kernels it ran with
         with rope_scope(self._liger), self._cast_once():
-            totals = self._accumulate_gradients(batch, micro_batches, loss_fn, num_samples, num_tokens)
+            totals = self._accumulate_gradients(batch, micro_batches, step.loss_fn, step.counts, reduce=last)
+        for name, value in totals.items():
+            step.totals[name] = step.totals.get(name, 0.0) + value
+        step.template, step.reduced = batch, last
+
+    def end_step(self, rescale: Rescale | None = None) -> dict[str, float]:
+        """Apply the open step: reduce the gradients if the last chunk did not, rescale them and the metrics from
+        provisional to final counts (``rescale``), clip, and take the optimizer step; the step's metrics."""
+        step, self._open_step = self._open_step, None
+        if step is None or step.template is None:
+            raise RuntimeError("end_step() of a step without data")
+        if self.fsdp and not step.reduced:  # a forward and backward that adds nothing, to reduce over ranks
+            with rope_scope(self._liger), self._cast_once():
+                self._accumulate_gradients(step.template, [([], None)], step.loss_fn, step.counts, reduce=True)
+        if rescale is not None and rescale.gradients != 1.0:
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(rescale.gradients)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
-        result = self._all_reduce_sum(totals)
+        result = self._all_reduce_sum(step.totals)
+        if rescale is not None:
+            result = {name: value * rescale.metric(name) for name, value in result.items()}
         result["grad_norm"] = grad_norm
         result["lr"] = self.scheduler.get_last_lr()[0]
         return result
 
-    def _accumulate_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn, num_samples: int,
-                              num_tokens: int) -> dict[str, torch.Tensor]:
-        """Forward and backward of every micro-batch; the summed metrics."""
+    def _accumulate_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn, counts: StepCounts,
+                              reduce: bool) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch (None: a placeholder); the summed metrics. ``reduce``: the
+        last micro-batch reduces the accumulated gradients over ranks."""
         entropy_grad = self.settings.entropy_grad
         totals: dict[str, torch.Tensor] = {}
         for index, (_, mb) in enumerate(micro_batches):
             if self.fsdp:  # reduce gradients across ranks once, on the last micro-batch
-                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+                self.model.set_requires_gradient_sync(reduce and index == len(micro_batches) - 1)
             placeholder = mb is None
             if placeholder:
                 mb = self._placeholder(batch, self.settings.pad_token_id)
             # through backward: checkpointed layers route again when they recompute
             with self._routes_replayed(mb):
-                loss, metrics = self._micro_batch_loss(mb, loss_fn, entropy_grad, num_samples, num_tokens)
+                loss, metrics = self._micro_batch_loss(mb, loss_fn, entropy_grad, counts.samples, counts.tokens)
                 if placeholder:  # a forward and backward for the collectives, adding nothing
                     loss = loss * 0.0
                     metrics = {name: value * 0.0 for name, value in metrics.items()}
