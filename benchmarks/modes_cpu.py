@@ -34,6 +34,8 @@ RESULT = ROOT / "benchmarks" / "results" / "modes_cpu.json"
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 
 KL = ["--use-kl-loss", "--kl-loss-coef", "0.01"]
+ON_POLICY_WAVES = ["--placement", "ray", "--fully-async", "--max-staleness", "0", "--rollout-max-batch-size", "8",
+                   "--micro-batch-size", "32"]
 RUNS = {
     "colocate": ["--placement", "ray"],
     "fully_async": ["--placement", "ray", "--fully-async", "--max-staleness", "1"],
@@ -44,6 +46,12 @@ RUNS = {
     # trainer's step; fully-async streams them (the reference in its own process reads each group from TransferQueue)
     "hybrid_kl": ["--placement", "ray", "--hybrid", "--max-staleness", "1", *KL],
     "fully_async_kl": ["--placement", "ray", "--fully-async", "--max-staleness", "1", *KL],
+    # on-policy fully-async (--max-staleness 0: rollout waits for each update) with groups finishing one after the
+    # other (one group decodes at a time): the trainer waits for the whole step (--train-stream-chunks 1), or trains
+    # each quarter of it as it lands (the default), overlapping the updates with the rest of the rollout; both in
+    # micro-batches of a quarter step, so that only the overlap differs
+    "on_policy_whole_step": [*ON_POLICY_WAVES, "--train-stream-chunks", "1"],
+    "on_policy_streamed": [*ON_POLICY_WAVES, "--train-stream-chunks", "4"],
 }
 
 
@@ -65,13 +73,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--runs", default=",".join(RUNS), help="a subset of the runs, to try a change (the JSON's "
+                        "headline fields need all of them)")
     args = parser.parse_args()
+    selected = args.runs.split(",")
+    unknown = set(selected) - set(RUNS)
+    if unknown:
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; known: {', '.join(RUNS)}")
     if not (ROOT / "examples" / "quickstart" / "model").is_dir():
         raise SystemExit("build the quickstart first: python examples/quickstart/build_quickstart.py")
     load_before = os.getloadavg()[0]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in RUNS.items():
+        for name, extra in ((name, RUNS[name]) for name in selected):
             print(f"running {name} ({args.steps} steps) ...", flush=True)
             outcome = run(name, extra, args.steps, Path(tmp) / name)
             steps = [r for r in outcome["rows"] if "perf/step_s" in r][args.warmup:]
@@ -84,9 +98,14 @@ def main() -> None:
                 "weight_push_wait_s": statistics.fmean(r.get("perf/weight_push_wait_s", 0.0) for r in steps),
                 # the step's log-probs and advantages before the updates (less what the streaming roles did)
                 "prepare_s": statistics.fmean(r.get("perf/prepare_s", 0.0) for r in steps),
+                "train_chunks": statistics.fmean(r.get("perf/train_chunks", 1.0) for r in steps),
                 "wall_s_including_startup": round(outcome["wall_s"], 1),
                 "steps_measured": len(steps),
             }
+    if set(selected) != set(RUNS):
+        for name, r in results.items():
+            print(f"{name:22s} {json.dumps({k: round(v, 4) for k, v in r.items()})}")
+        return
     report = {
         "benchmark": "modes_cpu",
         "colocate_s_per_step": round(results["colocate"]["s_per_step"], 4),
@@ -108,6 +127,13 @@ def main() -> None:
         "hybrid_kl_prepare_s": round(results["hybrid_kl"]["prepare_s"], 4),
         "fully_async_kl_prepare_s": round(results["fully_async_kl"]["prepare_s"], 4),
         "fully_async_kl_wait_for_rollout_s": round(results["fully_async_kl"]["wait_for_rollout_s"], 4),
+        # the trainer's streamed reading: on-policy, the updates overlap the step's last groups
+        "on_policy_whole_step_s_per_step": round(results["on_policy_whole_step"]["s_per_step"], 4),
+        "on_policy_streamed_s_per_step": round(results["on_policy_streamed"]["s_per_step"], 4),
+        "streamed_train_speedup": round(results["on_policy_whole_step"]["s_per_step"]
+                                        / results["on_policy_streamed"]["s_per_step"], 3),
+        "on_policy_whole_step_wait_for_rollout_s": round(results["on_policy_whole_step"]["wait_for_rollout_s"], 4),
+        "on_policy_streamed_wait_for_rollout_s": round(results["on_policy_streamed"]["wait_for_rollout_s"], 4),
         "details": results,
         "config": {"steps": args.steps, "warmup_steps_excluded": args.warmup, "workload": "quickstart: 16 prompts x 8",
                    "placement": "ray: actor and rollout in separate processes, 1 torch thread each",

@@ -413,3 +413,29 @@ def test_generate_streaming_reports_each_request_as_it_finishes(engine, tokenize
         assert order[0] == 1 and set(order[-2:]) == {0, 4}
     else:  # per batch of two: positions 0-1 before 2-3 before 4
         assert order == [0, 1, 2, 3, 4]
+
+
+def test_the_batcher_answers_each_job_when_its_own_requests_finish(tokenizer):
+    """Two callers merged into one engine call (the core): the one whose request stops after a token gets its answer
+    while the other's still decodes, as `relax serve` answers a finished GRPO group before the call ends."""
+    from relax.backends.inference.batcher import RequestBatcher
+
+    engine = make_engine(make_model(seed=0), tokenizer, "core")
+    short, long = requests_for(tokenizer, prompts=PROMPTS[:2], max_new_tokens=1, ignore_eos=True)
+    long.sampling_params.max_new_tokens = 40
+
+    async def run():
+        batcher = RequestBatcher(engine, window_s=0.05)
+        batcher.start()
+        try:
+            slow = asyncio.ensure_future(batcher.generate([long]))
+            [quick] = await batcher.generate([short])
+            answered_first = not slow.done()
+            [late] = await slow
+        finally:
+            await batcher.stop()
+        return batcher.engine_calls, quick, late, answered_first
+
+    calls, quick, late, answered_first = asyncio.run(run())
+    assert calls == 1 and answered_first
+    assert len(quick.output_ids) == 1 and len(late.output_ids) == 40

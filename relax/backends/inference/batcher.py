@@ -5,7 +5,9 @@ Callers are the HTTP handlers of `relax serve` and the per-sample generate funct
 A dispatcher task takes the first waiting job, keeps collecting jobs for ``window_s`` seconds,
 then starts ``engine.generate`` calls for everything collected (each as its own task, so the next
 window opens at once; the embedded engine interleaves the steps of concurrent calls on the same
-loop; on the embedded engine's core they join one running batch). The embedded engine's Hugging Face
+loop; on the embedded engine's core they join one running batch). A job is answered as soon as its
+own requests finish (the engine's `generate_streaming`), not when the whole call ends: `relax serve`
+returns a short response, or a GRPO group, while the call's longer ones still decode. The embedded engine's Hugging Face
 path gives the requests that share a sampling ``seed`` one generator seeded with it, so a job is
 merged only with jobs whose seeds differ from its own: its samples then do not depend on its
 neighbours (for a job of several requests, as long as the engine's ``max_batch_size`` does not split
@@ -120,13 +122,30 @@ class RequestBatcher:
                     requests.append(request)
         ids = [request.request_id for request in requests]
         self._engine_ids.update(ids)
+        job_of = {id(request): job for job in jobs for request in job.requests}
+        missing = {id(job): sum(id(r) not in outputs_by_position for r in job.requests) for job in jobs}
+
+        def reported(position: int, output: GenerationOutput) -> None:
+            """A job's caller gets its outputs as soon as its last request finishes, not at the end of the call."""
+            request = requests[position]
+            if id(request) in outputs_by_position:  # reported already: the first report stands
+                return
+            outputs_by_position[id(request)] = output
+            job = job_of[id(request)]
+            missing[id(job)] -= 1
+            if not missing[id(job)] and not job.future.done():
+                job.future.set_result([outputs_by_position[id(r)] for r in job.requests])
+
         try:
             if requests:
                 self.engine_calls += 1
                 self.batched_requests += len(requests)
-                outputs = await self.engine.generate(requests)
-                for request, output in zip(requests, outputs):
-                    outputs_by_position[id(request)] = output
+                streaming = getattr(self.engine, "generate_streaming", None)  # any engine-like object may be batched
+                if streaming is not None:
+                    await streaming(requests, reported)
+                else:
+                    for position, output in enumerate(await self.engine.generate(requests)):
+                        reported(position, output)
         except Exception as error:
             logger.exception("engine.generate failed for a batch of %d requests", len(requests))
             for job in jobs:
