@@ -20,15 +20,30 @@ pytestmark = pytest.mark.xdist_group("ray")
 
 
 class RecordingController(AsyncController):
-    """Records, for every trained step, the version being trained from and the samples' versions."""
+    """Records, per trained step, the version being trained from and the samples trained on: whole (`train_on`),
+    or chunk by chunk as the step arrives (`_train_chunk`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trained: list[tuple[int, int, list]] = []
+        self.trained_samples: dict[int, tuple[int, list]] = {}
 
-    async def _after_training(self, rollout_id, samples):  # both paths: trained whole, or as the step arrived
-        self.trained.append((rollout_id, self.gate.trained_version, [s.weight_version for s in samples]))
-        return await super()._after_training(rollout_id, samples)
+    def _record(self, rollout_id, samples):
+        _, trained = self.trained_samples.setdefault(rollout_id, (self.gate.trained_version, []))
+        trained.extend(samples)
+
+    async def train_on(self, rollout_id, samples):
+        self._record(rollout_id, samples)
+        return await super().train_on(rollout_id, samples)
+
+    async def _train_chunk(self, rollout_id, batch, expected, last):
+        self._record(rollout_id, batch)
+        return await super()._train_chunk(rollout_id, batch, expected, last)
+
+    @property
+    def trained(self) -> list[tuple[int, int, list]]:
+        """``(step, version trained from, the samples' weight versions)`` per step, in order."""
+        return [(step, version, [s.weight_version for s in samples])
+                for step, (version, samples) in sorted(self.trained_samples.items())]
 
 
 def _run(cfg) -> RecordingController:
@@ -66,15 +81,12 @@ def test_no_trained_sample_is_older_than_max_staleness(tiny_workspace, tmp_path,
 
 
 class StreamCheckingController(RecordingController):
-    """Records, per trained step, which fields the samples carried from the streaming roles."""
+    """Which fields the samples of each trained step carried from the streaming roles."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.carried_fields: list[set[str]] = []
-
-    async def _after_training(self, rollout_id, samples):
-        self.carried_fields.append(set.intersection(*(set(s.stage_fields) for s in samples)))
-        return await super()._after_training(rollout_id, samples)
+    @property
+    def carried_fields(self) -> list[set[str]]:
+        return [set.intersection(*(set(s.stage_fields) for s in samples))
+                for _, (_, samples) in sorted(self.trained_samples.items())]
 
 
 def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(tiny_workspace, tmp_path, monkeypatch):

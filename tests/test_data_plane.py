@@ -434,3 +434,52 @@ def test_a_writer_in_another_process_streams_to_this_one(transfer_queue_runtime)
     finally:
         asyncio.run(reader.clear(7))
         ray.kill(writer)
+
+
+@needs_tq
+def test_a_reader_of_rows_decides_on_keys_and_the_trainer_reads_the_samples(request):
+    """``trainer_reads_rows``: the trainer's stream yields `RowHandle`s (group, status and oldest version from the
+    rows' metadata, no payload read), drops failed and stale groups from those as it drops samples, carries the
+    surplus as rows and reads it whole before its partition is cleared; `samples_of` (any process) gives the written
+    samples with the stage fields a streaming role wrote. Every group once."""
+    import torch
+
+    from relax.data_plane.tq_plane import RowHandle
+
+    plane = make_plane("transfer_queue", StalenessGate(max_staleness=0), request)
+    plane.trainer_reads_rows = True
+    written = {s.index: s for g in range(6) for s in make_group(g, version=1)}
+    failed = make_group(6, version=1, status=SampleStatus.FAILED)
+    stale = make_group(7, version=0)
+
+    async def scenario() -> None:
+        await plane.gate.publish(1)
+        await plane.put(0, [*written.values(), *failed, *stale])
+        await plane.mark_complete(0)
+        async for groups in plane.stage_stream(0, "reference", (), ("ref_log_probs",)):  # a streaming role
+            samples = [s for group in groups for s in group]
+            await plane.write_fields(0, groups, {"ref_log_probs": [torch.full((2,), float(s.index)) for s in samples]})
+        batches = await collect(plane, 0, batch_size=8, max_groups=4, needs=("ref_log_probs",))
+        handles = [item for batch in batches for item in batch]
+        assert all(isinstance(item, RowHandle) for item in handles) and len(handles) == 16
+        read = await plane.samples_of(handles, ("ref_log_probs",))
+        assert [s.index for s in read] == [h.index for h in handles]
+        for sample in read:
+            original = written[sample.index]
+            assert (sample.tokens, sample.reward, sample.group_index) == (original.tokens, original.reward,
+                                                                        original.group_index)
+            assert torch.equal(sample.stage_fields["ref_log_probs"], torch.full((2,), float(sample.index)))
+        served0 = {h.group_index for h in handles}
+        assert plane.carried_groups() == 2
+        await plane.clear(0)  # the carried rows are read whole: they outlive their partition
+        await plane.mark_complete(1)
+        carried = [s for batch in await collect(plane, 1, batch_size=8) for s in batch]
+        assert all(isinstance(s, Sample) for s in carried)
+        assert {s.group_index for s in carried} | served0 == set(range(6)) and not {s.group_index for s in carried} & served0
+        assert all(s.tokens == written[s.index].tokens for s in carried)
+        await plane.clear(1)
+
+    asyncio.run(scenario())
+    counts = plane.accounting()[0]
+    assert counts["dropped"]["failed"] == counts["dropped"]["stale"] == 1
+    assert counts["consumed"] == 6 and counts["outstanding"] == 0

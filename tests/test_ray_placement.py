@@ -171,8 +171,10 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
     for row in rows:
         assert row["data/produced_groups"] == row["data/consumed_groups"] == 4, row
         assert row["data/streamed_fields_fraction"] == 1.0, row
-        # the actor's process trains each step in chunks as the groups arrive, one optimizer step
+        # the actor's process trains each step in chunks as the groups arrive, one optimizer step, reading the
+        # samples from TransferQueue itself: the controller passed their keys
         assert row["perf/train_chunks"] > 1 and row["train/optimizer_steps"] == 1, row
+        assert row["data/passed_by_key_fraction"] == 1.0, row
     # Step 1 trains the initial weights, which the reference holds: its streamed log-probs, matched to their samples
     # through TransferQueue, equal the actor's exactly (a sample given another's field would show a KL). Later steps
     # have moved away from the reference.

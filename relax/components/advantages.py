@@ -66,16 +66,30 @@ class Advantages:
                   masks: list[torch.Tensor] | None = None) -> AdvantageResult:
         """The result (and its metrics) of advantages computed elsewhere: group by group as the groups arrived
         (relax.core.streaming_roles), which for group-local estimators equals computing them over the step."""
-        masks = masks if masks is not None else _response_masks(samples)
-        return AdvantageResult(advantages, None, {"train/advantage_abs_mean": _masked_mean([a.abs() for a in advantages],
-                                                                                           masks)})
+        return AdvantageResult(advantages, None, {"train/advantage_abs_mean": mean_of(
+            advantage_abs_means(samples, advantages, masks))})
+
+
+def advantage_abs_means(samples: list[Sample], advantages: list[torch.Tensor],
+                        masks: list[torch.Tensor] | None = None) -> list[float]:
+    """Each sample's mean |advantage| over its loss tokens (``train/advantage_abs_mean`` is their mean)."""
+    masks = masks if masks is not None else _response_masks(samples)
+    return _masked_means([a.abs() for a in advantages], masks)
+
+
+def mean_of(per_sample: list[float]) -> float:
+    return sum(per_sample) / len(per_sample) if per_sample else 0.0
 
 
 def _response_masks(samples: list[Sample]) -> list[torch.Tensor]:
     return [torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length) for s in samples]
 
 
+def _masked_means(per_token: list[torch.Tensor], masks: list[torch.Tensor]) -> list[float]:
+    """Each sample's mean over its valid tokens."""
+    return [float((x.float() * m).sum() / m.sum().clamp(min=1)) for x, m in zip(per_token, masks)]
+
+
 def _masked_mean(per_token: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
     """Mean over samples of each sample's mean over its valid tokens."""
-    per_sample = [(x.float() * m).sum() / m.sum().clamp(min=1) for x, m in zip(per_token, masks)]
-    return float(torch.stack(per_sample).mean()) if per_sample else 0.0
+    return mean_of(_masked_means(per_token, masks))

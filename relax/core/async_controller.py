@@ -31,20 +31,13 @@ import logging
 import math
 import time
 
-import torch
-
+from relax.components.advantages import mean_of
 from relax.config import RelaxConfig
 from relax.core.build import Roles
 from relax.core.compute_thread import ComputeThread, OffLoopRole
 from relax.core.controller import SyncController
-from relax.core.streaming_roles import (
-    ADVANTAGES,
-    generate_group_by_group,
-    run_roles,
-    streamed_field,
-    streaming_roles,
-    streams_advantages,
-)
+from relax.core.streamed_training import ChunkReport, chunk_fields, chunk_report
+from relax.core.streaming_roles import generate_group_by_group, run_roles, streaming_roles, streams_advantages
 from relax.data.sample import Sample
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
 from relax.utils.aio import cancel_and_wait
@@ -150,11 +143,11 @@ class AsyncController(SyncController):
                 samples.extend(batch)
 
         await self._unless_a_streaming_role_fails(read())
-        await self._check_rollout_of(step, samples)
+        await self._check_rollout_of(step, len(samples))
         return samples
 
-    async def _check_rollout_of(self, step: int, samples: list[Sample]) -> None:
-        """Raise the rollout's failure of ``step`` once its stream has ended."""
+    async def _check_rollout_of(self, step: int, arrived: int) -> None:
+        """Raise the rollout's failure of ``step`` once its stream has ended (``arrived``: how many samples)."""
         if self._producer_error is not None:
             raise RuntimeError(f"rollout of step {step + 1} failed") from self._producer_error
 
@@ -187,15 +180,21 @@ class AsyncController(SyncController):
             return "--num-critic-only-steps"
         return await roles.actor.streamed_step_unsupported(self._step_samples)
 
-    async def _train_as_data_arrives(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+    async def _choose_reading(self) -> None:
+        """Whether the trainer trains each step as its groups arrive (before the first read)."""
+        why_not = await self._why_not_train_as_data_arrives()
+        self._streams_training = why_not is None
+        logger.info("the trainer %s", f"waits for each step's whole batch ({why_not})" if why_not else
+                    f"trains each step as its groups arrive, in up to {self.cfg.train_stream_chunks} chunks")
+
+    async def _train_as_data_arrives(self, rollout_id: int) -> tuple[ChunkReport, dict[str, float]]:
         """Read step ``rollout_id``'s groups as they land and train on them in chunks of about
         ``1 / --train-stream-chunks`` of the step, all in one optimizer step (upstream's StreamingDataLoader): the
         trainer's forwards and backwards run while rollout still decodes the step's last groups."""
         step, expected = rollout_id + 1, self._step_samples
         chunk_size = max(self.cfg.n_samples_per_prompt, math.ceil(expected / self.cfg.train_stream_chunks))
-        samples: list[Sample] = []
-        advantages: list[torch.Tensor] = []
-        metrics = {"perf/prepare_s": 0.0, "perf/train_s": 0.0, "perf/train_chunks": 0.0}
+        report = ChunkReport()
+        metrics = {"perf/train_s": 0.0, "perf/train_chunks": 0.0}
         chunks = self._read(rollout_id, chunk_size)
         try:
             while True:
@@ -203,40 +202,42 @@ class AsyncController(SyncController):
                                             f"the data of rollout step {step} (partition train_{rollout_id})")
                 if batch is None:
                     break
-                prepared = time.perf_counter()
-                fields = await self._per_sample_fields(batch)
-                streamed = streamed_field(batch, ADVANTAGES)  # group-local: a chunk of whole groups is enough
-                fields["advantages"] = streamed if streamed is not None else \
-                    (await self.roles.advantages.compute(batch)).advantages
-                advantages.extend(fields["advantages"])
-                trained = time.perf_counter()
+                started = time.perf_counter()
                 with self.phases.phase("train", step, f"a chunk of {len(batch)} samples as the step arrives"):
-                    await self.roles.actor.train_chunk(rollout_id, batch, fields, expected,
-                                                       len(samples) + len(batch) >= expected)
-                metrics["perf/prepare_s"] += trained - prepared
-                metrics["perf/train_s"] += time.perf_counter() - trained
+                    last = report.samples + len(batch) >= expected
+                    report.add(await self._train_chunk(rollout_id, batch, expected, last), self.cfg.dump_samples)
+                metrics["perf/train_s"] += time.perf_counter() - started
                 metrics["perf/train_chunks"] += 1
-                samples.extend(batch)
         finally:
             await chunks.aclose()
-        await self._check_rollout_of(rollout_id, samples)
-        if samples:
+        await self._check_rollout_of(rollout_id, report.samples)
+        if report.samples:
             finished = time.perf_counter()
             with self.phases.phase("train", step, "the step's optimizer update"):
                 metrics.update(await self.roles.actor.finish_streamed_step(rollout_id))
             metrics["perf/train_s"] += time.perf_counter() - finished
-            metrics.update(self.roles.advantages.result_of(samples, advantages).metrics)
-        return samples, metrics
+            metrics["train/advantage_abs_mean"] = mean_of(report.advantage_abs_means)
+        return report, metrics
+
+    async def _train_chunk(self, rollout_id: int, batch: list, expected: int, last: bool) -> ChunkReport:
+        """Add ``batch`` (whole groups) to the step's optimizer step; what the controller keeps of it."""
+        fields = await chunk_fields(batch, self.roles.advantages, self.cfg.use_tis, self.roles.reference)
+        await self.roles.actor.train_chunk(rollout_id, batch, fields, expected, last)
+        return chunk_report(batch, fields, self._streamed_fields, self.cfg.dump_samples)
 
     async def train_step(self, rollout_id: int) -> dict[str, float]:
         started = time.perf_counter()
         self._waiting_step = rollout_id + 1
+        trained = None
         if self._streams_training:
-            samples, trained = await self._train_as_data_arrives(rollout_id)
+            report, trained = await self._train_as_data_arrives(rollout_id)
+            samples = report.dump  # all that is kept here of the samples: the ones to dump
+            count, tokens, streamed = report.samples, report.tokens, report.streamed
         else:
-            samples, trained = await self._bounded(
-                self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} (partition train_{rollout_id} "
-                "of the data plane)"), None
+            samples = await self._bounded(self._collect(rollout_id), f"the data of rollout step {rollout_id + 1} "
+                                          f"(partition train_{rollout_id} of the data plane)")
+            count, tokens = len(samples), sum(len(s.tokens) for s in samples)
+            streamed = sum(all(name in s.stage_fields for name in self._streamed_fields) for s in samples)
         await self._bounded(self._reply(rollout_id).wait(), f"the rollout's reply for step {rollout_id + 1} (its "
                             "metrics and data cursor; its data is in)")
         del self._replied[rollout_id]
@@ -245,23 +246,24 @@ class AsyncController(SyncController):
         metrics = self._rollout_metrics.pop(rollout_id, {})
         metrics["perf/wait_for_rollout_s"] = time.perf_counter() - started
         if trained is not None:  # the time the trainer computed while the step arrived was no wait
-            metrics["perf/wait_for_rollout_s"] -= trained["perf/train_s"] + trained["perf/prepare_s"]
-        if self._streamed_fields and samples:  # the rest (carried before a role reached them) is computed in the step
-            metrics["data/streamed_fields_fraction"] = sum(
-                all(name in s.stage_fields for name in self._streamed_fields) for s in samples) / len(samples)
+            metrics["perf/wait_for_rollout_s"] -= trained["perf/train_s"]
+        if self._streamed_fields and count:  # the rest (carried before a role reached them) is computed in the step
+            metrics["data/streamed_fields_fraction"] = streamed / count
         if self.cfg.mask_offpolicy_in_partial_rollout:
             metrics["rollout/masked_offpolicy_tokens"] = float(mask_older_tokens(samples))
-        if trained is not None and samples:  # trained as it arrived; the weights still go out
+        if trained is not None and count:  # trained as it arrived; the weights still go out
+            if report.by_key:
+                metrics["data/passed_by_key_fraction"] = report.by_key / count
             metrics.update(trained)
             metrics.update(await self._after_training(rollout_id, samples))
-        elif samples:
+        elif count:
             metrics.update(await self.train_on(rollout_id, samples))
         else:
             logger.warning("step %d: no usable group arrived (all dropped); the weights stay", rollout_id + 1)
         await self.plane.clear(rollout_id)
         metrics.update(self._accounting(rollout_id))
         metrics["perf/step_s"] = time.perf_counter() - started
-        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
+        metrics["perf/tokens_per_s"] = tokens / metrics["perf/step_s"]
         return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
@@ -319,10 +321,7 @@ class AsyncController(SyncController):
     # ---- the loop -------------------------------------------------------------------------
     async def _run(self) -> dict[str, float]:
         start, last = await self._begin()
-        why_not = await self._why_not_train_as_data_arrives()
-        self._streams_training = why_not is None
-        logger.info("the trainer %s", f"waits for each step's whole batch ({why_not})" if why_not else
-                    f"trains each step as its groups arrive, in up to {self.cfg.train_stream_chunks} chunks")
+        await self._choose_reading()
         await self.gate.publish(start)
         producer = asyncio.create_task(self._produce(start, self.roles.total_steps))
         if self.streaming:

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from relax.backends.training import lora
@@ -23,7 +22,8 @@ from relax.core.build import Roles, lora_settings
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
 from relax.core.phases import PhaseClock
-from relax.core.streaming_roles import ADVANTAGES, REF_LOG_PROBS, streamed_field
+from relax.core.streamed_training import per_sample_fields
+from relax.core.streaming_roles import ADVANTAGES, streamed_field
 from relax.data.sample import Sample
 from relax.distributed.process_group import barrier, rank, world_size
 from relax.distributed.weight_sync import sync_weights_in_process
@@ -33,14 +33,6 @@ from relax.utils.tracking import Tracker
 
 logger = logging.getLogger("relax")
 
-
-
-def rollout_log_probs(sample: Sample) -> torch.Tensor:
-    """The engine's per-token log-probs of a sample's response, ``[response_length]`` (for TIS)."""
-    if sample.rollout_log_probs is None or len(sample.rollout_log_probs) != sample.response_length:
-        raise ValueError(f"sample {sample.index} has no rollout log-probs for its {sample.response_length} "
-                         "response tokens; --use-tis needs them from the engine")
-    return torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
 
 
 class SyncController:
@@ -111,7 +103,7 @@ class SyncController:
         roles = self.roles
         prepare_started = time.perf_counter()
         metrics: dict[str, float] = {}
-        fields = await self._per_sample_fields(samples)
+        fields = await per_sample_fields(samples, self.cfg.use_tis, roles.reference)
         gather_ids = None
         if roles.distillation is not None:
             teacher_fields, gather_ids = await roles.distillation.teacher_fields(samples)
@@ -148,17 +140,6 @@ class SyncController:
             metrics.update(await roles.actor.train(samples, fields, gather_ids))
         metrics["perf/train_s"] = time.perf_counter() - train_started
         return metrics
-
-    async def _per_sample_fields(self, samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
-        """The loss's fields that each sample has on its own: the reference's log-probs (streamed, or computed here)
-        and, with TIS, the engine's log-probs."""
-        fields: dict[str, list[torch.Tensor]] = {}
-        if self.roles.reference is not None:  # a streaming role may have computed it as the groups arrived
-            fields["ref_log_probs"] = (streamed_field(samples, REF_LOG_PROBS)
-                                       or await self.roles.reference.compute_log_probs(samples))
-        if self.cfg.use_tis:
-            fields["rollout_log_probs"] = [rollout_log_probs(s) for s in samples]
-        return fields
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         return await sync_weights_in_process(

@@ -10,7 +10,10 @@ import time
 
 from relax.core.async_controller import AsyncController
 from relax.core.controller import SyncController
+from relax.core.streamed_training import ChunkReport, chunk_fields
+from relax.core.streaming_roles import REF_LOG_PROBS
 from relax.data_plane import StalenessGate
+from relax.data_plane.tq_plane import RowHandle
 
 PRODUCER_ERROR_GRACE_S = 5.0
 
@@ -55,6 +58,25 @@ class RayAsyncController(AsyncController, RaySyncController):
             await self.roles.rollout.catch_up_with_published_weights()
         return last
 
+    async def _choose_reading(self) -> None:
+        """Training as the data arrives, the controller reads rows' keys and the actor's processes read the samples
+        from TransferQueue (the payloads never pass through here), unless the chunks need the reference computed in
+        the step (a reference over several ranks does not stream)."""
+        await super()._choose_reading()
+        self.plane.trainer_reads_rows = self._streams_training and (
+            self.roles.reference is None or REF_LOG_PROBS in self._streamed_fields)
+
+    async def _train_chunk(self, rollout_id: int, batch: list, expected: int, last: bool) -> ChunkReport:
+        if not self.plane.trainer_reads_rows:
+            return await super()._train_chunk(rollout_id, batch, expected, last)
+        rows = [item for item in batch if isinstance(item, RowHandle)]
+        # groups carried past their partition's end were read whole: their fields are computed here
+        samples = [item for item in batch if not isinstance(item, RowHandle)]
+        fields = await chunk_fields(samples, self.roles.advantages, self.cfg.use_tis, self.roles.reference) \
+            if samples else {}
+        return await self.roles.actor.train_chunk_rows(rollout_id, rows, samples, fields, expected, last,
+                                                       self._streamed_fields, self.cfg.dump_samples)
+
     async def _generate_into_plane(self, step: int) -> tuple[dict[str, float], dict[str, int]]:
         """The rollout process writes the groups into TransferQueue itself (samples never pass through here)."""
         return await self.roles.rollout.generate_into_plane(step)
@@ -62,11 +84,11 @@ class RayAsyncController(AsyncController, RaySyncController):
     async def _end_failed_step(self, step: int) -> None:
         """Nothing to do: the rollout process writes the end-of-step marker also when generation fails."""
 
-    async def _check_rollout_of(self, step: int, samples) -> None:
+    async def _check_rollout_of(self, step: int, arrived: int) -> None:
         """As in-process; a step that arrives empty may be a failed generation whose error reaches
         this process just after the end marker: wait briefly for it, so it is raised, not skipped."""
-        if not samples:
+        if not arrived:
             deadline = time.monotonic() + PRODUCER_ERROR_GRACE_S
             while self._producer_error is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-        await super()._check_rollout_of(step, samples)
+        await super()._check_rollout_of(step, arrived)

@@ -87,8 +87,10 @@ class RoleWorker:
         ctx = build.build_context(cfg)
         self._engine_settings = (ctx.tokenizer, ctx.device, ctx.dtype)  # what a scaled-out engine is built with
         self.reference = None  # --hybrid: the reference beside the policy in the actor's processes (upstream's)
+        self._advantages = None  # the actor's: group-local advantages of the chunks it reads itself
         if name == "actor":
             self.role = build.build_actor(ctx)
+            self._advantages = build.build_advantages(ctx)
             if with_reference:
                 self.reference = build.build_reference(ctx)
         elif name == "rollout":  # with a judge process (--resource genrm), the rewards ask it for verdicts
@@ -173,6 +175,22 @@ class RoleWorker:
 
     async def finish_streamed_step(self, step: int) -> dict[str, float]:
         return await self.role.finish_streamed_step(step)
+
+    async def train_chunk_rows(self, step: int, rows, samples, fields, expected_samples: int, last: bool,
+                               needs: tuple[str, ...], dump_limit: int):
+        """A chunk of step ``step`` given as TransferQueue ``rows`` (the controller passes keys, not payloads) and
+        ``samples`` with their ``fields`` (groups read whole before): this process reads the rows with the streamed
+        fields ``needs``, computes their TIS and group-local advantage fields, and trains on the whole chunk; the
+        controller gets a `ChunkReport`."""
+        from relax.core.streamed_training import chunk_fields, chunk_report, concat_fields
+
+        read = await self._data_plane().samples_of(rows, needs)
+        read_fields = await chunk_fields(read, self._advantages, self.cfg.use_tis) if read else {}
+        batch, batch_fields = read + samples, concat_fields(read_fields, fields)
+        await self.role.train_chunk(step, batch, batch_fields, expected_samples, last)
+        report = chunk_report(batch, batch_fields, needs, dump_limit)
+        report.by_key = len(read)
+        return report
 
     # ---- rollout ------------------------------------------------------------------------------
     async def generate(self, rollout_id: int):
@@ -415,6 +433,11 @@ class RemoteActor(RemoteRole):
 
     async def finish_streamed_step(self, step: int) -> dict[str, float]:
         return await self._call("finish_streamed_step", step)
+
+    async def train_chunk_rows(self, step: int, rows, samples, fields, expected_samples: int, last: bool,
+                               needs: tuple[str, ...], dump_limit: int):
+        return await self._call("train_chunk_rows", step, rows, samples, fields, expected_samples, last, needs,
+                                dump_limit)
 
     @property
     def backend(self) -> SimpleNamespace:

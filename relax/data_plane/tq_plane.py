@@ -23,14 +23,22 @@ import asyncio
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from relax.data.sample import Sample
+from relax.data.sample import Sample, SampleStatus
 from relax.data_plane.base import TRAIN_TASK, DataPlane, Group, partition_id
-from relax.data_plane.staleness import StalenessGate
-from relax.data_plane.tq_codec import COLUMNS, decode_field, decode_rows, encode_fields, encode_rows, record_to_sample
+from relax.data_plane.staleness import StalenessGate, oldest_weight_version
+from relax.data_plane.tq_codec import (
+    COLUMNS,
+    decode_field,
+    decode_rows,
+    encode_fields,
+    encode_rows,
+    record_to_sample,
+)
 from relax.utils.errors import RunFault
 
 END_MARKER = "end_of_step"
@@ -160,11 +168,26 @@ def transfer_queue_actors() -> dict[str, Any]:
     return actors
 
 
+@dataclass
+class RowHandle:
+    """A sample left in TransferQueue: what the trainer's reader decides on (its group, status and oldest weight
+    version, from the row's metadata) and the row itself, which the process that trains on it reads
+    (`TransferQueueDataPlane.samples_of`). The controller then passes keys, not payloads."""
+
+    index: int
+    group_index: int
+    status: SampleStatus
+    weight_version: int | None
+    rows: Any  # a BatchMeta of this one row
+
+
 class TransferQueueDataPlane(DataPlane):
     """Partitions ``train_{step}`` in TransferQueue; one row per sample, columns from `tq_codec`.
 
     ``task_name`` is the consumer task whose consumption TransferQueue tracks (upstream:
     ``actor_train``); ``poll_interval_s`` is how long the reader sleeps when nothing new is ready.
+    With ``trainer_reads_rows`` the trainer's stream yields `RowHandle`s instead of samples (no payload is read
+    here; groups carried past their partition's clear are read whole first, as the rows go with the partition).
     """
 
     def __init__(self, gate: StalenessGate | None = None, *, task_name: str = "actor_train",
@@ -177,6 +200,7 @@ class TransferQueueDataPlane(DataPlane):
         self._read_so_far: dict[int, dict[str, int]] = {}  # groups read per step, per reader task
         self._rows_of: dict[int, Any] = {}  # id(group) -> its rows (BatchMeta), for a streaming role's write-back
         self._expected: dict[int, int] = {}  # groups written per step, known from the end marker
+        self.trainer_reads_rows = False
 
     async def _bounded(self, call, what: str, step: int | None = None):
         """Await TransferQueue ``call``, ended early with `DataPlaneError` when TransferQueue cannot answer."""
@@ -216,7 +240,10 @@ class TransferQueueDataPlane(DataPlane):
         for group in groups:
             key = uuid.uuid4().hex
             samples.extend(group)
-            custom_meta.extend({"group_key": key, "group_size": len(group)} for _ in group)
+            # what a reader of rows (`RowHandle`) decides on without reading the payload
+            custom_meta.extend({"group_key": key, "group_size": len(group), "index": sample.index,
+                                "group_index": sample.group_index, "status": sample.status.value,
+                                "oldest_version": oldest_weight_version(sample)} for sample in group)
         await self._insert_rows(step, samples, custom_meta)
 
     async def _write_end(self, step: int, written_groups: int) -> None:
@@ -230,29 +257,67 @@ class TransferQueueDataPlane(DataPlane):
         named under it (the same in every process of a run)."""
         return self.task_name if task == TRAIN_TASK else f"{self.task_name}/{task}"
 
+    def _decoded(self, step: int, data: Any, needs: tuple[str, ...]) -> list[Sample | None]:
+        """The samples of rows ``data`` with the stage fields ``needs`` (None for an end marker, whose count of
+        written groups is noted)."""
+        stage_columns = {name: decode_field(data[name]) for name in needs}
+        samples: list[Sample | None] = []
+        for row, record in enumerate(decode_rows(data)):
+            if record.get(END_MARKER):
+                self._expected[step] = record["written_groups"]
+                self._ledger.produced_at_least(step, record["written_groups"])
+                samples.append(None)
+                continue
+            sample = record_to_sample(record)
+            sample.stage_fields = {name: values[row] for name, values in stage_columns.items()}
+            samples.append(sample)
+        return samples
+
+    async def _row_groups(self, step: int, meta: Any) -> dict[str, list[RowHandle]]:
+        """The groups of ``meta``'s rows as `RowHandle`s, from the rows' metadata; only an end marker's row is read."""
+        groups: dict[str, list[RowHandle]] = {}
+        for row, custom in enumerate(meta.get_all_custom_meta()):
+            if custom["group_key"].startswith("end:"):
+                marker = meta.select_samples([row]).select_fields(COLUMNS)
+                self._decoded(step, await self._bounded(self._client.async_get_data(marker), "read", step), ())
+                continue
+            groups.setdefault(custom["group_key"], []).append(RowHandle(
+                custom["index"], custom["group_index"], SampleStatus(custom["status"]), custom["oldest_version"],
+                meta.select_samples([row])))
+        return groups
+
+    async def samples_of(self, handles: list[RowHandle], needs: tuple[str, ...] = ()) -> list[Sample]:
+        """The samples behind ``handles``, with the stage fields ``needs``, in order (read by the process that
+        trains on them, any process of the run)."""
+        from transfer_queue.metadata import BatchMeta
+
+        if not handles:
+            return []
+        rows = BatchMeta.concat([handle.rows for handle in handles])
+        data = await self._bounded(self._client.async_get_data(rows.select_fields([*COLUMNS, *needs])), "read")
+        return self._decoded(-1, data, needs)
+
     async def _fetch_ready_groups(self, step: int, task: str = TRAIN_TASK, needs: tuple[str, ...] = (),
-                                  gives: tuple[str, ...] = ()) -> list[Group]:
+                                  gives: tuple[str, ...] = (), whole: bool = False) -> list[Group]:
         """Every complete group of ``step`` ready now for ``task`` (with the fields ``needs``), marked consumed for
-        it; never waits. ``gives``: remember the groups' rows for the role's `write_fields`."""
+        it; never waits. ``gives``: remember the groups' rows for the role's `write_fields`. The trainer's groups
+        are `RowHandle`s with ``trainer_reads_rows`` unless ``whole``."""
         meta = await self._bounded(self._client.async_get_meta(data_fields=[*COLUMNS, *needs], batch_size=1,
                                                                partition_id=partition_id(step), mode="fetch",
                                                                task_name=self._task(task)), "poll", step)
         if meta.size == 0:
             return []
-        data = await self._bounded(self._client.async_get_data(meta), "read", step)
-        records = decode_rows(data)
-        stage_columns = {name: decode_field(data[name]) for name in needs}
-        groups: dict[str, Group] = {}
         rows: dict[str, list[int]] = {}
-        for row, (record, custom) in enumerate(zip(records, meta.get_all_custom_meta(), strict=True)):
-            if record.get(END_MARKER):
-                self._expected[step] = record["written_groups"]
-                self._ledger.produced_at_least(step, record["written_groups"])
-                continue
-            sample = record_to_sample(record)
-            sample.stage_fields = {name: values[row] for name, values in stage_columns.items()}
-            groups.setdefault(custom["group_key"], []).append(sample)
-            rows.setdefault(custom["group_key"], []).append(row)
+        if task == TRAIN_TASK and self.trainer_reads_rows and not whole:
+            groups = await self._row_groups(step, meta)
+        else:
+            data = await self._bounded(self._client.async_get_data(meta), "read", step)
+            groups = {}
+            for row, (sample, custom) in enumerate(zip(self._decoded(step, data, needs), meta.get_all_custom_meta(),
+                                                       strict=True)):
+                if sample is not None:
+                    groups.setdefault(custom["group_key"], []).append(sample)
+                    rows.setdefault(custom["group_key"], []).append(row)
         if gives:  # the rows a role will write its fields back to
             for key, group in groups.items():
                 self._rows_of[id(group)] = meta.select_samples(rows[key])
@@ -305,12 +370,21 @@ class TransferQueueDataPlane(DataPlane):
             await asyncio.sleep(self.poll_interval_s)
 
     async def _take_unread(self, step: int) -> list[Group]:
-        return await self._fetch_ready_groups(step)  # without ``needs``: also groups a role has not reached
+        # without ``needs``: also groups a role has not reached; whole: they outlive the partition in the carry buffer
+        return await self._fetch_ready_groups(step, whole=True)
 
     async def _drop_partition(self, step: int) -> None:
+        await self._read_carried_rows(step)
         await self._bounded(self._client.async_clear_partition(partition_id(step)), "partition clear", step)
         self._read_so_far.pop(step, None)
         self._expected.pop(step, None)
+
+    async def _read_carried_rows(self, step: int) -> None:
+        """Carried groups of ``step`` still held as rows are read whole before the partition (their rows) goes."""
+        for position, (origin, group) in enumerate(self._carry):
+            if origin == step and any(isinstance(item, RowHandle) for item in group):
+                # without stage fields, as any group taken unread: the step that trains it computes them
+                self._carry[position] = (origin, await self.samples_of(group))
 
     async def partition_ids(self) -> list[str]:
         """The partitions TransferQueue holds now (for checks and tests)."""
