@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import tempfile
 import time
@@ -67,14 +68,21 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
-                    device: str = "cpu") -> tuple[Path, Path]:
+                    device: str = "cpu", mean_response_len: int | None = None) -> tuple[Path, Path]:
+    """A random model of ``shape`` with its tokenizer, and ``num_prompts`` random prompts. ``mean_response_len``:
+    responses end at varied lengths about that long on average (`end_responses_early`), as RL responses do,
+    instead of running to the length limit (a random model almost never samples EOS)."""
     model_dir, data = root / "model", root / "prompts.jsonl"
     torch.manual_seed(0)
     shape = dict(shape)
     config = transformers.CONFIG_MAPPING[shape.pop("model_type", "qwen3")](**shape, pad_token_id=0, eos_token_id=1,
                                                                             bos_token_id=None)
     with torch.device(device):  # a few billion parameters initialise in seconds on the GPU, minutes on the CPU
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if mean_response_len:
+            end_responses_early(model, eos_id=1, mean_response_len=mean_response_len, prompt_len=prompt_len)
+        model.save_pretrained(model_dir)
+        del model
     word_tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
     generator = torch.Generator().manual_seed(1)
     with data.open("w") as handle:
@@ -82,6 +90,24 @@ def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
             ids = torch.randint(2, shape["vocab_size"], (prompt_len,), generator=generator).tolist()
             handle.write(json.dumps({"input": " ".join(f"t{i}" for i in ids), "label": ""}) + "\n")
     return model_dir, data
+
+
+@torch.no_grad()
+def end_responses_early(model, eos_id: int, mean_response_len: int, prompt_len: int) -> None:
+    """Give EOS a direction of its own in the LM head, scaled so that a sampled token is EOS with probability about
+    ``1 / mean_response_len``: response lengths then spread geometrically, so a step's groups finish one after the
+    other. Calibrated on the final hidden states of random prompts: EOS wins when its logit exceeds the log of the
+    vocabulary's total mass, ``ln V`` for near-uniform logits."""
+    head = model.get_output_embeddings().weight
+    vocab = head.shape[0]
+    generator = torch.Generator(device=head.device).manual_seed(2)
+    ids = torch.randint(2, vocab, (4, prompt_len), generator=generator, device=head.device)
+    hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1).float()
+    direction = torch.randn(head.shape[1], generator=generator, device=head.device)
+    direction /= direction.norm()
+    projections = hidden @ direction
+    threshold = torch.quantile(projections, 1.0 - 1.0 / mean_response_len)
+    head[eos_id] = (math.log(vocab) / threshold * direction).to(head.dtype)
 
 
 def active_params(shape: dict) -> int:

@@ -46,7 +46,8 @@ from relax.distributed.process_group import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "modes_gpu.json"
-PHASES = ("perf/rollout_s", "perf/prepare_s", "perf/train_s", "perf/wait_for_rollout_s", "perf/weight_sync_s")
+PHASES = ("perf/rollout_s", "perf/prepare_s", "perf/train_s", "perf/wait_for_rollout_s", "perf/weight_sync_s",
+          "perf/train_chunks")
 
 
 def train_args(model_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> list[str]:
@@ -86,7 +87,8 @@ def run_colocate(model_dir: Path, data: Path, out: Path, args: argparse.Namespac
         "colocate", args.timeout)
 
 
-def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, mode: str = "--fully-async") -> None:
+def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Namespace, mode: str = "--fully-async",
+                    extra: tuple[str, ...] = ()) -> None:
     """Rollout in a `relax serve` process (on GPU 1; with ``--gpus 1`` beside the trainer on GPU 0), training here;
     ``mode`` ``--hybrid`` keeps the reference and the advantages in the trainer's step (no streaming roles)."""
     port = free_loopback_port()
@@ -104,11 +106,12 @@ def run_fully_async(model_dir: Path, data: Path, out: Path, args: argparse.Names
         cwd=ROOT, env=environment(serve_device), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_server(url, server, args.timeout)
-        command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), mode,
-                   "--max-staleness", "1", "--rollout-external", "--rollout-external-engine-addrs", url,
+        command = [sys.executable, "-m", "relax.cli.main", *train_args(model_dir, data, out, args), mode, *extra,
+                   "--max-staleness", str(args.max_staleness), "--rollout-external",
+                   "--rollout-external-engine-addrs", url,
                    *(weights or ["--weight-sync-transport", "broadcast"])]
         try:
-            run(command, environment("0" if args.device == "cuda" else ""), mode.strip("-"), args.timeout)
+            run(command, environment("0" if args.device == "cuda" else ""), out.name, args.timeout)
         finally:
             (out / "server_health.json").write_text(httpx.get(f"{url}/health", timeout=10).text)
     finally:
@@ -166,8 +169,12 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULT)
     parser.add_argument("--runs-dir", type=Path, default=None, help="keep the two run directories here")
     parser.add_argument("--modes", default="colocate,fully_async",
-                        help="which runs among colocate, fully_async, hybrid (speedup: colocate / fully_async; "
-                             "streaming_speedup: hybrid / fully_async)")
+                        help="which runs among colocate, fully_async, hybrid, fully_async_whole_step (speedup: "
+                             "colocate / fully_async; streaming_speedup: hybrid / fully_async; "
+                             "streamed_train_speedup: fully_async_whole_step / fully_async)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="of the fully_async and hybrid runs")
+    parser.add_argument("--mean-response-len", type=int, default=None,
+                        help="responses end at varied lengths about this long (default: all run to --new-tokens)")
     parser.add_argument("--kl", action="store_true",
                         help="a KL loss, so a reference role: in fully_async it streams, in hybrid it is in the step")
     args = parser.parse_args()
@@ -178,11 +185,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         runs = args.runs_dir or root
-        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len)
+        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len,
+                                          mean_response_len=args.mean_response_len)
+
         def run_hybrid(*launch_args) -> None:
             run_fully_async(*launch_args, mode="--hybrid")
 
-        for mode, launch in (("colocate", run_colocate), ("fully_async", run_fully_async), ("hybrid", run_hybrid)):
+        def run_whole_step(*launch_args) -> None:  # the trainer waits for each step's whole batch
+            run_fully_async(*launch_args, extra=("--train-stream-chunks", "1"))
+
+        launches = (("colocate", run_colocate), ("fully_async", run_fully_async), ("hybrid", run_hybrid),
+                    ("fully_async_whole_step", run_whole_step))
+        for mode, launch in launches:
             if mode in args.modes.split(","):
                 launch(model_dir, data, runs / mode, args)
                 results[mode] = summarize(runs / mode, args.warmup)
@@ -194,6 +208,9 @@ def main() -> None:
         report["speedup"] = round(results["colocate"]["s_per_step"] / results["fully_async"]["s_per_step"], 3)
     if "hybrid" in results and "fully_async" in results:  # the streaming roles (with --kl: the reference)
         report["streaming_speedup"] = round(results["hybrid"]["s_per_step"] / results["fully_async"]["s_per_step"], 3)
+    if "fully_async_whole_step" in results and "fully_async" in results:  # the trainer's streamed reading
+        report["streamed_train_speedup"] = round(results["fully_async_whole_step"]["s_per_step"]
+                                                 / results["fully_async"]["s_per_step"], 3)
     report.update({
         "details": results,
         "config": {"model": "tiny Qwen3" if args.tiny else "Qwen3-0.6B shape, random init",
@@ -202,10 +219,13 @@ def main() -> None:
                    "micro_batch_size": args.micro_batch_size, "steps": args.steps, "warmup_steps": args.warmup,
                    "colocate": f"torchrun --nproc-per-node {args.gpus}, sync loop, DataParallelEngine, FSDP2",
                    "fully_async": f"relax serve on GPU {1 if args.gpus > 1 else 0} + relax train --fully-async "
-                                  "--max-staleness 1 on GPU 0, "
+                                  f"--max-staleness {args.max_staleness} on GPU 0, "
                                   + ("NCCL weight broadcast" if args.gpus > 1 else "weights through files (NCCL "
                                      "refuses two ranks on one GPU)"),
                    "hybrid": "as fully_async with --hybrid: reference and advantages in the trainer's step",
+                   "fully_async_whole_step": "as fully_async with --train-stream-chunks 1: the trainer waits for "
+                                             "each step's whole batch",
+                   "mean_response_len": args.mean_response_len,
                    "kl_loss": args.kl,
                    "batch_window_ms": args.batch_window_ms},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
