@@ -210,14 +210,15 @@ def bench_model(name: str, args) -> dict:
     result = {"parameters": parameters, "sync_bytes": sum(t.numel() * t.element_size()
                                                           for bucket in buckets_of(trainer, args) for _, t in bucket),
               "buckets": len(buckets_of(trainer, args)), "transports": {}}
-    for transport, bench in TRANSPORTS.items():
-        times, identical = bench(trainer, config, args)
+    for transport in args.transports.split(","):
+        times, identical = TRANSPORTS[transport](trainer, config, args)
         median = statistics.median(times)
         result["transports"][transport] = {"seconds_per_sync": median, "times": times, "bit_identical": identical,
                                            "gb_per_s": result["sync_bytes"] / median / 1e9}
         print(f"{name:>10} ({parameters / 1e6:6.1f} M params, {result['buckets']} buckets) {transport:>10}: "
               f"{median:7.3f} s/sync  identical={identical}", flush=True)
-    for engines in (int(n) for n in args.engines.split(",") if int(n) > 1):  # the fan-out to several engines
+    fan_out = [int(n) for n in args.engines.split(",") if int(n) > 1] if "broadcast" in args.transports else []
+    for engines in fan_out:  # the fan-out to several engines
         times, identical = bench_broadcast(trainer, config, args, engines)
         median = statistics.median(times)
         result["transports"][f"broadcast_to_{engines}"] = {
@@ -241,10 +242,15 @@ def main(defaults: dict | None = None, description: str = __doc__) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "weight_sync_cpu.json")
     parser.add_argument("--name", default="weight_sync_cpu", help="the result's benchmark name")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"among {', '.join(TRANSPORTS)}")
     parser.add_argument("--engines", default="1", help="engine counts of the broadcast, e.g. 1,3,7 (on CUDA each "
                         "engine takes its own GPU from --engine-device on)")
     parser.set_defaults(**(defaults or {}))
     args = parser.parse_args()
+    unknown = set(args.transports.split(",")) - set(TRANSPORTS)
+    if unknown or "in_process" not in args.transports.split(","):
+        raise SystemExit(f"--transports {args.transports}: among {', '.join(TRANSPORTS)}, in_process included "
+                         "(the other transports are compared with it)")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -259,7 +265,7 @@ def main(defaults: dict | None = None, description: str = __doc__) -> None:
                    "broadcast": f"{'nccl' if args.trainer_device.startswith('cuda') else 'gloo'}, 127.0.0.1, "
                                 "1 engine process; broadcast_to_N: one broadcast to N engine processes "
                                 "(gb_per_s per link)",
-                   "engines": args.engines,
+                   "engines": args.engines, "transports": args.transports,
                    "disk": "safetensors per bucket + manifest, fsync on, system temp dir"},
         "models": models,
         "total_s": time.perf_counter() - started,

@@ -12,6 +12,8 @@ randomly initialised Qwen3-0.6B- and Qwen3-4B-shaped models in bfloat16 with 512
     NCCL_NVLS_ENABLE=0 python -m benchmarks.weight_sync_gpu     # writes results/weight_sync_gpu.json
     NCCL_NVLS_ENABLE=0 python -m benchmarks.weight_sync_gpu --engines 1,3,7   # one broadcast to 1, 3 and 7 engines
                                                                                   # on GPUs 1..7 (8 GPUs)
+    python -m benchmarks.weight_sync_gpu --gpus 1 --models qwen3-0.6b            # smoke test on one GPU: the engine
+                                                                                  # beside the trainer, no broadcast
 
 ``--engines`` adds ``broadcast_to_N`` rows: one NCCL broadcast from the trainer to N engine processes, each on its
 own GPU, timed until every engine serves the version; ``gb_per_s`` is per link (each engine receives the whole
@@ -19,6 +21,8 @@ model). The same option runs on CPU with gloo (`benchmarks/weight_sync_cpu.py --
 """
 
 from __future__ import annotations
+
+import sys
 
 from benchmarks import weight_sync_cpu
 
@@ -29,11 +33,18 @@ QWEN3_4B = {"vocab_size": 151_936, "hidden_size": 2560, "intermediate_size": 972
 
 
 def main() -> None:
+    # --gpus 1 (a smoke test on one GPU): the engine beside the trainer, no broadcast (NCCL refuses two ranks on one
+    # GPU), so in-process and disk only
+    one_gpu = "--gpus" in sys.argv and sys.argv[sys.argv.index("--gpus") + 1] == "1"
+    if "--gpus" in sys.argv:
+        position = sys.argv.index("--gpus")
+        del sys.argv[position:position + 2]
     weight_sync_cpu.SHAPES.update({"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B})
     weight_sync_cpu.main(defaults={
         "models": "qwen3-0.6b,qwen3-4b", "dtype": "bfloat16", "bucket_mib": 512, "trainer_device": "cuda:0",
-        "engine_device": "cuda:1", "name": "weight_sync_gpu",
+        "engine_device": "cuda:0" if one_gpu else "cuda:1", "name": "weight_sync_gpu",
         "output": weight_sync_cpu.ROOT / "benchmarks" / "results" / "weight_sync_gpu.json",
+        **({"transports": "in_process,disk"} if one_gpu else {}),
     }, description=__doc__)
 
 

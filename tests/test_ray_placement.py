@@ -322,6 +322,35 @@ def test_the_actor_across_two_processes_trains_as_one_process_does(tiny_workspac
 
 
 @needs_ray
+def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_does(tiny_workspace, tmp_path,
+                                                                                      ray_guard):
+    """`--fully-async` with `{"actor": [2, 1]}`: the controller passes each chunk's TransferQueue keys, both ranks read
+    the samples there, train on their shares of each chunk, and take one optimizer step at the step's end; the
+    update is the one the in-process run takes on the whole step (the same samples: on-policy, same seed)."""
+    from relax.cli.main import controller_class
+    from relax.core.build import build_roles
+
+    one_step = ("--fully-async", "--max-staleness", "0", "--num-rollout", "1", "--skip-eval-before-train",
+                "--dump-samples", "0", "--no-use-tensorboard", "--adam-eps", "1.0")  # see the sync test above
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / "two", "--placement", "ray", "--resource",
+                                       '{"actor": [2, 1], "rollout": [1, 1]}', *one_step))
+    two_ranks = _run_with_ray(cfg, lambda service: service.trainer_weights())
+    [row] = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert row["perf/train_chunks"] > 1 and row["data/passed_by_key_fraction"] == 1.0, row
+    whole = parse_config(tiny_train_args(tiny_workspace, tmp_path / "one", *one_step, "--train-stream-chunks", "1"))
+    roles = build_roles(whole)
+    with Tracker(whole.output_dir, use_tensorboard=False) as tracker:
+        asyncio.run(controller_class(whole)(whole, roles, tracker).run())
+    [expected] = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    assert "perf/train_chunks" not in expected
+    for key in ("train/loss", "train/grad_norm", "train/advantage_abs_mean", "rollout/reward_mean"):
+        assert row[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    one_process = {name: p.detach() for name, p in roles.actor.backend.model.hf_model.named_parameters()}
+    for name, tensor in two_ranks.items():
+        torch.testing.assert_close(tensor, one_process[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@needs_ray
 @pytest.mark.parametrize("mode, transport", [("--fully-async", "broadcast"), ("--fully-async", "disk"),
                                              pytest.param("--hybrid", "disk", marks=pytest.mark.slow)])
 def test_async_modes_in_ray_processes_account_every_group_once(tiny_workspace, tmp_path, ray_guard, mode, transport):
