@@ -18,7 +18,9 @@ Weight updates and in-flight generation:
 
 ``--fully-async`` streams: rollout writes each group as soon as it is scored, and the reference and group-local
 advantages run as streaming roles that read each group as it lands and write their fields back
-(`relax.core.streaming_roles`); the trainer reads groups carrying those fields. ``--hybrid`` is the same pipeline
+(`relax.core.streaming_roles`); the trainer reads groups carrying those fields and, unless a step needs its whole
+batch first, trains on them in chunks as they arrive, one optimizer step per step (``--train-stream-chunks``;
+`relax.core.streamed_training`). ``--hybrid`` is the same pipeline
 with ``--partial-rollout`` refused and nothing streamed: the reference/actor-forward passes and the advantages run
 inside the trainer's step over the whole step, as the sync loop does (upstream's hybrid; docs/modes.md).
 """
