@@ -464,6 +464,8 @@ def test_a_reader_of_rows_decides_on_keys_and_the_trainer_reads_the_samples(requ
         assert all(isinstance(item, RowHandle) for item in handles) and len(handles) == 16
         read = await plane.samples_of(handles, ("ref_log_probs",))
         assert [s.index for s in read] == [h.index for h in handles]
+        shuffled = sorted(handles, key=lambda h: -h.index)  # any order of handles, from any poll, comes back in it
+        assert [s.index for s in await plane.samples_of(shuffled)] == [h.index for h in shuffled]
         for sample in read:
             original = written[sample.index]
             assert (sample.tokens, sample.reward, sample.group_index) == (original.tokens, original.reward,

@@ -178,7 +178,8 @@ class RowHandle:
     group_index: int
     status: SampleStatus
     weight_version: int | None
-    rows: Any  # a BatchMeta of this one row
+    fetched: Any  # the BatchMeta of the poll that found the row, shared by the handles of that poll
+    row: int  # the row's position in ``fetched``
 
 
 class TransferQueueDataPlane(DataPlane):
@@ -283,7 +284,7 @@ class TransferQueueDataPlane(DataPlane):
                 continue
             groups.setdefault(custom["group_key"], []).append(RowHandle(
                 custom["index"], custom["group_index"], SampleStatus(custom["status"]), custom["oldest_version"],
-                meta.select_samples([row])))
+                meta, row))
         return groups
 
     async def samples_of(self, handles: list[RowHandle], needs: tuple[str, ...] = ()) -> list[Sample]:
@@ -293,9 +294,16 @@ class TransferQueueDataPlane(DataPlane):
 
         if not handles:
             return []
-        rows = BatchMeta.concat([handle.rows for handle in handles])
+        # one selection per poll the handles came from (a selection copies its poll's metadata: not one per row)
+        by_poll: dict[int, tuple[Any, list[int]]] = {}
+        for handle in handles:
+            by_poll.setdefault(id(handle.fetched), (handle.fetched, []))[1].append(handle.row)
+        rows = BatchMeta.concat([meta.select_samples(positions) for meta, positions in by_poll.values()])
         data = await self._bounded(self._client.async_get_data(rows.select_fields([*COLUMNS, *needs])), "read")
-        return self._decoded(-1, data, needs)
+        read = self._decoded(-1, data, needs)
+        position = {(poll, row): i for i, (poll, row) in enumerate(
+            (poll, row) for poll, (_, positions) in by_poll.items() for row in positions)}
+        return [read[position[(id(handle.fetched), handle.row)]] for handle in handles]
 
     async def _fetch_ready_groups(self, step: int, task: str = TRAIN_TASK, needs: tuple[str, ...] = (),
                                   gives: tuple[str, ...] = (), whole: bool = False) -> list[Group]:
