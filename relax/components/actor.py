@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from relax.algorithms.aggregation import LossAggregation, Rescale, StepCounts, denominator_kind
+from relax.algorithms.aggregation import LossAggregation, StepCounts, denominator_kind
 from relax.algorithms.loss import LossFn
 from relax.backends.training.base import LogProbs, TrainBackend, TrainBatch
 from relax.data.sample import Sample
@@ -50,14 +49,6 @@ def train_in_optimizer_steps(backend: TrainBackend, batch: TrainBatch, loss_fn: 
     return {f"{prefix}{name}": statistics.fmean(m[name] for m in per_step) for name in per_step[0]}
 
 
-@dataclass
-class _StreamedStep:
-    step: int
-    provisional: StepCounts
-    samples: int = 0
-    tokens: int = 0
-
-
 class Actor:
     """Trains on each rollout batch in ``len(samples) / train_batch_size`` optimizer steps.
 
@@ -73,7 +64,7 @@ class Actor:
         self.train_batch_size = train_batch_size
         self.routing_replay = routing_replay  # forwards route tokens to the rollout's experts (R3)
         self.loss_kind = denominator_kind(loss_aggregation)
-        self._streamed: _StreamedStep | None = None
+        self._streamed_step: int | None = None  # the rollout step whose chunks the backend's open step holds
 
     def needs_old_log_probs(self, num_samples: int) -> bool:
         return num_samples > self.train_batch_size
@@ -108,21 +99,18 @@ class Actor:
         of a step opens it. The loss divides by provisional counts (``expected_samples``, and the tokens the first
         chunk implies for them) that `finish_streamed_step` corrects. ``last``: no chunk follows."""
         batch = to_train_batch(samples, fields, routed_experts=self.routing_replay)
-        if self._streamed is None or self._streamed.step != step:
+        if self._streamed_step != step:
             tokens = math.ceil(batch.num_loss_tokens() * expected_samples / max(len(batch), 1))
-            self._streamed = _StreamedStep(step, StepCounts(expected_samples, max(tokens, 1)))
-            self.backend.begin_step(self.loss_fn, self._streamed.provisional)
+            self.backend.begin_step(self.loss_fn, StepCounts(expected_samples, max(tokens, 1)))
+            self._streamed_step = step
         self.backend.accumulate(batch, last=last)
-        self._streamed.samples += len(batch)
-        self._streamed.tokens += batch.num_loss_tokens()
 
     async def finish_streamed_step(self, step: int) -> dict[str, float]:
         """Apply the optimizer step of ``step``'s chunks; ``train/*`` metrics as `train` gives them."""
-        streamed, self._streamed = self._streamed, None
-        if streamed is None or streamed.step != step:
+        streamed, self._streamed_step = self._streamed_step, None
+        if streamed != step:
             raise RuntimeError(f"no chunk of step {step + 1} was trained")
-        rescale = Rescale(streamed.provisional, StepCounts(streamed.samples, streamed.tokens), self.loss_kind)
-        metrics = {f"train/{name}": value for name, value in self.backend.end_step(rescale).items()}
+        metrics = {f"train/{name}": value for name, value in self.backend.end_step(self.loss_kind).items()}
         metrics["train/optimizer_steps"] = 1.0
         return metrics
 

@@ -188,9 +188,7 @@ class RoleWorker:
         read_fields = await chunk_fields(read, self._advantages, self.cfg.use_tis) if read else {}
         batch, batch_fields = read + samples, concat_fields(read_fields, fields)
         await self.role.train_chunk(step, batch, batch_fields, expected_samples, last)
-        report = chunk_report(batch, batch_fields, needs, dump_limit)
-        report.by_key = len(read)
-        return report
+        return chunk_report(batch, batch_fields, needs, dump_limit, by_key=len(read))
 
     # ---- rollout ------------------------------------------------------------------------------
     async def generate(self, rollout_id: int):

@@ -27,7 +27,7 @@ class ChunkReport:
 
     samples: int = 0
     tokens: int = 0
-    streamed: int = 0  # samples that carried every streamed field
+    streamed: int = 0  # samples that carried every streamed field (all of them when nothing streams)
     by_key: int = 0  # samples the trainer's processes read from the store themselves (the controller passed keys)
     advantage_abs_means: list[float] = field(default_factory=list)
     dump: list[Sample] = field(default_factory=list)
@@ -74,11 +74,11 @@ async def chunk_fields(samples: list[Sample], advantages, use_tis: bool,
 
 
 def chunk_report(samples: list[Sample], fields: dict[str, list[torch.Tensor]], streamed_fields: tuple[str, ...],
-                 dump_limit: int) -> ChunkReport:
+                 dump_limit: int, by_key: int = 0) -> ChunkReport:
+    """The report of a trained chunk; ``by_key``: how many of ``samples`` the trainer's process read itself."""
     return ChunkReport(
         samples=len(samples), tokens=sum(len(s.tokens) for s in samples),
-        streamed=sum(all(name in s.stage_fields for name in streamed_fields) for s in samples) if streamed_fields
-        else 0,
+        streamed=sum(all(name in s.stage_fields for name in streamed_fields) for s in samples), by_key=by_key,
         advantage_abs_means=advantage_abs_means(samples, fields[ADVANTAGES]), dump=samples[:dump_limit])
 
 

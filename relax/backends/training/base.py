@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from relax.algorithms.aggregation import Rescale, StepCounts
+from relax.algorithms.aggregation import StepCounts
 from relax.algorithms.loss import LossFn
 
 
@@ -98,8 +98,9 @@ class TrainBackend(abc.ABC):
         """Add the gradients of chunk ``batch`` to the open step."""
 
     @abc.abstractmethod
-    def end_step(self, rescale: Rescale | None = None) -> dict[str, float]:
-        """Apply the open step (gradients and metrics rescaled to the final counts by ``rescale``); its metrics."""
+    def end_step(self, loss_kind: str | None = None) -> dict[str, float]:
+        """Apply the open step; with ``loss_kind`` (what the loss divides by) its gradients and metrics are rescaled
+        from the counts it began with to those its chunks held. Its metrics."""
 
     @abc.abstractmethod
     def named_parameters_for_sync(self, dtype: torch.dtype, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

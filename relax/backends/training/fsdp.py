@@ -253,7 +253,9 @@ class _OpenStep:
     """An optimizer step between `begin_step` and `end_step`."""
 
     loss_fn: LossFn
-    counts: StepCounts
+    counts: StepCounts  # what the loss divides by (provisional while chunks still come)
+    seen_samples: int = 0  # what the chunks held, all ranks together
+    seen_tokens: int = 0
     totals: dict[str, torch.Tensor] = field(default_factory=dict)
     template: TrainBatch | None = None  # the last chunk, the pattern of a placeholder micro-batch
     reduced: bool = False  # whether the gradients were reduced over ranks after the last backward
@@ -631,14 +633,19 @@ class FSDPTrainBackend(TrainBackend):
             totals = self._accumulate_gradients(batch, micro_batches, step.loss_fn, step.counts, reduce=last)
         for name, value in totals.items():
             step.totals[name] = step.totals.get(name, 0.0) + value
+        step.seen_samples += len(batch)
+        step.seen_tokens += batch.num_loss_tokens()
         step.template, step.reduced = batch, last
 
-    def end_step(self, rescale: Rescale | None = None) -> dict[str, float]:
+    def end_step(self, loss_kind: str | None = None) -> dict[str, float]:
         """Apply the open step: reduce the gradients if the last chunk did not, rescale them and the metrics from
-        provisional to final counts (``rescale``), clip, and take the optimizer step; the step's metrics."""
+        the counts the step began with to those its chunks held (``loss_kind``: what the loss divides by; None when
+        the counts were final), clip, and take the optimizer step; the step's metrics."""
         step, self._open_step = self._open_step, None
         if step is None or step.template is None:
             raise RuntimeError("end_step() of a step without data")
+        rescale = None if loss_kind is None else \
+            Rescale(step.counts, StepCounts(step.seen_samples, step.seen_tokens), loss_kind)
         if self.fsdp and not step.reduced:  # a forward and backward that adds nothing, to reduce over ranks
             with rope_scope(self._liger), self._cast_once():
                 self._accumulate_gradients(step.template, [([], None)], step.loss_fn, step.counts, reduce=True)
