@@ -124,8 +124,8 @@ def main() -> None:
         "fully_async_kl_s_per_step": round(results["fully_async_kl"]["s_per_step"], 4),
         "streaming_roles_speedup": round(results["hybrid_kl"]["s_per_step"] / results["fully_async_kl"]["s_per_step"],
                                          3),
+        # the reference's forwards in hybrid's step (a step trained as it arrives counts them in its updates)
         "hybrid_kl_prepare_s": round(results["hybrid_kl"]["prepare_s"], 4),
-        "fully_async_kl_prepare_s": round(results["fully_async_kl"]["prepare_s"], 4),
         "fully_async_kl_wait_for_rollout_s": round(results["fully_async_kl"]["wait_for_rollout_s"], 4),
         # the trainer's streamed reading: on-policy, the updates overlap the step's last groups
         "on_policy_whole_step_s_per_step": round(results["on_policy_whole_step"]["s_per_step"], 4),
