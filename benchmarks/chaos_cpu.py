@@ -259,6 +259,41 @@ def accounting(rows: list[dict], steps: int, groups_per_step: int, samples_per_g
             "outstanding_groups": sum(row.get("data/outstanding_groups", 0) for row in trained)}
 
 
+def version_violations(rows: list[dict], max_staleness: int) -> list[str]:
+    """Steps whose samples came from weights outside the staleness bound of the trainer's version at that step
+    (``rollout/weight_version_min`` / ``_max``; the trainer holds version step - 1 when step `step` is generated
+    and trained), or from later weights than the trainer's: a dead run's, served after a resume."""
+    merged: dict[int, dict] = {}
+    for row in rows:
+        merged.setdefault(row["step"], {}).update(row)
+    problems = []
+    for step, row in sorted(merged.items()):
+        if "rollout/weight_version_min" not in row:
+            continue
+        trainer, low, high = step - 1, row["rollout/weight_version_min"], row["rollout/weight_version_max"]
+        if high > trainer or low < trainer - max_staleness:
+            problems.append(f"step {step}: samples of versions {low:g}-{high:g}, trainer at {trainer}")
+    return problems
+
+
+def actor_resumes_scenario(transport: str):
+    """The actor's Ray process SIGKILLed at seeded random steps, the run resumed each time (--max-staleness 0, so
+    every step's metrics must equal the uninterrupted run's and every sample must come from the trainer's version
+    at its step), with weights over ``transport``."""
+    def scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
+        import random
+
+        points = sorted(random.Random(steps).sample(range(1, steps - 1), k=min(5, steps - 2)))
+        faults = [Fault("actor", "SIGKILL", step) for step in points]
+        command = ["--placement", "ray", "--fully-async", "--max-staleness", "0", "--save-interval", "1",
+                   "--weight-sync-transport", transport, "--use-health-check", "--heartbeat-timeout-s",
+                   str(heartbeat_timeout_s), "--max-global-restart", str(len(faults) + 1)]
+        return command, faults, f"fully-async, --max-staleness 0, roles in Ray processes, weights over {transport}: " \
+                                f"the actor SIGKILLed after steps {points}"
+
+    return scenario
+
+
 def ray_roles_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[str], list[Fault], str]:
     """Roles in Ray processes, TransferQueue as the data plane: each kind of process killed or stopped."""
     every = max(2, steps // 8)
@@ -308,7 +343,10 @@ def ray_engines_scenario(steps: int, heartbeat_timeout_s: float) -> tuple[list[s
 
 
 SCENARIOS = {"ray_roles": ray_roles_scenario, "launched_engines": launched_engines_scenario,
-             "ray_engines": ray_engines_scenario}
+             "ray_engines": ray_engines_scenario, "actor_resumes_disk": actor_resumes_scenario("disk"),
+             "actor_resumes_broadcast": actor_resumes_scenario("broadcast")}
+# Scenarios whose metrics must equal an uninterrupted run's (their --max-staleness is 0): one runs beside them.
+COMPARED = {"actor_resumes_disk", "actor_resumes_broadcast"}
 
 
 def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Path) -> dict:
@@ -324,12 +362,25 @@ def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Pat
                              env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     counts = accounting(rows, steps, groups, samples)
+    staleness = int(extra[extra.index("--max-staleness") + 1])
+    violations = version_violations(rows, staleness)
+    mismatches = None
+    if name in COMPARED:  # the same run without faults: every step's metrics must be equal
+        plain = [arg for arg in command if arg not in ("--use-health-check",)]
+        plain = _without_option(_without_option(plain, "--max-global-restart"), "--heartbeat-timeout-s")
+        reference_dir = run_dir.with_name(run_dir.name + "-reference")
+        plain[plain.index("--output-dir") + 1] = str(reference_dir)
+        subprocess.run(plain, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, timeout=60 * 60)
+        reference = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines() if line]
+        mismatches = metric_mismatches(rows, reference)
     detections = [f.detection_s for f in report.faults if f.detection_s is not None]
     result = {
         "faults_injected": sum(f.sent_at is not None for f in report.faults),
         "recovered": sum(f.recovered for f in report.faults),
         "samples_lost": counts["samples_lost"], "samples_duplicated": counts["samples_duplicated"],
         "max_detection_s": max(detections, default=None),
+        "version_violations": violations, "metric_mismatches": mismatches,
         "finished": report.returncode == 0 and counts["steps_logged"] == steps,
         "returncode": report.returncode, "wall_s": round(report.wall_s, 1), "steps": steps,
         "accounting": counts, "mode": mode,
@@ -338,6 +389,34 @@ def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Pat
     if not result["finished"]:
         print(report.stderr_tail, file=sys.stderr)
     return result
+
+
+def _without_option(command: list[str], name: str) -> list[str]:
+    if name not in command:
+        return command
+    at = command.index(name)
+    return command[:at] + command[at + 2:]
+
+
+def metric_mismatches(mine: list[dict], theirs: list[dict], rel: float = 1e-4) -> list[str]:
+    """Every (step, metric) whose value differs from the reference run's (timings and staleness counters aside)."""
+    def merged(rows: list[dict]) -> dict[int, dict]:
+        by_step: dict[int, dict] = {}
+        for row in rows:
+            by_step.setdefault(row["step"], {}).update(row)
+        return by_step
+
+    mine_by_step, theirs_by_step = merged(mine), merged(theirs)
+    problems = [f"step {step}: missing" for step in theirs_by_step if step not in mine_by_step]
+    for step, row in theirs_by_step.items():
+        for key, value in row.items():
+            if key.startswith(("perf/", "data/staleness")) or isinstance(value, bool) or \
+                    not isinstance(value, (int, float)) or value != value:
+                continue
+            got = mine_by_step.get(step, {}).get(key)
+            if got is None or abs(got - value) > rel * abs(value) + 1e-6:
+                problems.append(f"step {step} {key}: {got} vs {value}")
+    return problems
 
 
 def main() -> None:
@@ -359,6 +438,7 @@ def main() -> None:
             scenarios[name] = run_scenario(name, args.steps, args.heartbeat_timeout_s, run_dir)
             print(name, json.dumps({k: scenarios[name][k] for k in ("faults_injected", "recovered", "samples_lost",
                                                                      "samples_duplicated", "max_detection_s",
+                                                                     "version_violations", "metric_mismatches",
                                                                      "finished")}))
     results = list(scenarios.values())
     detections = [r["max_detection_s"] for r in results if r["max_detection_s"] is not None]
@@ -369,6 +449,8 @@ def main() -> None:
         "samples_lost": sum(r["samples_lost"] for r in results),
         "samples_duplicated": sum(r["samples_duplicated"] for r in results),
         "max_detection_s": max(detections, default=None),
+        "version_violations": sum(len(r["version_violations"]) for r in results),
+        "metric_mismatches": sum(len(r["metric_mismatches"] or []) for r in results),
         "finished": all(r["finished"] for r in results),
         "steps": args.steps, "heartbeat_timeout_s": args.heartbeat_timeout_s,
         "command": "python -m benchmarks.chaos_cpu " + " ".join(sys.argv[1:]),

@@ -62,6 +62,11 @@ class RelaxConfig(BaseModel):
         "model",
     )
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "Where to run. `auto`: CUDA when available.", "model")
+    cpu_threads: int = _field(
+        0, "Threads torch computes with on CPU. 0: chosen at start by measuring the model's matrix products at 1, 2, "
+        "4, ... threads within the cores the machine's load leaves free (a tiny model is fastest on one; a busy "
+        "machine gets fewer); $OMP_NUM_THREADS, when set, is taken instead.", "model", ge=0, le=1024,
+    )
     gradient_checkpointing: bool = _field(
         False, "Recompute activations in the backward pass to save memory.", "model"
     )

@@ -1,12 +1,46 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install Relax into it. Usage: bash scripts/setup.sh [extras], e.g. "test".
+# Fails loudly: pip's whole output goes to .venv/setup.log (its tail is printed when a step fails), and the result is
+# checked (relax imports, the `relax` command answers, every extra's packages import) before this says it is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-python3 -m venv .venv
+log=.venv/setup.log
+
+fail() {
+  echo "setup: FAILED: $1" >&2
+  if [ -f "$log" ]; then
+    echo "setup: the last lines of $log:" >&2
+    tail -n 30 "$log" >&2
+  fi
+  exit 1
+}
+
+command -v python3 >/dev/null || fail "python3 is not on PATH (Relax needs Python 3.11 or newer)"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || fail "Python $(python3 -c 'import platform; print(platform.python_version())') is too old (Relax needs 3.11+)"
+python3 -m venv .venv || fail "python3 -m venv .venv (on Debian/Ubuntu: apt install python3-venv)"
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install --quiet --upgrade pip
+: > "$log"
+step() {  # step "what" command...: run it with its output in the log, or fail naming it
+  local what="$1"
+  shift
+  echo "setup: $what" >&2
+  "$@" >> "$log" 2>&1 || fail "$what"
+}
+step "pip upgrade" python -m pip install --upgrade pip
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build on a CPU machine.
-python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".${extras:+[$extras]}"
+step "torch 2.13.0" python -m pip install "torch==2.13.0"
+step "relax-rl${extras:+[$extras]}" python -m pip install -e ".${extras:+[$extras]}"
+
+# The result, checked: a pip that exits 0 without installing the package (seen once on a fresh clone) fails here.
+python -c "import relax, torch, transformers" >> "$log" 2>&1 || fail "import relax (relax-rl is not installed in .venv)"
+relax --version >> "$log" 2>&1 || fail "the relax command (relax --version) does not run"
+case ",$extras," in
+  *,test,*|*,ray,*) python -c "import ray, transfer_queue" >> "$log" 2>&1 || fail "import ray, transfer_queue (the ray extra)" ;;
+esac
+case ",$extras," in
+  *,test,*) python -c "import pytest, xdist, schemathesis" >> "$log" 2>&1 || fail "import pytest, xdist, schemathesis (the test extra)" ;;
+esac
+echo "setup: done ($(relax --version); pip's output in $log)" >&2

@@ -121,3 +121,33 @@ def digit_fraction_serial(args, sample):
     with _one_at_a_time:
         time.sleep(0.1)
     return digit_fraction(args, sample)
+
+
+_kept: list[bytes] = []
+
+
+def leaks_into_a_global(args, sample):
+    """Keeps 150 MB of every call in a global (a leak that outlives the call): under a 600 MB worker cap the worker
+    runs out after a few calls, and every later call in it would fail unless it is replaced."""
+    _kept.append(b"x" * (150 << 20))
+    return 1.0
+
+
+async def blocks_its_loop(args, sample):
+    """An async reward that blocks its event loop (time.sleep inside an async def) for 30 s."""
+    import time
+
+    time.sleep(30)
+    return 1.0
+
+
+def sleeps_forever(args, sample):
+    """A synchronous reward that never returns (its thread cannot be stopped)."""
+    import time
+
+    time.sleep(3600)
+
+
+def always_raises(args, sample):
+    """A reward broken for every sample (a wrong import, a renamed field)."""
+    raise KeyError("no field 'answer' in this sample")

@@ -12,6 +12,8 @@ import uvicorn
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.distributed.process_group import free_port
 from relax.serving.app import create_app
+from relax.serving.limits import GenerationLimits
+from relax.utils.http_server import HTTPLimits, uvicorn_config
 
 API_KEY = "test-secret-key"
 
@@ -25,16 +27,21 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> N
 
 
 class Server:
-    """`relax serve`'s app on a uvicorn thread; ``engine`` is the served engine (to inspect its weights)."""
+    """`relax serve`'s app on a uvicorn thread, configured as `relax serve` configures it (`uvicorn_config`: the
+    same bounds on bodies, connections and read times); ``engine`` is the served engine (to inspect its weights)."""
 
-    def __init__(self, model_dir: Path, api_key: str | None = API_KEY, weight_update_root: Path | None = None) -> None:
-        self.engine = EmbeddedEngine.from_pretrained(str(model_dir))
+    def __init__(self, model_dir: Path, api_key: str | None = API_KEY, weight_update_root: Path | None = None,
+                 http_limits: HTTPLimits | None = None, generation_limits: GenerationLimits | None = None,
+                 engine: EmbeddedEngine | None = None, max_batch_size: int | None = 256) -> None:
+        self.engine = engine or EmbeddedEngine.from_pretrained(str(model_dir), max_batch_size=max_batch_size)
         app = create_app(self.engine, self.engine.tokenizer, model_name="tiny", model_path=str(model_dir),
                          api_key=api_key, batch_window_s=0.005,
-                         weight_update_root=None if weight_update_root is None else str(weight_update_root))
+                         weight_update_root=None if weight_update_root is None else str(weight_update_root),
+                         generation_limits=generation_limits)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.uv = uvicorn.Server(uvicorn_config(app, http_limits, host="127.0.0.1", port=self.port,
+                                                log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         wait_until(lambda: self.uv.started, 20, "the server to start")

@@ -30,7 +30,7 @@ import math
 
 import pytest
 
-from benchmarks.chaos_cpu import Fault, accounting, run_with_faults
+from benchmarks.chaos_cpu import Fault, accounting, run_with_faults, version_violations
 from relax.core.health import format_state, read_state
 from relax.distributed.process_group import free_port
 from relax.utils.tracking import read_metrics
@@ -98,6 +98,7 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
         assert names[fault.target] in fault.detected_by, fault
 
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
+    assert version_violations(mine, max_staleness=0) == []  # no sample from weights outside the bound
     _compare(mine, theirs)
     counts = accounting(mine, STEPS, GROUPS, SAMPLES)
     assert counts["samples_lost"] == counts["samples_duplicated"] == counts["outstanding_groups"] == 0, counts
@@ -217,6 +218,7 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
     assert log.count(f"engine {urls[0]} relaunched") >= 2 and log.count(f"engine {urls[1]} relaunched") >= 1
 
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
+    assert version_violations(mine, max_staleness=0) == []  # no sample from weights outside the bound
     _compare(mine, theirs)
     state = read_state(run_dir)  # `relax health` lists the engines of the run's router
     assert [engine["engine"] for engine in state["engines"]] == urls and all(e["healthy"] for e in state["engines"])

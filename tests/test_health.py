@@ -90,7 +90,7 @@ def test_a_healthy_role_keeps_the_run_going_and_reaches_the_metrics_endpoint(tmp
         assert asyncio.run(monitor.guard(training())) == "done" and monitor.fatal is None
         service.role_health = monitor.snapshot
         service.start()
-        port = service._server.server_address[1]
+        port = service.port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'relax_role_healthy{role="rollout"} 1.0' in text and "relax_role_heartbeat_age_s" in text
         assert run_relax("health", str(tmp_path)).returncode == 0

@@ -405,7 +405,7 @@ def test_abort_and_pause_through_the_router(servers):
     (["--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:1"], "is not a base URL"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "http://a:1/"], "listed twice"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "grpc"],
-     "rollout_engine_protocol"),
+     "--rollout-engine-protocol"),
     (["--weight-sync-transport", "broadcast"], "--weight-sync-transport needs --placement ray or --rollout-external"),
     (["--rollout-external", "--rollout-external-engine-addrs", "http://a:1", "--rollout-engine-protocol", "openai",
       "--weight-sync-transport", "broadcast"], "broadcast needs --rollout-engine-protocol sglang"),

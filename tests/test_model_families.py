@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,9 @@ def test_the_whole_loop_runs_on_the_family(family, tmp_path, tiny_workspace):
     assert main(["export", str(run_dir), str(exported)]) == 0
     from relax.backends.model_family import load_model
 
+    if (Path(model) / "preprocessor_config.json").is_file():  # a vision-language export carries its processor
+        assert (exported / "preprocessor_config.json").is_file()
+        transformers.AutoImageProcessor.from_pretrained(exported)
     trained, base = load_model(exported, torch.float32), load_model(model, torch.float32)
     assert type(trained) is type(base)
     moved = [name for name, value in trained.state_dict().items()

@@ -254,7 +254,8 @@ def test_the_scaling_api_under_ray_placement_grows_and_shrinks_a_running_trainin
     steps = 10
     args = tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness", "1",
                            "--num-rollout", str(steps), "--skip-eval-before-train", "--dump-samples", "0",
-                           "--rollout-api-port", str(port), "--rollout-api-key", TOKEN, "--reward-timeout", "300")
+                           "--rollout-api-port", str(port), "--rollout-api-key", TOKEN, "--reward-timeout", "300",
+                           "--use-health-check", "--heartbeat-timeout-s", "600")
     url = f"http://127.0.0.1:{port}"
 
     def engines() -> list[dict]:
@@ -262,6 +263,7 @@ def test_the_scaling_api_under_ray_placement_grows_and_shrinks_a_running_trainin
 
     with held_training(args, hold) as train:
         _wait(lambda: _up(url), train, "the scaling API in the rollout process", timeout_s=240)
+        assert non_loopback_listeners(train.pid) == []  # the Ray it started, its workers and servers: loopback
         assert len(engines()) == 1
         grown = _scale(url, "out", 2)
         assert grown["status"] == "ACTIVE" and len(grown["engine_ids"]) == 1, grown
@@ -272,6 +274,30 @@ def test_the_scaling_api_under_ray_placement_grows_and_shrinks_a_running_trainin
         stderr = finish_held_training(train, hold)
     assert_every_step_trained_once(out, steps)
     assert TOKEN not in stderr
+    assert_ended_healthy(out)
+
+
+def non_loopback_listeners(pid: int) -> list[str]:
+    """Listening sockets of process ``pid`` and its descendants (the Ray it started: GCS, raylet, workers) that
+    are not on loopback."""
+    import psutil
+
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    pids = {process.pid for process in processes}
+    return [f"{c.pid}: {c.laddr.ip}:{c.laddr.port}" for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+            and c.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+
+
+def assert_ended_healthy(out) -> None:
+    """A run that ended well ends healthy: no verdict in its health state or log, `relax health` exits 0."""
+    from relax.core.health import read_state
+
+    state = read_state(out)
+    assert state["fatal"] is None and state["ended"], state
+    assert all(role["healthy"] for role in state["roles"].values()), state
+    assert "health check:" not in (out / "run.log").read_text()
+    assert run_relax("health", str(out)).returncode == 0
 
 
 @pytest.mark.parametrize("resource, message", [

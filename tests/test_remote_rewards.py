@@ -117,7 +117,7 @@ def test_a_refusing_server_is_not_retried_and_a_dead_one_gives_up_naming_it_with
         with pytest.raises(RemoteRewardError, match=r"answered 400") as caught:
             asyncio.run(reward(None, sample))
         assert refusing.attempts == {"2": 1} and TOKEN not in str(caught.value)
-        assert f"http://127.0.0.1:{refusing.httpd.server_port}/score" in str(caught.value)
+        assert f"127.0.0.1:{refusing.httpd.server_port}/score" in str(caught.value)  # redacted: ***@ ... ?token=***
     finally:
         refusing.stop()
     dead = RemoteReward(refusing.url, max_attempts=3, first_backoff_s=0.01)  # its port is closed now

@@ -327,9 +327,12 @@ def test_update_weights_over_a_distributed_group(server, model_dir, tmp_path, re
 def test_a_weight_update_never_moves_the_version_backwards(client, model_dir, tmp_path):
     served = client.get("/health").json()["weight_version"]
     tensors = load_file(str(model_dir / "model.safetensors"))
-    if served < 2:  # version 0 starts a new run and is always taken: serve a version with an older non-zero one
-        client.post("/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": 2}, headers=AUTH)
-        served = 2
+    # Served through this process's publisher (whatever ran before): an older version of the same publisher is
+    # refused, one of another publisher (a resumed run) would be taken.
+    served = max(served, 2)
+    asyncio.run(DiskPublisher(tmp_path / "current", fsync=False).publish([list(tensors.items())], version=served))
+    assert client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "current")},
+                       headers=AUTH).status_code == 200
     asyncio.run(DiskPublisher(tmp_path / "old", fsync=False).publish([list(tensors.items())], version=served - 1))
     for body in ({"model_path": str(tmp_path / "old")},
                  {"model_path": str(model_dir), "weight_version": served - 1}):

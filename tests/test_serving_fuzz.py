@@ -176,9 +176,19 @@ def test_a_token_in_the_query_string_is_refused_and_never_logged(serve):
     # relax serve logs at debug level, access log included: test_relax_serve_never_logs_the_token reads it next
 
 
+def test_a_failed_rendezvous_is_one_line(serve):
+    """Nothing listens at the master address: 400 naming it, in one line (torch's C++ log printed the rendezvous
+    error with its C++ stack frames); relax_serve_never_logs_the_token reads the log next."""
+    response = httpx.post(f"{serve[0]}/init_weights_update_group", headers=AUTH, timeout=60, json={
+        "master_address": "127.0.0.1", "master_port": free_loopback_port(), "rank_offset": 1, "world_size": 2,
+        "timeout_s": 1.0})
+    assert response.status_code == 400 and "\n" not in response.json()["error"]["message"]
+
+
 def test_relax_serve_never_logs_the_token(serve):
     """Runs after the fuzzing above: the whole debug log of the server holds neither the token nor a traceback."""
     log = serve[1].read_text()
+    assert "frame #" not in log and "Exception raised from" not in log  # no C++ stack frames either
     assert "Uvicorn running" in log  # the log really is the server's
     assert TOKEN not in log
     assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]
@@ -350,10 +360,11 @@ def test_weight_updates_from_disk_are_all_or_nothing(weights_server, kinds, vers
     response = httpx.post(f"{server.url}/update_weights_from_disk", json=body, headers=AUTH, timeout=60)
     assert response.status_code in (200, 400), response.text
     assert TOKEN not in response.text
-    # a directory named *.safetensors is not a weight file: it is ignored, not loaded
+    # a directory named *.safetensors is not a weight file (its share of the parameters is then missing);
     # versions never go backwards, but 0 starts a new run (a fresh trainer's initial weights)
-    loadable = (all(kind in ("valid", "directory") for kind in kinds) and "valid" in kinds
-                and (version is None or version >= served or version == 0))
+    # every file must be a valid one: each holds a share of the parameters, and an update must name them all
+    loadable = all(kind == "valid" for kind in kinds) and (
+        version is None or ((version >= served or version == 0) and version <= 2**63 - 1))
     if response.status_code == 400:
         assert not loadable, response.text
         assert engine.weight_version == served

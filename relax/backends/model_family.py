@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,44 @@ def model_class(config) -> type[PreTrainedModel] | None:
         cls = getattr(transformers, name, None)
         if cls is not None and hasattr(cls, "get_output_embeddings"):
             return cls
+    return None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_folder_problem(path: str | Path, needs_tokenizer: bool = True) -> str | None:
+    """What keeps ``path`` from being a Hugging Face model folder Relax can load (None: nothing): it must exist
+    (Relax never downloads: a Hub id is said to be one), hold config.json, weights and (``needs_tokenizer``) a
+    tokenizer."""
+    return model_config_problem(path) or model_files_problem(path, needs_tokenizer)
+
+
+def model_config_problem(path: str | Path) -> str | None:
+    """`model_folder_problem`'s first half: the folder exists and holds config.json."""
+    folder = Path(path)
+    if not folder.exists():
+        if _HUB_ID.match(str(path)):
+            return (f"{path}: no such folder; it looks like a Hugging Face Hub id, and Relax never downloads: "
+                    f"fetch the model where the hub is reachable (huggingface-cli download {path} --local-dir DIR) "
+                    "and give that folder")
+        return f"{path}: no such folder"
+    if not folder.is_dir():
+        return f"{path}: not a folder (give the Hugging Face model folder, not a file in it)"
+    if not (folder / "config.json").is_file():
+        return f"{path}: not a Hugging Face model folder (no config.json)"
+    return None
+
+
+def model_files_problem(path: str | Path, needs_tokenizer: bool = True) -> str | None:
+    """`model_folder_problem`'s second half: weights and (``needs_tokenizer``) a tokenizer."""
+    folder = Path(path)
+    if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
+        return f"{path}: holds no weights (no *.safetensors or pytorch_model*.bin files)"
+    if needs_tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return f"{path}: holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}; save it with tokenizer.save_pretrained)"
     return None
 
 

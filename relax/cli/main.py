@@ -13,12 +13,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from relax.utils.notify import Notifier, split_urls
 
-USAGE = """usage: relax <command> [options]
+USAGE = """usage: relax <command> [options]   (relax --version prints the version)
 
 commands:
   train        train a model with RL (relax train --help lists every setting)
@@ -204,9 +205,31 @@ def _train(cfg, run_dir: Path, primary: bool, created: bool, config_text: str, n
     if "eval/accuracy" in last and first is not None:
         print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
               f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
-    print(f"run directory: {run_dir} (metrics.jsonl, plots/, tensorboard/, samples/)")
+    written = [name for name in ("metrics.jsonl", "plots/", "tensorboard/", "samples/")
+               if (run_dir / name.rstrip("/")).exists()]
+    print(f"run directory: {run_dir} ({', '.join(written)})")
     print(f"final checkpoint: {controller.last_checkpoint} (relax export {run_dir} OUT_DIR writes a Hugging Face "
           "folder)")
+    return _reward_failures_verdict(run_dir)
+
+
+def _reward_failures_verdict(run_dir: Path) -> int:
+    """A run whose reward failed says so at its end (each failure scored 0, so the run learned nothing from those
+    samples): a warning when some rewards failed, exit 1 when every one did (the reward is broken, not the model)."""
+    from relax.utils.tracking import read_metrics
+
+    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "rollout/num_samples" in row]
+    failed = sum(int(row.get("reward/num_errors", 0)) for row in rows)
+    scored = sum(int(row["rollout/num_samples"]) for row in rows)
+    if not failed:
+        return 0
+    where = f"see {run_dir / 'run.log'} for each distinct error"
+    if failed >= scored:
+        print(f"relax train: error: the reward failed on every sample ({failed} of {scored}), each scored 0: the run "
+              f"learned nothing from its rewards; {where}", file=sys.stderr)
+        return 1
+    print(f"relax train: warning: the reward failed on {failed} of {scored} samples (each scored 0); {where}",
+          file=sys.stderr)
     return 0
 
 
@@ -277,8 +300,13 @@ def cmd_eval(argv: list[str]) -> int:
         resolve_device,
         resolve_dtype,
     )
-    from relax.core.checkpoint import load_hf_model_from_checkpoint
+    from relax.core.checkpoint import CheckpointError, load_hf_model_from_checkpoint, resolve_checkpoint_root
 
+    if cfg.load:  # first: a --load that names nothing is the mistake, not what it would have given
+        try:
+            resolve_checkpoint_root(cfg.load)
+        except CheckpointError as error:
+            raise ConfigError(f"{flag('load')} {error}") from None
     if not cfg.eval_prompt_data:
         raise ConfigError(f"{flag('eval_prompt_data')} is required (or --load a run that has one)")
     if not cfg.load:
@@ -296,6 +324,10 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         raise ConfigError(f"set {flag('hf_checkpoint')} (a model folder) or {flag('load')} (a checkpoint)")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if device.type == "cpu":
+        from relax.utils.cpu_threads import set_cpu_threads
+
+        set_cpu_threads(model.config.get_text_config().hidden_size, cfg.cpu_threads)
     engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size)
     rollout = Rollout(engine=engine, data_source=None, rewards=rewards, sampling=eval_sampling(cfg),
                       n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer),
@@ -317,7 +349,9 @@ def eval_summary(name: str, metrics: dict[str, float]) -> str:
 
 
 def cmd_export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="relax export", description="Write a checkpoint as a Hugging Face folder.")
+    from relax.cli.args import CommandLineParser
+
+    parser = CommandLineParser(prog="relax export", description="Write a checkpoint as a Hugging Face folder.")
     parser.add_argument("checkpoint", help="checkpoint directory or run directory")
     parser.add_argument("output", help="folder to write (config, safetensors weights, tokenizer)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
@@ -325,43 +359,82 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA run's adapters as a peft folder (PeftModel.from_pretrained loads it on the base "
                         "model) instead of the merged model")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the output folder when it exists and is not empty (refused otherwise)")
     args = parser.parse_args(argv)
     _quiet_libraries()
+    import shutil
+
     import torch
     from transformers import AutoTokenizer
 
     from relax.backends.training import lora
-    from relax.core.checkpoint import CheckpointError, load_hf_model_from_checkpoint, resolve_checkpoint_root
+    from relax.config import ConfigError
+    from relax.core.checkpoint import (
+        PROCESSOR_FILES,
+        CheckpointError,
+        load_hf_model_from_checkpoint,
+        resolve_checkpoint_root,
+    )
 
-    adapters = lora.read_metadata(resolve_checkpoint_root(args.checkpoint))
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
+        raise ConfigError(f"{output} exists{' and is not empty' if output.is_dir() else ''}; choose another folder "
+                          "or replace it with --overwrite")
+    try:
+        adapters = lora.read_metadata(resolve_checkpoint_root(args.checkpoint))
+    except lora.BaseModelChangedError as error:
+        raise CheckpointError(str(error)) from None
     if args.adapter and adapters is None:
         raise CheckpointError(f"--adapter: {args.checkpoint} is not a LoRA run's checkpoint (no {lora.METADATA_FILE})")
     model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype),
                                                   merge_adapters=not args.adapter)
-    output = Path(args.output)
+    # Written beside the output and renamed into place: a failed export leaves the old folder (or none).
+    staging = output.with_name(f".{output.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
     if args.adapter:
-        lora.save_adapter_folder(model, adapters[0], adapters[1], output)
+        lora.save_adapter_folder(model, adapters[0], adapters[1], staging)
     else:
-        model.save_pretrained(output)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(output)
+        model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(staging)
+    for name in PROCESSOR_FILES:  # a vision-language model's processor: AutoProcessor loads the export
+        if (hf_dir / name).is_file() and not (staging / name).exists():
+            shutil.copyfile(hf_dir / name, staging / name)
+    if output.is_dir():
+        shutil.rmtree(output)
+    elif output.exists():
+        output.unlink()
+    os.replace(staging, output)
     print(f"exported {'the LoRA adapters' if args.adapter else 'the model'} to {output}")
     return 0
 
 
 def cmd_serve(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    # torch's C++ logger writes c10d errors (a failed /init_weights_update_group) with their C++ stack frames to
+    # stderr; the error reaches the client and the log as one line anyway. Read once, when torch loads: set first.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from relax.serving.limits import GenerationLimits
+    from relax.utils.http_server import HTTPLimits
+
+    http, work = HTTPLimits(), GenerationLimits()
+    from relax.cli.args import CommandLineParser
+
+    parser = CommandLineParser(
         prog="relax serve", description="Serve a model folder with the embedded engine over HTTP: SGLang's native "
         "protocol (/generate, /update_weights_from_disk, ...) and the OpenAI protocol (/v1/...). See docs/serving.md.")
     parser.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config, weights, tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=_port, default=30000, help="port to listen on (1-65535)")
     parser.add_argument("--api-key", default=None,
                         help="bearer token required by the control endpoints (default: $RELAX_API_KEY; none: open)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--cpu-threads", type=int, default=0,
+                        help="threads torch computes with on CPU (0: measured at start, as relax train does)")
     parser.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the folder name)")
-    parser.add_argument("--max-batch-size", type=int, default=None, help="most rows decoded together (default: no cap)")
+    parser.add_argument("--max-batch-size", type=_positive(int), default=256,
+                        help="most sequences decoded together (one decode step's rows; the rest wait their turn)")
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long the first waiting request collects others into one engine batch")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -373,21 +446,68 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--weight-update-root", default=None,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
+    limits = parser.add_argument_group("what one client may take (docs/serving.md)")
+    limits.add_argument("--max-request-bytes", type=_positive(int), default=http.max_request_bytes,
+                        help="largest request body; larger ones get 413")
+    limits.add_argument("--max-connections", type=_positive(int), default=http.max_connections,
+                        help="open connections at most; past it a new one gets 503 and is closed")
+    limits.add_argument("--header-timeout-s", type=_positive(float), default=http.header_timeout_s,
+                        help="a request's headers must arrive within this many seconds of its first byte (else 408)")
+    limits.add_argument("--body-timeout-s", type=_positive(float), default=http.body_timeout_s,
+                        help="a request's body must arrive within this many seconds of its headers (else 408)")
+    limits.add_argument("--shutdown-grace-s", type=_positive(int), default=http.shutdown_grace_s,
+                        help="on SIGTERM/SIGINT, how long requests in flight may finish before they are aborted")
+    limits.add_argument("--max-sequences-per-request", type=_positive(int), default=work.max_sequences_per_request,
+                        help="sequences (prompts x n) one request may ask for; more get 400")
+    limits.add_argument("--max-tokens-per-request", type=_positive(int), default=work.max_tokens_per_request,
+                        help="prompt plus new tokens, summed over a request's sequences; more get 400")
+    limits.add_argument("--max-inflight-sequences", type=_positive(int), default=work.max_inflight_sequences,
+                        help="sequences the server holds at once; a request past it gets 429 with Retry-After")
     args = parser.parse_args(argv)
     setup_logging(None)
     _quiet_libraries()
     from relax.serving.server import serve
 
     try:
+        http = HTTPLimits(args.max_request_bytes, args.max_connections, args.header_timeout_s, args.body_timeout_s,
+                          shutdown_grace_s=args.shutdown_grace_s)
+        work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
+                                args.max_inflight_sequences)
         serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
               dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
               batch_window_ms=args.batch_window_ms, log_level=args.log_level,
               weight_update_root=args.weight_update_root, engine_core=args.engine_core,
-              mem_fraction_static=args.mem_fraction_static)
+              mem_fraction_static=args.mem_fraction_static, http_limits=http, generation_limits=work,
+              cpu_threads=args.cpu_threads)
     except ValueError as err:
         print(f"relax serve: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port, 1-65535 (argparse's error names the flag)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (1-65535)")
+    return port
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def cmd_config_docs(argv: list[str]) -> int:
@@ -414,7 +534,9 @@ def cmd_health(argv: list[str]) -> int:
     from relax.config import ConfigError
     from relax.core.health import STATE_FILE, format_state, read_state
 
-    parser = argparse.ArgumentParser(prog="relax health", description="Show the health state of a run "
+    from relax.cli.args import CommandLineParser
+
+    parser = CommandLineParser(prog="relax health", description="Show the health state of a run "
                                      f"(<run dir>/{STATE_FILE}, written every second under --use-health-check).")
     parser.add_argument("run_dir", type=Path, help="the run's --output-dir")
     parser.add_argument("--json", action="store_true", help=f"print {STATE_FILE} as it is")
@@ -448,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"relax {_version()}")
+        return 0
     if argv[0] not in COMMANDS:
         hints = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f" (did you mean {hints[0]!r}?)" if hints else ""
@@ -458,6 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (start-up, eval, export)
         print(f"\nrelax {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("relax-rl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def _run_command(command: str, argv: list[str]) -> int:

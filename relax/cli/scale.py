@@ -23,13 +23,17 @@ import uuid
 
 import httpx
 
+from relax.cli.args import CommandLineParser
+from relax.utils.urls import redact_url
+
 TERMINAL = {"ACTIVE", "COMPLETED", "NOOP", "FAILED", "CANCELLED", "REJECTED"}
 SUCCESS = {"ACTIVE", "COMPLETED", "NOOP"}
-RETRIES = 5
+RETRIES = 5  # a scale request (idempotent by its request id): the API may be restarting
+GET_RETRIES = 2  # a question: asked again once
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relax scale", description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(prog="relax scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["out", "in", "engines", "status"])
     parser.add_argument("args", nargs="*", help="status: out|in REQUEST_ID")
     parser.add_argument("--url", required=True, help="the scaling API, e.g. http://127.0.0.1:8100")
@@ -44,41 +48,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _post_with_retries(client: httpx.Client, path: str, body: dict) -> httpx.Response:
-    for attempt in range(RETRIES):
+class APIUnreachable(Exception):
+    """The scaling API did not answer (it is down, or the URL is wrong)."""
+
+
+def _request(client: httpx.Client, method: str, path: str, body: dict | None = None,
+             retries: int = RETRIES) -> httpx.Response:
+    """The answer to one request, retried while the connection fails (a scale request keeps its request id, so a
+    retry never starts a second operation)."""
+    for attempt in range(retries):
         try:
-            return client.post(path, json=body)
+            return client.request(method, path, json=body)
         except httpx.TransportError as err:
-            if attempt == RETRIES - 1:
-                raise SystemExit(f"relax scale: {client.base_url}{path}: no answer after {RETRIES} tries ({err})")
+            if attempt == retries - 1:
+                raise APIUnreachable(f"{redact_url(client.base_url)}{path}: no answer after {retries} tries "
+                                     f"({type(err).__name__}); is the run's scaling API up (--rollout-api-port)?") \
+                    from None
             time.sleep(min(2**attempt * 0.5, 5.0))
     raise AssertionError("unreachable")
+
+
+def _json(response: httpx.Response, what: str) -> dict:
+    if response.status_code != 200:
+        raise APIUnreachable(f"{what}: HTTP {response.status_code}: {response.text[:300]}")
+    return response.json()
 
 
 def _poll(client: httpx.Client, kind: str, request_id: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        operation = client.get(f"/{kind}/{request_id}").json()
+        operation = _json(_request(client, "GET", f"/{kind}/{request_id}"), f"{kind} {request_id}")
         if operation["status"] in TERMINAL:
             return operation
         if time.monotonic() > deadline:
-            raise SystemExit(f"relax scale: {kind} {request_id} still {operation['status']} after {timeout_s:g} s")
+            raise APIUnreachable(f"{kind} {request_id} still {operation['status']} after {timeout_s:g} s")
         time.sleep(0.2)
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # options before or after the action and its arguments
+    try:
+        return _run(args)
+    except APIUnreachable as err:
+        print(f"relax scale {args.action}: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=60) as client:
         if args.action == "engines":
-            print(json.dumps(client.get("/engines").json(), indent=2))
+            print(json.dumps(_json(_request(client, "GET", "/engines", retries=GET_RETRIES), "engines"), indent=2))
             return 0
         if args.action == "status":
             if len(args.args) != 2 or args.args[0] not in ("out", "in"):
                 print("relax scale status: give out|in and a request id", file=sys.stderr)
                 return 2
-            operation = client.get(f"/scale_{args.args[0]}/{args.args[1]}").json()
-            print(json.dumps(operation, indent=2))
+            path = f"/scale_{args.args[0]}/{args.args[1]}"
+            print(json.dumps(_json(_request(client, "GET", path, retries=GET_RETRIES), path), indent=2))
             return 0
         if args.num_replicas is None and not args.engine_urls:
             print(f"relax scale {args.action}: give --num-replicas or --engine-urls", file=sys.stderr)
@@ -91,7 +118,7 @@ def main(argv: list[str]) -> int:
             body.update(force=args.force, dry_run=args.dry_run)
             if args.drain_timeout is not None:
                 body["timeout_secs"] = args.drain_timeout
-        response = _post_with_retries(client, f"/{kind}", body)
+        response = _request(client, "POST", f"/{kind}", body)
         if response.status_code != 200:
             print(f"relax scale {args.action}: HTTP {response.status_code}: {response.text}", file=sys.stderr)
             return 1

@@ -3,8 +3,8 @@
 The parent starts the run as a child process and waits. A child that ends well, stops on a signal with a
 checkpoint, or fails with an error Relax named (a bad setting, a damaged checkpoint: exit 2, which a restart
 would only repeat) ends the supervision with its exit code. A child that dies otherwise (killed, out of memory,
-a crash) is started again, at most N times, resuming from the newest intact checkpoint of the run
-(``--load <save dir>``) or, when none was saved yet, afresh (``--overwrite``). A resumed run truncates its metrics
+a crash) is started again, at most N times, resuming the run in place (``--load <save dir>``): from its newest intact
+checkpoint or, when none was saved yet, from its first step (its run.log kept). A resumed run truncates its metrics
 after the checkpoint's step and re-trains the steps after it, so the metrics equal an uninterrupted run's: no step
 trained twice into the record, none skipped.
 
@@ -26,8 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from relax.core import checkpoint
 
 logger = logging.getLogger("relax")
 
@@ -52,15 +50,12 @@ def _without_flags(argv: list[str], names: set[str], with_value: set[str]) -> li
 
 
 def child_argv(argv: list[str], save_dir: Path, restart: int) -> list[str]:
-    """The first start runs ``argv`` as given; a restart resumes from the run's own checkpoints, or starts afresh
-    when there are none yet."""
+    """The first start runs ``argv`` as given; a restart resumes the run in place (``--load`` its save directory):
+    from its newest intact checkpoint, or from its first step when it had none yet, keeping its run.log (with the
+    fault's error and the restart's note), which ``--overwrite`` would delete."""
     if restart == 0:
         return list(argv)
     base = _without_flags(argv, {"--load", "--overwrite", "--no-overwrite"}, {"--load"})
-    try:
-        checkpoint.select_checkpoint(checkpoint.resolve_checkpoint_root(save_dir), needs_optimizer=True)
-    except checkpoint.CheckpointError:
-        return [*base, "--overwrite"]
     return [*base, "--load", str(save_dir)]
 
 

@@ -36,20 +36,41 @@ def scalar_reward(sample: Sample) -> float:
     return float(sample.reward if sample.reward is not None else 0.0)
 
 
+def is_correct(sample: Sample) -> bool:
+    """Whether the reward judged the sample correct: a dict reward says so in its ``acc`` entry (verl's convention,
+    for partial-credit rewards), any other counts as correct when positive (the rule rewards give 1 for a correct
+    answer and 0, or DAPO's -1, otherwise)."""
+    if isinstance(sample.reward, dict) and "acc" in sample.reward:
+        return bool(sample.reward["acc"])
+    return scalar_reward(sample) > 0
+
+
 def summarize_samples(samples: list[Sample], prefix: str) -> dict[str, float]:
-    """Reward, accuracy (share of samples with reward > 0), lengths and finish reasons."""
+    """Reward, accuracy (the share of samples the reward judged correct: `is_correct`), lengths and finish
+    reasons."""
     rewards = [scalar_reward(s) for s in samples]
     lengths = [s.response_length for s in samples]
     return {
         f"{prefix}/reward_mean": statistics.fmean(rewards),
-        f"{prefix}/accuracy": sum(r > 0 for r in rewards) / len(rewards),
+        f"{prefix}/accuracy": sum(map(is_correct, samples)) / len(samples),
         f"{prefix}/response_length_mean": statistics.fmean(lengths),
         f"{prefix}/response_length_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         f"{prefix}/failed_ratio": sum(s.status is SampleStatus.FAILED for s in samples) / len(samples),
         f"{prefix}/num_samples": float(len(samples)),
         **episode_metrics(samples, prefix),
+        **weight_version_metrics(samples, prefix),
     }
+
+
+def weight_version_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """The oldest and newest weight version that produced the samples' tokens: with the trainer's version at the
+    step, what shows that no sample came from weights outside the staleness bound (or from a dead run's)."""
+    versions = [v for s in samples for v in (s.weight_version if isinstance(s.weight_version, list)
+                                             else [s.weight_version]) if v is not None]
+    if not versions:
+        return {}
+    return {f"{prefix}/weight_version_min": float(min(versions)), f"{prefix}/weight_version_max": float(max(versions))}
 
 
 def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
@@ -25,7 +26,7 @@ from relax.backends.inference.http_sglang import SGLangHTTPEngine
 from relax.backends.inference.relax_server import RelaxServerEngine, RelaxServerSettings
 from relax.backends.inference.router import EngineRouter
 from relax.backends.inference.vllm_server import VLLMServerEngine, VLLMServerSettings
-from relax.backends.model_family import is_qwen3_omni, load_model
+from relax.backends.model_family import is_qwen3_omni, load_model, model_config_problem, model_files_problem
 from relax.backends.model_registry import UnsupportedModelError, check_supported
 from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
 from relax.backends.training.liger import liger_unavailable_reason
@@ -38,6 +39,7 @@ from relax.components.distillation import EngineTeacher, OnPolicyDistillation, T
 from relax.components.rollout import DynamicSampling, OverlongPenalty, Rollout
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core import checkpoint
+from relax.core.run_dir import loads_a_run_without_checkpoints
 from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.data.multimodal import MultimodalSettings
 from relax.data.sft_dataset import load_sft_samples
@@ -53,6 +55,7 @@ from relax.engine.rewards.remote import REMOTE_RM_TYPE, RemoteReward
 from relax.engine.rollout.context import GenerateFunction, PerSampleGeneration
 from relax.engine.rollout.data_source import PromptDataSource
 from relax.engine.rollout.multimodal import MultimodalPreparer
+from relax.utils.cpu_threads import set_cpu_threads
 from relax.utils.notify import invalid_url_positions, split_urls
 
 logger = logging.getLogger("relax")
@@ -85,10 +88,18 @@ def resolve_dtype(cfg: RelaxConfig, device: torch.device) -> torch.dtype:
 def check_model_path(cfg: RelaxConfig) -> Path:
     if not cfg.hf_checkpoint:
         raise ConfigError(f"{flag('hf_checkpoint')} is required")
-    path = Path(cfg.hf_checkpoint)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{flag('hf_checkpoint')} {path}: not a Hugging Face model folder (no config.json)")
-    return path
+    problem = model_config_problem(cfg.hf_checkpoint)
+    if problem is not None:
+        raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
+    return Path(cfg.hf_checkpoint)
+
+
+def check_model_files(cfg: RelaxConfig) -> None:
+    """The model folder holds weights and a tokenizer (after the family check: an unsupported family is refused
+    with its own reason first)."""
+    problem = model_files_problem(cfg.hf_checkpoint)
+    if problem is not None:
+        raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
 
 
 def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
@@ -163,9 +174,11 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     """The checks a run's settings allow without loading a model or data, done before a run directory exists:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
     paths. Returns the model folder."""
+    check_optional_dependencies(cfg)
     model_path = check_model_path(cfg)
     config = AutoConfig.from_pretrained(model_path)  # read once for the checks below
     check_model_family(config, model_path)
+    check_model_files(cfg)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
     if cfg.use_audio_in_video and not is_qwen3_omni(config):
@@ -174,7 +187,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
                           "interleaves by chunks of seconds, not built yet)")
     check_context_length(cfg, config, model_path)
     check_data_files(cfg, training)
-    if cfg.load:
+    if cfg.load and not loads_a_run_without_checkpoints(cfg):
         try:
             checkpoint.resolve_checkpoint_root(cfg.load)
         except checkpoint.CheckpointError as error:
@@ -184,6 +197,31 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     load_generate_function(cfg)
     check_notify_urls(cfg)
     return model_path
+
+
+def check_optional_dependencies(cfg: RelaxConfig) -> None:
+    """Every setting that needs an optional extra of relax-rl finds it installed, or fails naming the command that
+    installs it (before anything starts: a missing Ray used to end in three chained tracebacks)."""
+    needs = []  # (the setting, its modules, the extra)
+    if cfg.placement == "ray":
+        needs.append((f"{flag('placement')} ray", ["ray"], "ray"))
+        if cfg.fully_async or cfg.hybrid:
+            needs.append((f"{flag('fully_async' if cfg.fully_async else 'hybrid')} under {flag('placement')} ray "
+                          "(its TransferQueue data plane)", ["transfer_queue", "tensordict"], "ray"))
+    if cfg.rollout_serve_replicas:
+        needs.append((flag("rollout_serve_replicas"), ["ray"], "ray"))
+    if cfg.use_wandb:
+        needs.append((flag("use_wandb"), ["wandb"], "wandb"))
+    if cfg.use_clearml:
+        needs.append((flag("use_clearml"), ["clearml"], "clearml"))
+    if cfg.liger_kernel == "on":
+        needs.append((f"{flag('liger_kernel')} on", ["liger_kernel"], "gpu"))
+    for setting, modules, extra in needs:
+        missing = [module for module in modules if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ConfigError(f"{setting} needs {', '.join(missing)}, from relax-rl's `{extra}` extra, which is not "
+                              f"installed: pip install -e \".[{extra}]\" in a clone (pip install \"relax-rl[{extra}]\" "
+                              "otherwise)")
 
 
 def check_notify_urls(cfg: RelaxConfig) -> None:
@@ -501,6 +539,8 @@ def build_context(cfg: RelaxConfig) -> BuildContext:
         raise ConfigError(f"{flag('prompt_data')} is required for training")
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
+    if device.type == "cpu":
+        set_cpu_threads(AutoConfig.from_pretrained(model_path).get_text_config().hidden_size, cfg.cpu_threads)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     load_training_samples = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
     prompts = load_training_samples(cfg.prompt_data, tokenizer, prompt_format(cfg))

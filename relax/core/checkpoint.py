@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -201,6 +202,8 @@ def _free_bytes(directory: Path) -> int | None:
 def resolve_checkpoint_root(path: str | Path) -> Path:
     """Accept a checkpoint directory or a run directory that holds ``checkpoints/``."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such folder")
     for candidate in (path, path / "checkpoints"):
         if candidate.is_dir() and ((candidate / LATEST_FILE).is_file() or saved_steps(candidate)):
             return candidate
@@ -227,7 +230,12 @@ def verify(directory: Path) -> str | None:
     manifest. A checkpoint from before manifests (none in it) is taken as it is."""
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
-        if _state_format(directory) is not None:
+        state_path = directory / "trainer_state.json"
+        try:  # a checkpoint from before manifests still has a readable trainer state: anything else is damage
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            return f"{manifest_path}: missing, and {state_path} is unreadable"
+        if not isinstance(state, dict) or state.get("checkpoint_format") is not None:
             return f"{manifest_path}: missing"
         if not (directory / "model_optim").is_dir():
             return f"{directory}: no model_optim/ in it"
@@ -284,9 +292,15 @@ def select_checkpoint(root: Path, step: int | None = None, needs_optimizer: bool
     raise CheckpointError(f"{root}: no usable checkpoint: " + "; ".join(skipped or ["none saved"]))
 
 
-def save_hf_metadata(root: Path, hf_config: Any, tokenizer: Any) -> None:
-    """Model config and tokenizer, so export needs nothing else: written once, and again whenever what is there is
-    not whole (a save killed while writing it), through a staging folder renamed into place."""
+# A vision-language or omni model's processor files: `AutoProcessor.from_pretrained` of an export needs them.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def save_hf_metadata(root: Path, hf_config: Any, tokenizer: Any, model_dir: str | Path | None = None) -> None:
+    """Model config, tokenizer and the processor files of ``model_dir`` (the base model folder), so export needs
+    nothing else: written once, and again whenever what is there is not whole (a save killed while writing it),
+    through a staging folder renamed into place."""
     target = Path(root) / HF_DIR
     if hf_metadata_problem(target) is None:
         return
@@ -294,6 +308,9 @@ def save_hf_metadata(root: Path, hf_config: Any, tokenizer: Any) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     hf_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    for name in PROCESSOR_FILES if model_dir is not None else ():
+        if (Path(model_dir) / name).is_file() and not (staging / name).exists():
+            shutil.copyfile(Path(model_dir) / name, staging / name)
     for path in staging.iterdir():
         fsync_path(path)
     if target.exists():
@@ -311,14 +328,6 @@ def hf_metadata_problem(target: Path) -> str | None:
     except (OSError, ValueError) as err:
         return f"{config}: not valid JSON ({err}); a save was interrupted while writing it"
     return None
-
-
-def _state_format(directory: Path) -> int | None:
-    """The checkpoint format its trainer state records (None: from before manifests, or unreadable)."""
-    try:
-        return json.loads((directory / "trainer_state.json").read_text()).get("checkpoint_format")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def save_trainer_state(directory: Path, state: dict[str, Any]) -> None:
@@ -359,7 +368,10 @@ def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dty
     from relax.backends.training import lora
 
     root = resolve_checkpoint_root(root)
-    adapters = lora.read_metadata(root)
+    try:
+        adapters = lora.read_metadata(root)
+    except lora.BaseModelChangedError as error:
+        raise CheckpointError(str(error)) from None
     selected = select_checkpoint(root, step)
     for problem in selected.skipped:
         logger.warning("skipping a damaged checkpoint: %s", problem)
@@ -368,9 +380,6 @@ def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dty
         raise CheckpointError(f"{problem}; the next save of this run (relax train --load {root}) writes it again")
     if adapters is not None:
         settings, base = adapters
-        if not base.is_dir():
-            raise CheckpointError(f"{root} holds LoRA adapters of the base model {base}, which is not there "
-                                  f"({lora.METADATA_FILE})")
         model = load_model(base, torch.float32)
         lora.inject(model, settings)
         state = {f"hf_model.{name}": t for name, t in model.state_dict().items() if lora.is_adapter(name)}
@@ -379,7 +388,9 @@ def load_hf_model_from_checkpoint(root: str | Path, step: int | None = None, dty
         state = {f"hf_model.{name}": tensor for name, tensor in model.state_dict().items()}
     checkpoint_dir = selected.directory / "model_optim"
     try:
-        dcp.load({"model": state}, checkpoint_id=checkpoint_dir)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process reading is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=checkpoint_dir)
     except IO_ERRORS as err:  # DCP wraps every read failure in its own exceptions
         raise CheckpointError(f"{checkpoint_dir}: cannot be loaded ({type(err).__name__}: {err})") from None
     model.load_state_dict({name.removeprefix("hf_model."): t for name, t in state.items()}, strict=adapters is None)

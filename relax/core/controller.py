@@ -18,6 +18,7 @@ from tqdm import tqdm
 from relax.backends.training import lora
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core import checkpoint
+from relax.core.run_dir import loads_a_run_without_checkpoints
 from relax.core.build import Roles, lora_settings
 from relax.core.graceful_stop import GracefulStop
 from relax.core.phase_memory import build_phase_memory
@@ -267,7 +268,8 @@ class SyncController:
         self._saved(step)
 
     def _seal(self, root: Path, step: int) -> None:
-        checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer)
+        checkpoint.save_hf_metadata(root, self.roles.actor.backend.hf_config, self.roles.tokenizer,
+                                    self.cfg.hf_checkpoint)
         if self.cfg.lora_rank:  # the checkpoint holds adapters only: export rebuilds them on the base model
             lora.write_metadata(root, lora_settings(self.cfg), self.cfg.hf_checkpoint)
         checkpoint.finish_save(root, step, self.cfg.max_checkpoints)
@@ -321,7 +323,17 @@ class SyncController:
         return {"step": step, "weight_version": step, **self.roles.rollout.data_source.state_dict()}
 
     async def resume(self) -> int:
+        if loads_a_run_without_checkpoints(self.cfg):
+            logger.warning("%s holds no checkpoint yet (the run ended before its first save): training it again "
+                           "from its first step", self.cfg.load)
+            self.tracker.truncate_after(-1)  # what it recorded, step 0's evaluation included, is re-done
+            return 0
         root = checkpoint.resolve_checkpoint_root(self.cfg.load)
+        if self.cfg.lora_rank:  # the checkpoint holds adapters: they apply to the base model they were trained on
+            try:
+                lora.read_metadata(root, self.cfg.hf_checkpoint)
+            except lora.BaseModelChangedError as error:
+                raise checkpoint.CheckpointError(str(error)) from None
         selected = checkpoint.select_checkpoint(root, needs_optimizer=True)
         step, directory = selected.step, selected.directory
         for problem in selected.skipped:

@@ -19,6 +19,10 @@ If the loop does not end within a grace (`FATAL_GRACE_S`, or twice the heartbeat
 least `MIN_FATAL_GRACE_S`: a call that cannot be cancelled, a teardown waiting on a stopped process), the process
 exits.
 
+Once the training loop has ended (`guard` returns or raises), the roles' processes going away is the teardown, not a
+fault: the monitor stops judging them and keeps writing the state file until `stop`, so a run that ended well ends
+healthy (no verdict, no "unhealthy" notification, `relax health` exits 0).
+
 In-process roles share the controller's process: their health is its health, and a phase that does not end is
 the stall watchdog's report (``--stall-warning-s``). External engines have the router's health checks
 (``--rollout-health-check-*``).
@@ -34,7 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +134,7 @@ class HealthMonitor:
         self.interval_s = interval_s
         self.state: dict[str, RoleHealth] = {name: RoleHealth() for name in [*self.roles, *self.actors]}
         self.fatal: str | None = None
+        self.tearing_down = False  # the loop has ended: no more verdicts (`guard`)
         self._started = time.time()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -173,7 +178,9 @@ class HealthMonitor:
                 raise RoleFailedError(self.fatal) from None
             raise
         finally:
-            self._cancel = None
+            with self._lock:
+                self.tearing_down = True  # what stops from now on is the teardown, not a fault
+                self._cancel = None
 
     # ---- checks ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -186,13 +193,20 @@ class HealthMonitor:
     def check(self) -> dict[str, RoleHealth]:
         """One round: read the beats, probe the actors, judge, write ``health.json``."""
         now = time.time()
+        if self.tearing_down:  # the roles leave with the teardown: judged no more, and the state stays as it was
+            self._write_state(now)
+            return self.state
+        before = {name: replace(health) for name, health in self.state.items()}
         for role in self.roles:
             self._check_beat(role, now)
         self._probe_actors(now)
-        failed = [health.error for health in self.state.values() if not health.healthy]
-        fatal_now = bool(failed) and self.fatal is None
-        if fatal_now:
-            self.fatal = "; ".join(failed)
+        with self._lock:
+            if self.tearing_down:  # the loop ended during this round: what it saw may be the teardown
+                self.state = before
+            failed = [] if self.tearing_down else [h.error for h in self.state.values() if not h.healthy]
+            fatal_now = bool(failed) and self.fatal is None
+            if fatal_now:
+                self.fatal = "; ".join(failed)
         self._write_state(now)  # before the run is told: whoever sees it end can read why
         if fatal_now:
             self._end_run()

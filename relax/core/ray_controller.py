@@ -44,10 +44,12 @@ class RayAsyncController(AsyncController, RaySyncController):
     async def sync_weights(self, version: int) -> dict[str, float]:
         if not self.pull_weights:
             return await super().sync_weights(version)
-        if not self._following:
-            await self.roles.rollout.follow_published_weights(str(self.roles.service.weight_root))
+        service = self.roles.service
+        metrics = await service.publish_weights(version)
+        if not self._following:  # after the first publish: a resumed run's engines start on the version it resumed
+            await self.roles.rollout.follow_published_weights(str(service.weight_root), service.weight_run)
+            await self.roles.rollout.catch_up_with_published_weights()
             self._following = True
-        metrics = await self.roles.service.publish_weights(version)
         metrics["perf/weight_push_wait_s"] = 0.0  # nothing waits for the generation in flight
         await self.gate.publish(version)
         return metrics

@@ -199,13 +199,13 @@ class RoleWorker:
         async with self._engine_calls():
             return await self.role.evaluate(step)
 
-    async def follow_published_weights(self, root: str) -> None:
-        """From now on the engines load each version the actor publishes under ``root`` by themselves, between
-        generations (the trainer publishes and goes on: `relax.distributed.weight_disk.DiskFollower`)."""
+    async def follow_published_weights(self, root: str, run: str) -> None:
+        """From now on the engines load each version the actor publishes under ``root`` as ``run`` by themselves,
+        between generations (the trainer publishes and goes on: `relax.distributed.weight_disk.DiskFollower`)."""
         from relax.distributed.weight_disk import DiskFollower
 
         if self._follower is None:
-            self._follower = DiskFollower(root, self.role.engine, self._between_calls)
+            self._follower = DiskFollower(root, self.role.engine, self._between_calls, run=run)
             self._follower.start()
 
     async def catch_up_with_published_weights(self) -> int:
@@ -276,7 +276,7 @@ class RoleWorker:
         self._sync_group = WeightSyncGroup.init(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
 
     async def publish_weights(self, version: int, transport: str, dtype: str, bucket_bytes: int,
-                              root: str | None = None) -> dict[str, float]:
+                              root: str | None = None, run: str | None = None) -> dict[str, float]:
         """The actor's end: push every weight as ``version`` (broadcast to the group, or to disk)."""
         from relax.distributed.weight_sync import dtype_from_name
 
@@ -292,7 +292,7 @@ class RoleWorker:
         else:
             from relax.distributed.weight_disk import DiskPublisher
 
-            metrics = await DiskPublisher(root, keep_last=2).publish(buckets, version, {"role": self.name})
+            metrics = await DiskPublisher(root, keep_last=2, run=run).publish(buckets, version, {"role": self.name})
         return metrics.as_dict()
 
     async def receive_weights(self, version: int, transport: str, root: str | None = None) -> dict[str, float]:
@@ -552,8 +552,8 @@ class RemoteRollout(RemoteRole):
     async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
         return await self._call("generate_into_plane", rollout_id)
 
-    async def follow_published_weights(self, root: str) -> None:
-        await self._call("follow_published_weights", root)
+    async def follow_published_weights(self, root: str, run: str) -> None:
+        await self._call("follow_published_weights", root, run)
 
     async def catch_up_with_published_weights(self) -> int:
         return await self._call("catch_up_with_published_weights")

@@ -24,14 +24,31 @@ def holds_a_run(directory: Path, save_dir: Path) -> bool:
 
 
 def resumes_in_place(cfg: RelaxConfig) -> bool:
-    """Whether ``--load`` continues the run whose checkpoints this run saves to."""
+    """Whether ``--load`` continues the run whose checkpoints this run saves to (also one that ended before its
+    first checkpoint: `loads_a_run_without_checkpoints`)."""
     if not cfg.load:
         return False
     try:
         loaded = checkpoint.resolve_checkpoint_root(cfg.load)
     except checkpoint.CheckpointError:
-        return False
+        return loads_a_run_without_checkpoints(cfg)
     return loaded.resolve() == cfg.save_dir.resolve()
+
+
+def loads_a_run_without_checkpoints(cfg: RelaxConfig) -> bool:
+    """``--load`` names this run's own directory (``--output-dir`` or its ``--save``), which holds no checkpoint yet:
+    the run ended before its first save. Resuming it starts it again from its first step, in place: its run.log
+    (with the error that ended it) is kept, what it recorded after step 0 is dropped."""
+    if not cfg.load:
+        return False
+    target = Path(cfg.load).resolve()
+    if target not in {Path(cfg.output_dir).resolve(), cfg.save_dir.resolve()}:
+        return False
+    try:
+        checkpoint.resolve_checkpoint_root(cfg.load)
+    except checkpoint.CheckpointError:
+        return True
+    return False
 
 
 def prepare_run_dir(cfg: RelaxConfig) -> bool:

@@ -138,13 +138,12 @@ class EngineDeployment:
         import ray
         from ray import serve
 
-        from relax.core.service import set_local_ray_environment
+        from relax.distributed.local_ray import start_local_ray
 
         self.started_ray = False
         if not ray.is_initialized():
-            set_local_ray_environment()
-            ray.init(include_dashboard=False, num_cpus=max(RAY_CPUS, cfg.rollout_serve_replicas + 2),
-                     log_to_driver=False, logging_level="warning", runtime_env={"env_vars": _replica_environment()})
+            start_local_ray(max(RAY_CPUS, cfg.rollout_serve_replicas + 2),
+                            runtime_env={"env_vars": _replica_environment()})
             self.started_ray = True
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its per-call INFO lines would flood stderr
         serve.start(proxy_location="Disabled")  # the controller is the only caller: no HTTP proxy

@@ -41,7 +41,9 @@ from relax.core.ray_roles import (
     role_died,
 )
 from relax.core.registry import PLACEABLE_ROLES, roles_for_config
+from relax.distributed.local_ray import set_local_ray_environment, start_local_ray
 from relax.distributed.process_group import free_loopback_port
+from relax.serving.server import resolve_api_key
 
 logger = logging.getLogger("relax")
 
@@ -56,12 +58,13 @@ class RayRoles(Roles):
     service: RayService | None = None
 
 
-def set_local_ray_environment() -> None:
-    """Loopback only, no telemetry, no auth token file (environment-notes §2); before ``ray.init``."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
+def config_for_workers(cfg: RelaxConfig) -> RelaxConfig:
+    """The config the Ray processes get: with the scaling API's token of ``$RELAX_API_KEY`` filled in here, in
+    `relax train`. The rollout's Ray process serves the API and may run on a node (--ray-address) whose environment
+    never had the variable: reading it there served the API open."""
+    if cfg.rollout_api_port is not None and cfg.rollout_api_key is None and resolve_api_key(None):
+        return cfg.model_copy(update={"rollout_api_key": resolve_api_key(None)})
+    return cfg
 
 
 def bundle_for(per_replica: float, use_gpus: bool) -> dict[str, float]:
@@ -95,6 +98,9 @@ class RayService:
         self.started_transfer_queue = False
         self.sync_dtype: torch.dtype | None = None
         self.weight_root = Path(cfg.output_dir) / "weight_sync"
+        # This run's name in the versions it publishes there; the engines follow only these (a resumed run's
+        # directory may hold a dead run's newer versions, which must never be served).
+        self.weight_run = uuid.uuid4().hex
         self.reference_in_actor = False
 
     @property
@@ -103,6 +109,7 @@ class RayService:
 
     # ---- start ------------------------------------------------------------------------------
     def start(self) -> RayRoles:
+        self.cfg = config_for_workers(self.cfg)
         cfg = self.cfg
         ctx = build_context(cfg)  # validates inputs before any process starts; tokenizer and steps for the driver
         self.sync_dtype = ctx.dtype
@@ -170,8 +177,7 @@ class RayService:
                 # and the rollout engines' Serve replicas (one CPU each) and Serve's controller
                 reserved = (sum(self._bundle(name).get("CPU", 0) * self.replicas(name) for name in roles) + 3
                             + (self.cfg.rollout_serve_replicas + 1 if self.cfg.rollout_serve_replicas else 0))
-                ray.init(include_dashboard=False, num_cpus=max(8, int(reserved + 0.999)), log_to_driver=False,
-                         logging_level="warning", runtime_env={"env_vars": env})
+                start_local_ray(max(8, int(reserved + 0.999)), runtime_env={"env_vars": env})
             self.started_ray = True
 
     def _bundle(self, name: str) -> dict[str, float]:
@@ -268,16 +274,16 @@ class RayService:
         themselves (`RoleWorker.follow_published_weights`)."""
         started = time.perf_counter()
         metrics = await self._publish(version, "disk", str(self.sync_dtype).removeprefix("torch."),
-                                      str(self.weight_root))
+                                      str(self.weight_root), run=self.weight_run)
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
         return metrics
 
-    def _publish(self, version: int, transport: str, dtype: str, root: str | None):
+    def _publish(self, version: int, transport: str, dtype: str, root: str | None, run: str | None = None):
         """Every actor rank gathers (a collective), rank 0 sends; rank 0's metrics."""
         import asyncio
 
         return _named("actor", _first(asyncio.gather(*(
-            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root)
+            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root, run)
             for rank in self.ranks("actor")))))
 
     # ---- checks -------------------------------------------------------------------------------

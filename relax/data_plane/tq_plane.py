@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from relax.distributed.local_ray import set_local_ray_environment, start_local_ray
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane.base import TRAIN_TASK, DataPlane, Group, partition_id
 from relax.data_plane.staleness import StalenessGate, oldest_weight_version
@@ -83,15 +84,6 @@ class TransferQueueLiveness:
         return None
 
 
-def _set_local_ray_environment() -> None:
-    """Loopback-only, no telemetry, no auth token file (environment-notes §2); before ``ray.init``."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # TransferQueue warns on every put/get when its default of 8 threads exceeds the cores.
-    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
-
-
 def start_local_transfer_queue(num_storage_units: int = 1, num_cpus: int = 4) -> None:
     """Start a local Ray bound to 127.0.0.1 (no dashboard) and a TransferQueue controller + storage units.
 
@@ -100,15 +92,15 @@ def start_local_transfer_queue(num_storage_units: int = 1, num_cpus: int = 4) ->
     """
     if num_cpus < num_storage_units + 1:
         raise ValueError(f"num_cpus={num_cpus} cannot hold a controller and {num_storage_units} storage units")
-    _set_local_ray_environment()
     import ray
     import transfer_queue as tq
     from omegaconf import OmegaConf
 
     from relax.data_plane.tq_sampler import WholeGroupSampler
 
+    set_local_ray_environment()
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, logging_level="warning")
+        start_local_ray(num_cpus)
     conf = OmegaConf.create(
         {"controller": {"sampler": WholeGroupSampler(), "polling_mode": True},
          "backend": {"storage_backend": "SimpleStorage",

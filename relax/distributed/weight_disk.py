@@ -116,12 +116,13 @@ class DiskPublisher:
 
     transport = "disk"
 
-    def __init__(self, root: str | Path, keep_last: int = 2, fsync: bool = True) -> None:
+    def __init__(self, root: str | Path, keep_last: int = 2, fsync: bool = True, run: str | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.fsync = fsync
+        self.run = run  # written into each manifest (default: this process's id): followers of a run load its versions
 
     async def publish(
         self, buckets: Iterable[NamedTensors], version: int, meta: dict[str, Any] | None = None
@@ -141,7 +142,7 @@ class DiskPublisher:
         specs = []
         for index, bucket in enumerate(buckets):
             specs.append(self._write_bucket(version, index, bucket))
-        manifest = Manifest(version, tuple(specs), {RUN_META_KEY: PUBLISHER_RUN, **(meta or {})})
+        manifest = Manifest(version, tuple(specs), {RUN_META_KEY: self.run or PUBLISHER_RUN, **(meta or {})})
         self._commit_manifest(directory, manifest)
         collect_garbage(self.root, self.keep_last)
         return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes, len(specs))
@@ -178,9 +179,17 @@ class DiskReceiver:
         self.root = Path(root)
         self.engine = engine
 
-    def latest_version(self) -> int | None:
-        versions = complete_versions(self.root)
-        return versions[-1] if versions else None
+    def latest_version(self, run: str | None = None) -> int | None:
+        """The newest complete version (of publisher ``run`` only, when given)."""
+        for version in reversed(complete_versions(self.root)):
+            if run is None:
+                return version
+            try:
+                if self.read_manifest(version).meta.get(RUN_META_KEY) == run:
+                    return version
+            except WeightSyncError:  # removed meanwhile, or unreadable: an older one may do
+                continue
+        return None
 
     async def poll(self, timeout_s: float, interval_s: float = 0.05) -> SyncMetrics:
         """Wait (at most ``timeout_s``) for a complete version newer than the engine's, apply the
@@ -259,15 +268,18 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 class DiskFollower:
-    """An engine that follows the versions published under ``root`` (the pull side of the disk transport): the
-    trainer publishes and goes on; this applies the newest complete version in the background whenever
+    """An engine that follows the versions published under ``root`` (the pull side of the disk transport) by one
+    publisher (``run``, `DiskPublisher.run`): the trainer publishes and goes on; this applies the newest complete version in the background whenever
     ``between_calls`` (an `asyncio.Lock` its owner holds while the engine generates) is free, and on demand before a
     generation (`catch_up`). A version pulled from under it (the publisher keeps only the newest few) is skipped for
     the next one; the engine keeps serving its current version meanwhile."""
 
     def __init__(self, root: str | Path, engine: InferenceEngine, between_calls: asyncio.Lock,
-                 interval_s: float = 0.1) -> None:
+                 interval_s: float = 0.1, run: str | None = None) -> None:
         self.receiver = DiskReceiver(root, engine)
+        # Only versions this run published: a dead run's newer versions left under the root (a resume) are never
+        # served, and the run's own versions are loaded even where they are older than what the engine served.
+        self.run = run
         self.between_calls = between_calls
         self.interval_s = interval_s
         self.applied: list[SyncMetrics] = []  # since the last `pop_metrics`
@@ -279,11 +291,14 @@ class DiskFollower:
             self._task = asyncio.get_running_loop().create_task(self._follow(), name="relax-weight-follower")
 
     async def catch_up(self) -> None:
-        """Apply the newest published version now if it is newer than the served one; the caller holds
-        ``between_calls``."""
-        latest = self.receiver.latest_version()
-        if latest is None or latest <= self.receiver.engine.weight_version or latest == self._failed:
+        """Apply the run's newest published version now unless the engine serves it (or a newer one of the run)
+        already; the caller holds ``between_calls``."""
+        engine = self.receiver.engine
+        latest = self.receiver.latest_version(self.run)
+        if latest is None or latest == self._failed:
             return
+        if (self.run is None or engine.weight_run == self.run) and latest <= engine.weight_version:
+            return  # serving this version of this run already (or a newer one of it)
         try:
             self.applied.append(await self.receiver.apply(latest))
         except (WeightSyncError, FileNotFoundError) as error:  # removed meanwhile, or damaged: wait for a newer one
@@ -320,7 +335,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 raise ValueError("shorter than a safetensors header")
             (length,) = struct.unpack("<Q", prefix)
             if length > min(MAX_HEADER_BYTES, size - 8):
-                raise ValueError(f"claims a {length}-byte header in a {size}-byte file")
+                raise ValueError("has a header length beyond the end of the file")  # no sizes: never describe a file
             header = json.loads(file.read(length))
     except OSError as error:
         raise ValueError(f"cannot be read ({error.strerror or error})") from None

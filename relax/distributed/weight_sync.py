@@ -167,6 +167,19 @@ def engine_weight_specs(engine: Any) -> dict[str, TensorSpec] | None:
     return {name: TensorSpec.of(name, tensor) for name, tensor in named}
 
 
+def engine_parameter_names(engine: Any) -> list[frozenset[str]] | None:
+    """The parameters an engine holds in this process, each as the set of names it answers to (tied parameters,
+    such as ``lm_head.weight`` and ``model.embed_tokens.weight``, are one tensor under two names); None for engines
+    that hold no model here. A complete update names at least one name of every set."""
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    names: dict[int, set[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), set()).add(name)
+    return [frozenset(group) for group in names.values()]
+
+
 INITIAL_VERSION = 0  # the checkpoint a run starts from: a new run may send it to engines that served a later one
 # Who published a version: one id per trainer process, written into each manifest (`DiskPublisher`). Versions never
 # go backwards within one publisher; a new one (a run resumed by a restart, from a checkpoint older than what the

@@ -16,7 +16,13 @@ Upstream's semantics (relax-upstream.md §5), kept here:
   kind and body returns the existing operation; the same id with another kind or body is a conflict.
 - The manager may be called from any thread (the API serves from its own): operations run on the engines' event
   loop (``loop``), so the API answers at once even while that loop is busy, and cancelling is a request the
-  operation honours at its next await (it rolls back, then ends ``CANCELLED``).
+  operation honours at its next await (it rolls back, then ends ``CANCELLED``). ``timeout_secs`` is kept from the
+  API's side: an operation still running at its deadline is ``FAILED`` then, even while the engines' loop is busy
+  with a training step, and rolls back when that loop is free.
+- A request is checked whole before anything starts (400 naming the field): every engine URL an http(s) URL with a
+  host, no URL twice, a ``model_name`` the service serves, a ``request_id`` that can be polled (letters, digits and
+  ``._:-``), a scale-in URL that names a serving engine.
+- Engine URLs may carry credentials or a token; every answer and log shows them redacted (`relax.utils.urls`).
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from relax.backends.inference.base import InferenceEngine
 from relax.backends.inference.router import EngineRouter, engine_name
+from relax.utils.urls import parse_http_url, redact_url, redact_urls_in
 
 
 class ScaleStatus(str, enum.Enum):
@@ -65,7 +72,11 @@ class ScaleConflictError(RuntimeError):
 
 
 class ScaleRejectedError(ValueError):
-    """The request breaks a rule (HTTP 400)."""
+    """The request breaks a rule (HTTP 400); ``param`` names the field at fault when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # ---- request / response bodies (upstream's schemas) ------------------------------------------------------------
@@ -74,8 +85,27 @@ MAX_REPLICAS = 1024
 MAX_TIMEOUT_S = 86400.0
 DEFAULT_MAX_ENGINES = 32  # upstream's autoscaler ceiling
 REPLICA_START_TIMEOUT_S = 300.0  # a deployment's new replicas: Ray processes that import torch and load a model
-RequestId = Field(None, min_length=1, max_length=128,
-                  description="idempotency key: the same id with the same body returns the same operation")
+RequestId = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+                  description="idempotency key (letters, digits and ._:-, so that it can be polled at "
+                  "/scale_out/{request_id}): the same id with the same body returns the same operation")
+DEFAULT_MODEL = "default"
+
+
+def _engine_url(value: str) -> str:
+    parse_http_url(value)  # ValueError says what is wrong without echoing the URL (it may hold a secret)
+    return value.rstrip("/")
+
+
+EngineURL = Annotated[str, AfterValidator(_engine_url)]
+
+
+def _no_repeats(urls: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    for index, url in enumerate(urls):
+        if url in seen:
+            raise ValueError(f"URL {index} repeats URL {seen[url]}")
+        seen[url] = index
+    return urls
 
 
 class _ScaleBody(BaseModel):
@@ -84,23 +114,27 @@ class _ScaleBody(BaseModel):
 
 
 class ScaleOutRequest(_ScaleBody):
-    model_name: str = "default"
+    model_name: str = Field(DEFAULT_MODEL, max_length=256)
     num_replicas: int = Field(0, ge=0, le=MAX_REPLICAS, description="ray_native: the total number of engines wanted")
-    engine_urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS,
-                                   description="external: engines to connect")
+    engine_urls: list[EngineURL] = Field(default_factory=list, max_length=MAX_REPLICAS,
+                                         description="external: engines to connect (http(s) URLs, each once)")
     timeout_secs: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     request_id: str | None = RequestId
 
+    _distinct = field_validator("engine_urls")(_no_repeats)
+
 
 class ScaleInRequest(_ScaleBody):
-    model_name: str = "default"
+    model_name: str = Field(DEFAULT_MODEL, max_length=256)
     num_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS,
                                      description="engines that remain (wins over engine_urls)")
-    engine_urls: list[str] = Field(default_factory=list, max_length=MAX_REPLICAS)
+    engine_urls: list[EngineURL] = Field(default_factory=list, max_length=MAX_REPLICAS)
     force: bool = False
     timeout_secs: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     dry_run: bool = False
     request_id: str | None = RequestId
+
+    _distinct = field_validator("engine_urls")(_no_repeats)
 
 
 class ScaleOperation(BaseModel):
@@ -166,11 +200,12 @@ class ScaleManager:
                  connector: EngineConnector | None = None, failure_policy: str = "rollback_all",
                  drain_timeout_s: float = 60.0, health_timeout_s: float = 30.0,
                  max_engines: int = DEFAULT_MAX_ENGINES, loop: asyncio.AbstractEventLoop | None = None,
-                 replicas: ReplicaPool | None = None):
+                 replicas: ReplicaPool | None = None, model_names: Iterable[str] = (DEFAULT_MODEL,)):
         if failure_policy not in ("rollback_all", "keep_partial"):
             raise ValueError(f"failure_policy must be rollback_all or keep_partial, got {failure_policy!r}")
         self.loop = loop
         self.max_engines = max_engines
+        self.model_names = tuple(model_names)
         self._lock = threading.Lock()  # the API's thread registers operations, the engines' loop moves them
         self._bodies: dict[str, tuple[str, dict[str, Any]]] = {}  # request_id -> (kind, body): idempotency
         self.router = router
@@ -186,6 +221,7 @@ class ScaleManager:
         ]
         self.operations: dict[str, ScaleOperation] = {}
         self._tasks: dict[str, concurrent.futures.Future] = {}
+        self._expired: set[str] = set()  # operations FAILED by their deadline (`_expire`), rolled back later
         self._counter = itertools.count(1)
         self.replicas = replicas
         self.initial_replicas = replicas.target() if replicas is not None else 0
@@ -206,7 +242,8 @@ class ScaleManager:
         # The router names engines by base URL (or repr for in-process ones), not by our engine ids.
         healthy = {s["engine"]: s["healthy"] for s in self.router.stats()}
         # A Serve deployment is listed as its replicas
-        table = [{"engine_id": r.engine_id, "url": r.url, "status": "initial" if r.initial else "scaled_out",
+        table = [{"engine_id": r.engine_id, "url": r.url and redact_url(r.url),
+                  "status": "initial" if r.initial else "scaled_out",
                   "is_healthy": healthy.get(engine_name(r.engine), False), "weight_version": r.engine.weight_version}
                  for r in self.engines if self.replicas is None or getattr(r.engine, "deployment", None) is not self.replicas]
         version = self.router.weight_version
@@ -222,7 +259,7 @@ class ScaleManager:
 
     def _engine_id(self, engine: InferenceEngine) -> str:
         url = getattr(engine, "base_url", None)
-        return url.rstrip("/") if url else f"embedded-{next(self._engine_counter)}"
+        return redact_url(url.rstrip("/")) if url else f"embedded-{next(self._engine_counter)}"
 
     def _running(self) -> ScaleOperation | None:
         return next((op for op in self.operations.values() if op.status not in TERMINAL), None)
@@ -254,10 +291,32 @@ class ScaleManager:
         return op
 
     def _start(self, op: ScaleOperation, runner: Awaitable[None], timeout_s: float) -> None:
-        """Run the operation on the engines' loop; the API's thread only registers it."""
+        """Run the operation on the engines' loop; the API's thread only registers it, and keeps its deadline
+        (`_expire`), which holds even while that loop is busy."""
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-        self._tasks[op.request_id] = asyncio.run_coroutine_threadsafe(self._guard(op, runner, timeout_s), self.loop)
+        task = asyncio.run_coroutine_threadsafe(self._guard(op, runner, timeout_s), self.loop)
+        self._tasks[op.request_id] = task
+        deadline = threading.Timer(timeout_s, self._expire, args=(op, timeout_s))
+        deadline.daemon = True
+        deadline.start()
+        task.add_done_callback(lambda _: deadline.cancel())
+
+    def _expire(self, op: ScaleOperation, timeout_s: float) -> None:
+        """The deadline passed with the operation unfinished: FAILED now; it rolls back on the engines' loop."""
+        with self._lock:
+            if op.status in TERMINAL:
+                return
+            self._expired.add(op.request_id)
+            self._move(op, ScaleStatus.FAILED, error_message=f"TimeoutError: not done within timeout_secs "
+                       f"{timeout_s:g} s; what it added is removed")
+        self._tasks[op.request_id].cancel()
+
+    def _check_request(self, request: ScaleOutRequest | ScaleInRequest) -> None:
+        """Refuse (400 naming the field) what can be known wrong before anything starts."""
+        if request.model_name not in self.model_names:
+            raise ScaleRejectedError(f"model_name {request.model_name!r}: this service scales "
+                                     f"{', '.join(map(repr, self.model_names))}", "model_name")
 
     @staticmethod
     def _move(op: ScaleOperation, status: ScaleStatus, **fields) -> None:
@@ -279,6 +338,7 @@ class ScaleManager:
     # ---- scale out --------------------------------------------------------------------------------------------
     def scale_out(self, request: ScaleOutRequest) -> ScaleOperation:
         with self._lock:
+            self._check_request(request)
             replayed = self._replay("scale_out", request)
             if replayed is not None:
                 return replayed  # idempotent retry
@@ -309,10 +369,11 @@ class ScaleManager:
                     return self._reject(op, "this service cannot create engines (ray_native); pass engine_urls")
                 runner = self._create_engines(op, missing)
             else:
-                known = {r.url for r in self.engines}
-                urls = [u.rstrip("/") for u in request.engine_urls]
-                new_urls = [u for u in dict.fromkeys(urls) if u not in known]
-                op = self._new("scale_out", request, model_name=request.model_name, engine_urls=urls)
+                known = {redact_url(r.url) for r in self.engines if r.url}
+                urls = list(request.engine_urls)
+                new_urls = [u for u in urls if redact_url(u) not in known]
+                op = self._new("scale_out", request, model_name=request.model_name,
+                               engine_urls=[redact_url(u) for u in urls])
                 if not urls:
                     return self._reject(op, "give num_replicas > 0 or engine_urls")
                 if not new_urls:
@@ -392,12 +453,14 @@ class ScaleManager:
                 raise TimeoutError(f"not done within timeout_secs {timeout_s:g} s") from None
         except asyncio.CancelledError:
             await self._rollback(op)
-            self._move(op, ScaleStatus.CANCELLED, message="cancelled; engines added by it were removed")
+            if op.request_id not in self._expired:  # FAILED already when its deadline passed (`_expire`)
+                self._move(op, ScaleStatus.CANCELLED, message="cancelled; engines added by it were removed")
             raise
         except Exception as err:  # noqa: BLE001 - every failure becomes the operation's FAILED state
             if op.kind == "scale_out" and self.failure_policy == "rollback_all":
                 await self._rollback(op)
-            self._move(op, ScaleStatus.FAILED, error_message=f"{type(err).__name__}: {err}")
+            if op.request_id not in self._expired:
+                self._move(op, ScaleStatus.FAILED, error_message=redact_urls_in(f"{type(err).__name__}: {err}"))
 
     async def _rollback(self, op: ScaleOperation) -> None:
         if op.request_id in self._replicas_before:  # a replica scale-out: back to the count before it
@@ -424,12 +487,19 @@ class ScaleManager:
     # ---- scale in ---------------------------------------------------------------------------------------------
     def scale_in(self, request: ScaleInRequest) -> ScaleOperation:
         with self._lock:
+            self._check_request(request)
+            if request.num_replicas is None:
+                serving = {redact_url(r.url) for r in self.engines if r.url}
+                for index, url in enumerate(request.engine_urls):
+                    if redact_url(url) not in serving:
+                        raise ScaleRejectedError(f"engine_urls.{index}: no engine with this URL serves (GET /engines "
+                                                 "lists them)", f"engine_urls.{index}")
             replayed = self._replay("scale_in", request)
             if replayed is not None:
                 return replayed
             self._check_idle()
             op = self._new("scale_in", request, model_name=request.model_name, num_replicas=request.num_replicas,
-                           engine_urls=request.engine_urls)
+                           engine_urls=[redact_url(u) for u in request.engine_urls])
             removable = sorted((r for r in self.engines if not r.initial), key=lambda r: r.added_at, reverse=True)
             initial = len(self.engines) - len(removable)
             if request.num_replicas is not None and self.replicas is not None:
@@ -454,11 +524,11 @@ class ScaleManager:
                                             "which are protected")
                 selected = removable[: max(len(self.engines) - request.num_replicas, 0)]  # last in, first out
             elif request.engine_urls:
-                wanted = {u.rstrip("/") for u in request.engine_urls}
-                protected = [r.url for r in self.engines if r.initial and r.url in wanted]
+                wanted = {redact_url(u) for u in request.engine_urls}
+                protected = [redact_url(r.url) for r in self.engines if r.initial and r.url and redact_url(r.url) in wanted]
                 if protected:
                     return self._reject(op, f"initial engines are protected: {protected}")
-                selected = [r for r in removable if r.url in wanted]
+                selected = [r for r in removable if r.url and redact_url(r.url) in wanted]
             else:
                 return self._reject(op, "give num_replicas or engine_urls")
             op.selected_engines = [r.engine_id for r in selected]
@@ -486,7 +556,7 @@ class ScaleManager:
                 self.engines.remove(record)
                 op.removed_engines.append(record.engine_id)
             except Exception as err:  # noqa: BLE001 - partial success: report and go on
-                op.failed_engines.append(f"{record.engine_id}: {err}")
+                op.failed_engines.append(redact_urls_in(f"{record.engine_id}: {err}"))
         if op.failed_engines and not op.removed_engines:
             raise RuntimeError(f"no engine could be removed: {op.failed_engines}")
         self._move(op, ScaleStatus.COMPLETED, message=f"removed {op.removed_engines}")

@@ -4,6 +4,12 @@ the OpenAI protocol.
 Generation requests from concurrent HTTP calls are merged into few engine calls by a
 `RequestBatcher`. Control endpoints (abort, pause, continue, flush, weight updates) require
 ``Authorization: Bearer <api_key>`` when an API key is set; the key is never logged or echoed.
+
+What one client may take is bounded (docs/serving.md lists every bound and its flag): the request's body, time and
+connection (`relax.utils.http_server.HTTPLimits`), its sequences and tokens and the server's sequences in flight
+(`relax.serving.limits`). Text is tokenized off the event loop, after a cheap bound on its length, so no request
+holds the loop that answers ``/health``. A request whose client goes away is aborted in the engine (plain and
+streamed answers alike), and so is one a graceful stop gives up on: nobody decodes tokens nobody waits for.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
@@ -30,6 +36,7 @@ from relax.backends.routing_replay import encode_routes
 from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
 from relax.serving.auth import bearer_token_dependency
+from relax.serving.limits import Admission, GenerationLimits
 from relax.serving.protocol import (
     NEW_TOKEN_FIELDS,
     TOKEN_ID_MARKER,
@@ -45,8 +52,10 @@ from relax.serving.protocol import (
     describe_validation_errors,
 )
 from relax.serving.weights import WeightPathError, update_weights_from_path
+from relax.utils.http_server import client_gone
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+CLIENT_GONE = 499  # nginx's "client closed request": only the access log ever sees it
 # The OpenAI endpoints answer server-sent events when the body asks for "stream": true (the schema is an event's).
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
@@ -69,15 +78,31 @@ class ModelLimits:
 
     vocab_size: int | None = None
     context_length: int | None = None
+    # The most characters one token stands for (its vocabulary entry's length bounds it; byte-level entries count
+    # bytes, which are at least the characters): a text longer than context_length x this cannot fit, whatever
+    # it tokenizes to, and is refused without tokenizing it.
+    max_token_chars: int | None = None
 
     @classmethod
-    def of(cls, engine: InferenceEngine) -> ModelLimits:
+    def of(cls, engine: InferenceEngine, tokenizer: Any = None) -> ModelLimits:
         model = getattr(engine, "model", None)  # the embedded engine's Hugging Face model
         if model is None:
             return cls()
         text_config = model.config.get_text_config()
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         return cls(model.get_input_embeddings().num_embeddings,
-                   getattr(text_config, "max_position_embeddings", None))
+                   getattr(text_config, "max_position_embeddings", None),
+                   max((len(entry) for entry in vocabulary), default=None))
+
+    def check_text(self, text: str, field: str) -> None:
+        """Refuse a text that cannot fit the context, by its length alone (before the tokenizer sees it)."""
+        if self.context_length is None or self.max_token_chars is None:
+            return
+        bound = self.context_length * self.max_token_chars
+        if len(text) > bound:
+            raise BadRequest(f"{field}: {len(text)} characters cannot fit the model's context of "
+                             f"{self.context_length} tokens (at most {self.max_token_chars} characters a token)",
+                             field)
 
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, prompt_field: str,
               length_field: str) -> None:
@@ -124,9 +149,14 @@ def _publish_token_id_maximum(node: Any, maximum: int | None) -> None:
         _publish_token_id_maximum(child, maximum)
 
 
+# OpenAI's error types by status; a 4xx is never a server error.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
 def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     # OpenAI's error shape; SGLang clients read "error.message" or the status alone.
-    kind = "invalid_request_error" if status == 400 else "authentication_error" if status == 401 else "server_error"
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -138,11 +168,14 @@ def create_app(
     api_key: str | None = None,
     batch_window_s: float = 0.005,
     weight_update_root: str | None = None,
+    generation_limits: GenerationLimits | None = None,
 ) -> FastAPI:
     """Build the app; the engine must run on the event loop that serves the app (uvicorn's).
-    ``weight_update_root``: /update_weights_from_disk refuses paths outside it (`relax.serving.weights`)."""
+    ``weight_update_root``: /update_weights_from_disk refuses paths outside it (`relax.serving.weights`);
+    ``generation_limits``: what one request may ask and the server hold (`relax.serving.limits`)."""
     batcher = RequestBatcher(engine, window_s=batch_window_s)
-    limits = ModelLimits.of(engine)
+    limits = ModelLimits.of(engine, tokenizer)
+    admission = Admission(generation_limits or GenerationLimits())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -180,12 +213,27 @@ def create_app(
 
     # ------------------------------------------------------------------------- helpers
 
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    async def encode(text: str, field: str) -> list[int]:
+        """Token ids of ``text``, tokenized in a worker thread (a long text would hold the event loop)."""
+        limits.check_text(text, field)
+        return list((await asyncio.to_thread(tokenizer, text, add_special_tokens=True))["input_ids"])
 
-    async def run(requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    async def run(http_request: Request, requests: list[GenerationRequest]) -> list[GenerationOutput] | None:
+        """The outputs of ``requests``, or None when the client went away first: then they are aborted (cancelling
+        the batcher's call aborts its requests, `RequestBatcher.generate`)."""
+        generation = asyncio.ensure_future(batcher.generate(requests))
+        gone = asyncio.ensure_future(client_gone(http_request.receive))
         try:
-            return await batcher.generate(requests)
+            await asyncio.wait({generation, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            abandoned = not generation.done()  # the client left, or a graceful stop cancelled this handler
+            if abandoned:
+                generation.cancel()
+        if abandoned:
+            return None
+        try:
+            return generation.result()
         except (ValueError, TypeError) as error:  # the engine's request validation
             raise BadRequest(str(error)) from error
 
@@ -201,10 +249,11 @@ def create_app(
     # ------------------------------------------------------------------------- SGLang native
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Any:
+    async def generate(body: GenerateRequest, http_request: Request) -> Any:
         if body.text is not None:
             texts = body.text if isinstance(body.text, list) else [body.text]
-            prompts = [encode(text) for text in texts]
+            admission.check([1] * len(texts), 1, 0, "text")
+            prompts = [await encode(text, "text") for text in texts]
         else:
             prompts = body.input_ids if body.is_batch else [body.input_ids]  # type: ignore[list-item]
         if not prompts:
@@ -217,8 +266,9 @@ def create_app(
             [body.sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise BadRequest(f"sampling_params: {len(params)} sets for {len(prompts)} prompts", "sampling_params")
-        limits.check(prompts, max(p.max_new_tokens for p in params), "text" if body.text is not None else "input_ids",
-                     "sampling_params.max_new_tokens")
+        prompt_field = "text" if body.text is not None else "input_ids"
+        limits.check(prompts, max(p.max_new_tokens for p in params), prompt_field, "sampling_params.max_new_tokens")
+        admission.check([len(prompt) for prompt in prompts], 1, max(p.max_new_tokens for p in params), prompt_field)
         if isinstance(body.rid, list):
             if len(body.rid) != len(prompts):
                 raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts", "rid")
@@ -229,7 +279,10 @@ def create_app(
         requests = [GenerationRequest(rid, list(prompt), p.to_engine(), return_routed_experts=body.return_routed_experts)
                     for rid, prompt, p in zip(rids, prompts, params)]
         started = time.perf_counter()
-        outputs = await run(requests)
+        with admission.admit(len(requests)):
+            outputs = await run(http_request, requests)
+        if outputs is None:
+            return Response(status_code=CLIENT_GONE)
         latency = time.perf_counter() - started
         results = [_sglang_result(out, req, p, body.return_logprob, latency, trimmed_text)
                    for out, req, p in zip(outputs, requests, params)]
@@ -238,7 +291,8 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         # The pid lets an operator (and the chaos tests) find the process behind an engine URL.
-        return {**await engine.health(), **batcher.stats(), "pid": os.getpid()}
+        return {**await engine.health(), **batcher.stats(), "inflight_sequences": admission.inflight_sequences,
+                "pid": os.getpid()}
 
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:
@@ -341,44 +395,53 @@ def create_app(
                                             "root": model_path}]}
 
     @app.post("/v1/completions", responses=STREAM_RESPONSE)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http_request: Request) -> Any:
         prompt = body.prompt
         if isinstance(prompt, str):
-            prompts = [encode(prompt)]
+            prompt = [prompt]
         elif prompt and all(isinstance(item, int) for item in prompt):
-            prompts = [list(prompt)]  # type: ignore[arg-type]
-        else:
-            prompts = [encode(item) if isinstance(item, str) else list(item) for item in prompt]  # type: ignore[union-attr]
+            prompt = [list(prompt)]  # type: ignore[arg-type]
+        admission.check([1] * len(prompt), body.n, 0, "prompt")
+        prompts = [await encode(item, "prompt") if isinstance(item, str) else list(item) for item in prompt]  # type: ignore[union-attr]
         if not prompts or any(not p for p in prompts):
             raise BadRequest("prompt: empty prompt", "prompt")
         params = body.to_engine(body.max_tokens or 16)
         limits.check(prompts, params.max_new_tokens, "prompt", "max_tokens")
-        return await _openai_response(body, prompts, params, chat=False)
+        admission.check([len(p) for p in prompts], body.n, params.max_new_tokens, "prompt")
+        return await _openai_response(http_request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions", responses=STREAM_RESPONSE)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Any:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("messages: the served tokenizer has no chat template; use /v1/completions", "messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        admission.check([1], body.n, 0, "messages")
+        limits.check_text("".join(message["content"] for message in messages), "messages")
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                       tokenize=False)
+        prompt = list((await asyncio.to_thread(tokenizer, text, add_special_tokens=False))["input_ids"])
         params = body.to_engine(body.max_completion_tokens or body.max_tokens or 128)
-        limits.check([prompt], params.max_new_tokens, "messages",
-                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        return await _openai_response(body, [prompt], params, chat=True)
+        length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        limits.check([prompt], params.max_new_tokens, "messages", length_field)
+        admission.check([len(prompt)], body.n, params.max_new_tokens, "messages")
+        return await _openai_response(http_request, body, [prompt], params, chat=True)
 
-    async def _openai_response(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                               params: SamplingParams, chat: bool) -> Any:
+    async def _openai_response(http_request: Request, body: CompletionRequest | ChatCompletionRequest,
+                               prompts: list[list[int]], params: SamplingParams, chat: bool) -> Any:
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         requests = [GenerationRequest(f"{response_id}-{p}-{i}", prompt, params)
                     for p, prompt in enumerate(prompts) for i in range(body.n)]
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         if body.stream:
+            admission.check_room(len(requests))  # a full server answers 429 before the stream starts
             return StreamingResponse(
                 _stream(body, requests, params, chat, response_id, created, want_logprobs),
                 media_type="text/event-stream")
-        outputs = await run(requests)
+        with admission.admit(len(requests)):
+            outputs = await run(http_request, requests)
+        if outputs is None:
+            return Response(status_code=CLIENT_GONE)
         choices = [_choice(index, output, params, chat, want_logprobs) for index, output in enumerate(outputs)]
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": body.model or model_name, "choices": choices, "usage": _usage(prompts, outputs)}
@@ -391,21 +454,30 @@ def create_app(
         else:
             choice["text"] = text
         if logprobs:
-            tokens = [tokenizer.decode([token]) for token in output.output_ids]
+            tokens, offsets = text_tokens(token_pieces(tokenizer, output.output_ids), text)
+            log_probs = json_log_probs(output)[:len(tokens)]
             if chat:
                 choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                                   "top_logprobs": []}
-                                                  for t, lp in zip(tokens, json_log_probs(output))]}
+                                                   "top_logprobs": []} for t, lp in zip(tokens, log_probs)]}
             else:
-                offsets, position = [], 0
-                for token in tokens:
-                    offsets.append(position)
-                    position += len(token)
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": json_log_probs(output),
-                                      "top_logprobs": None, "text_offset": offsets}
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": log_probs, "top_logprobs": None,
+                                      "text_offset": offsets}
         return choice
 
     async def _stream(body, requests, params, chat, response_id, created, logprobs) -> AsyncIterator[str]:
+        """The answer as server-sent events; the stream counts its sequences in flight while it runs, and a client
+        that goes away (the response is cancelled) aborts its requests."""
+        generation: list[asyncio.Future] = []
+        with admission.hold(len(requests)):
+            try:
+                async for event in _events(body, requests, params, chat, response_id, created, logprobs, generation):
+                    yield event
+            finally:
+                if generation:  # the batcher aborts the requests of a call cancelled before it ended
+                    generation[0].cancel()
+
+    async def _events(body, requests, params, chat, response_id, created, logprobs,
+                      generation_holder: list[asyncio.Future]) -> AsyncIterator[str]:
         model = body.model or model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -441,6 +513,7 @@ def create_app(
             return deltas
 
         generation = asyncio.ensure_future(batcher.generate(requests))
+        generation_holder.append(generation)
         while incremental and not generation.done():
             await asyncio.wait([generation], timeout=0.02)
             deltas = text_deltas()
@@ -471,6 +544,49 @@ def create_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def token_pieces(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
+    """Each token's share of the decoded text (special tokens skipped): joined, the pieces are
+    ``tokenizer.decode(token_ids, skip_special_tokens=True)``. A token that ends inside a character gets "" and the
+    character goes to the token that completes it; a special token (EOS) gets "". Two short decodes per token."""
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    pieces: list[str] = []
+    context, start = 0, 0  # decode from `context` (so a piece keeps its leading space); emitted up to `start`
+    for end in range(1, len(token_ids) + 1):
+        before, text = decode(token_ids[context:start]), decode(token_ids[context:end])
+        if len(text) > len(before) and text.startswith(before) and not text.endswith("\ufffd"):
+            pieces.append(text[len(before):])
+            context, start = start, end
+        else:
+            pieces.append("")
+    full = decode(token_ids)
+    joined = "".join(pieces)
+    if joined != full:  # a decoder whose pieces do not add up (rare): exact prefix differences instead
+        pieces, before = [], ""
+        for end in range(1, len(token_ids) + 1):
+            text = decode(token_ids[:end])
+            pieces.append(text[len(before):] if text.startswith(before) else "")
+            before = text if text.startswith(before) else before
+        if pieces:
+            pieces[-1] += full[len("".join(pieces)):] if full.startswith("".join(pieces)) else ""
+    return pieces
+
+
+def text_tokens(pieces: Sequence[str], text: str) -> tuple[list[str], list[int]]:
+    """The tokens (pieces) that make up ``text``, a prefix of the pieces' join (the output cut at a stop string),
+    and each one's offset: they join to ``text`` exactly. Tokens past its end, such as a final EOS that the text
+    leaves out, are not listed; one that straddles the end is cut at it."""
+    tokens, offsets, position = [], [], 0
+    for piece in pieces:
+        if position >= len(text):
+            break
+        tokens.append(piece[:len(text) - position])
+        offsets.append(position)
+        position += len(tokens[-1])
+    return tokens, offsets
 
 
 def json_log_probs(output: GenerationOutput) -> list[float | None]:

@@ -40,16 +40,36 @@ def _integral_floats_to_int(value: Any) -> Any:
     return value
 
 
+# Every number a client sends is bounded by what it means, and never beyond int64: an unbounded integer (2**70, a
+# 4,000-digit one) would be accepted and then poison what it touches (a weight version no later update can pass).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 # A token id is an index into the model's embedding table; its upper bound depends on the model: the app checks
 # it and writes it into the published schema where this marker is.
 TOKEN_ID_MARKER = "x-token-id"
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARKER: True})]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={TOKEN_ID_MARKER: True})]
 # A prompt: a non-empty string or a non-empty list of token ids; a batch is a non-empty list of prompts.
 PromptText = Annotated[str, Field(min_length=1)]
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
-# Fields that count new tokens: the app publishes the model's context length as their maximum.
+# Tokens to generate: the app publishes (and checks) the model's context length as their maximum.
+NewTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 NEW_TOKEN_FIELDS = {"SGLangSamplingParams": ["max_new_tokens"], "CompletionRequest": ["max_tokens"],
                     "ChatCompletionRequest": ["max_tokens", "max_completion_tokens"]}
+# top_k <= 0 disables the filter (SGLang and vLLM spell it -1, newer vLLM 0); above the vocabulary it filters nothing.
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+# Temperatures below GREEDY_TEMPERATURE are greedy (`SamplingParams`); above MAX_TEMPERATURE sampling is uniform
+# to float32's precision, and past float32's range the scaled logits would be NaN.
+MAX_TEMPERATURE = 1000.0
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
+WeightVersion = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# Stop strings are searched after every token: their number and length are bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None
+RequestId = Annotated[str, Field(max_length=256)]
+Name = Annotated[str, Field(max_length=256)]
 # A rendezvous longer than a day is a typo; the bound also keeps timedelta(seconds=...) from overflowing.
 MAX_GROUP_TIMEOUT_S = 86400.0
 MAX_GROUP_SIZE = 65536  # members of one weight-sync group (one trainer and its engines)
@@ -77,7 +97,16 @@ def _is_field(part: int | str) -> bool:
 def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
     """pydantic's errors of a request as one message (``field.path: problem; ...``) and the field path of the most
     telling one. A union reports an error per member; the member that matched the shape fails on a value (a bound,
-    a length, a literal) rather than on a type, or failed deeper inside."""
+    a length, a literal) rather than on a type, or failed deeper inside. A body that is not JSON at all is reported
+    as the body's fault, with the character where parsing stopped (FastAPI puts that offset where a field would
+    be)."""
+    broken = next((error for error in errors if error.get("type") == "json_invalid"), None)
+    if broken is not None:
+        offset = next((part for part in broken.get("loc", ()) if isinstance(part, int)), None)
+        reason = (broken.get("ctx") or {}).get("error") or broken.get("msg") or "invalid JSON"
+        where = f" at character {offset}" if offset is not None else ""
+        return f"body: not valid JSON{where} ({reason})", "body"
+
     def path(error: dict[str, Any]) -> list[str]:
         return [str(part) for part in error.get("loc", ()) if _is_field(part)]
 
@@ -108,12 +137,12 @@ class ErrorResponse(BaseModel):
 
 
 class SGLangSamplingParams(_Body):
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    max_new_tokens: NewTokens = 128
+    temperature: Temperature = 1.0
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: TopK = -1
+    stop: Stop = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
     seed: Seed | None = None
     no_stop_trim: bool = False  # keep a matched stop string in "text" (output_ids always keep it)
@@ -142,7 +171,7 @@ class GenerateRequest(_Body):
     # The experts each MoE layer chose for every token fed to the model, in meta_info["routed_experts"] (SGLang's
     # field and format: base64 of the int32 [tokens - 1, layers, top_k] array, flattened).
     return_routed_experts: bool = False
-    rid: str | list[str] | None = None
+    rid: RequestId | list[RequestId] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
@@ -161,7 +190,7 @@ class GenerateRequest(_Body):
 
 
 class AbortRequest(_Body):
-    rid: str | list[str] = ""
+    rid: RequestId | list[RequestId] = ""
     abort_all: bool = False
 
 
@@ -170,9 +199,9 @@ class UpdateWeightsFromDiskRequest(_Body):
     written by `relax.distributed.weight_disk` (the newest version, or ``weight_version``), or one
     ``vNNNNNNNN`` directory of such a root."""
 
-    model_path: str = Field(min_length=1)
-    weight_version: int | None = Field(None, ge=0)
-    load_format: str | None = None
+    model_path: str = Field(min_length=1, max_length=4096)
+    weight_version: WeightVersion | None = None
+    load_format: Name | None = None
 
 
 # ----------------------------------------------------------------------------- OpenAI
@@ -183,20 +212,20 @@ class StreamOptions(_Body):
 
 
 class _OpenAISampling(_Body):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    model: Name | None = None
+    max_tokens: NewTokens | None = None
+    temperature: Temperature = 1.0
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=64)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM / SGLang extensions.
-    top_k: int = -1
+    top_k: TopK = -1
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
 
     def to_engine(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -209,8 +238,9 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds | Annotated[
         list[PromptIds], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: NewTokens | None = 16
+    # How many alternatives per token (OpenAI allows 5, vLLM 20); only the sampled token's log-prob is returned here.
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
 
 
@@ -233,7 +263,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
 
@@ -242,12 +272,12 @@ class InitWeightsUpdateGroupRequest(_Body):
     """Join the trainer's weight-sync process group (the trainer is rank 0 and hosts the store at
     ``master_address:master_port``); this server takes rank ``rank_offset``."""
 
-    master_address: str = Field(min_length=1)
+    master_address: str = Field(min_length=1, max_length=253)
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1, le=MAX_GROUP_SIZE)
     world_size: int = Field(ge=2, le=MAX_GROUP_SIZE)
     backend: Literal["gloo", "nccl"] = "gloo"
-    group_name: str = "weight_sync"
+    group_name: Name = "weight_sync"
     timeout_s: float = Field(120.0, gt=0, le=MAX_GROUP_TIMEOUT_S)
 
 
@@ -256,8 +286,8 @@ class UpdateWeightsFromDistributedRequest(_Body):
     version) and then the buckets (relax.distributed.weight_broadcast). SGLang's per-call ``names``/``dtypes``/
     ``shapes`` are accepted and ignored: the manifest carries them."""
 
-    weight_version: int | None = Field(None, ge=0)
-    group_name: str = "weight_sync"
+    weight_version: WeightVersion | None = None
+    group_name: Name = "weight_sync"
     names: list[str] | None = None
     dtypes: list[str] | None = None
-    shapes: list[list[int]] | None = None
+    shapes: list[list[Annotated[int, Field(ge=0, le=INT64_MAX)]]] | None = None

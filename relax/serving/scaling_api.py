@@ -27,6 +27,12 @@ from relax.serving.auth import bearer_token_dependency
 from relax.serving.protocol import describe_validation_errors
 
 
+class _BadRequest(HTTPException):
+    def __init__(self, detail: str, param: str | None) -> None:
+        super().__init__(400, detail)
+        self.param = param
+
+
 class ScalingError(BaseModel):
     """Every 4xx answer of the scaling API."""
 
@@ -48,7 +54,7 @@ def scaling_routes(manager: ScaleManager, api_key: str | None = None) -> APIRout
         except ScaleConflictError as err:
             raise HTTPException(409, str(err)) from None
         except ScaleRejectedError as err:
-            raise HTTPException(400, str(err)) from None
+            raise _BadRequest(str(err), err.param) from None
 
     def find(request_id: str, kind: str) -> ScaleOperation:
         op = manager.operations.get(request_id)
@@ -114,5 +120,9 @@ def create_scaling_app(manager: ScaleManager, api_key: str | None = None) -> Fas
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(error.errors())
         return JSONResponse({"detail": message, "param": param}, status_code=400)
+
+    @app.exception_handler(_BadRequest)
+    async def _bad_request(_: Request, error: _BadRequest) -> JSONResponse:
+        return JSONResponse({"detail": error.detail, "param": error.param}, status_code=400)
 
     return app

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import torch
 
+from relax.backends.model_family import model_folder_problem
+from relax.serving.limits import GenerationLimits
+from relax.utils.http_server import HTTPLimits, uvicorn_config
+
 API_KEY_ENV = "RELAX_API_KEY"
 logger = logging.getLogger(__name__)
 
@@ -30,35 +34,44 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
           device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
           max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info",
           weight_update_root: str | None = None, engine_core: str = "auto",
-          mem_fraction_static: float = 0.85) -> None:
+          mem_fraction_static: float = 0.85, http_limits: HTTPLimits | None = None,
+          generation_limits: GenerationLimits | None = None, cpu_threads: int = 0) -> None:
     """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
-    control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load."""
+    control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load; ``http_limits``
+    and ``generation_limits`` bound what one client may take (docs/serving.md)."""
     import uvicorn
 
     from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
     from relax.serving.app import create_app
-    from relax.utils.http_server import uvicorn_config
 
     path = Path(hf_checkpoint)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--hf-checkpoint {path}: not a Hugging Face model folder (no config.json)")
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise ValueError(f"--hf-checkpoint {problem}")
     api_key = resolve_api_key(api_key)
     if weight_update_root is not None and not Path(weight_update_root).is_dir():
         raise ValueError(f"--weight-update-root {weight_update_root}: not a directory")
     torch_device = resolve_device(device)
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static {mem_fraction_static}: must be between 0 and 1")
+    if torch_device.type == "cpu":
+        from transformers import AutoConfig
+
+        from relax.utils.cpu_threads import set_cpu_threads
+
+        set_cpu_threads(AutoConfig.from_pretrained(str(path)).get_text_config().hidden_size, cpu_threads)
     # Alone on its device, a server may take most of the free memory for its KV pool (the default); one started
     # beside a trainer (--rollout-engine-protocol relax) gets the run's --mem-fraction-static.
     engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
                                             max_batch_size=max_batch_size,
                                             core=CoreSettings(mode=engine_core, mem_fraction_static=mem_fraction_static))
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
-                     api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root)
+                     api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root,
+                     generation_limits=generation_limits)
     logger.warning("relax serve: %s on http://%s:%d (control endpoints %s; weight updates from %s)", path, host,
                    port, "need a bearer token" if api_key else "are open: no API key set",
                    weight_update_root or "any path")
-    uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+    uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level)).run()
 
 
 def resolve_api_key(flag_value: str | None) -> str | None:

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import GaugeMetricFamily
+
+from relax.utils.http_server import HTTPLimits, ThreadedServer
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -70,8 +72,10 @@ class _RunCollector:
 
 class MetricsService:
     def __init__(self, port: int, restarts: int = 0,
-                 engine_stats: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 engine_stats: Callable[[], list[dict[str, Any]]] | None = None,
+                 http_limits: HTTPLimits | None = None) -> None:
         self.port = port
+        self.http_limits = http_limits
         self.restarts = restarts
         self.engine_stats = engine_stats
         self.role_health: Callable[[], dict[str, dict]] | None = None  # `HealthMonitor.snapshot`
@@ -83,7 +87,16 @@ class MetricsService:
         self._server = None
 
     def start(self) -> MetricsService:
-        self._server, _ = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
+        # uvicorn with the bounds of every Relax server (prometheus_client's own server keeps a thread per connection,
+        # with no read deadline and no connection limit); OSError when the port is taken.
+        self._server = ThreadedServer(make_asgi_app(self.registry), "127.0.0.1", self.port, name="relax-metrics",
+                                      limits=self.http_limits)
+        try:
+            self._server.start()
+        except RuntimeError as error:
+            self._server = None
+            raise OSError(f"cannot listen on 127.0.0.1:{self.port} ({error})") from None
+        self.port = self._server.port  # port 0: the one the OS chose
         return self
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
@@ -93,6 +106,5 @@ class MetricsService:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
             self._server = None

@@ -51,7 +51,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     plots_dir = Path(run_dir) / PLOTS_DIR
     written = []
     for group_name, group in CURVE_GROUPS.items():
-        curves = _curves_matching(rows, group.key_patterns)
+        curves = _informative(_curves_matching(rows, group.key_patterns))
         if not curves:
             continue
         plots_dir.mkdir(exist_ok=True)
@@ -72,6 +72,17 @@ def _curves_matching(rows: list[dict[str, Any]], key_patterns: tuple[str, ...]) 
             if key != "step" and _is_finite_number(value) and any(fnmatchcase(key, p) for p in key_patterns):
                 curves.setdefault(key, []).append((step, value))
     return curves
+
+
+def _informative(curves: dict[str, list[tuple[float, float]]]) -> dict[str, list[tuple[float, float]]]:
+    """The curves worth drawing: not zero at every step (the PPO KL of one update per rollout is 0 by construction),
+    and each once (with one held-out set, ``eval/accuracy`` and ``eval/<set>/accuracy`` are the same points)."""
+    kept: dict[str, list[tuple[float, float]]] = {}
+    for key, points in curves.items():
+        if all(value == 0 for _, value in points) or any(points == other for other in kept.values()):
+            continue
+        kept[key] = points
+    return kept
 
 
 def _is_finite_number(value: Any) -> bool:

@@ -13,10 +13,15 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 
 
+# Temperatures below this are greedy decoding (as vLLM's 1e-5): dividing logits by 1e-38 overflows float32 to
+# infinity, and the "samples" and log-probs of such a step are NaN, not the greedy tokens they approach.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;
-    ``temperature == 0`` means greedy decoding."""
+    ``temperature == 0`` (or below `GREEDY_TEMPERATURE`, which is taken as 0) means greedy decoding."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -30,6 +35,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # An empty stop string "matches" after the first token; no client means that, so it is no stop string.
         self.stop = [stop for stop in self.stop if stop]
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
 
 # Who paused an engine. An engine stays paused while any owner holds a pause, so a weight update (which pauses

@@ -16,7 +16,8 @@ freely. (The core keys each request's noise by its own seed and position, so mer
 there.)
 
 Aborts reach a request wherever it is: queued requests finish at once with ``"abort"`` and no
-tokens; requests inside the engine are aborted there.
+tokens; requests inside the engine are aborted there. A caller that is cancelled while it waits (its HTTP client
+went away) has its requests aborted: nobody waits for their tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class RequestBatcher:
         self._pending_ids: set[str] = set()  # queued, not yet inside the engine
         self._engine_ids: set[str] = set()  # inside the engine
         self._aborted_pending: set[str] = set()
+        self._aborts: set[asyncio.Task] = set()  # aborts of cancelled callers' requests, until they end
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -85,7 +87,16 @@ class RequestBatcher:
         job = _Job(list(requests), asyncio.get_running_loop().create_future())
         self._pending_ids.update(request.request_id for request in job.requests)
         self._queue.put_nowait(job)
-        return await job.future
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            # Nobody waits for these outputs any more (a client went away, a handler was cancelled by a graceful
+            # stop): the requests are aborted wherever they are, not decoded to their end. A task of its own: an
+            # await here would be cancelled too.
+            task = asyncio.get_running_loop().create_task(self.abort([r.request_id for r in job.requests]))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+            raise
 
     async def abort(self, request_ids: Sequence[str] | None) -> None:
         """Abort the named requests (None: every queued and running request)."""

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import gc
 import inspect
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -218,6 +219,7 @@ class CoreSettings:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
 
+_ENGINE_NUMBERS = itertools.count()
 CPU_KV_TOKENS = 65536
 CPU_KV_BYTES = 256 * 1024 * 1024
 
@@ -281,6 +283,7 @@ class EmbeddedEngine(InferenceEngine):
             **dict(model.named_parameters(remove_duplicate=False)),
         }
         self._weight_version = 0
+        self._number = next(_ENGINE_NUMBERS)
         self._decode_steps = 0
         self._pauses = PauseHolds()
         self._in_flight_ids: Counter[str] = Counter()
@@ -356,6 +359,10 @@ class EmbeddedEngine(InferenceEngine):
             raise ValueError(f"mem_fraction_static {settings.mem_fraction_static}: {free / 2**30:.1f} GiB free on "
                              f"{self.device} leave no room for a KV pool")
         return budget // token_bytes
+
+    def __repr__(self) -> str:
+        # What logs, the router's engine names and `relax health` show: readable, and distinct per engine.
+        return f"EmbeddedEngine({type(self.model).__name__} on {self.device}, #{self._number})"
 
     @property
     def weight_version(self) -> int:

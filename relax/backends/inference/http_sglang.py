@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -42,10 +43,17 @@ from relax.backends.inference.base import (
 )
 from relax.backends.routing_replay import decode_routes
 from relax.distributed.weight_disk import DiskPublisher, complete_versions, version_dir
+from relax.utils.urls import join_url, parse_http_url, redact_url, scrub, url_secrets
 
 logger = logging.getLogger(__name__)
 
 SEED_STRIDE = 1_000_003  # distinct seeds for requests that share one (see `distinct_seeds`)
+# One POST /generate carries at most this many sequences (a larger call is split into concurrent posts): well below
+# what relax serve takes per request (--max-sequences-per-request, 1024).
+MAX_SEQUENCES_PER_POST = 512
+# A server that is full answers 429 with Retry-After; the client waits that long (at most this) and retries, within
+# the request's timeout.
+MAX_RETRY_AFTER_S = 5.0
 
 
 class EngineHTTPError(RuntimeError):
@@ -111,16 +119,20 @@ class HTTPClient:
     name the URL and endpoint."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"engine address {base_url!r} must start with http:// or https://")
-        self.base_url = base_url.rstrip("/")
+        try:
+            parse_http_url(base_url)
+        except ValueError as error:
+            raise ValueError(f"engine address {redact_url(base_url)} {error}") from None
+        self._url = base_url.rstrip("/")  # credentials and query included: used to reach the server only
+        self.base_url = redact_url(self._url)  # what logs, errors and the engine's name show
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._secrets = url_secrets(self._url) + ([api_key] if api_key else [])  # never in an error message
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._http: httpx.AsyncClient | None = None  # created and used on the HTTP loop only
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None or self._http.is_closed:
-            self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self.timeout,
+            self._http = httpx.AsyncClient(headers=self._headers, timeout=self.timeout,
                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         return self._http
 
@@ -131,22 +143,29 @@ class HTTPClient:
 
     async def _request(self, method: str, endpoint: str, json: Any, timeout_s: float | None,
                        allow_404: bool) -> Any:
-        where = f"{self.base_url}{endpoint}"
+        where = join_url(self.base_url, endpoint)
         timeout = self.timeout if timeout_s is None else httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
-        try:
-            response = await self._client().request(method, endpoint, json=json, timeout=timeout)
-        except httpx.TimeoutException as error:
-            raise EngineUnavailableError(f"{method} {where}: timed out ({type(error).__name__})", self.base_url,
-                                         endpoint) from error
-        except httpx.TransportError as error:
-            raise EngineUnavailableError(f"{method} {where}: cannot reach the engine ({type(error).__name__}: "
-                                         f"{error})", self.base_url, endpoint) from error
+        deadline = time.monotonic() + (timeout.read if timeout_s is None else timeout_s)
+        while True:
+            try:
+                response = await self._client().request(method, join_url(self._url, endpoint), json=json,
+                                                        timeout=timeout)
+            except httpx.TimeoutException as error:
+                raise EngineUnavailableError(f"{method} {where}: timed out ({type(error).__name__})", self.base_url,
+                                             endpoint) from error
+            except httpx.TransportError as error:
+                raise EngineUnavailableError(f"{method} {where}: cannot reach the engine ({type(error).__name__}: "
+                                             f"{scrub(str(error), self._secrets)})", self.base_url, endpoint) from error
+            wait = _retry_after(response)
+            if wait is None or time.monotonic() + wait > deadline:
+                break
+            await asyncio.sleep(wait)  # the server is full for now (429): its requests in flight will finish
         if response.status_code == 404 and allow_404:
             return None
         if response.status_code >= 400:
             kind = EngineUnavailableError if response.status_code >= 500 else EngineHTTPError
-            raise kind(f"{method} {where}: HTTP {response.status_code}: {_error_message(response)}", self.base_url,
-                       endpoint, response.status_code)
+            raise kind(f"{method} {where}: HTTP {response.status_code}: {scrub(_error_message(response), self._secrets)}",
+                       self.base_url, endpoint, response.status_code)
         if not response.content:
             return None
         try:
@@ -154,13 +173,23 @@ class HTTPClient:
         except ValueError:
             if endpoint == "/health":
                 return None  # real SGLang answers /health with an empty or plain body
-            raise EngineHTTPError(f"{method} {where}: the answer is not JSON: {response.text[:200]!r}",
+            raise EngineHTTPError(f"{method} {where}: the answer is not JSON: {scrub(response.text[:200], self._secrets)!r}",
                                   self.base_url, endpoint, response.status_code) from None
 
     async def aclose(self) -> None:
         if self._http is not None:
             client, self._http = self._http, None
             await on_io_loop(client.aclose())
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds to wait before retrying a 429 (its Retry-After, bounded), else None."""
+    if response.status_code != 429:
+        return None
+    try:
+        return min(max(float(response.headers.get("retry-after", "1")), 0.0), MAX_RETRY_AFTER_S)
+    except ValueError:
+        return 1.0
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -241,6 +270,9 @@ class SGLangHTTPEngine(InferenceEngine):
                                           f"(request {request.request_id})")
         if not requests:
             return []
+        if len(requests) > MAX_SEQUENCES_PER_POST:  # a server bounds one request's sequences (relax serve: 1024)
+            chunks = [requests[i:i + MAX_SEQUENCES_PER_POST] for i in range(0, len(requests), MAX_SEQUENCES_PER_POST)]
+            return [output for chunk in await asyncio.gather(*(self.generate(c) for c in chunks)) for output in chunk]
         body = {"input_ids": [list(r.input_ids) for r in requests],
                 "sampling_params": [_sampling_body(r) for r in requests], "return_logprob": True,
                 "rid": [r.request_id for r in requests]}

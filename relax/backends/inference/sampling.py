@@ -15,6 +15,9 @@ import torch
 from relax.backends.inference.base import SamplingParams
 
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
 @dataclass
 class BatchSampling:
     """The sampling settings of one decode batch, as device tensors aligned with the batch rows.
@@ -47,8 +50,10 @@ class BatchSampling:
             is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
             # A top_k beyond int64 (or the vocabulary) filters nothing, like no top_k.
             top_k=torch.tensor([[min(p.top_k, no_top_k) if p.top_k > 0 else no_top_k] for p in params], device=device),
+            # A top_p below float32's smallest normal would round to 0 and drop every token: it keeps the first.
             top_p=torch.tensor(
-                [[p.top_p if p.top_p < 1 else float("inf")] for p in params], dtype=torch.float32, device=device
+                [[max(p.top_p, FLOAT32_TINY) if p.top_p < 1 else float("inf")] for p in params],
+                dtype=torch.float32, device=device,
             ),
             any_greedy=any(is_greedy),
             all_greedy=all(is_greedy),

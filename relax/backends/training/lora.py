@@ -10,6 +10,7 @@ audio encoders without adapters, ``vision`` adapts only the vision encoder, ``al
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -116,22 +117,63 @@ def _delta_weight(layer) -> torch.Tensor:
     return delta * layer.scaling[ADAPTER_NAME]
 
 
+FINGERPRINT_SAMPLES = 16  # chunks read from each weight file for `base_fingerprint`
+FINGERPRINT_CHUNK = 4096
+
+
+class BaseModelChangedError(ValueError):
+    """A LoRA checkpoint's base model is not the one its adapters were trained on."""
+
+
+def base_fingerprint(base_model: str | Path) -> str:
+    """What identifies a base model folder without reading all of it: its config.json, and for every safetensors
+    file its name, size, header (tensor names, shapes, offsets) and `FINGERPRINT_SAMPLES` chunks spread over its
+    data. Another model, or the same one changed in place, gives another fingerprint."""
+    folder = Path(base_model)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        offsets = [size * index // FINGERPRINT_SAMPLES for index in range(FINGERPRINT_SAMPLES)]
+        with open(file, "rb") as handle:
+            for offset in [*offsets, max(0, size - FINGERPRINT_CHUNK)]:  # the header, spread samples, the end
+                handle.seek(offset)
+                digest.update(handle.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()
+
+
 def write_metadata(root: Path, settings: LoraSettings, base_model: str | Path) -> None:
     payload = {**asdict(settings), "target_modules": list(settings.target_modules),
-               "base_model": str(Path(base_model).resolve())}
+               "base_model": str(Path(base_model).resolve()), "base_fingerprint": base_fingerprint(base_model)}
     staging = Path(root) / f"{METADATA_FILE}.partial"
     staging.write_text(json.dumps(payload, indent=2))
     staging.replace(Path(root) / METADATA_FILE)  # a kill mid-write leaves the previous one
 
 
-def read_metadata(root: Path) -> tuple[LoraSettings, Path] | None:
+def read_metadata(root: Path, base_model: str | Path | None = None) -> tuple[LoraSettings, Path] | None:
+    """The adapters' settings and base model of a LoRA run's checkpoints (None: not a LoRA run); raises
+    `BaseModelChangedError` when the base model (the recorded one, or ``base_model`` that a resumed run names) is
+    missing or is not the one the adapters were trained on."""
     path = Path(root) / METADATA_FILE
     if not path.is_file():
         return None
     payload = json.loads(path.read_text())
     base = Path(payload.pop("base_model"))
+    fingerprint = payload.pop("base_fingerprint", None)
     payload["target_modules"] = tuple(payload["target_modules"])
+    check_base_model(Path(base_model) if base_model is not None else base, fingerprint, path)
     return LoraSettings(**payload), base
+
+
+def check_base_model(base: Path, fingerprint: str | None, source: Path) -> None:
+    """``base`` is there and still the model of ``fingerprint`` (recorded in ``source``)."""
+    if not (base / "config.json").is_file():
+        raise BaseModelChangedError(f"{source} names the base model {base}, which is not there: the adapters "
+                                    "apply to that model only")
+    if fingerprint is not None and base_fingerprint(base) != fingerprint:
+        raise BaseModelChangedError(f"the base model {base} has changed since the adapters in {source.parent} "
+                                    "were trained on it (its config or weights differ): the adapters apply to "
+                                    "the model they were trained on")
 
 
 def save_adapter_folder(model: nn.Module, settings: LoraSettings, base_model: str | Path, output: Path) -> None:

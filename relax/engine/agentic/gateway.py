@@ -33,15 +33,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
 from relax.engine.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
-from relax.utils.http_server import EmbeddedServer
+from relax.utils.http_server import EmbeddedServer, HTTPLimits, client_gone, uvicorn_config
 
 logger = logging.getLogger("relax.agent_gateway")
 
@@ -358,6 +357,10 @@ class Session:
 
     async def abort(self) -> None:
         self.closed = True
+        await self.abort_turn()
+
+    async def abort_turn(self) -> None:
+        """Abort the turn being generated (its agent went away); the session stays open."""
         if self._in_flight is not None:
             await self.engine.abort([self._in_flight])
 
@@ -408,8 +411,10 @@ class AgentGateway:
 
     def __init__(self, tokenizer: Any, *, model_name: str = "relax-policy",
                  chat_template_kwargs: dict[str, Any] | None = None,
-                 split_tool_calls: Callable[[str], tuple[str, list[dict[str, Any]]]] | None = None) -> None:
+                 split_tool_calls: Callable[[str], tuple[str, list[dict[str, Any]]]] | None = None,
+                 http_limits: HTTPLimits | None = None) -> None:
         self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        self.http_limits = http_limits  # what one client may take (`relax.utils.http_server.HTTPLimits`)
         self.model_name = model_name
         self.split_tool_calls = split_tool_calls or openai_tool_calls(parse_hermes_tool_calls)
         self.sessions: dict[str, Session] = {}
@@ -429,7 +434,8 @@ class AgentGateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        self._server = EmbeddedServer(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        self._server = EmbeddedServer(uvicorn_config(self.app, self.http_limits, log_level="warning", access_log=False,
+                                                     lifespan="off"))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
         while not self._server.started:
@@ -500,11 +506,27 @@ class AgentGateway:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: AgentChatRequest, request: Request) -> Any:
             session = self._session_of(request)
-            if not body.stream:
-                return await session.run_turn(body)
-            return await _buffered_stream(session, body)
+            if body.stream:
+                return await _buffered_stream(session, body)
+            # An agent that goes away mid-turn (killed, timed out) leaves no one to read the turn: it is aborted
+            # (recorded as it stands, finish "abort"), not decoded to its end.
+            turn = asyncio.ensure_future(session.run_turn(body))
+            gone = asyncio.ensure_future(client_gone(request.receive))
+            try:
+                await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not turn.done():
+                    await session.abort_turn()
+            if not turn.done():
+                await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+                return Response(status_code=499)
+            return turn.result()
 
         return app
+
+
+_ABORTS: set[asyncio.Task] = set()  # aborts started from cancelled streams, kept until they end
 
 
 async def _buffered_stream(session: Session, body: AgentChatRequest) -> Any:
@@ -517,9 +539,15 @@ async def _buffered_stream(session: Session, body: AgentChatRequest) -> Any:
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def events() -> AsyncIterator[str]:
-        while not turn.done():
-            yield ": keep-alive\n\n"
-            await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+        try:
+            while not turn.done():
+                yield ": keep-alive\n\n"
+                await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+        finally:  # the agent went away mid-turn (the response was cancelled): the turn is aborted
+            if not turn.done():  # in a task of its own: an await here would be cancelled with the response
+                task = asyncio.get_running_loop().create_task(session.abort_turn())
+                _ABORTS.add(task)
+                task.add_done_callback(_ABORTS.discard)
         try:
             response = turn.result()
         except GatewayError as error:

@@ -9,9 +9,14 @@ Past it the sample gets 0.0, is counted in ``reward/num_timeouts`` and logged on
 Rule rewards that can compute without bound (``math``: math-verify's symbolic comparison, whose own
 time limit uses SIGALRM and so works only on a main thread) run in worker processes that are killed
 at the timeout. Other synchronous rewards run in threads, which cannot be killed: the rollout stops
-waiting for them and gives their slot to the next call. With ``--custom-rm-workers N`` a custom function runs in
-N worker processes instead (capped by ``--reward-worker-memory-mb``): one that crashes, leaks or hangs costs only
-its worker (killed or replaced) and the sample's reward (0, counted), never the trainer.
+waiting for them and gives their slot to the next call. ``async def`` rewards (and reward servers) run on an event
+loop of their own, in a thread: one that blocks (``time.sleep`` in an ``async def``) blocks that loop, not the
+rollout's, and is bounded by the timeout like the others; a loop that stays blocked is replaced. Abandoned threads
+are bounded too (`MAX_ABANDONED_THREADS`): past the bound a call fails at once, counted, with the advice to run the
+reward in processes. With ``--custom-rm-workers N`` a custom function runs in N worker processes instead (capped by
+``--reward-worker-memory-mb``): one that crashes, leaks or hangs costs only its worker (killed or replaced; one that
+ran out of its memory is replaced too, not left failing every later call) and the sample's reward (0, counted),
+never the trainer.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ from relax.engine.rewards.custom import load_custom_reward
 from relax.engine.rewards.registry import get_reward_fn
 
 DEFAULT_REWARD_TIMEOUT_S = 5.0
+# Reward threads still running past their timeout (they cannot be killed). Past this many, a call fails at once
+# instead of starting another thread that would pile up with them.
+MAX_ABANDONED_THREADS = 16
+# A --custom-rm-workers process that ran out of its --reward-worker-memory-mb ends itself with this code, so that
+# pebble replaces it (its memory may stay exhausted: every later call in it would fail).
+OUT_OF_MEMORY_EXIT = 75
+# How long the async rewards' loop may take to answer a ping after a timeout before it is taken as blocked.
+LOOP_PING_S = 1.0
 # Processes of the pool of isolated rule rewards; each imports math-verify and sympy once (about a second).
 MAX_REWARD_PROCESSES = 4
 
@@ -47,6 +60,10 @@ class RewardTimeoutError(TimeoutError):
 
 class RewardWorkerDiedError(RuntimeError):
     """The worker process of a reward call died (a crash, a kill) before it answered."""
+
+
+class RewardThreadsStuckError(RuntimeError):
+    """Too many reward calls are still running past the timeout in threads that cannot be killed."""
 
 logger = logging.getLogger("relax.rewards")
 
@@ -89,7 +106,8 @@ class RewardComputer:
                              "--rm-url to a reward server or --genrm-model-path to a judge model")
         if len(sources) > 1:
             raise ValueError(f"{' and '.join(sources)} both given; set one (a custom function can call "
-                             "get_reward_fn itself)")
+                             "get_reward_fn itself; a setting of a --config file is cleared with --<flag> none, "
+                             "e.g. --rm-type none)")
         if group_rm and custom_rm_path is None:
             raise ValueError("--group-rm scores whole groups and needs a --custom-rm-path function")
         if rm_type is not None:
@@ -117,6 +135,9 @@ class RewardComputer:
         self._max_workers = max_workers
         self._thread_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._processes = None  # the pebble.ProcessPool of isolated rule rewards, started on first use
+        self._abandoned: list[threading.Thread] = []  # reward threads past their timeout, possibly still running
+        self._async_loop: asyncio.AbstractEventLoop | None = None  # where async rewards run (`_on_reward_loop`)
+        self._async_loop_thread: threading.Thread | None = None
         self.error_counts: Counter[str] = Counter()  # "ExceptionType: message" -> failed samples, over the run
         self._errors_since_metrics = 0
         self._timeouts_since_metrics = 0
@@ -147,6 +168,22 @@ class RewardComputer:
                 pool.stop()
                 pool.join(timeout=10)
         self._processes = self._custom_processes = None
+        if self._async_loop is not None:
+            self._async_loop.call_soon_threadsafe(self._async_loop.stop)
+            self._async_loop = None
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Reward threads still running past their timeout."""
+        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        return len(self._abandoned)
+
+    def _check_thread_budget(self) -> None:
+        if self.abandoned_threads >= MAX_ABANDONED_THREADS:
+            raise RewardThreadsStuckError(
+                f"{MAX_ABANDONED_THREADS} reward calls are still running past --reward-timeout in threads that "
+                "cannot be stopped; this call is not started. Run the reward in processes that can be "
+                "(--custom-rm-workers N), or make it return in time")
 
     async def _score_sample(self, sample: Sample) -> None:
         try:
@@ -185,14 +222,37 @@ class RewardComputer:
 
     async def _call_custom_fn(self, sample_or_group: Sample | list[Sample]) -> Any:
         if self._custom_fn_is_async:
-            try:
-                return await asyncio.wait_for(self._custom_fn(self._args, sample_or_group), self.timeout_s)
-            except TimeoutError:
-                raise self._timeout_error() from None
+            return await self._on_reward_loop(self._custom_fn, self._args, sample_or_group)
         if self._custom_workers:
             return await self._in_process(_call_custom_reward, self._custom_spec, self._args, sample_or_group,
                                           pool=self._custom_pool())
         return await self._in_thread(self._custom_fn, self._args, sample_or_group)
+
+    async def _on_reward_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)`` on the async rewards' own loop (a thread), bounded by the timeout here: a reward
+        that blocks its loop cannot block the rollout's. After a timeout the loop is pinged; one that does not
+        answer is blocked for good and is replaced (its thread counts as abandoned)."""
+        self._check_thread_budget()
+        loop = self._reward_loop()
+        future = asyncio.run_coroutine_threadsafe(fn(*args), loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            if not await _answers(loop, LOOP_PING_S) and loop is self._async_loop:
+                self._abandoned.append(self._async_loop_thread)  # blocked for good: the next call starts a new loop
+                self._async_loop = None
+                logger.warning("an async reward blocks its event loop past --reward-timeout (a blocking call "
+                               "inside an async def?); its calls go to a new loop")
+            raise self._timeout_error() from None
+
+    def _reward_loop(self) -> asyncio.AbstractEventLoop:
+        if self._async_loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="relax-async-rewards", daemon=True)
+            thread.start()
+            self._async_loop, self._async_loop_thread = loop, thread
+        return self._async_loop
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on a thread of its own, at most ``max_workers`` at a time, bounded by the timeout from
@@ -216,10 +276,13 @@ class RewardComputer:
                 else:
                     deliver(functools.partial(result.set_result, value))
 
-            threading.Thread(target=call, name="relax-reward", daemon=True).start()
+            self._check_thread_budget()
+            thread = threading.Thread(target=call, name="relax-reward", daemon=True)
+            thread.start()
             try:
                 return await asyncio.wait_for(result, self.timeout_s)
             except TimeoutError:
+                self._abandoned.append(thread)
                 raise self._timeout_error() from None
 
     def _slots_of(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
@@ -237,6 +300,9 @@ class RewardComputer:
         except TimeoutError:
             raise self._timeout_error() from None
         except ProcessExpired as err:  # the worker died (a crash, the OOM killer): pebble starts another
+            if err.exitcode == OUT_OF_MEMORY_EXIT:
+                raise MemoryError(f"the reward ran out of its worker's memory (--reward-worker-memory-mb "
+                                  f"{self._worker_memory_mb}); a new worker takes its place") from None
             raise RewardWorkerDiedError(f"the reward's worker process died ({err}); a new one takes its place") \
                 from None
         except asyncio.CancelledError:
@@ -308,11 +374,26 @@ def _configure_custom_reward_process(memory_mb: int | None) -> None:
 
 
 def _call_custom_reward(spec: str, args: Any, sample_or_group: Any) -> Any:
-    """In a worker process: import the custom reward once (by its dotted path), then call it."""
+    """In a worker process: import the custom reward once (by its dotted path), then call it. A call that runs out
+    of the worker's memory ends the worker (`OUT_OF_MEMORY_EXIT`): what it leaked may keep every later call here
+    failing, and a fresh worker takes its place."""
     fn = _loaded_custom.get(spec)
     if fn is None:
         fn = _loaded_custom[spec] = load_custom_reward(spec)
-    return fn(args, sample_or_group)
+    try:
+        return fn(args, sample_or_group)
+    except MemoryError:
+        os._exit(OUT_OF_MEMORY_EXIT)
+
+
+async def _answers(loop: asyncio.AbstractEventLoop, timeout_s: float) -> bool:
+    """Whether ``loop`` (running in another thread) runs a callback within ``timeout_s``."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)),
+                               timeout_s)
+    except (TimeoutError, RuntimeError):
+        return False
+    return True
 
 
 def _checked_reward(value: Any) -> Reward:

@@ -3,6 +3,7 @@
 They differ in how much they forgive: ``math`` asks math-verify whether two expressions are
 equal (``1/2`` matches ``0.5``), ``gsm8k`` compares plain numbers, and ``dapo`` reproduces
 DAPO's normalized string match (and its -1 penalty) so results are comparable with DAPO runs.
+``math`` and ``gsm8k`` read common notations first and refuse hedged answers (`relax.engine.rewards.notation`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ from decimal import Decimal
 from typing import Any
 
 from relax.engine.rewards.boxed import boxed_or_whole, has_box, last_boxed_content, last_tag_content
+from relax.engine.rewards.notation import (
+    MINUS_SIGNS,
+    final_statement,
+    hedged,
+    normalize_notation,
+    scientific_to_latex,
+)
 from relax.engine.rewards.registry import register_reward
 
 # math-verify's limit for parsing and for comparing one pair of answers (its default), for direct calls on a main
 # thread. `RewardComputer`'s worker processes set it to None: there the kill at --reward-timeout bounds each call.
 MATH_VERIFY_TIMEOUT_S: int | None = 5
 
-# Characters that mean "minus" in model output; a number reader that skips them loses the sign ("−3" read as 3).
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 _PERCENT = re.compile(r"\\?%\s*$")
 
 
@@ -61,36 +67,66 @@ def _extract_boxed_math_answer(response: str) -> str | None:
 def grade_math(answer: str, label: Any, metadata: dict[str, Any]) -> float:
     """1.0 if ``answer`` (math-verify input, see `extract_math_answer`) equals the label symbolically, else 0.0.
 
-    A label math-verify cannot read raises: that is a data error, not a wrong answer.
+    Notations are made plain first (`normalize_notation`). A hedge scores 0 where the label is one value: a boxed
+    answer's "or" / ``\\lor`` candidates become a set, which math-verify compares with the label as a set (so a
+    set label is still matched by the same set); a free-text answer whose final statement hedges, and any answer
+    equating two different numbers, score 0. A label math-verify cannot read raises: that is a data error, not a
+    wrong answer.
     """
     # Imported here: math-verify pulls in sympy (about a second), which runs without the math reward need not pay.
     from math_verify import parse, verify
 
     timeout_s = _math_verify_timeout_s()
-    gold_text = _PERCENT.sub("", str(label).strip())
+    gold_text = _PERCENT.sub("", scientific_to_latex(normalize_notation(str(label).strip())))
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"  # math-verify reads bare LaTeX such as x^2+1 only inside math delimiters
     gold = parse(gold_text, parsing_timeout=timeout_s)
     if not gold:
         raise ValueError(f"math-verify cannot parse the label {str(label)!r}")
+    answer = scientific_to_latex(normalize_notation(answer))
+    if has_box(answer):
+        answer = _LOGICAL_OR.sub(r"\\text{ or }", answer)  # math-verify keeps only the last of "3 \lor 4"
+        if hedged(_strip_or(answer)):  # an equation between two different numbers
+            return 0.0
+    else:
+        statement = final_statement(answer)
+        if statement is not None and hedged(statement) and _one_value(gold):
+            return 0.0
     parsed = parse(answer, parsing_timeout=timeout_s)
     if not parsed:
         return 0.0
     return 1.0 if verify(gold, parsed, timeout_seconds=timeout_s) else 0.0
 
 
+_LOGICAL_OR = re.compile(r"\\lor\b|\\vee\b|∨")
+_OR_WORDS = re.compile(r"\\text\{\s*or\s*\}|\bor\b")
+
+
+def _strip_or(text: str) -> str:
+    """``text`` without its "or" words: math-verify reads them as a set, which it grades as a set."""
+    return _OR_WORDS.sub(",", text)
+
+
+def _one_value(gold: list) -> bool:
+    """The label is one value, not a set, tuple or interval of them."""
+    import sympy
+
+    return not any(isinstance(item, (sympy.Set, sympy.Tuple, tuple, list, set)) for item in gold[:1])
+
+
 GSM8K_ANSWER_MARKER = "####"
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number: digits with thousands commas (groups of three only: "1,2" is two numbers) or without, decimals.
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 
 
 def _numbers(text: str) -> list[Decimal]:
-    """Numbers in ``text``, thousands separators removed ("$1,200.50" gives 1200.50); a Unicode minus
-    (U+2212 and its look-alikes) is a minus."""
-    return [Decimal(match.replace(",", "")) for match in _NUMBER.findall(text.translate(_MINUS_SIGNS))]
+    """Numbers in ``text``, thousands separators removed ("$1,200.50" gives 1200.50, "12\\,345" 12345); a Unicode
+    minus (U+2212 and its look-alikes) is a minus."""
+    return [Decimal(match.replace(",", "")) for match in _NUMBER.findall(normalize_notation(text))]
 
 
-def _gsm8k_answer(text: str) -> Decimal | None:
-    """The first number after the last ``####`` (GSM8K's answer line), else the last number."""
+def _gsm8k_label(text: str) -> Decimal | None:
+    """The label's number: the first after the last ``####`` (GSM8K's answer line), else the last one."""
     if GSM8K_ANSWER_MARKER in text:
         after_marker = _numbers(text.rsplit(GSM8K_ANSWER_MARKER, 1)[1])
         return after_marker[0] if after_marker else None
@@ -98,18 +134,33 @@ def _gsm8k_answer(text: str) -> Decimal | None:
     return numbers[-1] if numbers else None
 
 
+def gsm8k_response_answer(text: str) -> Decimal | None:
+    """A response's final answer as one number, or None when it does not give exactly one: the text after the last
+    ``####``, else the final statement (`final_statement`) from its last "=" on; a hedge (``3 or 4``, ``\\pm 3``,
+    ``3 = 4``) or several numbers there (``(1, 2)``, ``[0, 1)``, ``0/0``) are no single answer."""
+    text = normalize_notation(text)
+    if GSM8K_ANSWER_MARKER in text:
+        region = text.rsplit(GSM8K_ANSWER_MARKER, 1)[1]
+    else:
+        region = final_statement(text) or ""
+    if hedged(region):
+        return None
+    numbers = _numbers(region.rsplit("=", 1)[-1])
+    return numbers[0] if len(numbers) == 1 else None
+
+
 @register_reward("gsm8k", extract=boxed_or_whole)
 def grade_gsm8k(answer: str, label: Any, metadata: dict[str, Any]) -> float:
-    """1.0 if the answer's number (after the last ``####``, else the last one) equals the label's, else 0.0.
+    """1.0 if the response's final answer is one number equal to the label's, else 0.0 (`gsm8k_response_answer`).
     The answer is the last box's content when the response has a box (none if it was cut off inside it).
 
     The label may be the bare answer or a full GSM8K solution ending in ``#### N``. Decimal
     comparison makes "18" equal "18.00" without float rounding.
     """
-    expected = _gsm8k_answer(str(label))
+    expected = _gsm8k_label(str(label))
     if expected is None:
         raise ValueError(f"the gsm8k label has no number: {str(label)!r}")
-    return 1.0 if _gsm8k_answer(answer) == expected else 0.0
+    return 1.0 if gsm8k_response_answer(answer) == expected else 0.0
 
 
 # DAPO grades only the tail of a response: the longest MATH-500 answer is 159 characters.
@@ -142,7 +193,7 @@ _DAPO_UNWRAPPINGS = (
 def normalize_dapo_answer(answer: str) -> str:
     """Minerva/DAPO normalization: keep the right-hand side of an equation, drop spaces, units
     and text wrappers, expand shorthand TeX and thousands separators ("1,000" becomes "1000")."""
-    answer = answer.translate(_MINUS_SIGNS).split("=")[-1]
+    answer = answer.translate(MINUS_SIGNS).split("=")[-1]  # only this: DAPO's own match, comparable with DAPO runs
     for before, after in _DAPO_SUBSTITUTIONS:
         answer = answer.replace(before, after)
     for expression in _DAPO_REMOVED_EXPRESSIONS:

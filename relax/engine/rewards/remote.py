@@ -5,7 +5,8 @@ A reward server is a network service, and such services fail for a moment: a ref
 timeout, a 5xx or a 429 is retried with exponential backoff (0.5 s, doubling, at most 30 s between attempts, at
 most 10 attempts, upstream's numbers), inside the one bound of ``--reward-timeout`` that every reward call has
 (`RewardComputer`). Any other 4xx is the request's fault and is not retried. The URL may carry a token (a query
-parameter, ``user:password@``): errors and logs name the server by scheme, host, port and path only.
+parameter, ``user:password@``): errors and logs show it redacted (`relax.utils.urls`), and a server's answer quoted
+in an error has every URL and every secret of the URL scrubbed from it (a server may echo its request).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import math
 import numbers
 import weakref
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
+
+from relax.utils.urls import parse_http_url, redact_url, scrub, url_secrets
 
 logger = logging.getLogger("relax.rewards")
 
@@ -33,24 +35,20 @@ class RemoteRewardError(RuntimeError):
     """The reward server refused the request or answered something that is not a reward."""
 
 
-def public_url(url: str) -> str:
-    """``url`` without credentials and query: what logs and errors may show."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
-
-
 class RemoteReward:
     """``await reward(args, sample) -> float`` against a reward server; `pop_metrics` gives the attempts retried
     since its last call (``reward/remote_retries``)."""
 
     def __init__(self, url: str, *, max_attempts: int = MAX_ATTEMPTS, first_backoff_s: float = FIRST_BACKOFF_S,
                  max_backoff_s: float = MAX_BACKOFF_S, request_timeout_s: float = 60.0) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--rm-url {public_url(url)!r}: expected an http(s) URL of a reward server")
+        try:
+            parse_http_url(url)
+        except ValueError as error:
+            raise ValueError(f"--rm-url {redact_url(url)}: {error}; expected the http(s) URL of a reward "
+                             "server") from None
         self.url = url
-        self.name = public_url(url)
+        self.name = redact_url(url)
+        self._secrets = url_secrets(url)
         self.max_attempts = max_attempts
         self.first_backoff_s = first_backoff_s
         self.max_backoff_s = max_backoff_s
@@ -76,7 +74,7 @@ class RemoteReward:
                     return self._reward_of(answer)
                 if answer.status_code not in RETRY_STATUS:
                     raise RemoteRewardError(f"reward server {self.name} answered {answer.status_code}: "
-                                            f"{answer.text[:200]}")
+                                            f"{scrub(answer.text[:200], self._secrets)}")
                 problem = f"HTTP {answer.status_code}"
             if attempt == self.max_attempts:
                 raise RemoteRewardError(f"reward server {self.name} failed {attempt} times (last: {problem})")
@@ -98,9 +96,11 @@ class RemoteReward:
         try:
             body = answer.json()
         except ValueError:
-            raise RemoteRewardError(f"reward server {self.name} answered no JSON: {answer.text[:200]!r}") from None
+            raise RemoteRewardError(f"reward server {self.name} answered no JSON: "
+                                    f"{scrub(answer.text[:200], self._secrets)!r}") from None
         value = body.get("reward", body.get("score")) if isinstance(body, dict) else body
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RemoteRewardError(f"reward server {self.name} answered {str(body)[:200]}: expected a number, or "
+            raise RemoteRewardError(f"reward server {self.name} answered {scrub(str(body)[:200], self._secrets)}: "
+                                    "expected a number, or "
                                     "an object with a numeric \"reward\" or \"score\"")
         return float(value)
