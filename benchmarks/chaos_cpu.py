@@ -19,7 +19,7 @@ SIGSTOPped, and the run's own process SIGKILLed, five faults) and ``ray_engines`
 the rollout role in its Ray process: each engine killed or stopped, and the rollout role killed, four faults). For an engine the pid comes from its /health,
 detection is the first warning naming it, and recovery the next step after the run logged its relaunch.
 
-`tests/test_chaos.py` runs the same machinery on a tiny model and also compares every metric with an
+`tests/e2e/test_chaos.py` runs the same machinery on a tiny model and also compares every metric with an
 uninterrupted run's.
 """
 
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "chaos_cpu.json"
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 
-# The process behind each fault target, as `relax.core.health` names it in health.json ("run": the run's own pid).
+# The process behind each fault target, as `relax.core.state.health` names it in health.json ("run": the run's own pid).
 # A target "http://127.0.0.1:PORT" is a rollout engine the run started (--rollout-engine-protocol relax): its pid
 # is the one its /health reports.
 TARGETS = {"rollout": "rollout", "actor": "actor", "storage": "TransferQueue storage unit TransferQueueStorageUnit#0",
@@ -145,7 +145,7 @@ def run_with_faults(command: list[str], run_dir: Path, faults: list[Fault], time
 
     With ``hold`` (a file path, passed to the run as $RELAX_CHAOS_HOLD), the file exists while the run must not
     move on: while the next fault is due but not sent yet, and while a detected engine fault waits for its
-    relaunch. A reward that waits while it exists (tests.e2e_rewards:digit_fraction_held) then keeps every fault
+    relaunch. A reward that waits while it exists (tests.support.e2e_rewards:digit_fraction_held) then keeps every fault
     inside the run however slowly a loaded machine relaunches an engine; detection is never held back (the hold
     starts only after the fault is detected, so the run's traffic still reaches the dead or stopped engine)."""
     started = time.time()

@@ -18,7 +18,8 @@ import triton
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
-from relax.backends.inference.core import triton_attention, triton_ops, triton_sampling
+from relax.backends.inference import triton_sampling
+from relax.backends.inference.engine_core import triton_attention, triton_ops
 
 
 def median_ms(fn, warmup: int = 10, repeat: int = 50) -> float:

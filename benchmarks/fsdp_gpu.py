@@ -31,9 +31,11 @@ import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY
-from relax.algorithms.loss import PolicyLossSettings, build_policy_loss_fn
+from relax.algorithms.loss import build_policy_loss_fn
+from relax.algorithms.policy_loss import PolicyLossSettings
 from relax.backends.training.base import TrainBatch
-from relax.backends.training.fsdp import FSDPTrainBackend, TrainSettings
+from relax.backends.training.fsdp import FSDPTrainBackend
+from relax.backends.training.settings import TrainSettings
 from relax.distributed.process_group import free_loopback_port
 
 RESULTS = Path(__file__).resolve().parent / "results"

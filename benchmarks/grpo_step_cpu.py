@@ -101,8 +101,9 @@ def run_relax(args: argparse.Namespace, run_dir: Path) -> dict:
 
     from relax.config import RelaxConfig
     from relax.core.build import build_roles
-    from relax.core.controller import SyncController
-    from relax.utils.tracking import Tracker
+    from relax.core.loops.sync import SyncController
+    from relax.core.placement.in_process import InProcessPlacement
+    from relax.telemetry.tracking import Tracker
 
     steps = args.warmup + args.steps
     cfg = RelaxConfig(
@@ -130,7 +131,7 @@ def run_relax(args: argparse.Namespace, run_dir: Path) -> dict:
     roles.rollout.generate = recording_generate
     clock, rewards, phases = StepClock(), [], []
     with Tracker(run_dir, use_tensorboard=False) as tracker:
-        controller = SyncController(cfg, roles, tracker)
+        controller = SyncController(cfg, InProcessPlacement(cfg, roles), tracker)
         setup_s = time.perf_counter() - setup_started
 
         async def loop() -> None:  # SyncController.run's loop, without eval and checkpoints

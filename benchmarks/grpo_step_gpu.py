@@ -31,8 +31,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from relax.config import RelaxConfig
 from relax.core.build import build_roles
-from relax.core.controller import SyncController
-from relax.utils.tracking import Tracker
+from relax.core.loops.sync import SyncController
+from relax.core.placement.in_process import InProcessPlacement
+from relax.telemetry.tracking import Tracker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -195,7 +196,7 @@ def main() -> None:
         )
         roles = build_roles(cfg)
         roles.rollout.sampling = replace(roles.rollout.sampling, ignore_eos=True)
-        controller = SyncController(cfg, roles, Tracker(root / "run", use_tensorboard=False))
+        controller = SyncController(cfg, InProcessPlacement(cfg, roles), Tracker(root / "run", use_tensorboard=False))
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         steps = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from relax.utils.tracking import read_metrics
+from relax.telemetry.metrics_file import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # rank 16 on every linear layer; LoRA takes a learning rate about ten times full fine-tuning's

@@ -24,8 +24,8 @@ import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from benchmarks.train_gpu import DEFAULT_BUDGET, SHAPES, rl_batch, run_variant
-from relax.backends.training.fsdp import TrainSettings
 from relax.backends.training.lora import LoraSettings
+from relax.backends.training.settings import TrainSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -8,7 +8,7 @@ took. Afterwards the server must have nothing in flight.
     python benchmarks/serve_load_cpu.py     # the quickstart model on `relax serve`'s defaults (a subprocess)
 
 Prints the longest and the 99th-percentile `/health` time beside the one-second target (issue 28), and writes
-`benchmarks/results/serve_load_cpu.json`. `tests/test_server_limits.py` runs `run_load` against an in-thread server
+`benchmarks/results/serve_load_cpu.json`. `tests/serving/test_server_limits.py` runs `run_load` against an in-thread server
 and asserts only that every probe was answered and nothing stayed in flight (no timing in tests).
 """
 

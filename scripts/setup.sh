@@ -41,6 +41,7 @@ case ",$extras," in
   *,test,*|*,ray,*) python -c "import ray, transfer_queue" >> "$log" 2>&1 || fail "import ray, transfer_queue (the ray extra)" ;;
 esac
 case ",$extras," in
-  *,test,*) python -c "import pytest, xdist, schemathesis" >> "$log" 2>&1 || fail "import pytest, xdist, schemathesis (the test extra)" ;;
+  *,test,*) python -c "import pytest, xdist, schemathesis, importlinter" >> "$log" 2>&1 \
+              || fail "import pytest, xdist, schemathesis, importlinter (the test extra)" ;;
 esac
 echo "setup: done ($(relax --version); pip's output in $log)" >&2

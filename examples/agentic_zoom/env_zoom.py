@@ -29,8 +29,8 @@ from PIL import Image
 from relax.data.multimodal.image import to_rgb
 from relax.data.multimodal.media import load_image
 from relax.data.sample import Sample
-from relax.engine.agentic.env import BaseInteractionEnv, Message, Observation
-from relax.engine.agentic.tool_parser import ParsedMessage, parse_hermes_tool_calls, tool_results_message
+from relax.rollout.agentic.env import BaseInteractionEnv, Message, Observation
+from relax.rollout.agentic.tool_parser import ParsedMessage, parse_hermes_tool_calls, tool_results_message
 
 TOOL_NAME = "image_zoom_in_tool"
 GRID = 1000            # bbox coordinates are on a 0-GRID normalized grid

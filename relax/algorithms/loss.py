@@ -17,14 +17,10 @@ from relax.algorithms.distillation import opd_token_kl
 from relax.algorithms.gae import compute_value_loss
 from relax.algorithms.kl import compute_approx_kl
 from relax.algorithms.policy_loss import (
-    M2POTerms,
+    POLICY_LOSSES,
+    PolicyLoss,
+    PolicyLossSettings,
     PolicyLossTerms,
-    compute_cispo_loss,
-    compute_gspo_loss,
-    compute_m2po_loss,
-    compute_ppo_clip_loss,
-    compute_rloo_loss,
-    compute_sapo_loss,
     compute_tis_weights,
 )
 
@@ -47,58 +43,17 @@ class MicroBatchTensors:
 LossFn = Callable[[MicroBatchTensors, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-@dataclass(frozen=True)
-class PolicyLossSettings:
-    policy_loss: str
-    eps_clip: float
-    eps_clip_high: float
-    eps_clip_c: float | None
-    aggregation: LossAggregation
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    entropy_coef: float = 0.0
-    use_kl_loss: bool = False
-    max_response_len: int | None = None  # the constant of seq-mean-token-sum-norm
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    m2po_kl2_budget: float = 0.01
-    m2po_miniclip_low: float = 0.3
-    m2po_miniclip_high: float = 0.5
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    opd_loss_coef: float = 0.0  # on-policy distillation in loss mode (relax.algorithms.distillation)
-    opd_kl_type: str = "reverse_kl"
-    opd_norm_mode: str = "tail"
-
-
-# (settings, log_probs, old_log_probs, advantages, mask) -> per-token terms, all [B, T]
-PolicyLoss = Callable[
-    [PolicyLossSettings, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], PolicyLossTerms
-]
-
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "ppo_clip": lambda s, lp, old, adv, mask: compute_ppo_clip_loss(
-        lp, old, adv, s.eps_clip, s.eps_clip_high, s.eps_clip_c),
-    "gspo": lambda s, lp, old, adv, mask: compute_gspo_loss(lp, old, adv, mask, s.eps_clip, s.eps_clip_high),
-    "sapo": lambda s, lp, old, adv, mask: compute_sapo_loss(lp, old, adv, s.sapo_tau_pos, s.sapo_tau_neg),
-    "cispo": lambda s, lp, old, adv, mask: compute_cispo_loss(lp, old, adv, s.eps_clip, s.eps_clip_high),
-    "rloo": lambda s, lp, old, adv, mask: compute_rloo_loss(lp, old, adv),
-    "m2po": lambda s, lp, old, adv, mask: compute_m2po_loss(
-        lp, old, adv, mask, s.m2po_kl2_budget, s.m2po_miniclip_low, s.m2po_miniclip_high),
-}
-
-
-def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
-    """The loss function the trainer calls on each micro-batch.
+def build_policy_loss_fn(settings: PolicyLossSettings, custom: PolicyLoss | None = None) -> LossFn:
+    """The loss function the trainer calls on each micro-batch, around the policy loss ``settings.policy_loss``
+    names (`POLICY_LOSSES`), or ``custom`` (``--custom-policy-loss-function-path``) in its place.
 
     Fields read from the micro-batch: ``advantages`` (required), ``old_log_probs`` (when absent the
     update is on-policy and the detached current log-probs stand in, so the ratio is exactly 1),
     ``ref_log_probs`` (required with the KL loss), ``rollout_log_probs`` (required with TIS).
     """
-    if settings.policy_loss not in POLICY_LOSSES:
+    if custom is None and settings.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {settings.policy_loss!r}; known: {sorted(POLICY_LOSSES)}")
-    policy_loss = POLICY_LOSSES[settings.policy_loss]
+    policy_loss = custom or POLICY_LOSSES[settings.policy_loss]
 
     def loss_fn(mb: MicroBatchTensors, log_probs: torch.Tensor, entropy: torch.Tensor):
         def agg(values: torch.Tensor) -> torch.Tensor:
@@ -107,6 +62,9 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
 
         old_log_probs = mb.fields.get("old_log_probs", log_probs.detach())
         terms = policy_loss(settings, log_probs, old_log_probs, mb.fields["advantages"], mb.mask)
+        if not isinstance(terms, PolicyLossTerms):
+            raise TypeError(f"the policy loss returned {type(terms).__name__}, not PolicyLossTerms "
+                            "(relax.algorithms.policy_loss)")
         token_loss = terms.loss
         metrics = {}
         if settings.use_tis:
@@ -119,14 +77,11 @@ def build_policy_loss_fn(settings: PolicyLossSettings) -> LossFn:
             metrics["tis_mismatch_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k1"))
             metrics["tis_mismatch_k3_kl"] = agg(compute_approx_kl(mb.fields["rollout_log_probs"], old_log_probs, "k3"))
             metrics["tis_mismatch_abs"] = agg((old_log_probs - mb.fields["rollout_log_probs"]).abs())
-        if isinstance(terms, M2POTerms):
-            # Micro-batch scalars, weighted by the micro-batch's share of the step's samples so that
-            # their sum over micro-batches (what the trainer logs) is the step's mean.
-            share = log_probs.shape[0] / max(mb.global_num_samples, 1)
-            metrics["m2po_eps_low"] = torch.tensor(terms.eps_low * share)
-            metrics["m2po_eps_high"] = torch.tensor(terms.eps_high * share)
-            metrics["ppo_kl_m2_before"] = torch.tensor(terms.m2_before * share)
-            metrics["ppo_kl_m2_after"] = torch.tensor(terms.m2_after * share)
+        # The loss's own micro-batch scalars, weighted by the micro-batch's share of the step's samples so that
+        # their sum over micro-batches (what the trainer logs) is the step's mean.
+        share = log_probs.shape[0] / max(mb.global_num_samples, 1)
+        for name, value in terms.sample_mean_metrics().items():
+            metrics[name] = torch.tensor(value * share)
         pg_loss = agg(token_loss)
         loss = pg_loss
         metrics.update({

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from relax.algorithms.aggregation import LossAggregation
 
 # Bounds on the log importance ratio before it is exponentiated. One token whose log-prob moved by 25 nats (a
 # near-zero probability under the old policy) would otherwise give exp(25)·|A| = 7e10 of loss, and 100 nats an
@@ -30,6 +32,52 @@ class PolicyLossTerms:
     def __post_init__(self) -> None:
         if self.ratio_clamped is None:
             self.ratio_clamped = torch.zeros_like(self.loss)
+
+    def sample_mean_metrics(self) -> dict[str, float]:
+        """A loss's own scalars of this micro-batch (M2PO's adaptive band, say), logged as their mean over the
+        step's samples. None by default."""
+        return {}
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    policy_loss: str
+    eps_clip: float
+    eps_clip_high: float
+    eps_clip_c: float | None
+    aggregation: LossAggregation
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    max_response_len: int | None = None  # the constant of seq-mean-token-sum-norm
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    m2po_kl2_budget: float = 0.01
+    m2po_miniclip_low: float = 0.3
+    m2po_miniclip_high: float = 0.5
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    opd_loss_coef: float = 0.0  # on-policy distillation in loss mode (relax.algorithms.distillation)
+    opd_kl_type: str = "reverse_kl"
+    opd_norm_mode: str = "tail"
+
+
+# (settings, log_probs, old_log_probs, advantages, mask) -> per-token terms, all [B, T]
+PolicyLoss = Callable[[PolicyLossSettings, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], PolicyLossTerms]
+
+# The policy losses by name (`AlgorithmSpec.policy_loss`), each registered beside its definition below.
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def registered_as(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a policy loss under ``name``."""
+    def register(loss: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = loss
+        return loss
+
+    return register
 
 
 def bounded_log_ratio(log_ratio: torch.Tensor, bound: float = MAX_TOKEN_LOG_RATIO) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +106,12 @@ def compute_ppo_clip_loss(
     log_ratio, ratio_clamped = bounded_log_ratio(-ppo_kl)
     loss, clipped = _ppo_clip(torch.exp(log_ratio), advantages, eps_clip, eps_clip_high, eps_clip_c)
     return PolicyLossTerms(loss=loss, clipped=clipped, ppo_kl=ppo_kl, ratio_clamped=ratio_clamped)
+
+
+
+@registered_as("ppo_clip")
+def _ppo_clip_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_ppo_clip_loss(lp, old, adv, s.eps_clip, s.eps_clip_high, s.eps_clip_c)
 
 
 def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float,
@@ -95,6 +149,12 @@ def compute_gspo_loss(
     return PolicyLossTerms(loss=loss, clipped=clipped, ppo_kl=seq_ppo_kl, ratio_clamped=ratio_clamped)
 
 
+
+@registered_as("gspo")
+def _gspo_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_gspo_loss(lp, old, adv, mask, s.eps_clip, s.eps_clip_high)
+
+
 def compute_sapo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float
 ) -> PolicyLossTerms:
@@ -113,6 +173,12 @@ def compute_sapo_loss(
     loss = -(4.0 / tau) * p * advantages
     return PolicyLossTerms(loss=loss, clipped=(4 * p * (1 - p) < 0.9).float(), ppo_kl=ppo_kl,
                            ratio_clamped=ratio_clamped)
+
+
+
+@registered_as("sapo")
+def _sapo_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_sapo_loss(lp, old, adv, s.sapo_tau_pos, s.sapo_tau_neg)
 
 
 def compute_cispo_loss(
@@ -134,6 +200,12 @@ def compute_cispo_loss(
     return PolicyLossTerms(loss=loss, clipped=(coef != ratio).float(), ppo_kl=ppo_kl, ratio_clamped=ratio_clamped)
 
 
+
+@registered_as("cispo")
+def _cispo_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_cispo_loss(lp, old, adv, s.eps_clip, s.eps_clip_high)
+
+
 def compute_rloo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor
 ) -> PolicyLossTerms:
@@ -141,6 +213,12 @@ def compute_rloo_loss(
     return PolicyLossTerms(
         loss=-advantages.detach() * log_probs, clipped=torch.zeros_like(log_probs), ppo_kl=old_log_probs - log_probs
     )
+
+
+
+@registered_as("rloo")
+def _rloo_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_rloo_loss(lp, old, adv)
 
 
 def water_fill_cap(values: torch.Tensor, total: float) -> float:
@@ -168,6 +246,10 @@ class M2POTerms(PolicyLossTerms):
     eps_high: float = 0.0
     m2_before: float = 0.0
     m2_after: float = 0.0
+
+    def sample_mean_metrics(self) -> dict[str, float]:
+        return {"m2po_eps_low": self.eps_low, "m2po_eps_high": self.eps_high, "ppo_kl_m2_before": self.m2_before,
+                "ppo_kl_m2_after": self.m2_after}
 
 
 def compute_m2po_loss(
@@ -200,6 +282,12 @@ def compute_m2po_loss(
     terms = compute_ppo_clip_loss(log_probs, old_log_probs, advantages, eps_low, eps_high)
     return M2POTerms(loss=terms.loss, clipped=terms.clipped, ppo_kl=terms.ppo_kl, ratio_clamped=terms.ratio_clamped,
                      eps_low=eps_low, eps_high=eps_high, m2_before=m2_before, m2_after=m2_after)
+
+
+
+@registered_as("m2po")
+def _m2po_policy_loss(s: PolicyLossSettings, lp, old, adv, mask) -> PolicyLossTerms:
+    return compute_m2po_loss(lp, old, adv, mask, s.m2po_kl2_budget, s.m2po_miniclip_low, s.m2po_miniclip_high)
 
 
 @dataclass

@@ -37,6 +37,9 @@ class AlgorithmSpec:
     uses_reward_kl: bool = False  # the reward carries -kl_coef·KL (--kl-coef)
     requires_on_policy_updates: bool = False  # one optimizer step per rollout
     needs_critic: bool = False
+    # A group's advantages depend on that group alone, so they may be computed group by group as groups arrive
+    # (the streaming advantages of --fully-async); whitening, a critic or a KL in the reward make them step-wide.
+    group_local: bool = True
     paper: str = ""
 
     def compute_advantages(self, inputs: AdvantageInputs) -> list[torch.Tensor]:

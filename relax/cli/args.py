@@ -243,7 +243,7 @@ def render_config_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `relax/config.py` by `relax config-docs`; do not edit by hand.",
+        "Generated from `relax/config/` by `relax config-docs`; do not edit by hand.",
         "Every setting can be given in the YAML file of `--config` (as `name: value`) or as a flag;",
         "flags override the file.",
         "",

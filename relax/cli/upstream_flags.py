@@ -3,7 +3,7 @@
 Upstream's recipe scripts carry three kinds of flags: Relax's own (most of them are Relax's too, same names and
 meaning), Megatron-LM's (model parallelism, recomputation, precision, the model's shape) and SGLang's (``--sglang-*``).
 A flag of a script that Relax does not have is refused, never ignored: `explain` says why and names the Relax
-setting that does the job, so a user bringing a script knows what changes. `tests/test_upstream_recipes.py` feeds
+setting that does the job, so a user bringing a script knows what changes. `tests/cli/test_upstream_recipes.py` feeds
 the flags of upstream's text, vision-language and omni recipes through `relax train`'s parser.
 """
 
@@ -85,6 +85,9 @@ UPSTREAM_ONLY: dict[str, str] = {
                                  "to set",
     **dict.fromkeys(("--use-opsm", "--opsm-delta", "--use-unbiased-kl", "--custom-tis-function-path",
                      "--rm-type-fallback", "--rm-type-infer"), _NOT_BUILT),
+    "--custom-loss-function-path": "use --custom-policy-loss-function-path (the policy term; TIS, the KL loss and the "
+                                   "entropy bonus stay) or --custom-advantage-function-path (docs/algorithms.md)",
+    "--custom-pg-loss-reducer-function-path": "--loss-agg-mode names the reduction (four modes, docs/algorithms.md)",
     "--normalize-advantages": "group estimators normalise within each group; --disable-grpo-std-normalization "
                               "turns the std off",
     "--disable-rewards-normalization": "use --disable-grpo-std-normalization (Dr.GRPO), or an estimator without "

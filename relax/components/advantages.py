@@ -65,7 +65,7 @@ class Advantages:
     def result_of(self, samples: list[Sample], advantages: list[torch.Tensor],
                   masks: list[torch.Tensor] | None = None) -> AdvantageResult:
         """The result (and its metrics) of advantages computed elsewhere: group by group as the groups arrived
-        (relax.core.streaming_roles), which for group-local estimators equals computing them over the step."""
+        (relax.core.streaming.roles), which for group-local estimators equals computing them over the step."""
         return AdvantageResult(advantages, None, {"train/advantage_abs_mean": mean_of(
             advantage_abs_means(samples, advantages, masks))})
 

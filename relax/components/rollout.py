@@ -14,13 +14,13 @@ import torch
 from relax.backends.inference.base import InferenceEngine, SamplingParams
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane.base import split_into_groups
-from relax.engine.agentic.multi_turn import STATUS_OF_STOP_REASON
-from relax.engine.filters.dynamic_sampling import apply_filter
-from relax.engine.rewards.compute import RewardComputer
-from relax.engine.rollout.context import PerSampleGeneration
-from relax.engine.rollout.data_source import PromptDataSource
-from relax.engine.rollout.generate import expand_groups, generate_samples
-from relax.engine.rollout.multimodal import MultimodalPreparer
+from relax.rollout.agentic.multi_turn import STATUS_OF_STOP_REASON
+from relax.rollout.filters.dynamic_sampling import apply_filter
+from relax.rollout.generation.context import PerSampleGeneration
+from relax.rollout.generation.data_source import PromptDataSource
+from relax.rollout.generation.generate import expand_groups, generate_samples
+from relax.rollout.generation.multimodal import MultimodalPreparer
+from relax.rollout.rewards.compute import RewardComputer
 from relax.utils.aio import cancel_and_wait
 
 logger = logging.getLogger("relax")

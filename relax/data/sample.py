@@ -28,7 +28,7 @@ class Sample:
     so each has ``response_length`` entries. ``loss_mask`` is 1 for tokens the model produced
     and 0 for tokens that an environment inserted into the response. ``rollout_routed_experts``
     (``--use-rollout-routing-replay``) holds the experts every MoE layer of the engine chose for
-    each token but the last, ``[len(tokens) - 1, L, k]`` or flattened (`relax.backends.routing_replay`).
+    each token but the last, ``[len(tokens) - 1, L, k]`` or flattened (`relax.backends.models.routing_replay`).
     """
 
     index: int = 0
@@ -48,7 +48,7 @@ class Sample:
     multimodal_train_inputs: dict[str, Any] | None = None
     rollout_routed_experts: Any = None  # a torch int tensor (not JSON: left out of dumps)
     # Per-response-token tensors the streaming roles computed before training (``ref_log_probs``, ``advantages``;
-    # relax.core.streaming_roles), by field name; not JSON: left out of dumps.
+    # relax.core.streaming.roles), by field name; not JSON: left out of dumps.
     stage_fields: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -40,8 +40,13 @@ class DataPlane(abc.ABC):
     integrity, batching, the staleness check on read, the carry-over buffer and the accounting.
     """
 
+    # Whether the trainer's stream can yield rows' keys (`relax.data_plane.rows.RowHandle`) instead of samples, for
+    # trainers in other processes that read the samples themselves (`trainer_reads_rows`).
+    passes_rows = False
+
     def __init__(self, gate: StalenessGate | None = None):
         self.gate = gate or StalenessGate(max_staleness=0)
+        self.trainer_reads_rows = False
         self._ledger = GroupLedger()
         self._carry: list[tuple[int, Group]] = []  # (producing step, group), served first to the next stream
         self._open_steps: set[int] = set()

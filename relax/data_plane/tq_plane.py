@@ -20,15 +20,12 @@ a dead one ends the call at once with `DataPlaneError` naming it, one silent for
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from relax.distributed.local_ray import set_local_ray_environment, start_local_ray
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane.base import TRAIN_TASK, DataPlane, Group, partition_id
 from relax.data_plane.staleness import StalenessGate, oldest_weight_version
@@ -41,6 +38,7 @@ from relax.data_plane.tq_codec import (
     record_to_sample,
 )
 from relax.utils.errors import RunFault
+from relax.utils.local_ray import set_local_ray_environment, start_local_ray
 
 END_MARKER = "end_of_step"
 # A column only the end marker's row has: a reader that needs stage fields (which the marker never gets) polls it.
@@ -49,6 +47,7 @@ CONTROLLER_NAME, CONTROLLER_NAMESPACE = "TransferQueueController", "transfer_que
 LIVENESS_INTERVAL_S = 2.0
 UNANSWERED_LIMIT_S = 30.0
 PING_TIMEOUT_S = 5.0
+from relax.data_plane.rows import RowHandle
 
 
 class DataPlaneError(RunFault):
@@ -160,20 +159,6 @@ def transfer_queue_actors() -> dict[str, Any]:
     return actors
 
 
-@dataclass
-class RowHandle:
-    """A sample left in TransferQueue: what the trainer's reader decides on (its group, status and oldest weight
-    version, from the row's metadata) and the row itself, which the process that trains on it reads
-    (`TransferQueueDataPlane.samples_of`). The controller then passes keys, not payloads."""
-
-    index: int
-    group_index: int
-    status: SampleStatus
-    weight_version: int | None
-    fetched: Any  # the BatchMeta of the poll that found the row, shared by the handles of that poll
-    row: int  # the row's position in ``fetched``
-
-
 class TransferQueueDataPlane(DataPlane):
     """Partitions ``train_{step}`` in TransferQueue; one row per sample, columns from `tq_codec`.
 
@@ -182,6 +167,8 @@ class TransferQueueDataPlane(DataPlane):
     With ``trainer_reads_rows`` the trainer's stream yields `RowHandle`s instead of samples (no payload is read
     here; groups carried past their partition's clear are read whole first, as the rows go with the partition).
     """
+
+    passes_rows = True
 
     def __init__(self, gate: StalenessGate | None = None, *, task_name: str = "actor_train",
                  poll_interval_s: float = 0.05, client: Any = None):
@@ -193,7 +180,6 @@ class TransferQueueDataPlane(DataPlane):
         self._read_so_far: dict[int, dict[str, int]] = {}  # groups read per step, per reader task
         self._rows_of: dict[int, Any] = {}  # id(group) -> its rows (BatchMeta), for a streaming role's write-back
         self._expected: dict[int, int] = {}  # groups written per step, known from the end marker
-        self.trainer_reads_rows = False
 
     async def _bounded(self, call, what: str, step: int | None = None):
         """Await TransferQueue ``call``, ended early with `DataPlaneError` when TransferQueue cannot answer."""

@@ -13,6 +13,7 @@ import os
 import socket
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,17 @@ def free_port(address: str = "127.0.0.1") -> int:
 
 def free_loopback_port() -> int:
     return free_port("127.0.0.1")
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore whose server (on the master) listens on ``host`` alone. torch's own binds every interface of the
+    machine, and anyone who reaches a store can write the rendezvous keys of the group."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+    listener = socket.create_server((host, port), reuse_port=False, backlog=max(128, world_size))
+    # the store's server takes the descriptor over (and closes it): the Python socket lets go of it
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax.backends.inference.base import InferenceEngine
+from relax.distributed.process_group import tcp_store
 from relax.distributed.weight_sync import (
     Manifest,
     NamedTensors,
     SyncMetrics,
     TensorSpec,
     WeightSyncError,
+    WeightTarget,
     apply_to_engine,
     check_manifest,
     engine_weight_specs,
@@ -71,8 +72,7 @@ class WeightSyncGroup:
         if not 0 <= rank < world_size:
             raise ValueError(f"weight-sync rank {rank} is outside world_size {world_size}")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == TRAINER_RANK, timeout=timeout,
-                              wait_for_workers=False)
+        store = tcp_store(host, port, world_size, is_master=rank == TRAINER_RANK, timeout=timeout)
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
         if backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
@@ -158,7 +158,7 @@ class BroadcastReceiver:
 
     transport = "broadcast"
 
-    def __init__(self, group: WeightSyncGroup, engine: InferenceEngine) -> None:
+    def __init__(self, group: WeightSyncGroup, engine: WeightTarget) -> None:
         if group.rank == TRAINER_RANK:
             raise ValueError(f"rank {TRAINER_RANK} of the weight-sync group is the trainer, not a receiver")
         self.group = group

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from relax.backends.inference.base import InferenceEngine
 from relax.distributed.weight_sync import (
     RUN_META_KEY,
     Manifest,
@@ -40,6 +39,7 @@ from relax.distributed.weight_sync import (
     SyncMetrics,
     TensorSpec,
     WeightSyncError,
+    WeightTarget,
     apply_to_engine,
     check_bucket,
     check_manifest,
@@ -175,7 +175,7 @@ class DiskReceiver:
 
     transport = "disk"
 
-    def __init__(self, root: str | Path, engine: InferenceEngine) -> None:
+    def __init__(self, root: str | Path, engine: WeightTarget) -> None:
         self.root = Path(root)
         self.engine = engine
 
@@ -274,7 +274,7 @@ class DiskFollower:
     generation (`catch_up`). A version pulled from under it (the publisher keeps only the newest few) is skipped for
     the next one; the engine keeps serving its current version meanwhile."""
 
-    def __init__(self, root: str | Path, engine: InferenceEngine, between_calls: asyncio.Lock,
+    def __init__(self, root: str | Path, engine: WeightTarget, between_calls: asyncio.Lock,
                  interval_s: float = 0.1, run: str | None = None) -> None:
         self.receiver = DiskReceiver(root, engine)
         # Only versions this run published: a dead run's newer versions left under the root (a resume) are never

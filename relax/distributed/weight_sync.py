@@ -16,7 +16,7 @@ JSON-serialisable dict carried in the manifest (step, source, ...).
 of each tensor in order, and ``meta``. Transports that cross a process boundary send it before any
 tensor data (broadcast) or write it last as the commit marker (disk).
 
-*Engine side.* A receiver applies one version to an `InferenceEngine`:
+*Engine side.* A receiver applies one version to an `WeightTarget`:
 
 1. It gets the manifest and checks it (`check_manifest`) *before touching the engine*: the version
    is the one expected, no tensor is named twice, and, when the engine exposes its model
@@ -61,9 +61,23 @@ from typing import Any, Protocol
 
 import torch
 
-from relax.backends.inference.base import PAUSE_WEIGHT_UPDATE, InferenceEngine
-
 NamedTensors = list[tuple[str, torch.Tensor]]
+# The pause a weight update holds on an engine: its own owner, so an operator's pause outlives the update.
+PAUSE_WEIGHT_UPDATE = "weight_update"
+
+
+class WeightTarget(Protocol):
+    """What weight sync needs of an engine (every `relax.backends.inference.base.InferenceEngine` is one): this
+    layer speaks to engines through this protocol, never importing them."""
+
+    weight_version: int
+    weight_run: str | None
+
+    async def pause(self, owner: str = ...) -> None: ...
+
+    async def resume(self, owner: str = ...) -> None: ...
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
 # Upstream's --update-weight-buffer-size default.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -299,7 +313,7 @@ class _CountingBuckets:
 # ----------------------------------------------------------------------------- engine side
 
 
-async def apply_to_engine(engine: InferenceEngine, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+async def apply_to_engine(engine: WeightTarget, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Pause, flush, update, resume: the one place an engine's weights change.
 
     ``named_tensors`` may be a lazy stream (a receiver pulling buckets off the wire); it is consumed
@@ -358,8 +372,8 @@ class InProcessPublisher:
 
     transport = "in_process"
 
-    def __init__(self, engines: InferenceEngine | Sequence[InferenceEngine]) -> None:
-        self.engines = [engines] if isinstance(engines, InferenceEngine) else list(engines)
+    def __init__(self, engines: WeightTarget | Sequence[WeightTarget]) -> None:
+        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
 
     async def publish(
         self, buckets: Iterable[NamedTensors], version: int, meta: dict[str, Any] | None = None

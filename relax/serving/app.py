@@ -20,9 +20,8 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -32,25 +31,22 @@ from starlette.exceptions import HTTPException
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
 from relax.backends.inference.batcher import RequestBatcher
-from relax.backends.routing_replay import encode_routes
 from relax.distributed.weight_broadcast import BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_sync import WeightSyncError
 from relax.serving.auth import bearer_token_dependency
-from relax.serving.limits import Admission, GenerationLimits
+from relax.serving.limits import Admission, BadRequest, GenerationLimits, ModelLimits
 from relax.serving.protocol import (
-    NEW_TOKEN_FIELDS,
-    TOKEN_ID_MARKER,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
-    SGLangSamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     describe_validation_errors,
 )
+from relax.serving.responses import json_log_probs, sglang_result, text_tokens, token_pieces, usage
 from relax.serving.weights import WeightPathError, update_weights_from_path
 from relax.utils.http_server import client_gone
 
@@ -60,93 +56,6 @@ CLIENT_GONE = 499  # nginx's "client closed request": only the access log ever s
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"}}}}}}}
-
-
-class BadRequest(HTTPException):
-    """HTTP 400 with a message naming the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(400, message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a prompt must fit: token ids below ``vocab_size`` and prompt + new tokens within ``context_length``
-    (None: unknown, not checked). Outside them the engine fails deep inside a forward (an index error, or a
-    mask of max_new_tokens columns allocated up front), which would be a 500 or an out-of-memory."""
-
-    vocab_size: int | None = None
-    context_length: int | None = None
-    # The most characters one token stands for (its vocabulary entry's length bounds it; byte-level entries count
-    # bytes, which are at least the characters): a text longer than context_length x this cannot fit, whatever
-    # it tokenizes to, and is refused without tokenizing it.
-    max_token_chars: int | None = None
-
-    @classmethod
-    def of(cls, engine: InferenceEngine, tokenizer: Any = None) -> ModelLimits:
-        model = getattr(engine, "model", None)  # the embedded engine's Hugging Face model
-        if model is None:
-            return cls()
-        text_config = model.config.get_text_config()
-        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        return cls(model.get_input_embeddings().num_embeddings,
-                   getattr(text_config, "max_position_embeddings", None),
-                   max((len(entry) for entry in vocabulary), default=None))
-
-    def check_text(self, text: str, field: str) -> None:
-        """Refuse a text that cannot fit the context, by its length alone (before the tokenizer sees it)."""
-        if self.context_length is None or self.max_token_chars is None:
-            return
-        bound = self.context_length * self.max_token_chars
-        if len(text) > bound:
-            raise BadRequest(f"{field}: {len(text)} characters cannot fit the model's context of "
-                             f"{self.context_length} tokens (at most {self.max_token_chars} characters a token)",
-                             field)
-
-    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, prompt_field: str,
-              length_field: str) -> None:
-        """Raise `BadRequest` naming ``prompt_field`` or ``length_field`` for the first prompt that does not fit."""
-        for index, prompt in enumerate(prompts):
-            if self.vocab_size is not None:
-                bad = next((token for token in prompt if not 0 <= token < self.vocab_size), None)
-                if bad is not None:
-                    raise BadRequest(f"{prompt_field}: token id {bad} of prompt {index} is outside the "
-                                     f"vocabulary [0, {self.vocab_size})", prompt_field)
-            if self.context_length is None:
-                continue
-            if len(prompt) >= self.context_length:
-                raise BadRequest(f"{prompt_field}: prompt {index} has {len(prompt)} tokens; the model's context "
-                                 f"length is {self.context_length}", prompt_field)
-            if len(prompt) + max_new_tokens > self.context_length:
-                raise BadRequest(f"{length_field}: {len(prompt)} prompt tokens + {max_new_tokens} new tokens exceed "
-                                 f"the model's context length {self.context_length}", length_field)
-
-    def publish(self, openapi: dict[str, Any]) -> None:
-        """Write the limits into the app's OpenAPI document, so that clients and fuzzers see the bounds this
-        server enforces."""
-        _publish_token_id_maximum(openapi, None if self.vocab_size is None else self.vocab_size - 1)
-        if self.context_length is None:
-            return
-        schemas = openapi.get("components", {}).get("schemas", {})
-        for model, fields in NEW_TOKEN_FIELDS.items():
-            for name in fields:
-                field = schemas.get(model, {}).get("properties", {}).get(name, {})
-                for option in field.get("anyOf", [field]):
-                    if option.get("type") == "integer":
-                        option["maximum"] = self.context_length - 1  # the prompt takes at least one token
-
-
-def _publish_token_id_maximum(node: Any, maximum: int | None) -> None:
-    """Replace each token-id marker of a JSON schema by ``maximum`` (None: drop the marker)."""
-    if isinstance(node, dict):
-        if node.pop(TOKEN_ID_MARKER, False) and maximum is not None:
-            node["maximum"] = maximum
-        children = list(node.values())
-    else:
-        children = node if isinstance(node, list) else []
-    for child in children:
-        _publish_token_id_maximum(child, maximum)
 
 
 # OpenAI's error types by status; a 4xx is never a server error.
@@ -284,7 +193,7 @@ def create_app(
         if outputs is None:
             return Response(status_code=CLIENT_GONE)
         latency = time.perf_counter() - started
-        results = [_sglang_result(out, req, p, body.return_logprob, latency, trimmed_text)
+        results = [sglang_result(out, req, p, body.return_logprob, latency, trimmed_text)
                    for out, req, p in zip(outputs, requests, params)]
         return results if body.is_batch else results[0]
 
@@ -444,7 +353,7 @@ def create_app(
             return Response(status_code=CLIENT_GONE)
         choices = [_choice(index, output, params, chat, want_logprobs) for index, output in enumerate(outputs)]
         return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model or model_name, "choices": choices, "usage": _usage(prompts, outputs)}
+                "model": body.model or model_name, "choices": choices, "usage": usage(prompts, outputs)}
 
     def _choice(index: int, output: GenerationOutput, params: SamplingParams, chat: bool, logprobs: bool) -> dict:
         text = trimmed_text(output, params.stop)
@@ -540,96 +449,7 @@ def create_app(
             end.update({"delta": {}} if chat else {"text": ""})
             yield chunk([end])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=_usage([r.input_ids for r in requests[::body.n]], outputs))
+            yield chunk([], usage=usage([r.input_ids for r in requests[::body.n]], outputs))
         yield "data: [DONE]\n\n"
 
     return app
-
-
-def token_pieces(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
-    """Each token's share of the decoded text (special tokens skipped): joined, the pieces are
-    ``tokenizer.decode(token_ids, skip_special_tokens=True)``. A token that ends inside a character gets "" and the
-    character goes to the token that completes it; a special token (EOS) gets "". Two short decodes per token."""
-    def decode(ids: Sequence[int]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    pieces: list[str] = []
-    context, start = 0, 0  # decode from `context` (so a piece keeps its leading space); emitted up to `start`
-    for end in range(1, len(token_ids) + 1):
-        before, text = decode(token_ids[context:start]), decode(token_ids[context:end])
-        if len(text) > len(before) and text.startswith(before) and not text.endswith("\ufffd"):
-            pieces.append(text[len(before):])
-            context, start = start, end
-        else:
-            pieces.append("")
-    full = decode(token_ids)
-    joined = "".join(pieces)
-    if joined != full:  # a decoder whose pieces do not add up (rare): exact prefix differences instead
-        pieces, before = [], ""
-        for end in range(1, len(token_ids) + 1):
-            text = decode(token_ids[:end])
-            pieces.append(text[len(before):] if text.startswith(before) else "")
-            before = text if text.startswith(before) else before
-        if pieces:
-            pieces[-1] += full[len("".join(pieces)):] if full.startswith("".join(pieces)) else ""
-    return pieces
-
-
-def text_tokens(pieces: Sequence[str], text: str) -> tuple[list[str], list[int]]:
-    """The tokens (pieces) that make up ``text``, a prefix of the pieces' join (the output cut at a stop string),
-    and each one's offset: they join to ``text`` exactly. Tokens past its end, such as a final EOS that the text
-    leaves out, are not listed; one that straddles the end is cut at it."""
-    tokens, offsets, position = [], [], 0
-    for piece in pieces:
-        if position >= len(text):
-            break
-        tokens.append(piece[:len(text) - position])
-        offsets.append(position)
-        position += len(tokens[-1])
-    return tokens, offsets
-
-
-def json_log_probs(output: GenerationOutput) -> list[float | None]:
-    """Log-probs as JSON allows them: a non-finite one (only broken weights give one) becomes null, not the
-    `NaN` literal that no JSON parser accepts."""
-    return [lp if math.isfinite(lp) else None for lp in output.output_log_probs]
-
-
-def _usage(prompts: list[list[int]], outputs: list[GenerationOutput]) -> dict[str, int]:
-    # Every prompt of the request counts, repeated ones too; n samples of one prompt count it once, as OpenAI does.
-    prompt_tokens = sum(len(ids) for ids in prompts)
-    completion_tokens = sum(len(output.output_ids) for output in outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _sglang_result(output: GenerationOutput, request: GenerationRequest, params: SGLangSamplingParams,
-                   return_logprob: bool, latency_s: float, trimmed_text) -> dict[str, Any]:
-    finish: dict[str, Any] = {"type": output.finish_reason}
-    stop_ids = set(request.sampling_params.stop_token_ids)
-    if output.finish_reason == "length":
-        finish["length"] = len(output.output_ids)
-    elif output.finish_reason == "stop":
-        last = output.output_ids[-1] if output.output_ids else None
-        matched = next((s for s in request.sampling_params.stop if s in output.text), None)
-        finish["matched"] = matched if matched is not None and last not in stop_ids else last
-    else:
-        finish["message"] = "aborted"
-    stop = [] if params.no_stop_trim else request.sampling_params.stop
-    meta: dict[str, Any] = {
-        "id": request.request_id,
-        "finish_reason": finish,
-        "prompt_tokens": len(request.input_ids),
-        "completion_tokens": len(output.output_ids),
-        "cached_tokens": 0,
-        "weight_version": output.weight_version,
-        "e2e_latency": latency_s,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, token, None]
-                                         for lp, token in zip(json_log_probs(output), output.output_ids)]
-        if output.output_weight_versions is not None:
-            meta["output_token_weight_versions"] = output.output_weight_versions
-    if output.routed_experts is not None:
-        meta["routed_experts"] = encode_routes(output.routed_experts)
-    return {"text": trimmed_text(output, stop), "output_ids": output.output_ids, "meta_info": meta}

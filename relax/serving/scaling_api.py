@@ -2,7 +2,7 @@
 ``POST /scale_out``, ``GET /scale_out``, ``GET /scale_out/{id}``, ``POST /scale_out/{id}/cancel``,
 ``POST /scale_in``, ``GET /scale_in``, ``GET /scale_in/{id}``, ``GET /engines``.
 
-Rules live in `relax.engine.scaling.ScaleManager`; this module maps them to HTTP: a conflict is 409, a rejected
+Rules live in `relax.rollout.scaling.ScaleManager`; this module maps them to HTTP: a conflict is 409, a rejected
 request 400, an unknown id 404. Every endpoint that changes the engine set takes a bearer token when one is set.
 Errors are FastAPI's ``{"detail": ...}``; a bad body or query is 400 with the field path in ``param`` too.
 """
@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from relax.engine.scaling import (
+from relax.rollout.scaling import (
     ScaleConflictError,
     ScaleInRequest,
     ScaleManager,

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import torch
 
-from relax.backends.model_family import model_folder_problem
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.backends.models.family import model_folder_problem
+from relax.serving.app import create_app
 from relax.serving.limits import GenerationLimits
+from relax.utils.cpu_threads import set_cpu_threads
 from relax.utils.http_server import HTTPLimits, uvicorn_config
 
 API_KEY_ENV = "RELAX_API_KEY"
@@ -41,9 +44,6 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     and ``generation_limits`` bound what one client may take (docs/serving.md)."""
     import uvicorn
 
-    from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
-    from relax.serving.app import create_app
-
     path = Path(hf_checkpoint)
     problem = model_folder_problem(path)
     if problem is not None:
@@ -56,8 +56,6 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
         raise ValueError(f"--mem-fraction-static {mem_fraction_static}: must be between 0 and 1")
     if torch_device.type == "cpu":
         from transformers import AutoConfig
-
-        from relax.utils.cpu_threads import set_cpu_threads
 
         set_cpu_threads(AutoConfig.from_pretrained(str(path)).get_text_config().hidden_size, cpu_threads)
     # Alone on its device, a server may take most of the free memory for its KV pool (the default); one started

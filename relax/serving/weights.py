@@ -52,7 +52,6 @@ from relax.distributed.weight_sync import (
     goes_backwards,
 )
 
-
 SHARD_INDEX = "model.safetensors.index.json"
 
 

@@ -1,6 +1,6 @@
 """The uvicorn servers Relax starts (`relax serve`, the scaling API, the agent gateway, the metrics endpoint): what
 one client may take from them, access logs without query strings, and no signal handling of their own when they
-are embedded in a run (SIGINT/SIGTERM belong to the run: `relax.core.graceful_stop`).
+are embedded in a run (SIGINT/SIGTERM belong to the run: `relax.core.loops.graceful_stop`).
 
 Bounds (`HTTPLimits`), the same on every server, since uvicorn alone leaves them open:
 - connections: past ``max_connections`` open connections a new one is answered 503 and closed at once;

@@ -42,7 +42,6 @@ class SamplingParams:
 # Who paused an engine. An engine stays paused while any owner holds a pause, so a weight update (which pauses
 # around its copy) never lifts the pause an operator set with /pause_generation, nor the other way round.
 PAUSE_OPERATOR = "operator"
-PAUSE_WEIGHT_UPDATE = "weight_update"
 
 
 class PauseHolds:
@@ -89,7 +88,7 @@ class GenerationOutput:
     reports it) the version that produced token i, which differs only if the weights were updated
     while the request was in flight. ``routed_experts`` (asked for with ``return_routed_experts``)
     holds the experts of every token of input + output but the last, ``[T - 1, L, k]`` from an
-    in-process engine, flattened from an HTTP one (`relax.backends.routing_replay`)."""
+    in-process engine, flattened from an HTTP one (`relax.backends.models.routing_replay`)."""
 
     request_id: str
     output_ids: list[int]
@@ -118,7 +117,7 @@ class ScoreOutput:
     top_log_probs: list[list[float]] | None = None
 
 
-# A rollout names each request g{group}-i{index}-{position} (`relax.engine.rollout.generate`): the samples of a
+# A rollout names each request g{group}-i{index}-{position} (`relax.rollout.generation.generate`): the samples of a
 # GRPO group share the prefix, so engines keep a group together (one batch shares its prompt's prefill).
 GROUP_PREFIX = re.compile(r"^g(\d+)-")
 

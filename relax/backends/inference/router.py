@@ -3,7 +3,7 @@
 - **Least outstanding requests**: a new request group goes to the routable engine with the fewest requests in
   flight (ties: the engine that got work least recently).
 - **Sticky groups**: requests sharing a group key go to one engine, so a server can share their prefill. The
-  key is the ``g<group>-`` prefix of the request id that `relax.engine.rollout.generate` gives the samples
+  key is the ``g<group>-`` prefix of the request id that `relax.rollout.generation.generate` gives the samples
   of one prompt (``g3-i12-0`` is group ``3``); other ids are groups of their own.
 - **Health**: a request that fails with a connection error, a timeout or HTTP 5xx marks its engine down and
   is retried on another engine (``max_retries`` times), so no request is lost when an engine dies. An engine
@@ -21,7 +21,7 @@
   requests, drop it) change the set at runtime.
 
 Requests keep the order of the call; seeds shared by several requests are made distinct first (see
-`relax.backends.inference.http_sglang.distinct_seeds`), so the samples do not depend on the routing.
+`relax.backends.inference.remote.sglang.distinct_seeds`), so the samples do not depend on the routing.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from relax.backends.inference.base import (
     OutputReporter,
     positions_by_group,
 )
-from relax.backends.inference.http_broadcast import BroadcastWeightTransport
-from relax.backends.inference.http_sglang import distinct_seeds
+from relax.backends.inference.remote.broadcast import BroadcastWeightTransport
+from relax.backends.inference.remote.sglang import distinct_seeds
 from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger(__name__)
@@ -441,7 +441,11 @@ class EngineRouter(InferenceEngine):
                 failures.append(f"{slot.name}: {result}")
         # From now on engines behind this version get no work until they load it (on their next health probe).
         self._version = version if self._version is None else max(self._version, version)
-        if slots and len(failures) == len(slots) and not self._relaunching():
+        # An engine that was being relaunched when the update began loads the published version when it is back:
+        # while one is still relaunching, or came back during the update, the version is not lost.
+        catching_up = [slot for slot in self._slots if slot not in slots and slot not in direct
+                       and (slot.relaunching is not None or slot.healthy)]
+        if slots and len(failures) == len(slots) and not self._relaunching() and not catching_up:
             raise NoEngineAvailableError(f"weight version {version} reached no engine: " + "; ".join(failures))
 
     async def health(self) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import torch
 
 from relax.backends.inference.base import SamplingParams
 
-
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
@@ -107,7 +106,7 @@ class CounterNoise:
     def exponential_like(self, weights: torch.Tensor) -> torch.Tensor:
         keys = self.row_keys()
         if weights.is_cuda:
-            from relax.backends.inference.core.triton_sampling import exponential_noise
+            from relax.backends.inference.triton_sampling import exponential_noise
 
             return exponential_noise(keys, weights.shape[1])
         columns = torch.arange(1, weights.shape[1] + 1, dtype=torch.int64, device=weights.device)

@@ -21,30 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from relax.algorithms.aggregation import Rescale, StepCounts
 from relax.algorithms.loss import LossFn, MicroBatchTensors
-from relax.backends.model_family import (
+from relax.backends.models.family import (
     MediaTokens,
     concat_inputs,
     forward_inputs,
@@ -52,19 +47,20 @@ from relax.backends.model_family import (
     load_model,
     rope_positions,
 )
-from relax.backends.model_registry import traits
-from relax.backends.routing_replay import RoutingReplay, token_routes
+from relax.backends.models.registry import traits
+from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
+from relax.backends.training.checkpoint_state import load_state, save_state
 from relax.backends.training.liger import (
     apply_liger_kernels,
     checkpoint_context,
     liger_unavailable_reason,
     rope_scope,
 )
-from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
-from relax.backends.training.lora import LoraSettings, inject, is_adapter, merged_named_weights
+from relax.backends.training.lora import inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.moe import moe_aux_loss
+from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
     balanced_partition,
     pack_sequences,
@@ -75,177 +71,13 @@ from relax.backends.training.packing import (
     response_mask,
     to_device,
 )
-from relax.backends.training.varlen_attention import PACKING_KWARG, PackedAttention, use_packed_attention
+from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
+from relax.backends.training.settings import TrainSettings
+from relax.backends.training.varlen_attention import PackedAttention
 from relax.distributed.process_group import ensure_process_group, release_before_shutdown
 from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger("relax")
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    device: torch.device
-    compute_dtype: torch.dtype  # dtype of the forward; master weights stay float32
-    micro_batch_size: int
-    temperature: float  # logits are divided by it so log-probs match the sampling distribution
-    pad_token_id: int
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    total_optimizer_steps: int = 1
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    gradient_checkpointing: bool = False
-    entropy_grad: bool = False  # backpropagate through the entropy (only an entropy bonus needs it)
-    freeze_vision_tower: bool = False
-    freeze_audio_tower: bool = False
-    sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
-    lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
-    moe_aux_loss_coef: float | None = None  # None: the MoE family's own (`relax.backends.training.moe`)
-    routing_replay: bool = False  # forwards route tokens to a batch's recorded experts (`routing_replay`, R3)
-    log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
-    max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
-    log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
-    balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
-    fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
-    liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)
-    # One process on CUDA through FSDP2 too, for its mixed precision (bf16 parameters in the forward and backward,
-    # float32 master weights and gradients) instead of float32 parameters under autocast. Off: on the H200 it
-    # measured 0.83x the autocast path's tokens/s on the Qwen3-0.6B shape (FSDP's per-layer gathers and hooks
-    # cost more than the casts they save), for 5 GiB less peak memory (benchmarks/results/train_gpu.json).
-    fsdp_single_process: bool = False
-    # Outside FSDP in low precision: linears and the LM head cast their float32 weights once per step and sum
-    # their weight gradients in float32 inside the GEMM (`master_weights`), instead of autocast's per-micro-batch
-    # casts and bf16 gradients cast and added to .grad.
-    gradient_accumulation_fusion: bool = True
-
-
-@dataclass(frozen=True)
-class HeadRequest:
-    """What the LM head computes at the response positions (`token_log_probs`)."""
-
-    ids: torch.Tensor  # [M, K]: the next token, then any extra ids (a teacher's top-k)
-    temperature: float
-    suppressed_ids: torch.Tensor | None
-    chunk_size: int
-    entropy_grad: bool
-    top_k: int
-    compute_dtype: torch.dtype
-    weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
-
-
-@contextmanager
-def _head_bypassed(hf_model: nn.Module):
-    """The model's forward returns its last hidden states as "logits". The multimodal families merge media
-    features in their top-level forward, and some (the omni thinkers) cannot skip their LM head there."""
-    head = hf_model.get_output_embeddings()
-    hf_model.set_output_embeddings(nn.Identity())
-    try:
-        yield
-    finally:
-        hf_model.set_output_embeddings(head)
-
-
-def _language_model(hf_model: nn.Module) -> nn.Module:
-    """The text decoder (whose attention is packed); vision and audio towers keep their own attention."""
-    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
-    return decoder if decoder is not None else hf_model.base_model
-
-
-def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
-                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                     predict_index: torch.Tensor, packing: PackedAttention | None,
-                     media: dict[str, torch.Tensor] | None,
-                     router_logits: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """Last hidden states ``[M, H]`` at ``predict_index`` (flat positions into ``input_ids``), the
-    positions whose next token is a response token; with ``router_logits``, a mixture-of-experts model's router
-    logits of every layer too (for its auxiliary loss), else None."""
-    extra = {PACKING_KWARG: packing} if packing is not None else {}
-    if position_ids is not None:
-        extra["position_ids"] = position_ids
-    if router_logits:
-        extra["output_router_logits"] = True
-    if media:
-        with _head_bypassed(hf_model):
-            output = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **media)
-        hidden = output.logits
-    else:
-        if packing is not None and attention_mask is None:
-            # A 4-D mask is taken as prepared, so the decoder builds none (every family's mask builder returns it
-            # as it is). Building one from packed positions reads a device value on the host (transformers'
-            # packed-sequence check), a synchronization per forward; the packed attention keeps the sequences
-            # apart itself and never reads this placeholder.
-            attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-        output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
-        hidden = output.last_hidden_state
-    routing = getattr(output, "router_logits", None) if router_logits else None
-    return hidden.flatten(0, 1).index_select(0, predict_index), routing
-
-
-def _drop_states_not_saved(optim_state: dict, checkpoint: Path) -> int:
-    """Leave out of the state to load the optimizer states the checkpoint does not hold: those of parameters
-    that had no gradient before the save (an omni thinker's unused audio token, a vision tower before the first
-    image). `get_state_dict` gives a fresh optimizer a state for every parameter, which DCP would then look for;
-    left out, such a parameter starts its state at its first gradient, as it would have without the restart."""
-    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
-    unsaved = [name for name, entry in optim_state["state"].items()
-               if not all(f"optim.state.{name}.{key}" in saved for key in entry)]
-    for name in unsaved:
-        del optim_state["state"][name]
-    return len(unsaved)
-
-
-class ResponseLogitsModel(nn.Module):
-    """A causal LM that returns log-probs and entropies at the positions that predict response tokens, its
-    head applied chunk by chunk (`token_log_probs`): no logits of prompt tokens, nor full logits of any."""
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.hf_model = hf_model
-        use_packed_attention(_language_model(hf_model))
-        # A mixture-of-experts model with an auxiliary loss: a forward with gradients keeps its router logits
-        # (and its padding mask: None when packed) for the loss, until the next one.
-        self.record_router_logits = False
-        self.router_logits: tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None = None
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                predict_index: torch.Tensor, head: HeadRequest, packing: PackedAttention | None = None,
-                media: dict[str, torch.Tensor] | None = None) -> TokenLogProbs:
-        record = self.record_router_logits and torch.is_grad_enabled()
-        hidden, routing = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask,
-                                           position_ids, predict_index, packing, media, router_logits=record)
-        self.router_logits = (routing, attention_mask) if routing is not None else None
-        return token_log_probs(
-            hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
-            suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
-            top_k=head.top_k, compute_dtype=head.compute_dtype, weight_casts=head.weight_casts,
-        )
-
-
-class ResponseValueModel(nn.Module):
-    """PPO's critic: the policy's transformer body with a scalar value head, returning ``V_t``
-    ``[M]`` at the positions that predict response tokens (the state before token t).
-
-    The body starts from the policy checkpoint (its LM head is dropped); the head starts at zero,
-    so every value starts at 0 and ``--num-critic-only-steps`` can fit it before the policy moves.
-    """
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.hf_model = hf_model.base_model
-        self.value_head = nn.Linear(self.hf_model.config.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-        use_packed_attention(self.hf_model)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
-        hidden, _ = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
-                                     predict_index, packing, None)
-        return self.value_head(hidden).squeeze(-1)
 
 
 @dataclass
@@ -261,17 +93,7 @@ class _OpenStep:
     reduced: bool = False  # whether the gradients were reduced over ranks after the last backward
 
 
-def lr_lambda(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:
-    """LR multiplier at optimizer step ``step`` (0-based): linear warmup, then constant or cosine."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if style == "constant":
-        return 1.0
-    progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
+def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
     for module in model.hf_model.modules():
@@ -316,7 +138,7 @@ class FSDPTrainBackend(TrainBackend):
             reason = liger_unavailable_reason(settings.device)
             if reason:
                 raise RuntimeError(f"liger kernels asked for, but {reason}")
-            counts = apply_liger_kernels(_language_model(hf_model))
+            counts = apply_liger_kernels(language_model(hf_model))
             self._liger = bool(counts["rope"])
             logger.info("liger-kernel: %d RMSNorms, %d SwiGLU MLPs%s", counts["rms_norm"], counts["swiglu"],
                         ", RoPE" if counts["rope"] else "")
@@ -341,7 +163,7 @@ class FSDPTrainBackend(TrainBackend):
         self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
                                      and settings.fsdp_single_process)
         if self.fsdp:
-            _shard_model(self.model, settings.compute_dtype)
+            shard_model(self.model, settings.compute_dtype)
         self._weight_casts: MasterWeightCasts | None = None
         if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
             self._weight_casts = MasterWeightCasts(settings.compute_dtype)
@@ -359,19 +181,7 @@ class FSDPTrainBackend(TrainBackend):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
-            fused = settings.fused_optimizer and settings.device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.adam_betas,
-                eps=settings.adam_eps, weight_decay=settings.weight_decay, **({"fused": True} if fused else
-                                                                              {"foreach": True}),
-            )
-            min_ratio = settings.min_lr / settings.lr
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer,
-                lambda step: lr_lambda(
-                    step, settings.lr_warmup_steps, settings.total_optimizer_steps, settings.lr_decay_style, min_ratio
-                ),
-            )
+            self.optimizer, self.scheduler = build_optimizer(self.model, settings)
         release_before_shutdown(self.release)
 
     @property
@@ -743,40 +553,16 @@ class FSDPTrainBackend(TrainBackend):
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, directory: Path, include_optimizer: bool = True, asynchronous: bool = False) -> list[Future]:
-        """Weights (and optimizer and LR schedule) into ``directory``. ``asynchronous``: DCP copies the state to host
-        memory before this returns and writes the files in a background thread; the returned futures end when
-        they are written (training may change the weights meanwhile: the copy is what gets written)."""
+        """Weights (and optimizer and LR schedule) into ``directory`` (`checkpoint_state.save_state`)."""
         self.reload()
-        directory = Path(directory)
-        write = dcp.async_save if asynchronous else dcp.save
-        options = self._state_dict_options()
-        if include_optimizer and self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-            written = write({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
-            if dist.get_rank() == 0:
-                torch.save(self.scheduler.state_dict(), directory / "lr_scheduler.pt")
-        else:
-            written = write({"model": get_model_state_dict(self.model, options=options)},
-                            checkpoint_id=directory / "model_optim")
-        return [written] if asynchronous else []
+        optimizer = self.optimizer if include_optimizer else None
+        return save_state(Path(directory), self.model, optimizer, self.scheduler, self._state_dict_options(),
+                          asynchronous)
 
     def load(self, directory: Path, include_optimizer: bool = True) -> None:
         self.reload()
-        directory = Path(directory)
-        options = self._state_dict_options()
-        if include_optimizer and self.optimizer is not None:
-            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-            dropped = _drop_states_not_saved(optim_state, directory / "model_optim")
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=directory / "model_optim")  # strict: every weight and saved state
-            # not strict only where the optimizer states of parameters without a gradient yet were left out
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=dataclasses.replace(options, strict=not dropped and options.strict))
-            self.scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
-        else:
-            state = {"model": get_model_state_dict(self.model, options=options)}
-            dcp.load(state, checkpoint_id=directory / "model_optim")
-            set_model_state_dict(self.model, state["model"], options=options)
+        optimizer = self.optimizer if include_optimizer else None
+        load_state(Path(directory), self.model, optimizer, self.scheduler, self._state_dict_options())
 
     def _state_dict_options(self) -> StateDictOptions:
         """A LoRA checkpoint holds the adapters only (the base weights are the --hf-checkpoint's): frozen weights

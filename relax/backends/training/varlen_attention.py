@@ -20,8 +20,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from relax.backends import flash_varlen
-from relax.backends.flash_varlen import causal_varlen_attention
+from relax.backends.models import flash_varlen
+from relax.backends.models.flash_varlen import causal_varlen_attention
 from relax.backends.training.packing import to_device
 
 IMPLEMENTATION = "relax_packed"

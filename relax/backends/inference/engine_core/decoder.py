@@ -1,0 +1,173 @@
+"""The forward of the text decoders the core runs, over the Hugging Face model's own modules and weights.
+
+Qwen3, Qwen2 and Llama (and their fine-tunes) share one layer shape: RMSNorm, q/k/v projections (Qwen3 also
+normalises q and k per head), rotary positions, attention, o projection, a gated MLP. The core calls the
+model's norms, projections and MLP as they are and replaces only the attention with the paged one
+(`attention.attend`), over packed tokens ``[T, hidden]`` with no padding. Using the model's parameters in place
+means a weight update (an in-place copy) reaches the core, and CUDA graphs captured on them stay valid.
+
+Rotary embeddings come from the model's own rotary module, evaluated once for every position up to
+``max_position_embeddings`` (position-only rope types: a type whose frequencies depend on the sequence
+length is not supported). The vision-language and omni families whose language model is such a decoder with
+multimodal rope (Qwen2-VL, Qwen2.5-VL, the Qwen2.5-Omni thinker) run here too: their prompts' embeddings (media
+features merged in) and 3D rope come from `media.MediaEncoder` and reach `forward` as ``embeds`` and ``rope``;
+their decode positions are plain ones shifted by the prompt's rope delta, where the three rope axes agree and
+multimodal rope is ordinary rope. Other families (mixture-of-experts, sliding windows, Qwen3-VL's deepstack
+features) run on the Hugging Face path of `EmbeddedEngine`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from relax.backends.inference.engine_core.attention import StepMetadata, attend, write_kv
+from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
+
+POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3")
+DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def text_model(model: nn.Module) -> nn.Module | None:
+    """The decoder stack of ``model`` (``model.model``, or a multimodal model's ``model.model.language_model``)."""
+    inner = getattr(model, "model", None)
+    for candidate in (inner, getattr(inner, "language_model", None)):
+        if candidate is not None and all(hasattr(candidate, name) for name in DECODER_PARTS):
+            return candidate
+    return None
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the core cannot run ``model`` (None: it can)."""
+    if model.config.model_type not in ENGINE_CORE_MODEL_TYPES:
+        return f"model type {model.config.model_type!r} (the core runs {', '.join(ENGINE_CORE_MODEL_TYPES)})"
+    if text_model(model) is None or not hasattr(model, "lm_head"):
+        return "the model does not have the usual decoder layout (embed_tokens/layers/norm/rotary_emb, lm_head)"
+    config = model.config.get_text_config()
+    multimodal = model.config.model_type in ENGINE_CORE_MULTIMODAL_TYPES
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in POSITION_ONLY_ROPE_TYPES + (("mrope",) if multimodal else ()):
+        return f"rope type {rope_type!r}"
+    if multimodal and isinstance(rope, dict) and rope.get("mrope_interleaved"):
+        return "interleaved multimodal rope"
+    return None
+
+
+def _fusable(model: nn.Module) -> bool:
+    config, inner = model.config.get_text_config(), text_model(model)
+    layer = inner.layers[0]
+    return (getattr(config, "hidden_act", None) == "silu"
+            and all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+            and all(getattr(norm, "variance_epsilon", None) == config.rms_norm_eps
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm, inner.norm)))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class TextDecoder:
+    """``forward(input_ids [T], positions [T], pools, metadata) -> hidden [T, hidden]`` after the final norm;
+    `logits` applies the LM head (in the model dtype, then float32, as the training forward does) and masks
+    ``suppressed_ids`` (media placeholders, which a model must never write) to -inf, as the Hugging Face path does."""
+
+    def __init__(self, model: nn.Module, max_positions: int, fused: bool = False,
+                 suppressed_ids: torch.Tensor | None = None) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the engine core cannot run this model: {reason}")
+        inner = text_model(model)
+        self.model = model
+        self.text_model = inner
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        attention = self.layers[0].self_attn
+        config = model.config.get_text_config()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(attention, "head_dim", config.hidden_size // config.num_attention_heads)
+        self.scale = getattr(attention, "scaling", self.head_dim ** -0.5)
+        self.has_qk_norm = hasattr(attention, "q_norm")
+        self.eps = float(config.rms_norm_eps)
+        # The fused kernels (CUDA) assume the layer shape below: gated SiLU MLP, RMSNorms with one epsilon.
+        self.fused = fused and _fusable(model)
+        parameter = next(model.parameters())
+        with torch.no_grad():
+            positions = torch.arange(max_positions, device=parameter.device)[None]
+            if model.config.model_type in ENGINE_CORE_MULTIMODAL_TYPES:  # multimodal rope takes [3, batch, positions]
+                positions = positions.expand(3, 1, -1)
+            cos, sin = inner.rotary_emb(parameter[:1].to(parameter.dtype), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim], in the model dtype as in its forward
+        self.suppressed_ids = suppressed_ids if suppressed_ids is not None and suppressed_ids.numel() else None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
+                value_pools: list[torch.Tensor], metadata: StepMetadata, embeds: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``embeds [T, hidden]`` (a fresh tensor) replaces the token embeddings and ``rope`` (cos, sin ``[T, D]``)
+        the rotary tables at ``positions``: a multimodal prefill's merged media features and 3D rope."""
+        if self.fused:
+            return self._fused_forward(input_ids, positions, key_pools, value_pools, metadata, embeds, rope)
+        hidden = self.embed_tokens(input_ids) if embeds is None else embeds
+        cos, sin = (self.cos[positions], self.sin[positions]) if rope is None else rope
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
+        tokens = hidden.shape[0]
+        for layer, key_pool, value_pool in zip(self.layers, key_pools, value_pools):
+            attention = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            query = attention.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+            key = attention.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+            value = attention.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+            if self.has_qk_norm:
+                query, key = attention.q_norm(query), attention.k_norm(key)
+            query = query * cos + _rotate_half(query) * sin
+            key = key * cos + _rotate_half(key) * sin
+            write_kv(key_pool, value_pool, metadata.slot_mapping, key, value)
+            hidden = residual + attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
+                       value_pools: list[torch.Tensor], metadata: StepMetadata, embeds: torch.Tensor | None,
+                       rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The same forward with the pointwise stages fused (`triton_ops`): a residual add and the next RMSNorm
+        in one kernel; q/k norms, rotary positions and the K/V store in one."""
+        from relax.backends.inference.engine_core.triton_ops import add_rms_norm, qk_norm_rope_store, silu_mul
+
+        residual = self.embed_tokens(input_ids) if embeds is None else embeds  # updated in place below
+        cos, sin = self.cos, self.sin
+        if rope is not None:  # per-token tables: token i reads row i
+            (cos, sin), positions = rope, torch.arange(input_ids.shape[0], device=input_ids.device)
+        hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps)
+        for index, (layer, key_pool, value_pool) in enumerate(zip(self.layers, key_pools, value_pools)):
+            attention = layer.self_attn
+            query = qk_norm_rope_store(
+                attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden),
+                attention.q_norm.weight if self.has_qk_norm else None,
+                attention.k_norm.weight if self.has_qk_norm else None, self.eps, cos, sin, positions,
+                metadata.slot_mapping, key_pool, value_pool)
+            out = attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+            hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual)
+            mlp = layer.mlp
+            out = mlp.down_proj(silu_mul(mlp.gate_proj(hidden), mlp.up_proj(hidden)))
+            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            hidden = add_rms_norm(out, following.weight, self.eps, residual=residual)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.suppressed_ids is not None:
+            logits.index_fill_(-1, self.suppressed_ids, float("-inf"))
+        return logits

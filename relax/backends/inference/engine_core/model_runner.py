@@ -1,0 +1,351 @@
+"""The KV pool tensors and one step's work: prefill over packed sequences or decode over block tables, then
+sampling on the device.
+
+Decode runs in CUDA graphs on CUDA: one graph per batch-size bucket (`GRAPH_BATCH_SIZES` up to
+``max_graph_batch``), captured once over static input buffers (token ids, positions, slots, block tables,
+lengths, temperatures, seeds) and the model's own parameters; a graph runs the forward and the sampling
+(`triton_sampling.sample_tokens`) and leaves tokens and log-probs on the device. A batch is padded to the next
+bucket: its padding rows attend to one slot of the reserved block 0, write their K/V there, and their outputs are
+dropped. Weight updates copy into the captured parameters, so the graphs stay valid across versions. Prefill,
+batches above the largest bucket and every step on CPU run eagerly; rows with top-k/top-p sample with
+`relax.backends.inference.sampling.sample_next_tokens` from the step's logits.
+
+Steps are asynchronous on CUDA: `decode` takes a sequence's input token from the previous step's device output
+when the host has not read it yet, and returns a `StepOutput` whose tokens are copied to pinned host memory
+behind the step; `StepOutput.result` waits for them. So the host can launch step t+1 before it reads step t.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from relax.backends.inference.engine_core.attention import StepMetadata, decode_metadata, prefill_metadata
+from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
+from relax.backends.inference.engine_core.decoder import TextDecoder
+from relax.backends.inference.engine_core.media import merge_media
+from relax.backends.inference.engine_core.sequence import Sequence
+from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
+from relax.backends.models import flash_varlen
+
+logger = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class StepOutput:
+    """The tokens a step sampled for ``sequences`` (device tensors), and their copy to the host once ready."""
+
+    sequences: list[Sequence]
+    tokens: torch.Tensor  # [B] int64, on the device
+    log_probs: torch.Tensor  # [B] float32
+    version: int  # the weight version the step ran with
+    host_tokens: torch.Tensor | None = None  # pinned copies, filled behind the step (CUDA)
+    host_log_probs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        """Wait for the step and read its tokens and log-probs (the host synchronization of the step)."""
+        if self.ready is None:
+            return self.tokens.tolist(), self.log_probs.tolist()
+        self.ready.synchronize()
+        count = len(self.sequences)
+        return self.host_tokens[:count].tolist(), self.host_log_probs[:count].tolist()
+
+
+class ModelRunner:
+    def __init__(self, decoder: TextDecoder, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, max_blocks_per_sequence: int, cuda_graphs: bool = True,
+                 max_graph_batch: int = 256, max_batch: int = 1024) -> None:
+        self.decoder = decoder
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks_per_sequence = max_blocks_per_sequence
+        self.use_triton = triton_available(device)
+        # Prefill attention on FlashAttention's varlen kernel where it runs (CUDA, half precision).
+        self.varlen_prefill = self.use_triton and dtype in (torch.float16, torch.bfloat16) and flash_varlen.available()
+        self._kv_shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
+        self._kv_dtype = dtype
+        self._allocate_pool()
+        self.graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
+        self._cuda_graphs = cuda_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_tokens = 0  # tokens computed by prefill steps (a shared prompt prefix is computed once)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._staging: list[torch.Tensor] = []  # two pinned input buffers, used in turn (a copy may still read one)
+        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # two pinned output buffers, in turn
+        self._turn = 0
+        if device.type == "cuda":
+            rows = max(max_batch, self.graph_sizes[-1] if self.graph_sizes else 1)
+            self._staging = [torch.zeros((rows, 6 + max_blocks_per_sequence), dtype=torch.int64).pin_memory()
+                             for _ in range(2)]
+            self._outputs = [(torch.zeros(rows, dtype=torch.int64).pin_memory(),
+                              torch.zeros(rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
+        if self._graphs_wanted:
+            self._capture_graphs()
+
+    @property
+    def _graphs_wanted(self) -> bool:
+        return self._cuda_graphs and self.use_triton and bool(self.graph_sizes)
+
+    def _allocate_pool(self) -> None:
+        self.kv = torch.zeros(self._kv_shape, dtype=self._kv_dtype, device=self.device)
+        self.key_pools = [self.kv[layer, 0] for layer in range(self._kv_shape[0])]
+        self.value_pools = [self.kv[layer, 1] for layer in range(self._kv_shape[0])]
+
+    @property
+    def kv_bytes(self) -> int:
+        return math.prod(self._kv_shape) * self._kv_dtype.itemsize
+
+    @property
+    def released(self) -> bool:
+        return self.kv is None
+
+    def release(self) -> None:
+        """Free the KV pool and the CUDA graphs (which point into it and into the weights). The runner cannot
+        step until `restore`."""
+        self.graphs.clear()
+        self._buffers = {}
+        self.kv = None
+        self.key_pools = self.value_pools = []
+
+    def restore(self) -> None:
+        """Allocate the KV pool again and re-capture the CUDA graphs on the model's current weight tensors (a
+        later in-place weight update keeps them valid)."""
+        if not self.released:
+            return
+        self._allocate_pool()
+        if self._graphs_wanted:
+            self._capture_graphs()
+
+    # ---- steps ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, sequences: list[Sequence], version: int) -> StepOutput:
+        """Compute tokens ``num_cached..`` of every sequence that has any to compute and sample each sequence's
+        next token (a sequence sharing a prompt whole, ``prefill_twin_of``, samples from its twin's logits)."""
+        computed = [s for s in sequences if s.prefill_twin_of is None]
+        starts = [s.num_cached for s in computed]
+        ends = [s.num_tokens for s in computed]
+        tokens = [t for s, start in zip(computed, starts) for t in s.token_ids[start:]]
+        positions = [p + s.rope_delta for s, start, end in zip(computed, starts, ends) for p in range(start, end)]
+        metadata = prefill_metadata(self.block_size, [s.block_table for s in computed], starts, ends, self.device,
+                                    varlen=self.varlen_prefill)
+        self.prefill_tokens += len(tokens)
+        input_ids, positions = self._to_device(tokens), self._to_device(positions)
+        hidden = self.decoder.forward(input_ids, positions, self.key_pools, self.value_pools, metadata,
+                                      *self._media_inputs(input_ids, positions, computed, starts, ends))
+        last = torch.tensor(ends, dtype=torch.long).sub(torch.tensor(starts)).cumsum(0) - 1
+        row_of = {id(s): row for row, s in enumerate(computed)}
+        rows = [row_of[id(s.prefill_twin_of or s)] for s in sequences]
+        logits = self.decoder.logits(hidden[last[rows].to(self.device)])
+        return self._finish(sequences, *self._sample(logits, sequences), version)
+
+    def _media_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, computed: list[Sequence],
+                      starts: list[int], ends: list[int]) -> tuple[torch.Tensor | None, tuple | None]:
+        """The packed embeddings and rope tables of a prefill with multimodal prompt tokens, else (None, None)."""
+        spans, offset = [], 0
+        for sequence, start, end in zip(computed, starts, ends):
+            if sequence.media is not None and start < sequence.media.length:
+                spans.append((offset, start, end, sequence.media))
+            offset += end - start
+        if not spans:
+            return None, None
+        decoder = self.decoder
+        embeds, cos, sin = decoder.embed_tokens(input_ids), decoder.cos[positions], decoder.sin[positions]
+        merge_media(embeds, cos, sin, spans)
+        return embeds, (cos, sin)
+
+    @torch.inference_mode()
+    def decode(self, sequences: list[Sequence], previous: StepOutput | None, version: int) -> StepOutput:
+        """Compute each sequence's newest token (position ``num_tokens - 1``) and sample the next. A sequence
+        whose newest token the host has not read yet (``pending``) takes it from ``previous``."""
+        batch = len(sequences)
+        bucket = next((size for size in self.graph_sizes if size >= batch), None) if self.graphs else None
+        filtering = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in sequences)
+        if bucket is None:
+            input_ids = self._decode_inputs(sequences, previous)
+            lens = [s.num_tokens for s in sequences]
+            metadata = decode_metadata(self.block_size, [s.block_table for s in sequences], lens, self.device,
+                                       self.use_triton)
+            positions = [n - 1 + s.rope_delta for n, s in zip(lens, sequences)]
+            hidden = self.decoder.forward(input_ids, self._to_device(positions), self.key_pools, self.value_pools,
+                                          metadata)
+            return self._finish(sequences, *self._sample(self.decoder.logits(hidden), sequences), version)
+        self._fill_graph_inputs(sequences, previous, bucket)
+        self.graphs[bucket].replay()
+        buffers = self._buffers
+        if filtering:  # the graph sampled without top-k/top-p: sample those batches again from its logits
+            return self._finish(sequences, *self._sample(buffers["logits"][:batch], sequences), version)
+        return self._finish(sequences, buffers["tokens"][:batch], buffers["log_probs"][:batch], version)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block ``source`` into block ``copy`` for each pair, every layer (copy-on-write)."""
+        if not copies:
+            return
+        page = self.block_size
+        source = torch.tensor([s * page + i for s, _ in copies for i in range(page)], device=self.device)
+        target = torch.tensor([c * page + i for _, c in copies for i in range(page)], device=self.device)
+        self.kv[:, :, target] = self.kv[:, :, source]
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of ``logits``; the noise of a row is keyed by its sequence's seed and the position of
+        the token it samples (``num_tokens``)."""
+        params = [s.params for s in sequences]
+        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
+        counters = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64)
+        filtering = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+        if self.use_triton and not filtering:
+            from relax.backends.inference.triton_sampling import sample_tokens
+
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
+            log_probs = torch.empty(len(params), dtype=torch.float32, device=self.device)
+            sample_tokens(logits, temperature.to(self.device), seeds.to(self.device), counters.to(self.device),
+                          tokens, log_probs)
+            return tokens, log_probs
+        sampling = BatchSampling.from_params(params, self.device)
+        return sample_next_tokens(logits, sampling, CounterNoise(seeds.to(self.device), counters.to(self.device)))
+
+    def _finish(self, sequences: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor,
+                version: int) -> StepOutput:
+        output = StepOutput(sequences, tokens, log_probs, version)
+        if self.device.type == "cuda":
+            host_tokens, host_log_probs = self._outputs[self._next_turn()]
+            host_tokens[:len(sequences)].copy_(tokens, non_blocking=True)
+            host_log_probs[:len(sequences)].copy_(log_probs, non_blocking=True)
+            output.host_tokens, output.host_log_probs = host_tokens, host_log_probs
+            output.ready = torch.cuda.Event()
+            output.ready.record()
+        return output
+
+    def _next_turn(self) -> int:
+        self._turn ^= 1
+        return self._turn
+
+    # ---- decode inputs -------------------------------------------------------------------
+    def _decode_inputs(self, sequences: list[Sequence], previous: StepOutput | None) -> torch.Tensor:
+        """The input token of each sequence: the host's last token, or (``pending``) ``previous``'s output."""
+        host_tokens, sources = self._token_sources(sequences, previous)
+        host = self._to_device(host_tokens)
+        if previous is None or all(source < 0 for source in sources):
+            return host
+        sources_tensor = self._to_device(sources)
+        return torch.where(sources_tensor >= 0, previous.tokens[sources_tensor.clamp(min=0)], host)
+
+    @staticmethod
+    def _token_sources(sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
+        row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
+        host_tokens, sources = [], []
+        for sequence in sequences:
+            if sequence.pending:
+                host_tokens.append(0)
+                sources.append(row_of[id(sequence)])
+            else:
+                host_tokens.append(sequence.token_ids[-1])
+                sources.append(-1)
+        return host_tokens, sources
+
+    def _fill_graph_inputs(self, sequences: list[Sequence], previous: StepOutput | None, bucket: int) -> None:
+        """Stage the step's inputs in a pinned buffer and copy them to the graph's buffers in one transfer. Table
+        entries past a sequence's length are never read, so only the columns in use are written; padding rows
+        read entry 0, the reserved block."""
+        batch, buffers = len(sequences), self._buffers
+        host_tokens, sources = self._token_sources(sequences, previous)
+        tables = [s.block_table for s in sequences]
+        columns = max(len(table) for table in tables)
+        rows = torch.tensor([table + [RESERVED_BLOCK] * (columns - len(table)) for table in tables], dtype=torch.int64)
+        lens = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64)
+        last = lens - 1
+        staging = self._staging[self._turn]  # the other buffer's copy may still be in flight
+        staging[:batch, 0] = torch.tensor(host_tokens, dtype=torch.int64)
+        staging[:batch, 1] = last + torch.tensor([s.rope_delta for s in sequences], dtype=torch.int64)
+        staging[:batch, 2] = rows.gather(1, (last // self.block_size)[:, None]).squeeze(1) * self.block_size \
+            + last % self.block_size
+        staging[:batch, 3] = lens
+        staging[:batch, 4] = torch.tensor(sources, dtype=torch.int64)
+        staging[:batch, 5] = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
+        staging[:batch, 6:6 + columns] = rows
+        staging[batch:bucket, :6] = torch.tensor([0, 0, RESERVED_BLOCK * self.block_size, 1, -1, 0])
+        staging[batch:bucket, 6] = RESERVED_BLOCK
+        device = buffers["staging"]
+        device[:bucket, :6 + columns].copy_(staging[:bucket, :6 + columns], non_blocking=True)
+        temperature = torch.tensor([s.params.temperature for s in sequences], dtype=torch.float32)
+        buffers["temperature"][:batch].copy_(temperature.pin_memory(), non_blocking=True)
+        if previous is not None and any(source >= 0 for source in sources):
+            source = device[:bucket, 4]
+            gathered = previous.tokens[source.clamp(min=0, max=previous.tokens.shape[0] - 1)]
+            buffers["input_ids"][:bucket].copy_(torch.where(source >= 0, gathered, device[:bucket, 0]))
+        else:
+            buffers["input_ids"][:bucket].copy_(device[:bucket, 0])
+        buffers["positions"][:bucket].copy_(device[:bucket, 1])
+        buffers["slots"][:bucket].copy_(device[:bucket, 2])
+        buffers["lens"][:bucket].copy_(device[:bucket, 3])
+        buffers["counters"][:bucket].copy_(device[:bucket, 3])
+        buffers["seeds"][:bucket].copy_(device[:bucket, 5])
+        buffers["tables"][:bucket, :columns].copy_(device[:bucket, 6:6 + columns])
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        from relax.backends.inference.triton_sampling import sample_tokens
+
+        largest, width = self.graph_sizes[-1], self.max_blocks_per_sequence
+        device = self.device
+        self._buffers = buffers = {
+            "staging": torch.zeros((largest, 6 + width), dtype=torch.int64, device=device),
+            "input_ids": torch.zeros(largest, dtype=torch.long, device=device),
+            "positions": torch.zeros(largest, dtype=torch.long, device=device),
+            "slots": torch.full((largest,), RESERVED_BLOCK * self.block_size, dtype=torch.long, device=device),
+            "lens": torch.ones(largest, dtype=torch.int32, device=device),
+            "tables": torch.zeros((largest, width), dtype=torch.int32, device=device),
+            "temperature": torch.ones(largest, dtype=torch.float32, device=device),
+            "seeds": torch.zeros(largest, dtype=torch.int64, device=device),
+            "counters": torch.ones(largest, dtype=torch.int64, device=device),
+            "logits": torch.zeros((largest, self.decoder.lm_head.out_features), dtype=torch.float32, device=device),
+            "tokens": torch.zeros(largest, dtype=torch.int64, device=device),
+            "log_probs": torch.zeros(largest, dtype=torch.float32, device=device),
+        }
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.graph_sizes):  # largest first: the smaller ones reuse its memory
+                metadata = StepMetadata(is_prefill=False, slot_mapping=buffers["slots"][:size],
+                                        block_tables=buffers["tables"][:size], context_lens=buffers["lens"][:size],
+                                        use_triton=True, block_size=self.block_size)
+
+                def step(size=size, metadata=metadata) -> None:
+                    hidden = self.decoder.forward(buffers["input_ids"][:size], buffers["positions"][:size],
+                                                  self.key_pools, self.value_pools, metadata)
+                    buffers["logits"][:size] = self.decoder.logits(hidden)
+                    # The key of a token's noise is its index, the sequence's length (as on the eager path);
+                    # "positions" are rope positions, shifted for multimodal prompts.
+                    sample_tokens(buffers["logits"][:size], buffers["temperature"][:size], buffers["seeds"][:size],
+                                  buffers["counters"][:size], buffers["tokens"][:size], buffers["log_probs"][:size])
+
+                step()  # compiles the kernels and settles the allocator before capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    step()
+                self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

@@ -1,0 +1,156 @@
+"""Which sequences run in the next step: continuous batching over a paged KV pool.
+
+Requests join the waiting queue at any time and leave when they finish or are aborted; every step is either a
+*prefill* (new sequences' prompts, packed, within a token budget) or a *decode* (one token for every running
+sequence). Waiting sequences are admitted first, between decode steps, as long as
+
+- fewer than ``max_running`` sequences run,
+- their prompt tokens still to compute fit the step's budget ``max_prefill_tokens`` (a single prompt longer than
+  the budget runs in a step of its own), and
+- the pool has blocks for their prompt plus ``reserve_tokens`` slots of growth (so that admitted sequences do not
+  at once preempt each other).
+
+A decode step needs one free slot per running sequence (lengths count a token sampled on the device that the
+host has not read yet, `Sequence.num_tokens`); when the pool runs out, the youngest running sequence
+is preempted: its blocks are freed and it goes back to the front of the waiting queue with every token it has
+(prompt and outputs), to be prefilled again (recomputed) when blocks free up. Its outputs so far are kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from relax.backends.inference.engine_core.block_manager import BlockManager
+from relax.backends.inference.engine_core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Step:
+    """One step's work: ``prefill`` sequences (each computes tokens ``num_cached..len``) or ``decode`` ones."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy) blocks to copy before the step
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.prefill or self.decode
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int,
+                 reserve_tokens: int = 0) -> None:
+        if max_running < 1 or max_prefill_tokens < 1:
+            raise ValueError(f"max_running {max_running} and max_prefill_tokens {max_prefill_tokens} must be >= 1")
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.reserve_tokens = reserve_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        longest = len(sequence) + sequence.params.max_new_tokens
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks - 1:
+            raise ValueError(f"request {sequence.request_id!r}: {len(sequence)} prompt tokens + "
+                             f"{sequence.params.max_new_tokens} new ones do not fit the KV pool "
+                             f"({(self.blocks.num_blocks - 1) * self.blocks.block_size} slots)")
+        self.waiting.append(sequence)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        step = Step(prefill=self._admit())
+        if step.prefill:
+            return step
+        step.decode, step.preempted, step.copies = self._decode_set()
+        return step
+
+    def finish(self, sequences: Iterable[Sequence]) -> None:
+        """Release the blocks of finished (or aborted) sequences, running or waiting."""
+        done = {id(s) for s in sequences}
+        for sequence in [s for s in self.running if id(s) in done]:
+            self.running.remove(sequence)
+            self._release(sequence)
+        self.waiting = deque(s for s in self.waiting if id(s) not in done)
+        for sequence in sequences:
+            sequence.status = SequenceStatus.FINISHED
+
+    # ---- internals -----------------------------------------------------------------------
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        leaders: dict[tuple[int, ...], Sequence] = {}  # prompts admitted this step, by their tokens
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            sequence = self.waiting[0]
+            share = sequence.num_outputs == 0  # a recomputed sequence's outputs are not a prompt to share
+            prompt = sequence.cache_tokens if share else sequence.token_ids
+            leader = leaders.get(tuple(prompt)) if share else None
+            if leader is not None:  # a sample of a prompt prefilled this step: its blocks and logits
+                if self.blocks.num_free < self.blocks.blocks_for(self.reserve_tokens):
+                    break
+                self.waiting.popleft()
+                sequence.block_table, sequence.num_cached = self.blocks.fork(leader.block_table), len(prompt)
+                sequence.prefill_twin_of = leader
+            else:
+                if not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share):
+                    break
+                cached = self.blocks.cached_prefix_blocks(prompt) if share else 0
+                to_compute = len(prompt) - cached * self.blocks.block_size
+                if admitted and to_compute > budget:
+                    break
+                self.waiting.popleft()
+                sequence.block_table, sequence.num_cached = self.blocks.allocate(prompt, share=share)
+                sequence.prefill_twin_of = None
+                budget -= to_compute
+                if share:
+                    leaders[tuple(prompt)] = sequence
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+            admitted.append(sequence)
+        return admitted
+
+    def _decode_set(self) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
+        preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        for sequence in sorted(self.running, key=lambda s: s.arrival):
+            if sequence.status is not SequenceStatus.RUNNING:
+                continue  # preempted below to make room for an older one
+            if sequence.num_outputs + sequence.pending >= sequence.params.max_new_tokens:
+                continue  # its last token is on the way: it finishes when the host reads it
+            while not self._has_slot(sequence):
+                victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING and s is not sequence),
+                             key=lambda s: s.arrival, default=None)
+                if victim is None:
+                    raise RuntimeError(f"the KV pool cannot hold request {sequence.request_id!r} alone")
+                self._preempt(victim)
+                preempted.append(victim)
+            copy = self.blocks.append_slot(sequence.block_table, sequence.num_tokens)
+            if copy is not None:
+                copies.append(copy)
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        decoding = [s for s in self.running if s.num_outputs + s.pending < s.params.max_new_tokens]
+        return sorted(decoding, key=lambda s: s.arrival), preempted, copies
+
+    def _has_slot(self, sequence: Sequence) -> bool:
+        """A free block is needed when the newest token opens a block, or lands in a block held with others."""
+        index = (sequence.num_tokens - 1) // self.blocks.block_size
+        own = index < len(sequence.block_table) and self.blocks.refcount[sequence.block_table[index]] == 1
+        return own or self.blocks.num_free > 0
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.preemptions += 1
+        self._release(sequence)
+        sequence.status = SequenceStatus.WAITING
+        self.waiting.appendleft(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.block_table:
+            self.blocks.free(sequence.block_table)
+        sequence.block_table, sequence.num_cached = [], 0

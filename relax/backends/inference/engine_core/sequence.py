@@ -1,0 +1,88 @@
+"""One request inside the engine core: its tokens, blocks and outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from relax.backends.inference.base import FinishReason, GenerationRequest, SamplingParams
+from relax.backends.inference.engine_core.media import MediaPrompt
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no KV in the pool (new, or preempted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """``token_ids`` are the prompt then the outputs; the K/V of the first ``num_cached`` of them are in the pool.
+
+    ``seed`` drives the sampling noise of every token of this sequence (with the token's position), so the
+    tokens do not depend on which other sequences share a step. ``stop_token_ids`` includes EOS unless the
+    request ignores it.
+    """
+
+    request: GenerationRequest
+    seed: int
+    stop_token_ids: frozenset[int]
+    stop_window_tokens: int  # stop strings are searched in the decoded text of this many last output tokens
+    arrival: int  # admission order: the youngest running sequence is preempted first
+    future: asyncio.Future | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_log_probs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    # In a prefill step: the sequence whose prompt this one shares whole, whose logits it samples from.
+    prefill_twin_of: Sequence | None = None
+    # Tokens sampled on the device that the host has not read yet (0 or 1: the engine reads step t while the
+    # device runs step t + 1); they count in `num_tokens`, not in `token_ids`.
+    pending: int = 0
+    media: MediaPrompt | None = None  # a multimodal prompt's features, 3D rope and block keys
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.input_ids)
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far, a sampled one the host has not read yet included."""
+        return len(self.token_ids) + self.pending
+
+    @property
+    def rope_delta(self) -> int:
+        """A token at index i past the prompt sits at rope position i + rope_delta (0 for text)."""
+        return self.media.rope_delta if self.media is not None else 0
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens that key this sequence's blocks: its own, media placeholders replaced by the media's hash."""
+        if self.media is None:
+            return self.token_ids
+        return list(self.media.key_tokens) + self.token_ids[self.num_prompt_tokens:]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,128 @@
+"""The model a training backend runs: a Hugging Face model whose forward returns what the losses need at the
+positions that predict response tokens only: log-probs and entropies through the LM head chunk by chunk
+(`ResponseLogitsModel`, no full logits), or PPO's values (`ResponseValueModel`). Packed rows attend apart
+(`varlen_attention`)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
+from relax.backends.training.master_weights import MasterWeightCasts
+from relax.backends.training.varlen_attention import PACKING_KWARG, PackedAttention, use_packed_attention
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    """What the LM head computes at the response positions (`token_log_probs`)."""
+
+    ids: torch.Tensor  # [M, K]: the next token, then any extra ids (a teacher's top-k)
+    temperature: float
+    suppressed_ids: torch.Tensor | None
+    chunk_size: int
+    entropy_grad: bool
+    top_k: int
+    compute_dtype: torch.dtype
+    weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
+
+
+@contextmanager
+def _head_bypassed(hf_model: nn.Module):
+    """The model's forward returns its last hidden states as "logits". The multimodal families merge media
+    features in their top-level forward, and some (the omni thinkers) cannot skip their LM head there."""
+    head = hf_model.get_output_embeddings()
+    hf_model.set_output_embeddings(nn.Identity())
+    try:
+        yield
+    finally:
+        hf_model.set_output_embeddings(head)
+
+
+def language_model(hf_model: nn.Module) -> nn.Module:
+    """The text decoder (whose attention is packed); vision and audio towers keep their own attention."""
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    return decoder if decoder is not None else hf_model.base_model
+
+
+def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                     predict_index: torch.Tensor, packing: PackedAttention | None,
+                     media: dict[str, torch.Tensor] | None,
+                     router_logits: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Last hidden states ``[M, H]`` at ``predict_index`` (flat positions into ``input_ids``), the
+    positions whose next token is a response token; with ``router_logits``, a mixture-of-experts model's router
+    logits of every layer too (for its auxiliary loss), else None."""
+    extra = {PACKING_KWARG: packing} if packing is not None else {}
+    if position_ids is not None:
+        extra["position_ids"] = position_ids
+    if router_logits:
+        extra["output_router_logits"] = True
+    if media:
+        with _head_bypassed(hf_model):
+            output = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **media)
+        hidden = output.logits
+    else:
+        if packing is not None and attention_mask is None:
+            # A 4-D mask is taken as prepared, so the decoder builds none (every family's mask builder returns it
+            # as it is). Building one from packed positions reads a device value on the host (transformers'
+            # packed-sequence check), a synchronization per forward; the packed attention keeps the sequences
+            # apart itself and never reads this placeholder.
+            attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        hidden = output.last_hidden_state
+    routing = getattr(output, "router_logits", None) if router_logits else None
+    return hidden.flatten(0, 1).index_select(0, predict_index), routing
+
+
+class ResponseLogitsModel(nn.Module):
+    """A causal LM that returns log-probs and entropies at the positions that predict response tokens, its
+    head applied chunk by chunk (`token_log_probs`): no logits of prompt tokens, nor full logits of any."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+        use_packed_attention(language_model(hf_model))
+        # A mixture-of-experts model with an auxiliary loss: a forward with gradients keeps its router logits
+        # (and its padding mask: None when packed) for the loss, until the next one.
+        self.record_router_logits = False
+        self.router_logits: tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                predict_index: torch.Tensor, head: HeadRequest, packing: PackedAttention | None = None,
+                media: dict[str, torch.Tensor] | None = None) -> TokenLogProbs:
+        record = self.record_router_logits and torch.is_grad_enabled()
+        hidden, routing = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask,
+                                           position_ids, predict_index, packing, media, router_logits=record)
+        self.router_logits = (routing, attention_mask) if routing is not None else None
+        return token_log_probs(
+            hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
+            suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
+            top_k=head.top_k, compute_dtype=head.compute_dtype, weight_casts=head.weight_casts,
+        )
+
+
+class ResponseValueModel(nn.Module):
+    """PPO's critic: the policy's transformer body with a scalar value head, returning ``V_t``
+    ``[M]`` at the positions that predict response tokens (the state before token t).
+
+    The body starts from the policy checkpoint (its LM head is dropped); the head starts at zero,
+    so every value starts at 0 and ``--num-critic-only-steps`` can fit it before the policy moves.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model.base_model
+        self.value_head = nn.Linear(self.hf_model.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        use_packed_attention(self.hf_model)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
+        hidden, _ = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
+                                     predict_index, packing, None)
+        return self.value_head(hidden).squeeze(-1)

@@ -1,0 +1,51 @@
+"""What a training backend is built with (`TrainSettings`): device and precision, the optimizer and its schedule,
+micro-batching, and the model options (LoRA, packing, kernels, MoE losses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relax.backends.training.lora import LoraSettings
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    device: torch.device
+    compute_dtype: torch.dtype  # dtype of the forward; master weights stay float32
+    micro_batch_size: int
+    temperature: float  # logits are divided by it so log-probs match the sampling distribution
+    pad_token_id: int
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    total_optimizer_steps: int = 1
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    gradient_checkpointing: bool = False
+    entropy_grad: bool = False  # backpropagate through the entropy (only an entropy bonus needs it)
+    freeze_vision_tower: bool = False
+    freeze_audio_tower: bool = False
+    sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
+    lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
+    moe_aux_loss_coef: float | None = None  # None: the MoE family's own (`relax.backends.training.moe`)
+    routing_replay: bool = False  # forwards route tokens to a batch's recorded experts (`routing_replay`, R3)
+    log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
+    max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
+    log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
+    balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
+    fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
+    liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)
+    # One process on CUDA through FSDP2 too, for its mixed precision (bf16 parameters in the forward and backward,
+    # float32 master weights and gradients) instead of float32 parameters under autocast. Off: on the H200 it
+    # measured 0.83x the autocast path's tokens/s on the Qwen3-0.6B shape (FSDP's per-layer gathers and hooks
+    # cost more than the casts they save), for 5 GiB less peak memory (benchmarks/results/train_gpu.json).
+    fsdp_single_process: bool = False
+    # Outside FSDP in low precision: linears and the LM head cast their float32 weights once per step and sum
+    # their weight gradients in float32 inside the GEMM (`master_weights`), instead of autocast's per-micro-batch
+    # casts and bf16 gradients cast and added to .grad.
+    gradient_accumulation_fusion: bool = True

@@ -1,0 +1,80 @@
+"""`relax serve`: a model folder served by the embedded engine over HTTP (docs/serving.md)."""
+
+from __future__ import annotations
+
+import sys
+
+from relax.cli.common import port_number, positive, quiet_libraries, setup_logging
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from relax.serving.limits import GenerationLimits
+    from relax.utils.http_server import HTTPLimits
+
+    http, work = HTTPLimits(), GenerationLimits()
+    from relax.cli.args import CommandLineParser
+
+    parser = CommandLineParser(
+        prog="relax serve", description="Serve a model folder with the embedded engine over HTTP: SGLang's native "
+        "protocol (/generate, /update_weights_from_disk, ...) and the OpenAI protocol (/v1/...). See docs/serving.md.")
+    parser.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config, weights, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=port_number, default=30000, help="port to listen on (1-65535)")
+    parser.add_argument("--api-key", default=None,
+                        help="bearer token required by the control endpoints (default: $RELAX_API_KEY; none: open)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--cpu-threads", type=int, default=0,
+                        help="threads torch computes with on CPU (0: measured at start, as relax train does)")
+    parser.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the folder name)")
+    parser.add_argument("--max-batch-size", type=positive(int), default=256,
+                        help="most sequences decoded together (one decode step's rows; the rest wait their turn)")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0,
+                        help="how long the first waiting request collects others into one engine batch")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
+                        help="the engine core (continuous batching, paged KV, CUDA graphs): auto = on CUDA for the "
+                        "models it supports; on = on CPU too; off = the Hugging Face decode loop")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85,
+                        help="on CUDA, the share of the free device memory (after the weights) the KV pool takes")
+    parser.add_argument("--weight-update-root", default=None,
+                        help="/update_weights_from_disk loads only from paths inside this directory (relative "
+                        "paths are taken from it); default: any path the server can read")
+    limits = parser.add_argument_group("what one client may take (docs/serving.md)")
+    limits.add_argument("--max-request-bytes", type=positive(int), default=http.max_request_bytes,
+                        help="largest request body; larger ones get 413")
+    limits.add_argument("--max-connections", type=positive(int), default=http.max_connections,
+                        help="open connections at most; past it a new one gets 503 and is closed")
+    limits.add_argument("--header-timeout-s", type=positive(float), default=http.header_timeout_s,
+                        help="a request's headers must arrive within this many seconds of its first byte (else 408)")
+    limits.add_argument("--body-timeout-s", type=positive(float), default=http.body_timeout_s,
+                        help="a request's body must arrive within this many seconds of its headers (else 408)")
+    limits.add_argument("--shutdown-grace-s", type=positive(int), default=http.shutdown_grace_s,
+                        help="on SIGTERM/SIGINT, how long requests in flight may finish before they are aborted")
+    limits.add_argument("--max-sequences-per-request", type=positive(int), default=work.max_sequences_per_request,
+                        help="sequences (prompts x n) one request may ask for; more get 400")
+    limits.add_argument("--max-tokens-per-request", type=positive(int), default=work.max_tokens_per_request,
+                        help="prompt plus new tokens, summed over a request's sequences; more get 400")
+    limits.add_argument("--max-inflight-sequences", type=positive(int), default=work.max_inflight_sequences,
+                        help="sequences the server holds at once; a request past it gets 429 with Retry-After")
+    args = parser.parse_args(argv)
+    setup_logging(None)
+    quiet_libraries()
+    from relax.serving.server import serve
+
+    try:
+        http = HTTPLimits(args.max_request_bytes, args.max_connections, args.header_timeout_s, args.body_timeout_s,
+                          shutdown_grace_s=args.shutdown_grace_s)
+        work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
+                                args.max_inflight_sequences)
+        serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+              dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+              batch_window_ms=args.batch_window_ms, log_level=args.log_level,
+              weight_update_root=args.weight_update_root, engine_core=args.engine_core,
+              mem_fraction_static=args.mem_fraction_static, http_limits=http, generation_limits=work,
+              cpu_threads=args.cpu_threads)
+    except ValueError as err:
+        print(f"relax serve: error: {err}", file=sys.stderr)
+        return 2
+    return 0

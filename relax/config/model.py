@@ -1,0 +1,36 @@
+"""The model a run starts from and where it runs (sections: model)"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from relax.config.base import setting
+
+
+class ModelSettings(BaseModel):
+    """The model a run starts from and where it runs."""
+    hf_checkpoint: str | None = setting(
+        None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from.", "model"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = setting(
+        "auto",
+        "Parameter dtype for inference and the training forward. `auto`: bfloat16 on CUDA, float32 on CPU. "
+        "Training keeps float32 master weights and optimizer state in every case.",
+        "model",
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "Where to run. `auto`: CUDA when available.", "model")
+    cpu_threads: int = setting(
+        0, "Threads torch computes with on CPU. 0: chosen at start by measuring the model's matrix products at 1, 2, "
+        "4, ... threads within the cores the machine's load leaves free (a tiny model is fastest on one; a busy "
+        "machine gets fewer); $OMP_NUM_THREADS, when set, is taken instead.", "model", ge=0, le=1024,
+    )
+    gradient_checkpointing: bool = setting(
+        False, "Recompute activations in the backward pass to save memory.", "model"
+    )
+    liger_kernel: Literal["auto", "on", "off"] = setting(
+        "auto", "liger-kernel's fused RMSNorm, SwiGLU and RoPE kernels in the trainer's language model (Qwen2/3, "
+        "Llama, Mistral families): `auto` uses them on CUDA when liger-kernel is installed, `on` requires them.",
+        "model",
+    )

@@ -1,0 +1,188 @@
+"""The rules between settings of several sections: combinations that cannot work fail before any work, naming the
+flags."""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, model_validator
+
+from relax.algorithms import ALGORITHM_SPECS
+from relax.config.base import CRITIC_FIELDS, OPD_FIELDS, flag
+
+
+class CrossSectionRules(BaseModel):
+    """Checked after every section's own rules."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Self:
+        spec = ALGORITHM_SPECS[self.advantage_estimator]
+        self._check_critic_and_distillation(spec)
+        if self.loss_type == "policy_loss" and self.n_samples_per_prompt < spec.min_group_size:
+            raise ValueError(
+                f"{flag('advantage_estimator')} {spec.name} needs {flag('n_samples_per_prompt')} >= "
+                f"{spec.min_group_size}, got {self.n_samples_per_prompt}"
+            )
+        samples_per_step = self.samples_per_step
+        if self.global_batch_size is not None and samples_per_step % self.global_batch_size:
+            raise ValueError(
+                f"{flag('global_batch_size')} ({self.global_batch_size}) must divide {flag('rollout_batch_size')} x "
+                f"{flag('n_samples_per_prompt')} ({samples_per_step})"
+            )
+        self._check_dynamic_batch_size()
+        if self.changed("heartbeat_timeout_s") and not self.use_health_check:
+            raise ValueError(f"{flag('heartbeat_timeout_s')} needs {flag('use_health_check')}")
+        if self.changed("metrics_service_port") and not self.use_metrics_service:
+            raise ValueError(f"{flag('metrics_service_port')} needs {flag('use_metrics_service')}")
+        if not self.use_dynamic_batch_size and self.train_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"{flag('micro_batch_size')} ({self.micro_batch_size}) must divide the global batch size "
+                f"({self.train_batch_size})"
+            )
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            raise ValueError(
+                f"{flag('kl_coef')} (KL in the reward) and {flag('kl_loss_coef')} (KL in the loss) are exclusive; "
+                "set one of them to 0"
+            )
+        if self.kl_coef > 0 and not spec.uses_reward_kl:
+            raise ValueError(
+                f"{flag('kl_coef')} has no effect with {flag('advantage_estimator')} {spec.name}; "
+                "use reinforce_plus_plus or --use-kl-loss"
+            )
+        if spec.requires_on_policy_updates and self.steps_per_rollout != 1:
+            raise ValueError(
+                f"{flag('advantage_estimator')} {spec.name} needs one optimizer step per rollout: "
+                f"{flag('global_batch_size')} ({self.global_batch_size}) must equal {flag('rollout_batch_size')} x "
+                f"{flag('n_samples_per_prompt')} ({samples_per_step})"
+            )
+        if (self.calculate_per_token_loss and self.loss_agg_mode is not None
+                and self.loss_agg_mode != "token-mean"):
+            raise ValueError(
+                f"{flag('calculate_per_token_loss')} means {flag('loss_agg_mode')} token-mean, "
+                f"but {flag('loss_agg_mode')} is {self.loss_agg_mode}; set only one of them"
+            )
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(
+                f"{flag('tis_clip_low')} ({self.tis_clip_low}) is above {flag('tis_clip')} ({self.tis_clip})"
+            )
+        if self.rm_type and self.loss_type != "sft" and not self.label_key:
+            raise ValueError(f"{flag('rm_type')} {self.rm_type} compares every response with a label: set "
+                             f"{flag('label_key')}")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            raise ValueError(f"{flag('kl_loss_coef')} > 0 has no effect without {flag('use_kl_loss')}")
+        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
+            raise ValueError(f"{flag('rollout_top_k')} must be -1 (off) or a positive number, got {self.rollout_top_k}")
+        if self.eval_interval is not None and not self.eval_prompt_data:
+            raise ValueError(f"{flag('eval_interval')} needs {flag('eval_prompt_data')}")
+        if self.system_prompt and not self.apply_chat_template:
+            raise ValueError(f"{flag('system_prompt')} needs {flag('apply_chat_template')}")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len > self.rollout_max_response_len:
+            raise ValueError(
+                f"{flag('overlong_buffer_len')} ({self.overlong_buffer_len}) is above "
+                f"{flag('rollout_max_response_len')} ({self.rollout_max_response_len})"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
+        return self
+
+    def _check_offload(self, asynchronous: bool) -> None:
+        asked = [flag(n) for n in ("offload", "offload_train", "offload_rollout") if getattr(self, n)]
+        if not asked:
+            return
+        if self.loss_type == "sft":
+            raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} sft has no rollout phase to offload around")
+        if self.placement != "in_process":
+            raise ValueError(f"{', '.join(asked)}: offloading between phases needs the in-process placement (the "
+                             f"roles share the device in one process); drop them with {flag('placement')} ray")
+        if asynchronous:
+            raise ValueError(f"{', '.join(asked)}: the async modes overlap rollout and training, so there is no "
+                             "idle phase to offload; drop them or use the sync mode")
+        if self.resolved_offload_rollout and not self._embedded_rollout:
+            raise ValueError(f"{flag('offload_rollout')} (also set by {flag('offload')}) frees the embedded engine's "
+                             f"memory; with {flag('rollout_external')} or {flag('rollout_api_port')} rollout runs "
+                             "elsewhere or on engines added at any time: pass --no-offload-rollout")
+
+    def _check_dynamic_batch_size(self) -> None:
+        if not self.use_dynamic_batch_size:
+            set_budget = [flag(n) for n in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu") if self.changed(n)]
+            if set_budget:
+                raise ValueError(f"{', '.join(set_budget)} need {flag('use_dynamic_batch_size')}")
+            return
+        if self.max_tokens_per_gpu is None:
+            raise ValueError(f"{flag('use_dynamic_batch_size')} needs {flag('max_tokens_per_gpu')}")
+        if self.changed("micro_batch_size"):
+            raise ValueError(f"{flag('use_dynamic_batch_size')} sizes micro-batches by tokens: drop "
+                             f"{flag('micro_batch_size')}")
+        longest = self.rollout_max_context_len or (
+            self.rollout_max_prompt_len + self.rollout_max_response_len if self.rollout_max_prompt_len else None)
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            budget = getattr(self, name)
+            if budget is not None and longest is not None and budget < longest:
+                raise ValueError(f"{flag(name)} ({budget}) must hold the longest sample ({longest} tokens: "
+                                 "--rollout-max-context-len, or --rollout-max-prompt-len + "
+                                 "--rollout-max-response-len)")
+
+    def _check_critic_and_distillation(self, spec) -> None:
+        set_critic = [flag(name) for name in CRITIC_FIELDS if self.changed(name)]
+        if set_critic and not spec.needs_critic:
+            raise ValueError(
+                f"PPO critic options ({', '.join(set_critic)}) need {flag('advantage_estimator')} ppo, "
+                f"not {spec.name}"
+            )
+        set_opd = [flag(name) for name in OPD_FIELDS if self.changed(name)]
+        if set_opd and not self.use_opd:
+            raise ValueError(f"distillation options ({', '.join(set_opd)}) need {flag('use_opd')}")
+        if self.use_opd:
+            if not self.teacher_hf_checkpoint:
+                raise ValueError(f"{flag('use_opd')} needs {flag('teacher_hf_checkpoint')}")
+            if self.opd_loss_coef > 0 and "opd_kl_coef" not in self.model_fields_set:
+                self.opd_kl_coef = 0.0  # naming only the loss coefficient selects the loss mode
+            if (self.opd_kl_coef > 0) == (self.opd_loss_coef > 0):
+                raise ValueError(
+                    f"on-policy distillation runs in one mode: set exactly one of {flag('opd_kl_coef')} (advantage "
+                    f"mode, now {self.opd_kl_coef}) and {flag('opd_loss_coef')} (loss mode, now {self.opd_loss_coef})"
+                )
+        if self.multimodal_keys:
+            unknown = sorted(set(self.multimodal_keys) - {"image", "video", "audio"})
+            if unknown:
+                raise ValueError(f"{flag('multimodal_keys')}: unknown media type(s) {unknown}; use image, video, audio")
+            if not self.apply_chat_template:
+                raise ValueError(f"{flag('multimodal_keys')} needs {flag('apply_chat_template')}: the chat template "
+                                 "renders each media item as the model's placeholder tokens")
+            if self.loss_type == "sft":
+                raise ValueError(f"{flag('loss_type')} sft does not take {flag('multimodal_keys')} yet")
+        if self.use_audio_in_video and "video" not in (self.multimodal_keys or {}):
+            raise ValueError(f"{flag('use_audio_in_video')} gives each video its sound track: it needs video in "
+                             f"{flag('multimodal_keys')}")
+        if self.image_min_token_num > self.image_max_token_num:
+            raise ValueError(f"{flag('image_min_token_num')} is above {flag('image_max_token_num')}")
+        self._check_mode(spec)
+        if self.loss_type == "sft" and self.use_opd:
+            raise ValueError(f"{flag('loss_type')} sft trains on dataset responses; it cannot use {flag('use_opd')}")
+
+    def _check_mode(self, spec) -> None:
+        asynchronous = self.fully_async or self.hybrid
+        if self.fully_async and self.hybrid:
+            raise ValueError(f"{flag('fully_async')} and {flag('hybrid')} are exclusive (hybrid is its own mode)")
+        if self.colocate and asynchronous:
+            raise ValueError(f"{flag('colocate')} is the synchronous mode; drop it for "
+                             f"{flag('hybrid') if self.hybrid else flag('fully_async')}")
+        if self.max_staleness and not asynchronous:
+            raise ValueError(f"{flag('max_staleness')} needs {flag('fully_async')} or {flag('hybrid')}")
+        if self.partial_rollout and not self.fully_async:
+            raise ValueError(f"{flag('partial_rollout')} needs {flag('fully_async')}")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError(f"{flag('mask_offpolicy_in_partial_rollout')} needs {flag('partial_rollout')}")
+        if asynchronous and spec.requires_on_policy_updates:
+            raise ValueError(f"{flag('advantage_estimator')} {spec.name} is on-policy by construction; it cannot run "
+                             f"with {flag('fully_async')} or {flag('hybrid')}")
+        if asynchronous and self.loss_type == "sft":
+            raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
+        if self.use_rollout_routing_replay and self.loss_type == "sft":
+            raise ValueError(f"{flag('use_rollout_routing_replay')} replays a rollout's routing; "
+                             f"{flag('loss_type')} sft has no rollout")
+        if self.use_rollout_routing_replay and self.rollout_external and self.rollout_engine_protocol in (
+                "openai", "vllm"):
+            raise ValueError(f"{flag('use_rollout_routing_replay')}: {self.rollout_engine_protocol} servers do not "
+                             f"return routed experts; use {flag('rollout_engine_protocol')} relax or sglang")
+        self._check_offload(asynchronous)

@@ -1,0 +1,184 @@
+"""Every check a run's settings allow before any model or data is loaded and before a run directory exists: the model folder, the data files, the checkpoint to load, the optional extras, the reward and plugin paths. Each failure names the flag and what is wrong."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from relax.backends.models.family import is_qwen3_omni, model_config_problem, model_files_problem, model_from_config
+from relax.backends.models.registry import UnsupportedModelError, check_supported
+from relax.backends.models.routing_replay import routing_shape
+from relax.backends.training.lora import inject
+from relax.backends.training.moe import moe_aux_loss
+from relax.config import ConfigError, RelaxConfig, flag
+from relax.core.rollout_parts import build_dynamic_sampling, build_reward_computer, load_generate_function
+from relax.core.run_settings import algorithm_spec, custom_policy_loss, lora_settings
+from relax.core.state import checkpoint
+from relax.core.state.run_dir import loads_a_run_without_checkpoints
+from relax.data.dataset import DatasetError, parse_data_spec
+from relax.telemetry.notify import invalid_url_positions, split_urls
+
+logger = logging.getLogger("relax")
+
+
+def check_model_path(cfg: RelaxConfig) -> Path:
+    if not cfg.hf_checkpoint:
+        raise ConfigError(f"{flag('hf_checkpoint')} is required")
+    problem = model_config_problem(cfg.hf_checkpoint)
+    if problem is not None:
+        raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
+    return Path(cfg.hf_checkpoint)
+
+
+def check_model_files(cfg: RelaxConfig) -> None:
+    """The model folder holds weights and a tokenizer (after the family check: an unsupported family is refused
+    with its own reason first)."""
+    problem = model_files_problem(cfg.hf_checkpoint)
+    if problem is not None:
+        raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
+
+
+def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
+    """Every data file named exists (a slice spec is parsed, so a malformed one is named as such)."""
+    specs = dict(cfg.eval_prompt_data)
+    if training:
+        if not cfg.prompt_data:
+            raise ConfigError(f"{flag('prompt_data')} is required for training")
+        specs = {"": cfg.prompt_data, **specs}
+    for name, spec in specs.items():
+        where = flag("prompt_data") if not name else f"{flag('eval_prompt_data')} {name}"
+        try:
+            path, _ = parse_data_spec(spec)
+        except DatasetError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        if not path.is_file():
+            raise ConfigError(f"{where}: {path}: file not found")
+
+
+def check_model_family(config, model_path: Path) -> None:
+    """A family that cannot work yet is refused with its reason (docs/models.md); one Relax does not know is tried
+    on the Hugging Face paths, with a warning."""
+    try:
+        family = check_supported(config, f"{flag('hf_checkpoint')} {model_path}")
+    except UnsupportedModelError as error:
+        raise ConfigError(str(error)) from None
+    if family is None:
+        logger.warning("model_type %r (%s) is not in docs/models.md: it runs on the Hugging Face paths, untested",
+                       config.model_type, model_path)
+
+
+def check_model_options(cfg: RelaxConfig, config, model_path: Path) -> None:
+    """Options that depend on the model's modules, checked on a weightless copy of it: --target-modules and
+    --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh, --use-rollout-routing-replay has
+    routers."""
+    with torch.device("meta"):
+        model = model_from_config(config, torch.float32)
+    try:
+        if cfg.moe_aux_loss_coef:
+            moe_aux_loss(model, cfg.moe_aux_loss_coef)
+        if cfg.use_rollout_routing_replay:
+            routing_shape(model)
+        if cfg.lora_rank:
+            inject(model, lora_settings(cfg))
+    except ValueError as error:
+        raise ConfigError(f"{error} (the model at {model_path})") from None
+
+
+def check_context_length(cfg: RelaxConfig, config, model_path: Path) -> None:
+    """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
+    computes garbage with positions it was never trained on)."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not limit:
+        return
+    for name in ("rollout_max_response_len", "eval_max_response_len", "rollout_max_context_len"):
+        value = getattr(cfg, name)
+        if value is not None and value >= limit:
+            raise ConfigError(f"{flag(name)} {value}: the model at {model_path} has {limit} positions "
+                              "(max_position_embeddings), which must hold the prompt too")
+    if cfg.rollout_max_prompt_len is not None and cfg.rollout_max_prompt_len + cfg.rollout_max_response_len > limit:
+        raise ConfigError(f"{flag('rollout_max_prompt_len')} {cfg.rollout_max_prompt_len} + "
+                          f"{flag('rollout_max_response_len')} {cfg.rollout_max_response_len} exceed the "
+                          f"{limit} positions of the model at {model_path}")
+
+
+def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
+    """The checks a run's settings allow without loading a model or data, done before a run directory exists:
+    the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
+    paths. Returns the model folder."""
+    check_optional_dependencies(cfg)
+    model_path = check_model_path(cfg)
+    config = AutoConfig.from_pretrained(model_path)  # read once for the checks below
+    check_model_family(config, model_path)
+    check_model_files(cfg)
+    if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
+        check_model_options(cfg, config, model_path)
+    if cfg.use_audio_in_video and not is_qwen3_omni(config):
+        raise ConfigError(f"{flag('use_audio_in_video')}: the model at {model_path} ({config.model_type}) does not "
+                          "take video with its sound track here; the Qwen3-Omni thinker does (Qwen2.5-Omni "
+                          "interleaves by chunks of seconds, not built yet)")
+    check_context_length(cfg, config, model_path)
+    check_data_files(cfg, training)
+    if cfg.load and not loads_a_run_without_checkpoints(cfg):
+        try:
+            checkpoint.resolve_checkpoint_root(cfg.load)
+        except checkpoint.CheckpointError as error:
+            raise ConfigError(f"{flag('load')} {error}") from None
+    build_reward_computer(cfg).close()
+    build_dynamic_sampling(cfg)
+    load_generate_function(cfg)
+    algorithm_spec(cfg)  # the custom advantage and policy-loss functions import
+    custom_policy_loss(cfg)
+    check_notify_urls(cfg)
+    return model_path
+
+
+def check_optional_dependencies(cfg: RelaxConfig) -> None:
+    """Every setting that needs an optional extra of relax-rl finds it installed, or fails naming the command that
+    installs it (before anything starts: a missing Ray used to end in three chained tracebacks)."""
+    needs = []  # (the setting, its modules, the extra)
+    if cfg.placement == "ray":
+        needs.append((f"{flag('placement')} ray", ["ray"], "ray"))
+        if cfg.fully_async or cfg.hybrid:
+            needs.append((f"{flag('fully_async' if cfg.fully_async else 'hybrid')} under {flag('placement')} ray "
+                          "(its TransferQueue data plane)", ["transfer_queue", "tensordict"], "ray"))
+    if cfg.rollout_serve_replicas:
+        needs.append((flag("rollout_serve_replicas"), ["ray"], "ray"))
+    if cfg.use_wandb:
+        needs.append((flag("use_wandb"), ["wandb"], "wandb"))
+    if cfg.use_clearml:
+        needs.append((flag("use_clearml"), ["clearml"], "clearml"))
+    if cfg.liger_kernel == "on":
+        needs.append((f"{flag('liger_kernel')} on", ["liger_kernel"], "gpu"))
+    for setting, modules, extra in needs:
+        missing = [module for module in modules if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ConfigError(f"{setting} needs {', '.join(missing)}, from relax-rl's `{extra}` extra, which is not "
+                              f"installed: pip install -e \".[{extra}]\" in a clone (pip install \"relax-rl[{extra}]\" "
+                              "otherwise)")
+
+
+def check_notify_urls(cfg: RelaxConfig) -> None:
+    urls = split_urls(cfg.notify_urls)
+    if not urls:
+        return
+    bad = invalid_url_positions(urls)
+    if bad:  # by position: the text may hold a token
+        raise ConfigError(f"{flag('notify_urls')}: URL {', '.join(map(str, bad))} of {len(urls)} is not one Apprise "
+                          "knows (https://github.com/caronc/apprise/wiki; the URL is not shown: it may hold a token)")
+
+
+def check_teacher_path(cfg: RelaxConfig, tokenizer) -> Path:
+    path = Path(cfg.teacher_hf_checkpoint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: not a Hugging Face model folder (no config.json)")
+    teacher_vocab = AutoConfig.from_pretrained(path).vocab_size
+    if teacher_vocab != AutoConfig.from_pretrained(cfg.hf_checkpoint).vocab_size:
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: vocabulary of {teacher_vocab} tokens differs from "
+                          f"the student's; distillation compares log-probs token by token")
+    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: its tokenizer differs from the student's")
+    return path

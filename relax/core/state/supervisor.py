@@ -1,0 +1,151 @@
+"""Global restart (``--max-global-restart N``): `relax train` as a supervising parent of the run's process.
+
+The parent starts the run as a child process and waits. A child that ends well, stops on a signal with a
+checkpoint, or fails with an error Relax named (a bad setting, a damaged checkpoint: exit 2, which a restart
+would only repeat) ends the supervision with its exit code. A child that dies otherwise (killed, out of memory,
+a crash) is started again, at most N times, resuming the run in place (``--load <save dir>``): from its newest intact
+checkpoint or, when none was saved yet, from its first step (its run.log kept). A resumed run truncates its metrics
+after the checkpoint's step and re-trains the steps after it, so the metrics equal an uninterrupted run's: no step
+trained twice into the record, none skipped.
+
+With ``--use-health-check`` the parent also watches the child's ``health.json``, which its health monitor rewrites
+every second: once the child has written it, a state older than ``--heartbeat-timeout-s`` means the whole process
+is stopped (SIGSTOP) or wedged, and the parent kills its process group and restarts it like a dead one.
+
+SIGTERM and SIGINT sent to the parent go to the child (which stops after its step with a checkpoint), so a
+scheduler's stop works as without supervision. Each restart is logged to ``run.log`` and notified
+(``--notify-urls``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relax.core.state.health import read_state
+from relax.core.state.liveness import SilenceJudge
+
+logger = logging.getLogger("relax")
+
+SUPERVISED_ENV = "RELAX_SUPERVISED"  # set in the child: it runs the training itself
+RESTARTS_ENV = "RELAX_GLOBAL_RESTARTS"  # how many restarts came before this child (--use-metrics-service)
+NOT_RESTARTABLE = {0, 2}  # done; an error Relax named (a restart would repeat it)
+
+
+def _without_flags(argv: list[str], names: set[str], with_value: set[str]) -> list[str]:
+    """``argv`` without the given flags (and the value of those in ``with_value``), in either spelling."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in names:
+            skip = name in with_value and "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def child_argv(argv: list[str], save_dir: Path, restart: int) -> list[str]:
+    """The first start runs ``argv`` as given; a restart resumes the run in place (``--load`` its save directory):
+    from its newest intact checkpoint, or from its first step when it had none yet, keeping its run.log (with the
+    fault's error and the restart's note), which ``--overwrite`` would delete."""
+    if restart == 0:
+        return list(argv)
+    base = _without_flags(argv, {"--load", "--overwrite", "--no-overwrite"}, {"--load"})
+    return [*base, "--load", str(save_dir)]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def supervise(argv: list[str], cfg, notifier) -> int:
+    """Run ``relax train argv`` in a child process, restarting it as the module docstring says."""
+    save_dir = Path(cfg.save_dir)
+    env = {**os.environ, SUPERVISED_ENV: "1"}
+    child: subprocess.Popen | None = None
+    stop_signal: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        stop_signal.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for restart in range(cfg.max_global_restart + 1):
+            args = child_argv(argv, save_dir, restart)
+            started = time.monotonic()
+            # Its own process group: a terminal's Ctrl-C or a group-wide SIGTERM reaches the child once, through
+            # `forward` (a second signal would make it stop at once, without its checkpoint)
+            child = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args],
+                                     env={**env, RESTARTS_ENV: str(restart)}, process_group=0)
+            code = _wait_or_hang(child, cfg)
+            if code in NOT_RESTARTABLE or stop_signal or restart == cfg.max_global_restart:
+                if code not in NOT_RESTARTABLE and not stop_signal:
+                    _note(cfg, f"the run died ({_describe(code)}) and --max-global-restart "
+                               f"{cfg.max_global_restart} restarts are used up")
+                return code if code >= 0 else 128 - code
+            cause = f"the run died ({_describe(code)}) after {time.monotonic() - started:.0f} s"
+            _note(cfg, f"{cause}; restart {restart + 1} of {cfg.max_global_restart}")
+            notifier.send("restarting", f"run directory {cfg.output_dir}: {cause}; restart {restart + 1} of "
+                                        f"{cfg.max_global_restart}", failure=True)
+        return 1  # pragma: no cover - the loop always returns
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_or_hang(child: subprocess.Popen, cfg) -> int:
+    """The child's exit code; under --use-health-check a child whose health state went stale is killed first."""
+    if not cfg.use_health_check:
+        return child.wait()
+    silence = SilenceJudge(cfg.heartbeat_timeout_s)
+    starved_said = False
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        state = read_state(cfg.output_dir)
+        if state is None or state.get("pid") != child.pid or state.get("fatal") or state.get("ended"):
+            continue  # not written by this child yet (start-up), or it is ending (after a fault, or done)
+        silent = time.time() - state["time"]
+        if silent <= cfg.heartbeat_timeout_s:
+            silence.look(child.pid)
+            starved_said = False
+            continue
+        if silence.starved(child.pid, silent):  # computing, only slowly: a loaded machine (`liveness`)
+            if not starved_said:
+                _note(cfg, f"the run's process (pid {child.pid}) has written no health state for {silent:.0f} s but "
+                           "is computing: starved of CPU, not hung; waiting")
+                starved_said = True
+            continue
+        _note(cfg, f"the run's process (pid {child.pid}) has written no health state for {silent:.0f} s "
+                   f"(--heartbeat-timeout-s {cfg.heartbeat_timeout_s:g}): stopped or hung; killing it")
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return child.wait()
+
+
+def _note(cfg, message: str) -> None:
+    """To the console and the run's log (the child appends to the same run.log)."""
+    print(f"relax train: {message}", file=sys.stderr, flush=True)
+    run_log = Path(cfg.output_dir) / "run.log"
+    if run_log.parent.is_dir():
+        with run_log.open("a") as handle:
+            handle.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING relax.supervisor: {message}\n")

@@ -1,0 +1,574 @@
+"""The agent gateway: an OpenAI-compatible ``/v1/chat/completions`` through which an external agent program
+drives the policy, while Relax records the session's trajectory token-in/token-out for training.
+
+One gateway serves many sessions. A session is opened per sample (`AgentGateway.open_session`); its id is an
+unguessable token that the agent sends as its API key (``Authorization: Bearer <session id>``). Unknown or closed
+sessions get 401; the token is never logged or echoed.
+
+Token-in/token-out: every request replays the whole conversation. The gateway checks that the history is the
+recorded one (earlier assistant messages equal, as text and tool calls, to what the model generated) followed by
+new non-assistant messages, and encodes only those new messages, as the chat template's rendering of
+``DUMMY + new`` minus the rendering of ``DUMMY`` (so earlier tokens are never re-tokenized). The tokens the
+template puts after an assistant message that the model did not generate itself (ChatML's ``"\\n"`` after
+``<|im_end|>``) are added too. Inserted tokens get loss mask 0, the model's tokens loss mask 1 and their log-probs.
+A history that diverges from the recording (an edited or dropped turn) is answered 400: a session is one linear
+trajectory; an agent that wants a new branch opens a new session. A request that repeats the history of the last
+turn (a client retry) gets that turn's response again.
+
+Sampling follows the training config (temperature, top-p, top-k, stop); ``max_tokens`` of a request can only lower
+the configured response length, and ``--rollout-max-context-len`` caps the session's total tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
+from relax.rollout.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
+from relax.utils.http_server import EmbeddedServer, HTTPLimits, client_gone, uvicorn_config
+
+logger = logging.getLogger("relax.agent_gateway")
+
+# Rendered before new messages and cut off again, so that only the new messages' tokens remain (upstream's trick).
+DUMMY_MESSAGES = [{"role": "system", "content": "dummy system"}, {"role": "user", "content": "dummy user"}]
+_CONTENT_MARKER = "RELAX-CONTENT-MARKER"
+START_TIMEOUT_S = 30.0
+SSE_HEARTBEAT_S = 15.0  # a buffered stream sends SSE comments while the turn generates, as upstream
+
+
+class GatewayError(Exception):
+    """An HTTP error answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 409: "conflict"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # agents send many OpenAI options that do not apply here
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AgentMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise GatewayError(400, f"messages[{index}].content: parts of type {part.get('type')!r} are not "
+                                        "supported (text only)", f"messages.{index}.content")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class AgentChatRequest(_Body):
+    """The fields of an OpenAI chat request that the gateway reads. Temperature and top-p are accepted and ignored:
+    the training config decides how the policy samples."""
+
+    messages: list[AgentMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)  # one session records one trajectory
+    tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+def _canonical_arguments(arguments: str | dict[str, Any]) -> str:
+    """Tool-call arguments as canonical JSON, so a client that re-serializes them still matches."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True)
+
+
+def _comparable(message: AgentMessage, index: int) -> tuple:
+    """What must stay equal when a message is replayed (tool-call ids and names of assistants aside)."""
+    calls = tuple((call.function.name, _canonical_arguments(call.function.arguments))
+                  for call in message.tool_calls or ())
+    if message.role == "assistant":
+        return ("assistant", message.text(index), calls)
+    return (message.role, message.text(index), calls, message.tool_call_id, message.name)
+
+
+def _template_message(message: AgentMessage, index: int) -> dict[str, Any]:
+    """The message as a dict for ``apply_chat_template``."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text(index)}
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"type": "function", "id": call.id, "function": {
+            "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+            for call in message.tool_calls]
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            rendered[key] = getattr(message, key)
+    return rendered
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    # Templates (Qwen's among them) print dict arguments as JSON and strings as they are.
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            return json.loads(arguments)
+    return arguments
+
+
+class ChatTemplate:
+    """Token ids of chat messages by the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the agent gateway needs a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.assistant_end = self._assistant_end_text()
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False, **self.template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list | None) -> list[int]:
+        """The first request: every message, then the generation prompt."""
+        return self.encode(self.render(messages, True, tools))
+
+    def continuation(self, previous_output_ids: list[int], new_messages: list[dict[str, Any]]) -> list[int]:
+        """Tokens after a model turn: the end of the assistant message the model did not write, the new messages,
+        and the generation prompt."""
+        base = self.render(DUMMY_MESSAGES, False)
+        full = self.render(DUMMY_MESSAGES + new_messages, True)
+        if not full.startswith(base):
+            raise GatewayError(500, "the chat template renders earlier messages differently when messages follow; "
+                                    "the new messages cannot be encoded on their own")
+        generated = self.tokenizer.decode(previous_output_ids, skip_special_tokens=False)
+        return self.encode(_unwritten_end(generated, self.assistant_end) + full[len(base):])
+
+    def _assistant_end_text(self) -> str:
+        """What the template writes after an assistant message's content (ChatML: ``"<|im_end|>\\n"``)."""
+        text = self.render(DUMMY_MESSAGES + [{"role": "assistant", "content": _CONTENT_MARKER}], False)
+        return text[text.rindex(_CONTENT_MARKER) + len(_CONTENT_MARKER):]
+
+
+def _unwritten_end(generated: str, assistant_end: str) -> str:
+    """The part of ``assistant_end`` that the model's text does not already end with (``"\\n"`` after an EOS
+    ``<|im_end|>``; all of it after a turn cut by the length limit)."""
+    for written in range(len(assistant_end), 0, -1):
+        if generated.endswith(assistant_end[:written]):
+            return assistant_end[written:]
+    return assistant_end
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+@dataclass
+class Trajectory:
+    """A session's tokens: ``prompt_ids`` (the first request, up to its generation prompt), then ``response_ids``,
+    with one ``loss_mask`` (1 = model token), ``log_probs`` (0.0 for inserted tokens) and ``weight_versions``
+    entry per response token. ``finish_reason`` is the last model turn's; ``stop_reason`` says why a session
+    ended early (``budget_exhausted``)."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def append(self, ids: list[int], mask: int, log_probs: list[float], versions: list[int]) -> None:
+        self.response_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.log_probs += log_probs
+        self.weight_versions += versions
+
+
+@dataclass
+class _PreparedTurn:
+    input_ids: list[int]  # the whole context the model sees
+    inserted_ids: list[int]  # new tokens after the recorded ones (empty on the first turn)
+    comparables: list[tuple]  # the request's messages, for later comparison
+    max_new_tokens: int
+
+
+class Session:
+    """One agent episode: its recorded trajectory and the messages that produced it."""
+
+    def __init__(self, session_id: str, name: str, engine: Any, sampling: SamplingParams,
+                 max_context_len: int | None, gateway: AgentGateway) -> None:
+        self.session_id = session_id  # the bearer token: never logged
+        self.name = name  # a public label for logs and request ids
+        self.engine = engine
+        self.sampling = sampling
+        self.max_context_len = max_context_len
+        self.trajectory = Trajectory()
+        self._gateway = gateway
+        self._messages: list[tuple] = []  # comparable forms of the recorded messages
+        self._last_turn: tuple[list[tuple], dict[str, Any]] | None = None  # (request history, response)
+        self._lock = asyncio.Lock()  # one turn at a time: each turn extends the previous one
+        self._in_flight: str | None = None
+        self._last_output_ids: list[int] = []  # the previous model turn, to close its assistant message
+        self.closed = False
+
+    async def run_turn(self, body: AgentChatRequest) -> dict[str, Any]:
+        """Check and extend the trajectory by one model turn; the chat.completion response."""
+        async with self._lock:
+            comparables = [_comparable(message, i) for i, message in enumerate(body.messages)]
+            if self._last_turn is not None and comparables == self._last_turn[0]:
+                return self._last_turn[1]  # a retry of the last turn: same answer, nothing recorded twice
+            turn = self._prepare(body, comparables)
+            output = await self._generate(turn)
+            content, tool_calls = self._gateway.split_tool_calls(output.text)
+            self._record(turn, output, content, tool_calls)
+            response = _chat_completion(self._gateway.model_name, turn, output, content, tool_calls,
+                                        body.logprobs, self._gateway.template.tokenizer)
+            self._last_turn = (comparables, response)
+            return response
+
+    def _prepare(self, body: AgentChatRequest, comparables: list[tuple]) -> _PreparedTurn:
+        template = self._gateway.template
+        first_turn = self.trajectory.turns == 0
+        new_start = 0 if first_turn else self._check_history(comparables)
+        new = [_template_message(m, new_start + i) for i, m in enumerate(body.messages[new_start:])]
+        if first_turn:
+            inserted, context = [], template.prompt(new, body.tools)
+        else:
+            inserted = template.continuation(self._last_output_ids, new)
+            context = self.trajectory.tokens + inserted
+        requested = body.max_completion_tokens or body.max_tokens or self.sampling.max_new_tokens
+        max_new_tokens = min(requested, self.sampling.max_new_tokens)
+        if self.max_context_len is None:  # the multi-turn loop's default budget: the prompt + one response length
+            self.max_context_len = len(context) + self.sampling.max_new_tokens
+        if self.max_context_len - len(context) < 1:
+            self.trajectory.stop_reason = "budget_exhausted"
+            raise GatewayError(400, f"context budget exhausted: this turn would start at {len(context)} tokens of "
+                                    f"the session's {self.max_context_len} (--rollout-max-context-len)", "messages")
+        max_new_tokens = min(max_new_tokens, self.max_context_len - len(context))
+        return _PreparedTurn(context, inserted, comparables, max_new_tokens)
+
+    def _check_history(self, comparables: list[tuple]) -> int:
+        """Index of the first new message; 400 unless the request extends the recorded history."""
+        recorded = self._messages
+        if len(comparables) <= len(recorded):
+            raise GatewayError(400, f"messages: {len(comparables)} messages but the session has recorded "
+                                    f"{len(recorded)}; send the whole history plus at least one new message",
+                               "messages")
+        for index, (sent, kept) in enumerate(zip(comparables, recorded)):
+            if sent != kept:
+                what = "what the model generated" if kept[0] == "assistant" else "the message recorded earlier"
+                raise GatewayError(400, f"messages[{index}] ({sent[0]}) differs from {what} in this session: "
+                                        "token-in/token-out needs the history replayed unchanged (open a new "
+                                        "session for a new branch)", f"messages.{index}")
+        for index in range(len(recorded), len(comparables)):
+            if comparables[index][0] == "assistant":
+                raise GatewayError(400, f"messages[{index}]: a new assistant message; in a session only the model "
+                                        "writes assistant turns", f"messages.{index}")
+        return len(recorded)
+
+    async def _generate(self, turn: _PreparedTurn) -> GenerationOutput:
+        request_id = f"agent-{self.name}-t{self.trajectory.turns}-{uuid.uuid4().hex[:8]}"
+        params = replace(self.sampling, max_new_tokens=turn.max_new_tokens)
+        self._in_flight = request_id
+        try:
+            [output] = await self.engine.generate([GenerationRequest(request_id, turn.input_ids, params)])
+        except (ValueError, TypeError) as error:  # the engine's request validation
+            raise GatewayError(400, str(error)) from error
+        finally:
+            self._in_flight = None
+        return output
+
+    def _record(self, turn: _PreparedTurn, output: GenerationOutput, content: str,
+                tool_calls: list[dict[str, Any]]) -> None:
+        trajectory = self.trajectory
+        if self.closed:
+            return  # the agent was stopped while this turn generated: the sample is already built
+        versions = list(output.output_weight_versions or [output.weight_version] * len(output.output_ids))
+        if trajectory.turns == 0:
+            trajectory.prompt_ids = list(turn.input_ids)
+        # Inserted tokens carry the version of the model tokens before them, as in the multi-turn loop.
+        previous_version = trajectory.weight_versions[-1] if trajectory.weight_versions else output.weight_version
+        trajectory.append(turn.inserted_ids, 0, [0.0] * len(turn.inserted_ids),
+                          [previous_version] * len(turn.inserted_ids))
+        trajectory.append(list(output.output_ids), 1, list(output.output_log_probs), versions)
+        trajectory.turns += 1
+        trajectory.finish_reason = output.finish_reason
+        self._last_output_ids = list(output.output_ids)
+        assistant = AgentMessage(role="assistant", content=content,
+                                 tool_calls=[ToolCall.model_validate(call) for call in tool_calls] or None)
+        self._messages = turn.comparables + [_comparable(assistant, len(turn.comparables))]
+
+    async def abort(self) -> None:
+        self.closed = True
+        await self.abort_turn()
+
+    async def abort_turn(self) -> None:
+        """Abort the turn being generated (its agent went away); the session stays open."""
+        if self._in_flight is not None:
+            await self.engine.abort([self._in_flight])
+
+
+def _chat_completion(model: str, turn: _PreparedTurn, output: GenerationOutput, content: str,
+                     tool_calls: list[dict[str, Any]], want_logprobs: bool, tokenizer: Any) -> dict[str, Any]:
+    finish = "tool_calls" if tool_calls and output.finish_reason == "stop" else output.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    logprobs = None
+    if want_logprobs:
+        logprobs = {"content": [{"token": tokenizer.decode([token]), "logprob": log_prob, "bytes": None,
+                                 "top_logprobs": []}
+                                for token, log_prob in zip(output.output_ids, output.output_log_probs)]}
+    prompt_tokens, completion_tokens = len(turn.input_ids), len(output.output_ids)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                         "logprobs": logprobs}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+# ----------------------------------------------------------------------------- the gateway
+
+
+def openai_tool_calls(parser: ToolCallParser) -> Callable[[str], tuple[str, list[dict[str, Any]]]]:
+    """A splitter of model text into OpenAI ``content`` and ``tool_calls`` by ``parser`` (relax.rollout.agentic.
+    tool_parser). A turn with a malformed call stays plain content, so the agent sees exactly what the model wrote."""
+
+    def split(text: str) -> tuple[str, list[dict[str, Any]]]:
+        parsed = parser(text)
+        if not parsed.tool_calls or parsed.errors:
+            return text, []
+        return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                                for call in parsed.tool_calls]
+
+    return split
+
+
+class AgentGateway:
+    """Serves ``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1 (a free port) in the running event loop.
+
+    ``tokenizer`` (with a chat template) encodes the messages; ``split_tool_calls(text) -> (content, tool_calls)``
+    turns a model turn into an OpenAI message (default: Hermes/Qwen ``<tool_call>`` blocks, `openai_tool_calls`).
+    """
+
+    def __init__(self, tokenizer: Any, *, model_name: str = "relax-policy",
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 split_tool_calls: Callable[[str], tuple[str, list[dict[str, Any]]]] | None = None,
+                 http_limits: HTTPLimits | None = None) -> None:
+        self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        self.http_limits = http_limits  # what one client may take (`relax.utils.http_server.HTTPLimits`)
+        self.model_name = model_name
+        self.split_tool_calls = split_tool_calls or openai_tool_calls(parse_hermes_tool_calls)
+        self.sessions: dict[str, Session] = {}
+        self.app = self._build_app()
+        self.port: int | None = None
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the agent gateway is not started")
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._server = EmbeddedServer(uvicorn_config(self.app, self.http_limits, log_level="warning", access_log=False,
+                                                     lifespan="off"))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done() or asyncio.get_running_loop().time() > deadline:
+                problem = self._task.exception() if self._task.done() else "timeout"
+                raise RuntimeError(f"the agent gateway did not start on 127.0.0.1:{self.port}: {problem}")
+            await asyncio.sleep(0.01)
+        logger.debug("agent gateway on %s", self.base_url)  # once per rollout step: debug, not info
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.abort()
+        self.sessions.clear()
+        if self._task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except Exception as error:  # noqa: BLE001 - a failed start or stop must not mask the run's own error
+                logger.warning("agent gateway on port %s: %s: %s", self.port, type(error).__name__, error)
+            self._task = None
+
+    def open_session(self, engine: Any, sampling: SamplingParams, *, max_context_len: int | None = None,
+                     name: str | None = None) -> Session:
+        """A new session that generates with ``engine`` (``generate(requests)`` and ``abort(ids)``; a
+        `RequestBatcher` merges the concurrent turns of many sessions) and ``sampling`` (its ``max_new_tokens``
+        caps every turn). ``max_context_len`` caps the session's tokens (None: the first prompt's length plus
+        ``sampling.max_new_tokens``, the multi-turn loop's default)."""
+        session_id = secrets.token_urlsafe(32)
+        session = Session(session_id, name or uuid.uuid4().hex[:8], engine, sampling, max_context_len, self)
+        self.sessions[session_id] = session
+        return session
+
+    async def close_session(self, session: Session) -> Trajectory:
+        """Stop serving the session (its token gets 401 from now on) and return its trajectory."""
+        self.sessions.pop(session.session_id, None)
+        await session.abort()
+        return session.trajectory
+
+    # ------------------------------------------------------------------------- HTTP
+
+    def _session_of(self, request: Request) -> Session:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        session = self.sessions.get(token.strip()) if scheme.lower() == "bearer" else None
+        if session is None:
+            raise GatewayError(401, "unknown or closed session: send Authorization: Bearer $RELAX_SESSION_ID")
+        return session
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="relax agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+            problems = [(".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body",
+                         str(item.get("msg", "")).removeprefix("Value error, ")) for item in error.errors()]
+            message = "; ".join(f"{where}: {what}" for where, what in problems) or "invalid request body"
+            return _error_response(400, message, problems[0][0] if problems else None)
+
+        @app.exception_handler(GatewayError)
+        async def _gateway_error(_: Request, error: GatewayError) -> JSONResponse:
+            return _error_response(error.status, error.message, error.param)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> dict[str, Any]:
+            self._session_of(request)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "relax"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: AgentChatRequest, request: Request) -> Any:
+            session = self._session_of(request)
+            if body.stream:
+                return await _buffered_stream(session, body)
+            # An agent that goes away mid-turn (killed, timed out) leaves no one to read the turn: it is aborted
+            # (recorded as it stands, finish "abort"), not decoded to its end.
+            turn = asyncio.ensure_future(session.run_turn(body))
+            gone = asyncio.ensure_future(client_gone(request.receive))
+            try:
+                await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not turn.done():
+                    await session.abort_turn()
+            if not turn.done():
+                await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+                return Response(status_code=499)
+            return turn.result()
+
+        return app
+
+
+_ABORTS: set[asyncio.Task] = set()  # aborts started from cancelled streams, kept until they end
+
+
+async def _buffered_stream(session: Session, body: AgentChatRequest) -> Any:
+    """``stream: true``: the whole turn as one SSE chunk, then ``[DONE]``; heartbeat comments while it generates.
+    Errors found before the first heartbeat (a bad history) are still plain HTTP errors."""
+    turn = asyncio.ensure_future(session.run_turn(body))
+    done, _ = await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+    if done and turn.exception() is not None:
+        raise turn.exception()  # type: ignore[misc]
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            while not turn.done():
+                yield ": keep-alive\n\n"
+                await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+        finally:  # the agent went away mid-turn (the response was cancelled): the turn is aborted
+            if not turn.done():  # in a task of its own: an await here would be cancelled with the response
+                task = asyncio.get_running_loop().create_task(session.abort_turn())
+                _ABORTS.add(task)
+                task.add_done_callback(_ABORTS.discard)
+        try:
+            response = turn.result()
+        except GatewayError as error:
+            yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
+            return
+        for chunk in _stream_chunks(response, include_usage):
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_chunks(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    choice = response["choices"][0]
+    delta = dict(choice["message"])
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    chunks = [{**base, "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"],
+                                    "logprobs": choice["logprobs"]}]}]
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": response["usage"]})
+    return chunks

@@ -1,0 +1,319 @@
+"""The engine core (issue 15): the block pool under random joins, aborts and finishes; continuous batching that
+gives a seeded request the same tokens whatever shares its steps; shared prompt blocks; preemption."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK, BlockManager, OutOfBlocks
+from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
+
+
+# ---- the block pool ----------------------------------------------------------------------------------------------
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random allocations (prompts from a tiny alphabet, so that prefixes repeat and blocks are shared), growth,
+    frees and prefix-cache resets: the refcounts always equal the tables holding each block, the free list holds
+    exactly the unreferenced blocks, and nothing is freed twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockManager(num_blocks=24, block_size=4)
+        self.tables: list[list[int]] = []
+        self.lengths: list[int] = []
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=30), share=st.booleans())
+    def allocate(self, tokens, share):
+        if not self.pool.can_allocate(tokens, share=share):
+            with pytest.raises(OutOfBlocks):
+                self.pool.allocate(tokens, share)
+            return
+        table, cached = self.pool.allocate(tokens, share)
+        assert len(table) == self.pool.blocks_for(len(tokens)) and 0 <= cached < len(tokens)
+        assert cached % self.pool.block_size == 0 and RESERVED_BLOCK not in table
+        self.tables.append(table)
+        self.lengths.append(len(tokens))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def grow(self, data):
+        index = data.draw(st.integers(0, len(self.tables) - 1))
+        if self.pool.num_free == 0 and len(self.tables[index]) * self.pool.block_size <= self.lengths[index]:
+            return
+        self.lengths[index] += 1
+        self.pool.append_slot(self.tables[index], self.lengths[index])
+        assert len(self.tables[index]) * self.pool.block_size >= self.lengths[index]
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def free(self, data):
+        index = data.draw(st.integers(0, len(self.tables) - 1))
+        self.pool.free(self.tables.pop(index))
+        self.lengths.pop(index)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.pool.reset_prefix_cache()
+
+    @invariant()
+    def refcounts_match_the_tables(self):
+        held = [0] * self.pool.num_blocks
+        for table in self.tables:
+            for block in table:
+                held[block] += 1
+        assert held == self.pool.refcount
+        assert set(self.pool._free) == {b for b in range(1, self.pool.num_blocks) if held[b] == 0}
+
+    def teardown(self):
+        for table in self.tables:
+            self.pool.free(table)
+        assert self.pool.num_free == self.pool.num_blocks - 1
+        with pytest.raises(RuntimeError, match="freed twice"):
+            if self.tables:
+                self.pool.free(self.tables[0])
+            else:
+                raise RuntimeError("freed twice")
+
+
+TestBlockPool = BlockPoolMachine.TestCase
+TestBlockPool.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ---- the engine --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def core_engine(tokenizer, **settings) -> EmbeddedEngine:
+    return EmbeddedEngine(make_model(seed=0), tokenizer, core=CoreSettings(mode="on", **settings))
+
+
+def request(rid: str, prompt: list[int], **params) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(**params))
+
+
+def assert_pool_empty(engine: EmbeddedEngine) -> None:
+    blocks = engine.core.blocks
+    assert blocks.num_free == blocks.num_blocks - 1 and not any(blocks.refcount[1:])
+    assert engine.core.in_flight == 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 20), st.booleans(), st.integers(0, 3)),
+                min_size=1, max_size=12), st.integers(0, 2**31))
+def test_random_joins_aborts_and_finishes_never_leak_blocks(tokenizer, jobs, seed):
+    """Callers join at random steps with random lengths; some are aborted mid-way. Every block comes back."""
+    engine = core_engine(tokenizer, max_total_tokens=160, page_size=4)
+    rng = random.Random(seed)
+
+    async def caller(index, prompt_len, new_tokens, abort, delay):
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        prompt = [rng.randrange(3, 60) for _ in range(prompt_len)]
+        task = asyncio.ensure_future(engine.generate([request(f"j{index}", prompt, max_new_tokens=new_tokens,
+                                                              temperature=1.0, ignore_eos=True)]))
+        if abort:
+            await asyncio.sleep(0)
+            await engine.abort([f"j{index}"])
+        (output,) = await task
+        assert output.finish_reason in (("abort", "length") if abort else ("length",))
+        assert len(output.output_ids) == len(output.output_log_probs) <= new_tokens
+
+    async def run_all():
+        await asyncio.gather(*(caller(i, *job) for i, job in enumerate(jobs)))
+
+    asyncio.run(run_all())
+    assert_pool_empty(engine)
+
+
+def test_a_seeded_request_samples_the_same_whatever_shares_its_steps(tokenizer):
+    engine = core_engine(tokenizer)
+    mine = [5, 9, 13, 17, 21]
+
+    def solo():
+        return asyncio.run(engine.generate([request("me", mine, max_new_tokens=16, seed=11, ignore_eos=True)]))[0]
+
+    alone = solo()
+
+    async def crowded():
+        others = [asyncio.ensure_future(engine.generate([request(f"o{i}", [7 + i] * (3 + i), max_new_tokens=5 + 3 * i,
+                                                                 temperature=0.8, seed=i, ignore_eos=True)]))
+                  for i in range(6)]
+        for _ in range(3):  # join mid-way through the others' decoding
+            await asyncio.sleep(0)
+        (out,) = await engine.generate([request("me", mine, max_new_tokens=16, seed=11, ignore_eos=True)])
+        await asyncio.gather(*others)
+        return out
+
+    with_others = asyncio.run(crowded())
+    assert with_others.output_ids == alone.output_ids
+    assert with_others.output_log_probs == pytest.approx(alone.output_log_probs, abs=1e-5)
+    assert_pool_empty(engine)
+
+
+def test_concurrent_callers_share_one_running_batch(tokenizer):
+    engine = core_engine(tokenizer)
+
+    async def together():
+        return await asyncio.gather(*(engine.generate([request(f"c{i}", [5 + i, 6], max_new_tokens=10,
+                                                               temperature=0, ignore_eos=True)]) for i in range(8)))
+
+    asyncio.run(together())
+    # 8 callers x 10 tokens: one prefill step, then 9 decode steps for all of them together
+    assert engine.core.steps == 10
+
+
+def test_a_grpo_group_computes_its_prompt_once(tokenizer):
+    engine = core_engine(tokenizer, page_size=4)
+    prompt = list(range(3, 41))  # 38 tokens: 9 full blocks of 4 and a partial one
+    outputs = asyncio.run(engine.generate([request(f"g{i}", prompt, max_new_tokens=6, seed=5, ignore_eos=True)
+                                           for i in range(8)]))
+    assert engine.core.runner.prefill_tokens == 38  # one prefill; the partial block is copied on first write
+    assert len({tuple(o.output_ids) for o in outputs}) > 1  # one prompt, eight different samples
+    assert_pool_empty(engine)
+
+
+def test_a_prompt_seen_again_later_reuses_its_full_blocks(tokenizer):
+    engine = core_engine(tokenizer, page_size=4)
+    prompt = list(range(3, 41))
+    asyncio.run(engine.generate([request("first", prompt, max_new_tokens=3, temperature=0)]))
+    before = engine.core.runner.prefill_tokens
+    asyncio.run(engine.generate([request("again", prompt + [7, 8], max_new_tokens=3, temperature=0)]))
+    assert engine.core.runner.prefill_tokens - before == 40 - 9 * 4  # the 9 full blocks came from the pool
+    assert_pool_empty(engine)
+
+
+def test_preemption_keeps_greedy_outputs(tokenizer):
+    prompts = [[3 + (i * 7 + j) % 50 for j in range(6 + i)] for i in range(6)]
+    requests = [request(f"p{i}", p, max_new_tokens=24, temperature=0, ignore_eos=True) for i, p in enumerate(prompts)]
+    roomy = asyncio.run(core_engine(tokenizer).generate(requests))
+    tight_engine = core_engine(tokenizer, max_total_tokens=64, page_size=4)
+    tight = asyncio.run(tight_engine.generate(requests))
+    assert tight_engine.core.scheduler.preemptions > 0
+    assert [o.output_ids for o in tight] == [o.output_ids for o in roomy]
+    for a, b in zip(tight, roomy):
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
+    assert_pool_empty(tight_engine)
+
+
+def test_a_request_longer_than_the_pool_is_refused_naming_it(tokenizer):
+    engine = core_engine(tokenizer, max_total_tokens=32, page_size=4)
+    with pytest.raises(ValueError, match="'long'.*do not fit the KV pool"):
+        asyncio.run(engine.generate([request("long", list(range(3, 40)), max_new_tokens=4)]))
+    assert_pool_empty(engine)
+
+
+def test_weight_update_resets_the_prefix_cache(tokenizer):
+    engine = core_engine(tokenizer, page_size=4)
+    prompt = list(range(3, 23))
+    asyncio.run(engine.generate([request("a", prompt, max_new_tokens=2, temperature=0)]))
+    computed = engine.core.runner.prefill_tokens
+    asyncio.run(engine.generate([request("b", prompt, max_new_tokens=2, temperature=0)]))
+    assert engine.core.runner.prefill_tokens - computed == 4  # the cached prefix was reused
+    new_weights = list(make_model(seed=1).named_parameters())
+    asyncio.run(engine.update_weights(new_weights, version=1))
+    computed = engine.core.runner.prefill_tokens
+    (after,) = asyncio.run(engine.generate([request("c", prompt, max_new_tokens=2, temperature=0)]))
+    assert engine.core.runner.prefill_tokens - computed == 20 and after.weight_version == 1
+    reference = EmbeddedEngine(make_model(seed=1), tokenizer, core=CoreSettings(mode="off"))
+    (expected,) = asyncio.run(reference.generate([request("c", prompt, max_new_tokens=2, temperature=0)]))
+    assert after.output_ids == expected.output_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperature):
+    """bf16 on CUDA, decode in graphs with the fused kernels: each token's log-prob equals the Hugging Face forward
+    of the same tokens (the trainer's) up to bf16 rounding, as the GPU smoke tests require of the rollout (k1
+    mismatch < 0.05), and a greedy token is the forward's argmax unless the top two are within rounding."""
+    model = make_model(seed=0).to("cuda", torch.bfloat16)
+    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096))
+    assert core.core.runner.graphs and core.core.runner.decoder.fused
+    requests = [request(f"r{i}", [5 + i] * (4 + i), max_new_tokens=24, temperature=temperature, seed=i,
+                        ignore_eos=True) for i in range(20)]
+    outputs = asyncio.run(core.generate(requests))
+    gaps = []
+    for req, out in zip(requests, outputs):
+        ids = torch.tensor([req.input_ids + out.output_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(req.input_ids) - 1:-1].float()
+        scaled = logits / (temperature or 1.0)
+        reference = scaled.log_softmax(-1).gather(1, torch.tensor(out.output_ids, device="cuda")[:, None])[:, 0]
+        gaps += (torch.tensor(out.output_log_probs, device="cuda") - reference).tolist()
+        if temperature == 0:
+            top2 = logits.topk(2, dim=-1).values
+            chosen = logits.gather(1, torch.tensor(out.output_ids, device="cuda")[:, None])[:, 0]
+            # within a few bf16 steps of the top logit (the forward of the whole sequence rounds differently)
+            assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - chosen < 0.125))
+    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, kv_heads, page", [(16, 8, 16), (32, 8, 16), (4, 4, 8)])
+def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page):
+    from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    dim, blocks, batch = 128, 600, 9
+    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    lens = torch.tensor([1, 2, 15, 16, 17, 64, 65, 300, 777], dtype=torch.int32, device="cuda")
+    tables = torch.zeros(batch, 128, dtype=torch.int32, device="cuda")
+    order = (torch.randperm(blocks - 1, device="cuda") + 1).to(torch.int32)
+    used = 0
+    for row, length in enumerate(lens.tolist()):
+        count = -(-length // page)
+        tables[row, :count] = order[used:used + count]
+        used += count
+    query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page)
+    for row, length in enumerate(lens.tolist()):
+        positions = torch.arange(length, device="cuda")
+        slots = tables[row].long()[positions // page] * page + positions % page
+        k = keys[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = values[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", query[row].float(), k) * dim ** -0.5).softmax(-1)
+        expected = torch.einsum("hl,lhd->hd", probs, v)
+        error = (out[row].float() - expected).norm() / expected.norm()
+        assert error < 1e-2, (row, length, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (4, 4)])
+def test_the_varlen_prefill_matches_the_padded_prefill(heads, kv_heads):
+    """Prompts with and without a cached prefix in the pool (a query block shorter than its keys): FlashAttention's
+    varlen kernel gives the padded SDPA path's attention, so its causal mask is aligned bottom-right."""
+    from relax.backends.inference.engine_core.attention import attend, prefill_metadata
+    from relax.backends.models import flash_varlen
+
+    if not flash_varlen.available():
+        pytest.skip("this PyTorch has no varlen FlashAttention")
+    torch.manual_seed(0)
+    dim, page, blocks = 128, 16, 400
+    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    starts, ends = [0, 0, 32, 48, 5, 0], [1, 37, 40, 300, 6, 16]
+    order = (torch.randperm(blocks - 1) + 1).tolist()
+    tables, used = [], 0
+    for end in ends:
+        count = -(-end // page)
+        tables.append(order[used:used + count])
+        used += count
+    query = torch.randn(sum(e - s for s, e in zip(starts, ends)), heads, dim, device="cuda", dtype=torch.bfloat16)
+    padded = attend(query, keys, values, prefill_metadata(page, tables, starts, ends, torch.device("cuda")), 0.1)
+    varlen = attend(query, keys, values,
+                    prefill_metadata(page, tables, starts, ends, torch.device("cuda"), varlen=True), 0.1)
+    error = (varlen.float() - padded.float()).norm() / padded.float().norm()
+    assert error < 1e-2, error

@@ -1,0 +1,329 @@
+"""Issue 28, items 18-24: a new user's first hour, and the secrets and exposure of the set-up.
+
+Set-up that verifies itself, the CPU thread count chosen by measurement, missing extras named before any work,
+export that never overwrites silently and carries a processor, LoRA adapters tied to their base model, messages that
+name the mistake (and the flag that fixes it), and reports that say what they count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from relax.cli.args import parse_config
+from relax.cli.main import main
+from relax.config import ConfigError
+from relax.telemetry.plots import plot_run
+from relax.utils import cpu_threads
+from tests.support.runs import ROOT, run_relax, tiny_train_args
+
+
+def _relax(capsys, *argv: str) -> tuple[int, str, str]:
+    """`relax ...` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ---- 19: set-up verifies its result ---------------------------------------------------------------------------------
+def test_setup_fails_loudly_when_relax_is_not_installed(tmp_path):
+    """The verification of scripts/setup.sh, run with a python whose pip 'succeeded' without installing relax-rl."""
+    clone = tmp_path / "clone"
+    (clone / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "setup.sh", clone / "scripts" / "setup.sh")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    venv_python = clone / ".venv" / "bin"
+    # python3 -m venv makes a venv whose pip does nothing and whose python cannot import relax
+    (fake / "python3").write_text(f"""#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+  mkdir -p {venv_python}
+  printf '#!/bin/sh\\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then exit 0; fi\\nexec {sys.executable} -I -S "$@"\\n' > {venv_python}/python
+  chmod +x {venv_python}/python
+  printf 'PATH={venv_python}:$PATH\\n' > {venv_python}/activate
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    (fake / "python3").chmod(0o755)
+    result = subprocess.run(["bash", "scripts/setup.sh", "test"], cwd=clone, capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{fake}:/usr/bin:/bin"}, timeout=120)
+    assert result.returncode != 0
+    assert "FAILED" in result.stderr and "relax-rl is not installed" in result.stderr
+    assert (clone / ".venv" / "setup.log").is_file()
+
+
+def test_relax_version(capsys):
+    code, out, _ = _relax(capsys, "--version")
+    assert code == 0 and out.startswith("relax ")
+
+
+# ---- 20: the CPU thread count ---------------------------------------------------------------------------------------
+def test_cpu_threads_are_measured_within_the_free_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads, how = cpu_threads.choose_cpu_threads(64)
+    assert 1 <= threads <= cpu_threads.free_cores() and how.startswith("measured")
+    monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # a machine busy elsewhere
+    assert cpu_threads.free_cores() == 1 and cpu_threads.choose_cpu_threads(4096)[0] == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads.choose_cpu_threads(64) == (3, "$OMP_NUM_THREADS")
+    assert cpu_threads.choose_cpu_threads(64, configured=2) == (2, "--cpu-threads")
+
+
+# ---- 21: extras named before any work -------------------------------------------------------------------------------
+def test_a_missing_extra_is_named_before_a_run_directory_exists(tiny_workspace, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    out = tmp_path / "never"
+    code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, out, "--placement", "ray"))
+    assert code == 2 and 'pip install -e ".[ray]"' in err and "Traceback" not in err
+    assert not out.exists()
+
+
+# ---- 22: export -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_run(tiny_workspace, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    shutil.copytree(tiny_workspace / "model", base)
+    out = root / "run"
+    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "1", "--skip-eval-before-train", "--lora-rank", "4",
+                           "--dump-samples", "0", "--no-use-tensorboard")
+    args[args.index("--hf-checkpoint") + 1] = str(base)
+    result = run_relax("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return base, out
+
+
+def test_export_refuses_a_used_folder_unless_told(lora_run, tmp_path, capsys):
+    _, run = lora_run
+    target = tmp_path / "hf"
+    assert _relax(capsys, "export", str(run), str(target))[0] == 0
+    (target / "mine.txt").write_text("keep?")
+    code, _, err = _relax(capsys, "export", str(run), str(target))
+    assert code == 2 and "--overwrite" in err and (target / "mine.txt").exists()
+    assert _relax(capsys, "export", str(run), str(target), "--overwrite")[0] == 0
+    assert not (target / "mine.txt").exists() and (target / "config.json").is_file()
+    assert "torch.distributed is disabled" not in capsys.readouterr().err
+
+
+def test_lora_adapters_refuse_a_changed_base_model(lora_run, tmp_path, capsys):
+    base, run = lora_run
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-64] + bytes(64))  # the base changed in place (another fine-tune)
+        code, _, err = _relax(capsys, "export", str(moved), str(tmp_path / "out"))
+        assert code == 2 and "has changed since the adapters" in err
+        code, _, err = _relax(capsys, "eval", "--load", str(moved))
+        assert code == 2 and "has changed since the adapters" in err
+    finally:
+        weights.write_bytes(original)
+    assert _relax(capsys, "export", str(moved), str(tmp_path / "out"))[0] == 0
+
+
+# ---- 23: messages -----------------------------------------------------------------------------------------------------
+def test_model_folder_problems_are_named(tiny_workspace, tmp_path, capsys):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_workspace / "model", no_weights)
+    (no_weights / "model.safetensors").unlink()
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_workspace / "model", no_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink(missing_ok=True)
+    cases = {str(no_weights): "holds no weights", str(no_tokenizer): "holds no tokenizer",
+             str(tmp_path / "nowhere"): "no such folder", "Qwen/Qwen3-0.6B": "Relax never downloads"}
+    for path, message in cases.items():
+        args = tiny_train_args(tiny_workspace, tmp_path / "never", "--num-rollout", "1")
+        args[args.index("--hf-checkpoint") + 1] = path
+        code, _, err = _relax(capsys, "train", *args)
+        assert code == 2 and message in err and "Traceback" not in err, (path, err)
+        code, _, err = _relax(capsys, "serve", "--hf-checkpoint", path, "--port", "1")
+        assert code == 2 and message in err, (path, err)
+
+
+def test_eval_of_a_missing_load_says_so(capsys, tmp_path):
+    code, _, err = _relax(capsys, "eval", "--load", str(tmp_path / "gone"))
+    assert code == 2 and "no such folder" in err and "--eval-prompt-data" not in err
+
+
+@pytest.mark.parametrize(("given", "suggested"), [("--learning-rate", "--lr"), ("--rollout_batch_size",
+                                                                                  "--rollout-batch-size"),
+                                                  ("--num-rollouts", "--num-rollout"), ("--model", "--hf-checkpoint")])
+def test_unknown_flags_get_the_right_suggestion(given, suggested):
+    with pytest.raises(ConfigError, match=f"did you mean {suggested}"):
+        parse_config([given, "1"])
+
+
+def test_every_unknown_yaml_key_is_reported_at_once(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("learning_rate: 1.0\nrollout-batchsize: 3\nlr: 0.1\nnot_a_thing: 1\n")
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--config", str(config)])
+    message = str(error.value)
+    assert "'learning_rate'; did you mean 'lr'" in message and "'rollout_batchsize'" in message
+    assert "rollout_batch_size" in message and "'not_a_thing'" in message
+
+
+def test_a_bad_value_is_one_line_not_the_usage(capsys):
+    code, _, err = _relax(capsys, "train", "--lr", "abc")
+    assert code == 2 and "--lr" in err and len(err.splitlines()) <= 3 and "usage:" not in err
+
+
+def test_serve_flags_are_checked(capsys, tiny_workspace):
+    code, _, err = _relax(capsys, "serve", "--hf-checkpoint", str(tiny_workspace / "model"), "--prot", "5")
+    assert code == 2 and "did you mean --port" in err
+    code, _, err = _relax(capsys, "serve", "--hf-checkpoint", str(tiny_workspace / "model"), "--port", "99999")
+    assert code == 2 and "99999" in err and "1-65535" in err
+
+
+def test_relax_scale_without_an_api_says_so(capsys):
+    from relax.distributed.process_group import free_loopback_port
+
+    url = f"http://127.0.0.1:{free_loopback_port()}"
+    for argv in (("engines", "--url", url), ("status", "--url", url, "out", "x"), ("status", "out", "x", "--url", url)):
+        code, _, err = _relax(capsys, "scale", *argv)
+        assert code == 1 and "no answer" in err and "Traceback" not in err, err
+
+
+def test_a_yaml_setting_is_cleared_from_the_command_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("rm_type: math\n")
+    assert parse_config(["--config", str(config)]).rm_type == "math"
+    assert parse_config(["--config", str(config), "--rm-type", "none"]).rm_type is None
+    with pytest.raises(ConfigError, match="--<flag> none"):
+        parse_config(["--config", str(config), "--n-samples-per-prompt", "0"])
+
+
+def test_relax_health_shows_engines_by_name(capsys, tmp_path):
+    (tmp_path / "health.json").write_text(json.dumps({
+        "time": 0, "pid": 1, "roles": {}, "engines": [{"engine": "EmbeddedEngine(Qwen3ForCausalLM on cpu, #0)",
+                                                        "healthy": True}]}))
+    code, out, _ = _relax(capsys, "health", str(tmp_path))
+    assert code == 0 and "object at 0x" not in out and "EmbeddedEngine(" in out
+
+
+def test_an_embedded_engine_has_a_readable_name(tiny_workspace):
+    from relax.backends.inference.embedded import EmbeddedEngine
+    from relax.backends.inference.router import engine_name
+
+    engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
+    assert "object at" not in engine_name(engine) and "EmbeddedEngine(" in engine_name(engine)
+
+
+# ---- 24: reports ------------------------------------------------------------------------------------------------------
+def test_accuracy_is_what_the_reward_calls_correct():
+    from relax.components.rollout import summarize_samples
+    from relax.data.sample import Sample
+
+    samples = [Sample(index=i, tokens=[1, 2], response_length=1, reward=reward)
+               for i, reward in enumerate([{"score": 0.9, "acc": False}, {"score": 0.2, "acc": True}, 0.5, 0.0])]
+    assert summarize_samples(samples, "rollout")["rollout/accuracy"] == 0.5
+
+
+def test_a_run_whose_reward_always_fails_exits_1_saying_so(tiny_workspace, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "1", "--skip-eval-before-train", "--custom-rm-path",
+                           "tests.support.e2e_rewards:fails_on_odd_index", "--dump-samples", "0")
+    some = run_relax("train", *args)
+    assert some.returncode == 0 and re.search(r"the reward failed on \d+ of 16 samples", some.stderr), some.stderr
+    args[args.index("tests.support.e2e_rewards:fails_on_odd_index")] = "tests.support.e2e_rewards:always_raises"
+    args[args.index("--output-dir") + 1] = str(tmp_path / "all")
+    every = run_relax("train", *args)
+    assert every.returncode == 1 and "the reward failed on every sample" in every.stderr
+
+
+def test_plots_leave_out_flat_zero_and_duplicate_curves(tmp_path):
+    rows = [{"step": s, "train/kl_loss": 0.0, "train/ppo_kl": 0.0, "eval/accuracy": s / 10,
+             "eval/held_out/accuracy": s / 10, "rollout/reward_mean": s} for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = {p.name for p in plot_run(tmp_path)}
+    assert "kl.png" not in written and "accuracy.png" in written and "reward.png" in written
+
+
+def test_sft_s_final_line_lists_what_it_wrote(tiny_workspace, tmp_path):
+    out = tmp_path / "sft"
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
+    args = tiny_train_args(tiny_workspace, out, "--num-rollout", "1", "--loss-type", "sft", "--skip-eval-before-train",
+                           "--no-use-tensorboard")
+    args[args.index("--prompt-data") + 1] = str(data)
+    result = run_relax("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("run directory:"))
+    assert "samples/" not in line and "tensorboard/" not in line and "metrics.jsonl" in line
+
+
+# ---- 18: secrets and exposure -------------------------------------------------------------------------------------------
+def test_the_scaling_token_from_the_environment_reaches_the_ray_processes(monkeypatch):
+    from relax.core.placement.ray.service import config_for_workers
+
+    monkeypatch.setenv("RELAX_API_KEY", "env-token-1234")
+    cfg = parse_config(["--rollout-api-port", "8123"])
+    assert cfg.rollout_api_key is None and config_for_workers(cfg).rollout_api_key == "env-token-1234"
+    assert config_for_workers(parse_config([])).rollout_api_key is None  # no API: nothing to carry
+
+
+def test_a_reward_server_that_echoes_its_url_leaks_no_token():
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from relax.data.sample import Sample
+    from relax.rollout.rewards.remote import RemoteReward, RemoteRewardError
+
+    token = "echoed-secret-9c1"
+
+    class Echo(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = f"bad request to http://u:{token}@{self.headers['Host']}{self.path} ({token})".encode()
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        reward = RemoteReward(f"http://u:{token}@127.0.0.1:{httpd.server_port}/score?token={token}")
+        sample = Sample(index=0, tokens=[1], response_length=1, response="x")
+        with pytest.raises(RemoteRewardError) as caught:
+            asyncio.run(reward(None, sample))
+        assert token not in str(caught.value) and "answered 400" in str(caught.value)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.xdist_group("ray")  # Ray in this process: with the other such tests, one after the other
+def test_a_local_ray_listens_on_loopback_only():
+    pytest.importorskip("ray")
+    import ray
+
+    from relax.utils.local_ray import start_local_ray
+    from tests.core.placement.test_ray_placement import non_loopback_listeners
+
+    if ray.is_initialized():
+        pytest.skip("a Ray of another test is running in this process")
+    start_local_ray(2)
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        assert non_loopback_listeners(os.getpid()) == []
+    finally:
+        ray.shutdown()

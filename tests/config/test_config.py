@@ -1,0 +1,94 @@
+"""Config: flags, YAML, precedence, validation messages that name the flag, generated docs."""
+
+import pytest
+
+from relax.cli.args import build_parser, parse_config, render_config_reference
+from relax.config import ConfigError, RelaxConfig
+from tests.support.runs import ROOT
+
+GOOD = ["--n-samples-per-prompt", "4", "--num-rollout", "3"]
+
+
+def test_flags_use_upstream_names_and_types():
+    cfg = parse_config(GOOD + [
+        "--rollout-batch-size", "2", "--eps-clip-high", "0.28", "--use-kl-loss", "--kl-loss-coef", "0.01",
+        "--kl-loss-type", "low_var_kl", "--rollout-stop", "\n\n", "END", "--rollout-stop-token-ids", "7",
+        "--eval-prompt-data", "math", "test.jsonl", "--apply-chat-template-kwargs", '{"enable_thinking": false}',
+        "--calculate-per-token-loss", "--no-use-tensorboard",
+    ])
+    assert cfg.rollout_batch_size == 2 and cfg.eps_clip_high == 0.28 and cfg.use_kl_loss
+    assert cfg.kl_loss_type == "low_var_kl" and cfg.rollout_stop == ["\n\n", "END"]
+    assert cfg.rollout_stop_token_ids == [7] and cfg.eval_prompt_data == {"math": "test.jsonl"}
+    assert cfg.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.calculate_per_token_loss and not cfg.use_tensorboard
+    assert cfg.train_batch_size == 8 and cfg.steps_per_rollout == 1
+
+
+def test_yaml_then_flags(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout-batch-size: 4\nn_samples_per_prompt: 4\nlr: 1.0e-5\nnum_rollout: 2\n"
+                      "eval_prompt_data: {held_out: t.jsonl}\n")
+    cfg = parse_config(["--config", str(config), "--lr", "3e-5"])
+    assert cfg.rollout_batch_size == 4 and cfg.lr == 3e-5 and cfg.eval_prompt_data == {"held_out": "t.jsonl"}
+
+
+def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout_batch_sise: 4\n")
+    with pytest.raises(ConfigError, match="unknown setting 'rollout_batch_sise'; did you mean 'rollout_batch_size'"):
+        parse_config(["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--global-batch-size", "3", "--rollout-batch-size", "2"], "--global-batch-size \\(3\\) must divide"),
+        (["--micro-batch-size", "3", "--rollout-batch-size", "2"], "--micro-batch-size \\(3\\) must divide"),
+        (["--kl-loss-coef", "0.1"], "--kl-loss-coef > 0 has no effect without --use-kl-loss"),
+        (["--eps-clip", "1.5"], "--eps-clip: Input should be less than 1"),
+        (["--rollout-top-k", "0"], "--rollout-top-k must be -1"),
+        (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
+        (["--advantage-estimator", "bogus"], "--advantage-estimator: unknown estimator 'bogus'"),
+        (["--rollout-temperature", "0"], "--rollout-temperature: Input should be greater than 0"),
+        (["--system-prompt", "be brief"], "--system-prompt needs --apply-chat-template"),
+    ],
+)
+def test_invalid_settings_name_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(GOOD + flags)
+
+
+def test_grpo_with_one_sample_per_prompt_is_rejected():
+    with pytest.raises(ConfigError, match="needs --n-samples-per-prompt >= 2"):
+        parse_config(["--num-rollout", "1", "--n-samples-per-prompt", "1"])
+
+
+def test_num_rollout_and_num_epoch():
+    cfg = parse_config(GOOD + ["--num-epoch", "1", "--rollout-batch-size", "4"])
+    assert cfg.total_rollout_steps(num_prompts=8) == 2  # one epoch of 8 prompts is 2 steps; num_rollout 3
+    cfg = RelaxConfig(n_samples_per_prompt=2)
+    with pytest.raises(ConfigError, match="--num-rollout or --num-epoch"):
+        cfg.total_rollout_steps(10)
+
+
+def test_every_field_has_help_and_a_flag():
+    help_text = build_parser().format_help()
+    for name, info in RelaxConfig.model_fields.items():
+        assert info.description, name
+        assert "--" + name.replace("_", "-") in help_text
+
+
+def test_docs_config_md_is_generated_from_the_fields():
+    committed = (ROOT / "docs" / "config.md").read_text()
+    assert committed.strip() == render_config_reference().strip(), "run: relax config-docs > docs/config.md"
+
+
+def test_lengths_beyond_the_models_positions_are_refused_before_anything_loads(tiny_workspace, tmp_path, capsys):
+    from relax.cli.main import main
+    from tests.support.runs import tiny_train_args
+
+    args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "1")
+    args[args.index("--rollout-max-response-len") + 1] = "300"  # the tiny model has 256 positions
+    assert main(["train", *args]) == 2
+    assert "--rollout-max-response-len 300: the model at" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
