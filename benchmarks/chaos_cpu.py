@@ -47,6 +47,7 @@ CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 TARGETS = {"rollout": "rollout", "actor": "actor", "storage": "TransferQueue storage unit TransferQueueStorageUnit#0",
            "tq_controller": "TransferQueue controller", "run": None}
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? (ERROR|WARNING) ")
+_STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(,\d{3})? INFO relax: step (\d+): ")
 
 
 @dataclass
@@ -123,9 +124,13 @@ def _log_lines(run_log: Path):
     for line in lines:
         match = _LOG_TIME.match(line)
         if match:
-            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + \
-                (int(match.group(2)[1:]) / 1000 if match.group(2) else 0.999)  # a supervisor line has no ms: round up
-            yield stamp, match.group(3), line[len(match.group(0)):]
+            yield _stamp(match.group(1), match.group(2)), match.group(3), line[len(match.group(0)):]
+
+
+def _stamp(seconds: str, milliseconds: str | None) -> float:
+    """A run.log time as a Unix time; a supervisor line has no milliseconds: rounded up."""
+    return datetime.strptime(seconds, "%Y-%m-%d %H:%M:%S").timestamp() + \
+        (int(milliseconds[1:]) / 1000 if milliseconds else 0.999)
 
 
 def _first_error_after(run_log: Path, since: float, mention: str | None = None) -> tuple[float, str] | None:
@@ -133,7 +138,7 @@ def _first_error_after(run_log: Path, since: float, mention: str | None = None) 
     ``mention``, the first ERROR or WARNING line that contains it."""
     for stamp, level, text in _log_lines(run_log):
         wanted = mention in text if mention is not None else level == "ERROR" or "supervisor" in text
-        if wanted and stamp >= since - 0.5:
+        if wanted and stamp >= since - 0.01:  # times have milliseconds; `since` is taken just after the signal
             return stamp, text
     return None
 
@@ -221,18 +226,49 @@ def _set_hold(hold: Path, on: bool) -> None:
 
 def _follow(fault: Fault, run_dir: Path, step: int) -> None:
     """Detection: the first error the run logged after the signal (for an engine: the first warning naming it);
-    recovery: the next step logged after it (for an engine: after the run logged it relaunched)."""
+    recovery: for an engine, the next step logged after the run logged it relaunched; for a role, the storage or
+    the run, the first step beyond the fault's that the restarted run logged (a step the dying run still wrote, as
+    a fully-async run can between the signal and its detection, is no recovery, and the next fault must not reach
+    a run that is already ending)."""
     engine = is_engine(fault.target)
+    run_log = run_dir / "run.log"
     if fault.detection_s is None:
-        error = _first_error_after(run_dir / "run.log", fault.sent_at, mention=fault.target if engine else None)
+        error = _first_error_after(run_log, fault.sent_at, mention=fault.target if engine else None)
         if error is not None:
             fault.detection_s = round(error[0] - fault.sent_at, 2)
             fault.detected_by = error[1][:300]
-    if engine and not _relaunched_after(run_dir / "run.log", fault):
+    if fault.detection_s is None:
         return
-    if fault.detection_s is not None and step > fault.after_step:
+    if engine:
+        recovered = _relaunched_after(run_log, fault) and step > fault.after_step
+    else:
+        restarted = _restarted_at(run_log, fault.sent_at)
+        recovered = restarted is not None and _last_logged_step(run_log, restarted) > fault.after_step
+    if recovered:
         fault.recovery_s = round(time.time() - fault.sent_at, 2)
         fault.recovered = True
+
+
+def _restarted_at(run_log: Path, since: float) -> float | None:
+    """When the supervisor logged its first restart after ``since``."""
+    for stamp, _, text in _log_lines(run_log):
+        if "supervisor" in text and "; restart " in text and stamp >= since:
+            return stamp
+    return None
+
+
+def _last_logged_step(run_log: Path, since: float) -> int:
+    """The highest step that run.log reports as done after ``since``."""
+    try:
+        lines = run_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return -1
+    steps = [-1]
+    for line in lines:
+        match = _STEP_LINE.match(line)
+        if match and _stamp(match.group(1), match.group(2)) >= since:
+            steps.append(int(match.group(3)))
+    return max(steps)
 
 
 def _relaunched_after(run_log: Path, fault: Fault) -> bool:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from relax.cli.common import cause_first, log_to_run_file, offline_environment, run_fault
+from relax.utils import interrupts
 
 USAGE = """usage: relax <command> [options]   (relax --version prints the version)
 
@@ -66,6 +67,7 @@ def _report_native_crashes() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _report_native_crashes()
+    interrupts.install()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 0 if argv else 2
@@ -106,6 +108,8 @@ def _run_command(command: str, argv: list[str]) -> int:
         print(f"relax {command}: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        if interrupts.caused_by_interrupt(err) or interrupts.received():  # Ctrl-C inside a library's start-up
+            raise KeyboardInterrupt from None
         fault = run_fault(err)
         if fault is not None:  # a process died or hung: its name says it all, and a restart may recover
             log_to_run_file(f"relax {command}: failed: {fault}")

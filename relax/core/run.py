@@ -28,6 +28,7 @@ from relax.telemetry.metrics_file import METRICS_FILE, read_metrics
 from relax.telemetry.metrics_service import MetricsService
 from relax.telemetry.notify import Notifier
 from relax.telemetry.tracking import NullTracker, Tracker
+from relax.utils import interrupts
 
 logger = logging.getLogger("relax")
 
@@ -72,6 +73,7 @@ def train(cfg: RelaxConfig, run_dir: Path, primary: bool, created: bool, notifie
                 monitor = start_health_monitor(cfg, run_dir, placement, loop, notifier)
                 if metrics_service is not None:
                     metrics_service.role_health = monitor.snapshot
+            interrupts.raise_if_received()  # a Ctrl-C of the start-up that a library swallowed
             with loop.graceful_stop.installed():
                 training = _with_scaling_api(loop, cfg, roles)
                 last = asyncio.run(monitor.guard(training) if monitor is not None else training)

@@ -48,7 +48,15 @@ from relax.distributed.weight_sync import (
 from relax.utils.aio import cancel_and_wait
 from relax.utils.durable import fsync_path
 
-PUBLISHER_RUN = uuid.uuid4().hex  # this process's id in the manifests it publishes (see RUN_META_KEY)
+_publisher_runs: dict[int, str] = {}
+
+
+def publisher_run() -> str:
+    """This process's id in the manifests it publishes (see RUN_META_KEY). Keyed by pid, not drawn at import: a
+    process forked from one that had imported this module (a supervisor's child, a forkserver's run) is a new
+    publisher, whose older versions engines must take."""
+    return _publisher_runs.setdefault(os.getpid(), uuid.uuid4().hex)
+
 
 MANIFEST_NAME = "manifest.json"
 VERSION_DIR = re.compile(r"^v(\d{8})$")
@@ -142,7 +150,7 @@ class DiskPublisher:
         specs = []
         for index, bucket in enumerate(buckets):
             specs.append(self._write_bucket(version, index, bucket))
-        manifest = Manifest(version, tuple(specs), {RUN_META_KEY: self.run or PUBLISHER_RUN, **(meta or {})})
+        manifest = Manifest(version, tuple(specs), {RUN_META_KEY: self.run or publisher_run(), **(meta or {})})
         self._commit_manifest(directory, manifest)
         collect_garbage(self.root, self.keep_last)
         return SyncMetrics(self.transport, version, time.perf_counter() - started, manifest.nbytes, len(specs))

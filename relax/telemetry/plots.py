@@ -13,8 +13,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-# matplotlib.figure without pyplot: no global backend switch, no display needed, and savefig renders with Agg.
-from matplotlib.figure import Figure
 
 from relax.telemetry.metrics_file import METRICS_FILE, read_metrics
 
@@ -90,6 +88,11 @@ def _is_finite_number(value: Any) -> bool:
 
 
 def _draw(group: CurveGroup, curves: dict[str, list[tuple[float, float]]], plot_path: Path) -> None:
+    # matplotlib.figure without pyplot: no global backend switch, no display needed, and savefig renders with Agg.
+    # Imported here: a quarter of a second that every process importing this module (a role's Ray process, a
+    # server) would pay without ever drawing.
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(7, 4))
     # Fixed margins instead of a layout engine: constrained layout would double the drawing time of a figure.
     figure.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.91)

@@ -27,6 +27,7 @@ from relax.distributed.weight_disk import (
     DiskPublisher,
     DiskReceiver,
     complete_versions,
+    publisher_run,
     version_dir,
 )
 from relax.distributed.weight_sync import (
@@ -354,7 +355,7 @@ def test_a_resumed_run_publishes_an_older_version_that_engines_take_and_its_own_
     asyncio.run(update_weights_from_path(engine, str(sync_dir), None))
     assert engine.weight_version == 5
 
-    monkeypatch.setattr(weight_disk, "PUBLISHER_RUN", "the-restarted-run")
+    monkeypatch.setattr(weight_disk, "_publisher_runs", {os.getpid(): "the-restarted-run"})
     resumed = perturbed(base, seed=22)
     asyncio.run(publisher.publish(bucketize(resumed.items(), BUCKET_BYTES), 2))
     assert complete_versions(sync_dir) == [2]  # 3-5 were the dead run's
@@ -364,11 +365,30 @@ def test_a_resumed_run_publishes_an_older_version_that_engines_take_and_its_own_
 
     asyncio.run(publisher.publish(bucketize(states[3].items(), BUCKET_BYTES), 3))
     asyncio.run(update_weights_from_path(engine, str(sync_dir), 3))
-    monkeypatch.setattr(weight_disk, "PUBLISHER_RUN", "the-restarted-run")  # the same run goes back: refused
+    monkeypatch.setattr(weight_disk, "_publisher_runs", {os.getpid(): "the-restarted-run"})  # the same run goes back: refused
     assert complete_versions(sync_dir) == [2, 3]
     with pytest.raises(WeightPathError, match="older than the served version 3"):
         asyncio.run(update_weights_from_path(engine, str(sync_dir), 2))
     assert engine.weight_version == 3
+
+
+def _publisher_run_in_child(queue) -> None:
+    queue.put(publisher_run())
+
+
+def test_a_process_forked_after_the_import_is_a_publisher_of_its_own():
+    """A run forked from a process that imported the module (a supervisor's restarted child, the test suite's
+    forkserver) publishes under its own id: engines that served the parent's later versions take its older ones."""
+    mine = publisher_run()
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    children = [context.Process(target=_publisher_run_in_child, args=(queue,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    theirs = [queue.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(60)
+    assert publisher_run() == mine and len({mine, *theirs}) == 3
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -27,10 +27,13 @@ launched engine relaunched (tests/backends/inference/test_engine_relaunch.py), a
 from __future__ import annotations
 
 import math
+import sys
+import time
+from datetime import datetime
 
 import pytest
 
-from benchmarks.chaos_cpu import Fault, accounting, run_with_faults, version_violations
+from benchmarks.chaos_cpu import Fault, _follow, accounting, run_with_faults, version_violations
 from relax.core.state.health import format_state, read_state
 from relax.distributed.process_group import free_port
 from relax.telemetry.metrics_file import read_metrics
@@ -83,8 +86,6 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
     faults = [Fault("rollout", "SIGKILL", 1), Fault("storage", "SIGSTOP", 3), Fault("actor", "SIGKILL", 5),
               Fault("rollout", "SIGSTOP", 7), Fault("storage", "SIGKILL", 9), Fault("run", "SIGSTOP", 11),
               Fault("actor", "SIGSTOP", 13)]
-    import sys
-
     command = [sys.executable, "-m", "relax.cli.main", "train",
                *tiny_train_args(tiny_workspace, run_dir, *MODE, *HEALTH, "--max-global-restart", str(len(faults)))]
     report = run_with_faults(command, run_dir, faults, timeout_s=1500, env={"PYTHONPATH": str(ROOT)})
@@ -109,6 +110,40 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
 
 
 @IN_PROCESS_RAY
+def _log_line(at: float, level: str, text: str, milliseconds: bool = True) -> str:
+    stamp = datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{stamp},{int(at % 1 * 1000):03d} {level} {text}" if milliseconds else f"{stamp} {level} {text}"
+
+
+def test_the_harness_counts_a_fault_recovered_only_by_the_restarted_runs_steps(tmp_path):
+    """A fully-async run may still log a step between a fault and its detection, and errors while it ends: neither
+    is the fault's detection or recovery, so the next fault waits for the restarted run instead of reaching the
+    dying one (and being blamed on its teardown's errors)."""
+    sent = time.time() - 60
+    fault = Fault("actor", "SIGKILL", 5, pid=1, sent_at=sent)
+    run_log = tmp_path / "run.log"
+
+    def log(*lines: str) -> None:
+        with run_log.open("a") as out:
+            out.write("".join(line + "\n" for line in lines))
+
+    log(_log_line(sent - 0.2, "ERROR", "relax: an error of the previous fault's teardown"),
+        _log_line(sent - 0.1, "INFO", "relax: step 5: {}"), _log_line(sent + 0.3, "INFO", "relax: step 6: {}"))
+    _follow(fault, tmp_path, step=6)
+    assert fault.detection_s is None and not fault.recovered
+    log(_log_line(sent + 0.5, "ERROR", "relax: relax train: failed: the actor role's Ray process died"))
+    _follow(fault, tmp_path, step=6)
+    assert fault.detected_by.endswith("the actor role's Ray process died") and fault.detection_s == 0.5
+    assert not fault.recovered  # step 6 came from the dying run
+    log(_log_line(sent + 2, "WARNING", "relax.supervisor: the run died (exit code 1); restart 1 of 7", False),
+        _log_line(sent + 20, "INFO", "relax: step 5: {}"))
+    _follow(fault, tmp_path, step=6)
+    assert not fault.recovered  # the restarted run is not past the fault's step yet
+    log(_log_line(sent + 21, "INFO", "relax: step 6: {}"))
+    _follow(fault, tmp_path, step=6)
+    assert fault.recovered
+
+
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_name, monkeypatch):
     """Without health checks too: a write to a killed storage unit, or a read from a stopped one, ends within the
@@ -152,8 +187,6 @@ def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_n
 def test_a_stopped_in_process_run_is_killed_and_restarted_by_its_supervisor(tiny_workspace, tmp_path):
     """In-process placement: the run is one process; stopped (SIGSTOP), its health state goes stale and the
     supervisor of --max-global-restart kills and restarts it (the SIGKILLed run: tests/core/state/test_global_restart.py)."""
-    import sys
-
     steps = ("--num-rollout", "8", "--save-interval", "2", "--skip-eval-before-train", "--dump-samples", "0",
              "--no-use-tensorboard")
 
@@ -181,8 +214,6 @@ def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_p
     starts its engines on the same ports). Each engine fault is logged naming the engine, the engine is
     relaunched at the current weights while its groups finish on the other, and every metric equals the
     uninterrupted run's (a sample generated with stale weights would change train/ppo_kl and the loss)."""
-    import sys
-
     steps = 18
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
 

@@ -1,16 +1,33 @@
-"""The real `relax` command in a subprocess, on the tiny workspace of `tests/conftest.py` (``tiny_workspace``)."""
+"""The real `relax` command in its own process, on the tiny workspace of `tests/conftest.py` (``tiny_workspace``).
+
+A `relax` process spends seconds of CPU importing torch and transformers before it does anything, and the suite
+starts a few hundred of them; on two cores that import was most of the suite's time. So `run_relax` forks each run
+from a process that imported them once (Python's forkserver, one per test worker): the run is still a process of
+its own (its own pid, signals, exit code, stdout and stderr, environment and working directory), started from a
+clean interpreter that never ran a test. Runs that need a fresh interpreter (their ``env`` names a ``PYTHONPATH``,
+for the fault injection of `tests/support/fault_injection/sitecustomize.py`) and tests that drive the process
+themselves (`subprocess.Popen`) start `python -m relax.cli.main` as before. ``RELAX_TEST_FORKSERVER=0`` turns the
+forkserver off.
+"""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 # A subprocess's limit: far above any run's expected time (a few minutes at most), so that a loaded machine (the
 # suite beside other work, at many times the cores' load) slows a test down and never fails it; a hung run still ends.
 SUBPROCESS_TIMEOUT_S = 1800
+# What the forkserver imports once, so that the runs forked from it do not.
+PRELOADED = ["relax.cli.main", "relax.cli.train", "relax.cli.evaluate", "relax.cli.export", "matplotlib.figure"]
+
+_context: multiprocessing.context.ForkServerContext | None = None
 
 
 def tiny_train_args(workspace: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -27,8 +44,61 @@ def tiny_train_args(workspace: Path, output_dir: Path, *extra: str) -> list[str]
 
 def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, str] | None = None,
               **popen_kwargs) -> subprocess.CompletedProcess:
-    """`relax ...` in a subprocess from the repository root (so `tests.*` reward paths import); ``env`` adds
-    variables to this process's environment."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, **popen_kwargs)
+    """`relax ...` in a process of its own, from the repository root (so `tests.*` reward paths import); ``env``
+    adds variables to this process's environment. Returns its exit code, stdout and stderr."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if popen_kwargs or "PYTHONPATH" in (env or {}) or os.environ.get("RELAX_TEST_FORKSERVER") == "0":
+        return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout, **popen_kwargs)
+    return _forked_run(list(args), full_env, timeout)
+
+
+def _forked_run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOADED)
+    with tempfile.TemporaryDirectory(prefix="relax-run-") as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        process = _context.Process(target=_relax_main, args=(args, env, str(ROOT), str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:  # as subprocess.run's timeout: kill, then say so
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["relax", *args], timeout, _text(out), _text(err))
+        return subprocess.CompletedProcess(["relax", *args], process.exitcode, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _relax_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked process: the environment, directory and standard streams of `python -m relax.cli.main`, then
+    the command; it ends as that process would (its exit code, and its exit handlers run)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = ["relax", *args]
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout until it exits
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    from relax.cli.main import main
+
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # a forked process skips them; `python -m relax...` runs them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
