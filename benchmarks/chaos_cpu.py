@@ -419,7 +419,7 @@ def run_scenario(name: str, steps: int, heartbeat_timeout_s: float, run_dir: Pat
         "version_violations": violations, "metric_mismatches": mismatches,
         "finished": report.returncode == 0 and counts["steps_logged"] == steps,
         "returncode": report.returncode, "wall_s": round(report.wall_s, 1), "steps": steps,
-        "accounting": counts, "mode": mode,
+        "heartbeat_timeout_s": heartbeat_timeout_s, "accounting": counts, "mode": mode,
         "faults": [dict(asdict(f)) for f in report.faults],
     }
     if not result["finished"]:
@@ -476,6 +476,10 @@ def main() -> None:
                                                                      "samples_duplicated", "max_detection_s",
                                                                      "version_violations", "metric_mismatches",
                                                                      "finished")}))
+    for result in scenarios.values():
+        result["command"] = "python -m benchmarks.chaos_cpu " + " ".join(sys.argv[1:])
+    if args.out.exists():  # the file keeps each scenario's newest result: re-running some leaves the others
+        scenarios = {**json.loads(args.out.read_text()).get("scenarios", {}), **scenarios}
     results = list(scenarios.values())
     detections = [r["max_detection_s"] for r in results if r["max_detection_s"] is not None]
     out = {  # the headline over every scenario, then each one
@@ -485,11 +489,10 @@ def main() -> None:
         "samples_lost": sum(r["samples_lost"] for r in results),
         "samples_duplicated": sum(r["samples_duplicated"] for r in results),
         "max_detection_s": max(detections, default=None),
-        "version_violations": sum(len(r["version_violations"]) for r in results),
-        "metric_mismatches": sum(len(r["metric_mismatches"] or []) for r in results),
+        "version_violations": sum(len(r.get("version_violations") or []) for r in results),
+        "metric_mismatches": sum(len(r.get("metric_mismatches") or []) for r in results),
         "finished": all(r["finished"] for r in results),
-        "steps": args.steps, "heartbeat_timeout_s": args.heartbeat_timeout_s,
-        "command": "python -m benchmarks.chaos_cpu " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.chaos_cpu",  # each scenario says the command of its newest run
         "scenarios": scenarios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

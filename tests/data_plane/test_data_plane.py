@@ -13,7 +13,7 @@ import pytest
 from relax.data.sample import Sample, SampleStatus
 from relax.data_plane import DataPlane, InProcessDataPlane, StalenessGate
 
-# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs three workers).
 pytestmark = pytest.mark.xdist_group("ray")
 
 HAS_TQ = importlib.util.find_spec("transfer_queue") is not None and importlib.util.find_spec("ray") is not None

@@ -18,7 +18,7 @@ from relax.telemetry.metrics_file import read_metrics
 from relax.telemetry.tracking import Tracker
 from tests.support.runs import run_relax, tiny_train_args
 
-# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs two workers).
+# Ray clusters of tests on one xdist worker, one after the other (scripts/test.sh runs three workers).
 pytestmark = pytest.mark.xdist_group("ray")
 
 HAS_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("transfer_queue") is not None
