@@ -107,9 +107,11 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
 
     state = read_state(run_dir)  # what `relax health` shows after the run
     assert state["global_restarts"] == len(faults) and "rollout" in format_state(state)
+    # Its last run ended well, so it ended healthy: no verdict, every process healthy, `relax health` exits 0
+    assert state["fatal"] is None and state["ended"] and all(role["healthy"] for role in state["roles"].values())
+    assert run_relax("health", str(run_dir)).returncode == 0
 
 
-@IN_PROCESS_RAY
 def _log_line(at: float, level: str, text: str, milliseconds: bool = True) -> str:
     stamp = datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M:%S")
     return f"{stamp},{int(at % 1 * 1000):03d} {level} {text}" if milliseconds else f"{stamp} {level} {text}"
@@ -144,6 +146,7 @@ def test_the_harness_counts_a_fault_recovered_only_by_the_restarted_runs_steps(t
     assert fault.recovered
 
 
+@IN_PROCESS_RAY
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_stopped_storage_unit_ends_data_plane_calls_naming_it(signal_name, monkeypatch):
     """Without health checks too: a write to a killed storage unit, or a read from a stopped one, ends within the

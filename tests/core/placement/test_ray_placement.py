@@ -413,7 +413,8 @@ def test_in_process_checkpoint_resumes_under_ray_placement(tiny_workspace, tmp_p
     resumed = tmp_path / "ray_resumed"
     result = run_relax("train", *tiny_train_args(tiny_workspace, resumed, "--placement", "ray", "--load", str(first),
                                                  "--num-rollout", "3", "--skip-eval-before-train", "--dump-samples",
-                                                 "0"))
+                                                 "0", "--use-health-check", "--heartbeat-timeout-s", "600"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [row for row in read_metrics(resumed / "metrics.jsonl") if "train/loss" in row]
     assert len(rows) == 1 and math.isfinite(rows[0]["train/loss"])
+    assert_ended_healthy(resumed)
