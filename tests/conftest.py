@@ -35,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """`--dist loadgroup` (scripts/test.sh) keeps the tests of one `xdist_group` on one worker by appending the
+    group to their node ids. A pytest that ignores that (9.2 with pytest-xdist 3.8: node ids became structured)
+    would silently run the in-process Ray tests side by side, so such a test fails, saying why."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None \
+            and "@" not in item.nodeid:
+        pytest.fail(f"--dist loadgroup ignored this test's xdist_group: pytest {pytest.__version__} and this "
+                    "pytest-xdist do not work together (pyproject.toml's test extra pins them)", pytrace=False)

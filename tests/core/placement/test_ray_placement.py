@@ -216,7 +216,7 @@ def test_the_judge_and_the_advantages_in_processes_of_their_own(tiny_workspace, 
     resource = '{"actor": [1, 1], "rollout": [1, 1], "advantages": [1, 0], "genrm": [1, 1]}'
     args = tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--resource", resource,
                            "--genrm-model-path", str(judge), "--genrm-sampling-config",
-                           '{"temperature": 0, "max_response_len": 8}', *RUN)
+                           '{"temperature": 0, "max_response_len": 8}', "--reward-timeout", "300", *RUN)
     at = args.index("--custom-rm-path")
     cfg = parse_config(args[:at] + args[at + 2:])  # the judge is the reward
 

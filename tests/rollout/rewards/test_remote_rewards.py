@@ -82,7 +82,9 @@ def flaky():
 
 
 def _train(tiny_workspace, run_dir, *extra) -> int:
-    return main(["train", "--hf-checkpoint", str(tiny_workspace / "model"), "--prompt-data",
+    """A tiny run scored by a remote reward; --reward-timeout far above a loaded machine's call (the default 5 s is
+    a production bound, and a test must not race it: a slow call would score 0 and change what is asserted)."""
+    return main(["train", "--reward-timeout", "300", "--hf-checkpoint", str(tiny_workspace / "model"), "--prompt-data",
                  str(tiny_workspace / "train.jsonl"), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                  "--rollout-max-response-len", "4", "--num-rollout", "2", "--output-dir", str(run_dir),
                  "--dump-samples", "4", "--no-use-tensorboard", *extra])
