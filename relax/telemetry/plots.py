@@ -13,7 +13,6 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-
 from relax.telemetry.metrics_file import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
