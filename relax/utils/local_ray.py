@@ -23,6 +23,10 @@ def set_local_ray_environment() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its worker processes at niceness 15, as background work beside a driver; Relax's roles in them are
+    # the training itself (trainer, rollout, data plane), so on a machine with other work they would starve while
+    # the run's own process waits on them: they run at the run's priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # TransferQueue warns on every put/get when its default of 8 threads exceeds the cores.
     os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
 

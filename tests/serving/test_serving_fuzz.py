@@ -42,7 +42,7 @@ from relax.distributed.process_group import free_loopback_port
 from relax.rollout.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
 from tests.support.http_servers import Server
-from tests.support.runs import ROOT
+from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S
 
 TOKEN = "fuzz-token-7Qx2vLm9"  # distinctive, so that finding it anywhere cannot be a coincidence
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -98,18 +98,28 @@ def _wait_for(url: str, process: subprocess.Popen | None = None, timeout_s: floa
 
 @pytest.fixture(scope="module")
 def serve(tiny_workspace, tmp_path_factory):
-    """`relax serve` on the tiny model, logging at debug level into a file; yields (base URL, log path)."""
+    """`relax serve` on the tiny model, logging at debug level into a file; yields (base URL, log path). A port
+    found free can be taken before the server binds it (a busy machine's Ray workers take many): then it starts
+    again on another."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = free_loopback_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RELAX_API_KEY": TOKEN, "OMP_NUM_THREADS": "1"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(tiny_workspace / "model"),
-             "--port", str(port), "--device", "cpu", "--log-level", "debug"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    for attempt in range(5):
+        port = free_loopback_port()
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(tiny_workspace / "model"),
+                 "--port", str(port), "--device", "cpu", "--log-level", "debug"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_for(f"{base}/health", process, timeout_s=SUBPROCESS_TIMEOUT_S)
+            break
+        except AssertionError:
+            process.kill()
+            process.wait(10)
+            if "address already in use" not in log_path.read_text() or attempt == 4:
+                raise
     try:
-        _wait_for(f"{base}/health", process)
         yield base, log_path
     finally:
         process.terminate()
