@@ -1,10 +1,11 @@
-"""Rollout decoding on a GPU: the engine core beside today's Hugging Face path and `model.generate`.
+"""Rollout decoding on a GPU: the engine core's paged runner beside its model-cache runner and `model.generate`.
 
 For each setting (a model shape and a batch size), the same random prompts (``--prompt-len`` tokens, all
 distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temperature 1, EOS ignored) from:
 
 - ``core``: `EmbeddedEngine` on its engine core (paged KV pool, continuous batching, decode in CUDA graphs);
-- ``previous``: `EmbeddedEngine` on the Hugging Face path it used before the core (``CoreSettings(mode="off")``);
+- ``previous``: `EmbeddedEngine` on the core's runner over the model's own forward and cache (``CoreSettings(mode=
+  "off")``; until 2026-12-03 a decode loop of its own, which results from before that date measured);
 - ``generate``: ``model.generate`` (sampling, static batch), the plain baseline.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured). Tokens/s counts new tokens over the

@@ -170,7 +170,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     parser.add_argument("--output", type=Path, default=RESULTS / "grpo_step_gpu.json")
     parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
-                        help="off: the Hugging Face decode loop the engine had before its core")
+                        help="off: the core's runner over the model's own forward and cache (auto: the paged "
+                        "runner for this model)")
     parser.add_argument("--baseline", default="generate", choices=["generate", "none"],
                         help="time model.generate on the same prompts too")
     args = parser.parse_args()

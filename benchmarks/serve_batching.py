@@ -1,5 +1,6 @@
 """Continuous batching in `relax serve`: throughput at 1 and at 64 concurrent clients, and the engine steps they
-take, with the engine core and with the Hugging Face decode loop (``--engine-core off``).
+take, with the engine core's paged runner and with its runner over the model's own forward (``--engine-core off``;
+until 2026-12-03 a decode loop of its own, which results from before that date measured).
 
 `relax serve` runs as a subprocess on 127.0.0.1 with the quickstart model (or ``--model``); N clients post
 SGLang's ``/generate`` back to back (one prompt each, ``--new-tokens`` sampled tokens, EOS ignored) until

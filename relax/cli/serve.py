@@ -34,8 +34,9 @@ def cmd_serve(argv: list[str]) -> int:
                         help="how long the first waiting request collects others into one engine batch")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
-                        help="the engine core (continuous batching, paged KV, CUDA graphs): auto = on CUDA for the "
-                        "models it supports; on = on CPU too; off = the Hugging Face decode loop")
+                        help="the engine core's runner: auto = the paged one (paged KV, CUDA graphs) for the "
+                        "families it runs, the model's own forward and cache for the others; on = the paged one "
+                        "only; off = the model's own forward for every model")
     parser.add_argument("--mem-fraction-static", type=float, default=0.85,
                         help="on CUDA, the share of the free device memory (after the weights) the KV pool takes")
     parser.add_argument("--weight-update-root", default=None,

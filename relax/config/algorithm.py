@@ -71,8 +71,8 @@ class AlgorithmSettings(BaseModel):
         "Rollout routing replay (R3), for mixture-of-experts models: the engine records the experts each MoE layer "
         "chose for every token, and the actor's forwards (old log-probs and training) route each token to those "
         "experts, so the trained policy is the one that sampled (routing weights still come from the trainer's "
-        "router scores). Needs an in-process engine on the Hugging Face path (MoE families run there) or relax "
-        "serve / SGLang servers that return routed experts.",
+        "router scores). Needs an in-process engine (its model-cache runner, where MoE families run, records them) or "
+        "relax serve / SGLang servers that return routed experts.",
         "algorithm",
     )
     disable_grpo_std_normalization: bool = setting(

@@ -25,8 +25,10 @@ class RolloutSettings(BaseModel):
     )
     engine_core: Literal["auto", "on", "off"] = setting(
         "auto",
-        "The embedded engine's core (paged KV pool, continuous batching, CUDA graphs; docs/engines.md): `auto` uses "
-        "it on CUDA for the text models it supports, `on` on every device, `off` keeps the Hugging Face decode loop.",
+        "The embedded engine core's runner (docs/engines.md): `auto` the paged one (the core's decoder over a paged KV "
+        "pool, CUDA graphs on CUDA) for the families it runs and the model's own forward and cache for the others; "
+        "`on` the paged one only (a model it cannot run is refused, saying why); `off` the model's own forward for "
+        "every model.",
         "rollout",
     )
     mem_fraction_static: float = setting(

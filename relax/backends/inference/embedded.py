@@ -1,42 +1,29 @@
-"""The in-process inference engine: batched sampling from a Hugging Face causal LM with a KV cache.
+"""The in-process inference engine: a Hugging Face causal LM held in this process, served by the engine core.
 
-`EmbeddedEngine` runs its own decode loop instead of ``model.generate`` so that it controls
-log-probs, stop conditions, aborts and pauses at every token step. Text requests of the models the
-engine core supports (text and Qwen-VL / Qwen2.5-Omni prompts with media alike) run on the core
-(`relax.backends.inference.engine_core`: a paged KV pool, continuous batching, CUDA graphs; see `CoreSettings`,
-docs/engines.md), with the same contract: the rest of this docstring describes the Hugging Face path
-below, which serves every other model family (and every model with ``--engine-core off``); the core's differences are said in `core.engine_core`: concurrent calls
-share one running batch, and each request samples from a stream of its own.
+Every request runs on the engine core (`relax.backends.inference.engine_core.core.EngineCore`): one step loop with
+continuous batching, per-request sampling streams, stop checks, aborts, pauses and per-token weight versions. The
+core is handed one of two runners (`CoreSettings.mode`, ``--engine-core``): the *paged* runner, the core's own
+decoder over a paged KV pool with CUDA graphs on CUDA, for the families it runs (Llama, Qwen2, Qwen3 and the
+Qwen-VL / Qwen2.5-Omni ones; `engine_core.decoder.unsupported_reason`), and the *model-cache* runner, the model's own
+Hugging Face forward and cache, for every other family (mixture-of-experts with routing-replay capture, linear
+attention, MLA, sliding windows, Qwen3-VL's deepstack features). This class is the engine's face: requests' checks,
+weights, memory, pauses, recovery, scoring.
 
-Concurrency model. Everything runs on the caller's event-loop thread: `generate` runs one decode
-step, then yields to the loop, so `abort`, `pause` and `update_weights` (coroutines on the same
-loop) always act between two steps and a weight update never lands inside one. Keeping the model
-code on one thread matters on CPU: a second thread gets its own OpenMP team, which competes with
-the training thread's spinning team and measured 1.7x slower per step here. A batch waits at
-step boundaries while the engine is paused and is released by an abort of one of its requests, so
-``pause(); abort(ids)`` returns the aborted outputs without a `resume`. Concurrent `generate`
-calls interleave their steps; they are not merged into one batch. Callers on other threads use
-``asyncio.run_coroutine_threadsafe`` with the engine's loop.
+Concurrency model. Everything runs on the caller's event-loop thread: the core runs one step, then yields to the
+loop, so `abort`, `pause` and `update_weights` (coroutines on the same loop) always act between two steps and a
+weight update never lands inside one. Keeping the model code on one thread matters on CPU: a second thread gets its
+own OpenMP team, which competes with the training thread's spinning team and measured 1.7x slower per step here.
+Requests wait at step boundaries while the engine is paused and are released by an abort, so ``pause();
+abort(ids)`` returns the aborted outputs without a `resume`. Concurrent `generate` calls share one running batch.
+Callers on other threads use ``asyncio.run_coroutine_threadsafe`` with the engine's loop.
 
-Weight versions. Each token records the version that produced it, in
-`GenerationOutput.output_weight_versions`; ``weight_version`` is the version of the last
-step the request took part in. The per-token list holds more than one version only when
-`update_weights` ran while the request was in flight.
+Weight versions. Each token records the version that produced it, in `GenerationOutput.output_weight_versions`;
+``weight_version`` is the version of the last step the request took part in. The per-token list holds more than one
+version only when `update_weights` ran while the request was in flight.
 
-Cost per step. One forward and one host synchronization (reading the sampled tokens back, which
-stop checks need); log-probs come back in the same copy. Rows that finish stop costing compute
-once enough of them have finished (`COMPACT_WHEN_FINISHED_FRACTION`). Decoding a small model is
-bound by the Python of the Hugging Face forward, so this loop matches ``model.generate`` there;
-the next speed-up needs a static cache and CUDA graphs.
-
-Reproducibility. The requests of one `generate` call that carry the same ``sampling_params.seed``
-draw their randomness from one ``torch.Generator`` on the model's device, seeded with it and
-consumed by their rows in batch order; the requests without a seed share one randomly seeded
-generator. The same requests with the same seed therefore give the same samples, provided no
-abort or mid-call weight update changes the decode path, and a request with a seed of its own
-(a multi-turn episode's turn) samples the same whatever other requests share its batch, which
-lets `RequestBatcher` merge seeded callers. A batch with several seeds fills each seed's rows of
-the sampling noise from its generator (one small draw per seed and step) and samples in one pass.
+Reproducibility. Every request samples from noise keyed by its own seed and the index of the token (see
+`engine_core.core`), so the same requests with the same seeds give the same samples whatever else shares their
+steps, on either runner (up to the forwards' numerics).
 """
 
 from __future__ import annotations
@@ -45,7 +32,6 @@ import asyncio
 import gc
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +51,13 @@ from relax.backends.inference.base import (
     ScoreRequest,
 )
 from relax.backends.inference.engine_core.block_manager import BlockManager
+from relax.backends.inference.engine_core.cache_runner import CacheRunner
 from relax.backends.inference.engine_core.core import EngineCore
 from relax.backends.inference.engine_core.decoder import TextDecoder, unsupported_reason
 from relax.backends.inference.engine_core.media import MediaEncoder
-from relax.backends.inference.engine_core.model_runner import ModelRunner, triton_available
-from relax.backends.inference.engine_core.scheduler import Scheduler
-from relax.backends.inference.hf_decode import HFDecodeLoop
+from relax.backends.inference.engine_core.paged_runner import PagedRunner
+from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
+from relax.backends.inference.engine_core.step_runner import triton_available
 from relax.backends.models.family import MediaTokens, load_model
 from relax.backends.models.routing_replay import RoutingRecorder, moe_routers
 
@@ -85,8 +72,9 @@ PAUSE_POLL_S = 0.001
 class CoreSettings:
     """How the engine core (`relax.backends.inference.engine_core`) is sized.
 
-    ``mode``: ``auto`` runs the core on CUDA for the models it supports and the Hugging Face path otherwise;
-    ``on`` wherever it supports the model (CPU included), ``off`` never. ``mem_fraction_static``: on CUDA the KV
+    ``mode`` picks the core's runner: ``auto`` the paged one for the models it runs (on every device) and the
+    model-cache one otherwise; ``on`` the paged one, refusing a model it cannot run (saying why); ``off`` the
+    model-cache one for every model (the model's own forward: a reference for the paged one). ``mem_fraction_static``: on CUDA the KV
     pool takes this share of the device memory free when the engine starts (after the weights, a colocated
     trainer's and other engines'); ``max_total_tokens`` sets the pool's size in tokens instead (default on CPU:
     65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
@@ -130,10 +118,8 @@ class EmbeddedEngine(InferenceEngine):
     """`InferenceEngine` over a Hugging Face causal LM held in this process.
 
     ``model`` is put in eval mode with gradients off; it stays on its device and dtype.
-    ``max_batch_size`` caps the rows decoded together (the core's running requests; on the Hugging Face path a
-    longer `generate` call is split into consecutive batches). Models the engine core supports run on it
-    (``core``, `CoreSettings`), media included: a paged KV pool, continuous batching, CUDA graphs; the others
-    run on the Hugging Face path below.
+    ``max_batch_size`` caps the sequences the core runs at once (more wait their turn). ``core`` (`CoreSettings`)
+    picks and sizes the core's runner (module docstring).
 
     ``max_recoveries`` (``--use-fault-tolerance`` sets it to ``--rollout-engine-max-relaunches``): a generation
     that fails with an out-of-memory error (`is_recoverable`) is recovered in place that many times over the
@@ -171,17 +157,13 @@ class EmbeddedEngine(InferenceEngine):
         self._weight_version = 0
         self._number = next(_ENGINE_NUMBERS)
         self._pauses = PauseHolds()
-        self._in_flight_ids: Counter[str] = Counter()
-        self._aborted_ids: set[str] = set()
-        self.core_unavailable_reason: str | None = None
+        self.core_unavailable_reason: str | None = None  # why the paged runner does not serve this model
         self.max_recoveries = max_recoveries
         self.recoveries = 0  # in-place recoveries so far (`health`)
         self._core_settings = core or CoreSettings()
         self._released_weights: dict[torch.nn.Parameter, torch.Size] | None = None  # shapes while released
         self._unloaded_weights: set[torch.nn.Parameter] = set()  # resumed as zeros, not loaded since
         self._routing = RoutingRecorder(model) if moe_routers(model) else None  # return_routed_experts
-        self._hf_loop = HFDecodeLoop(model, tokenizer, self._eos_token_ids, self._suppressed_ids, self._media_tokens,
-                                     self._routing, self._step_boundary, lambda: self._weight_version)
         self.core = self._build_core(self._core_settings)
 
     @classmethod
@@ -199,14 +181,18 @@ class EmbeddedEngine(InferenceEngine):
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, max_batch_size=max_batch_size, core=core, max_recoveries=max_recoveries)
 
-    def _build_core(self, settings: CoreSettings):
-        """The engine core for this model, or None (the Hugging Face path serves every request)."""
-        if settings.mode == "off" or (settings.mode == "auto" and self.device.type != "cuda"):
-            return None
-        reason = unsupported_reason(self.model)
+    def _build_core(self, settings: CoreSettings) -> EngineCore:
+        """The engine core for this model, on the paged runner or the model-cache one (`CoreSettings.mode`)."""
+        reason = "--engine-core off" if settings.mode == "off" else unsupported_reason(self.model)
+        if reason is not None and settings.mode == "on":
+            raise ValueError(f"--engine-core on: the paged engine core cannot run {type(self.model).__name__}: "
+                             f"{reason} (--engine-core auto serves it on the model-cache runner)")
+        self.core_unavailable_reason = reason
+        running = self.max_batch_size or 1024
         if reason is not None:
-            self.core_unavailable_reason = reason
-            return None
+            runner = CacheRunner(self.model, self._pad_token_id, self._suppressed_ids, self._routing, running)
+            return EngineCore(runner, None, CohortScheduler(running), self.tokenizer, self._eos_token_ids,
+                              self._pauses, lambda: self._weight_version)
         max_positions = int(self.model.config.get_text_config().max_position_embeddings)
         decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device),
                               suppressed_ids=self._suppressed_ids)
@@ -217,10 +203,9 @@ class EmbeddedEngine(InferenceEngine):
         page = settings.page_size
         num_blocks = tokens // page + 1  # + the reserved block
         blocks_per_sequence = -(-max_positions // page)
-        runner = ModelRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
+        runner = PagedRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
                              cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch)
         blocks = BlockManager(num_blocks, page)
-        running = self.max_batch_size or 1024
         scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
                               reserve_tokens=page)
         return EngineCore(runner, blocks, scheduler, self.tokenizer, self._eos_token_ids, self._pauses,
@@ -247,16 +232,13 @@ class EmbeddedEngine(InferenceEngine):
         return self._weight_version
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        """Decode every request; outputs in request order. On the core (a supported model) the requests join the
-        running batch; on the Hugging Face path they decode in batches of at most
-        ``max_batch_size`` with one generator per distinct seed (see the module doc)."""
+        """Decode every request; outputs in request order. The requests join the core's running batch."""
         return await self.generate_streaming(requests, None)
 
     async def generate_streaming(self, requests: Sequence[GenerationRequest],
                                  on_output: OutputCallback | None) -> list[GenerationOutput]:
-        """`generate`, reporting each request as it finishes on the core, and each batch of at most
-        ``max_batch_size`` as it ends on the Hugging Face path. A recovery decodes the call again; what was
-        reported before it stays reported."""
+        """`generate`, reporting each request as it finishes. A recovery decodes the call again; what was reported
+        before it stays reported."""
         requests = list(requests)
         self.check_requests(requests)
         if not requests:
@@ -276,6 +258,9 @@ class EmbeddedEngine(InferenceEngine):
     def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
         for request in requests:
             _validate_request(request)
+            if request.multimodal_inputs and not self._media_tokens.ids:
+                raise ValueError(f"request {request.request_id!r} has media, and {type(self.model).__name__} "
+                                 "takes none")
             if request.return_routed_experts:
                 self._check_routing(request)
 
@@ -283,9 +268,9 @@ class EmbeddedEngine(InferenceEngine):
         if self._routing is None:
             raise ValueError(f"request {request.request_id!r} asks for routed experts, but "
                              f"{type(self.model).__name__} has no mixture-of-experts layers")
-        if self.core is not None:
-            raise ValueError(f"request {request.request_id!r} asks for routed experts, which the engine core does "
-                             "not record (--engine-core off serves them)")
+        if not self.core.runner.records_routing:
+            raise ValueError(f"request {request.request_id!r} asks for routed experts, which the paged engine core "
+                             "does not record (--engine-core off serves them)")
 
     def _recover(self, error: BaseException) -> None:
         if self.recoveries >= self.max_recoveries:
@@ -294,12 +279,10 @@ class EmbeddedEngine(InferenceEngine):
             raise EngineRecoveryError(f"the embedded engine failed ({type(error).__name__}: {error}) and "
                                       f"{limit}") from error
         self.recoveries += 1
-        logger.warning("embedded engine: %s: %s; rebuilding its %s and decoding the failed calls' requests again "
-                       "(recovery %d/%d)", type(error).__name__, str(error)[:300],
-                       "core" if self.core is not None else "batch state", self.recoveries, self.max_recoveries)
-        if self.core is not None:
-            self.core.shutdown()
-            self.core = None  # its KV pool and graphs are freed before the new core sizes its own
+        logger.warning("embedded engine: %s: %s; rebuilding its core and decoding the failed calls' requests again "
+                       "(recovery %d/%d)", type(error).__name__, str(error)[:300], self.recoveries, self.max_recoveries)
+        self.core.shutdown()
+        self.core = None  # its KV pool and graphs are freed before the new core sizes its own
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -307,36 +290,7 @@ class EmbeddedEngine(InferenceEngine):
 
     async def _generate_once(self, requests: list[GenerationRequest],
                              report: OutputReporter) -> list[GenerationOutput]:
-        if self.core is not None:
-            return await self.core.generate(requests, on_output=report)
-        request_ids = [request.request_id for request in requests]
-        self._in_flight_ids.update(request_ids)
-        try:
-            generators = self._generators_by_seed(requests)
-            batch_size = self.max_batch_size or len(requests)
-            outputs: list[GenerationOutput] = []
-            for start in range(0, len(requests), batch_size):
-                for position, output in enumerate(await self._hf_loop.generate_batch(requests[start : start + batch_size],
-                                                                             generators), start):
-                    report(position, output)
-                    outputs.append(output)
-            return outputs
-        finally:
-            self._in_flight_ids.subtract(request_ids)
-            for request_id in request_ids:
-                if self._in_flight_ids[request_id] <= 0:
-                    del self._in_flight_ids[request_id]
-                    self._aborted_ids.discard(request_id)
-
-    def _generators_by_seed(self, requests: list[GenerationRequest]) -> dict[int | None, torch.Generator]:
-        generators = {}
-        for seed in dict.fromkeys(request.sampling_params.seed for request in requests):
-            generator = generators[seed] = torch.Generator(device=self.device)
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seed)
-        return generators
+        return await self.core.generate(requests, on_output=report)
 
     async def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreOutput]:
         """One forward per batch of at most ``max_batch_size`` right-padded sequences; log-probs
@@ -380,9 +334,7 @@ class EmbeddedEngine(InferenceEngine):
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Finish the named requests at their next step boundary with ``finish_reason == "abort"``,
         keeping the tokens generated so far. Ids that are not in flight are ignored."""
-        self._aborted_ids.update(rid for rid in request_ids if rid in self._in_flight_ids)
-        if self.core is not None:
-            self.core.abort(request_ids)
+        self.core.abort(request_ids)
 
     async def pause(self, owner: str = PAUSE_OPERATOR) -> None:
         """Hold new and in-flight batches at their next step boundary. No step is running when
@@ -397,11 +349,9 @@ class EmbeddedEngine(InferenceEngine):
         ``weights``; the graphs point into the weights, so they go too). Buffers such as rotary tables stay:
         they are small and no weight update carries them. Only between generations."""
         tags = _memory_tags(tags)
-        busy = sum(self._in_flight_ids.values()) + (self.core.in_flight if self.core else 0)
-        if busy:
-            raise RuntimeError(f"cannot release the engine's memory with {busy} requests in flight")
-        if self.core is not None:
-            self.core.release_memory()
+        if self.core.in_flight:
+            raise RuntimeError(f"cannot release the engine's memory with {self.core.in_flight} requests in flight")
+        self.core.release_memory()
         if "weights" in tags and self._released_weights is None:
             self._released_weights = {}
             for parameter in dict(self.model.named_parameters()).values():  # a tied weight once
@@ -424,8 +374,7 @@ class EmbeddedEngine(InferenceEngine):
         if "kv_cache" in tags:
             if self._released_weights is not None:
                 raise RuntimeError("resume the engine's weights before its KV cache (the CUDA graphs capture them)")
-            if self.core is not None:
-                self.core.resume_memory()
+            self.core.resume_memory()
 
     def _check_weights(self) -> None:
         if self._released_weights is not None:
@@ -461,8 +410,7 @@ class EmbeddedEngine(InferenceEngine):
                 target.copy_(tensor)
                 self._unloaded_weights.discard(target)
         self._weight_version = version
-        if self.core is not None:
-            self.core.on_weights_updated()
+        self.core.on_weights_updated()
 
     async def health(self) -> dict[str, Any]:
         return {
@@ -470,20 +418,13 @@ class EmbeddedEngine(InferenceEngine):
             "weight_version": self._weight_version,
             "device": str(self.device),
             "paused": bool(self._pauses),
-            "in_flight_requests": sum(self._in_flight_ids.values()) + (self.core.in_flight if self.core else 0),
-            # Grows by one per decode step (prefill included) of any batch: a liveness signal.
-            "decode_steps": self._hf_loop.steps + (self.core.steps if self.core else 0),
-            "engine_core": self.core is not None,
+            "in_flight_requests": self.core.in_flight,
+            # Grows by one per engine step (prefill included): a liveness signal.
+            "decode_steps": self.core.steps,
+            "engine_core": self.core.kind,
             "recoveries": self.recoveries,
         }
 
-    async def _step_boundary(self, live_request_ids: set[str]) -> set[str]:
-        """Let other coroutines run, wait while paused, and return the batch's aborted request ids
-        (an empty set means: run the next step)."""
-        await asyncio.sleep(0)
-        while self._pauses and not self._aborted_ids & live_request_ids:
-            await asyncio.sleep(PAUSE_POLL_S)
-        return self._aborted_ids & live_request_ids
 
 class EngineRecoveryError(RuntimeError):
     """The embedded engine failed and could not recover in place (see ``EmbeddedEngine.max_recoveries``)."""

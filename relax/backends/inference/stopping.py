@@ -1,5 +1,5 @@
 """When a response stops: stop token ids (EOS unless ignored) and stop strings, for both decode paths of the
-embedded engine (the Hugging Face loop and the engine core)."""
+embedded engine's core (either runner) and the servers."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ row that cannot work yet carries its reason, and a run on such a checkpoint is r
 
 What differs between families at run time is read from the config (`traits`): mixture-of-experts layers,
 linear-attention layers (their recurrent state would run across the sequences of a packed row, so they train on
-padded micro-batches), sliding windows (the same, until the packed attention masks windows), and whether the
-engine core runs the family or the Hugging Face decode path does (`ENGINE_CORE_MODEL_TYPES`).
+padded micro-batches), sliding windows (the same, until the packed attention masks windows), and which of the
+engine core's runners serves the family: the paged one (`ENGINE_CORE_MODEL_TYPES`) or the one over the model's own
+forward and cache.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Traits:
     experts: bool
     linear_attention: bool
     sliding_window: bool
-    engine_core: bool  # the engine core runs it (else the Hugging Face decode path)
+    engine_core: bool  # the core's paged runner runs it (else its runner over the model's own forward and cache)
 
     @property
     def packing_unsupported(self) -> str | None:
@@ -93,7 +94,7 @@ def _layer_types(config: Any) -> set[str]:
 
 # The families the engine core decodes (`relax.backends.inference.engine_core.decoder`): dense text decoders, and the
 # multimodal ones whose language model is a Qwen2 decoder with multimodal rope (mrope sections, not interleaved)
-# merging media features into the input embeddings only. The others run on the Hugging Face decode path.
+# merging media features into the input embeddings only. The others run on the core's model-cache runner.
 ENGINE_CORE_TEXT_TYPES = ("qwen3", "qwen2", "llama")
 ENGINE_CORE_MULTIMODAL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")
 ENGINE_CORE_MODEL_TYPES = ENGINE_CORE_TEXT_TYPES + ENGINE_CORE_MULTIMODAL_TYPES
@@ -138,8 +139,10 @@ def models_markdown() -> str:
         "A run on a checkpoint of a family that is not supported yet is refused with the reason given here; a",
         "family not listed is tried on the Hugging Face paths with a warning.",
         "",
-        "Engine: `core` = the engine core (paged KV cache, continuous batching, CUDA graphs), `HF` = the Hugging Face",
-        "decode path with the family's own cache (linear-attention state included). Packed: training micro-batches",
+        "Engine: every family runs on the engine core (continuous batching, per-request sampling streams); `paged` =",
+        "its paged runner (the core's decoder over a paged KV pool, CUDA graphs), `model cache` = its runner over the",
+        "family's own forward and cache (linear-attention state, MLA latents, sliding windows, deepstack features",
+        "included). Packed: training micro-batches",
         "are packed rows of whole samples (else padded, for the reason in the notes).",
         "",
         "Mixture-of-experts models train with their family's auxiliary load-balancing loss where the family defines",
@@ -177,5 +180,5 @@ def _row_traits(family: ModelFamily) -> dict[str, str]:
         return {"experts": "?", "attention": _ATTENTION.get(model_type, "full"), "engine": "?", "packed": "?"}
     found = traits(config)
     return {"experts": "yes" if found.experts else "no", "attention": _ATTENTION.get(model_type, "full"),
-            "engine": "core" if found.engine_core else "HF",
+            "engine": "paged" if found.engine_core else "model cache",
             "packed": "yes" if found.packing_unsupported is None else f"no ({found.packing_unsupported})"}

@@ -56,12 +56,13 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()
 
 
-# Every contract test runs on both paths: the Hugging Face loop ("off") and the engine core ("on").
-ENGINE_PATHS = ["hf", "core"]
+# Every contract test runs on both of the core's runners: the model's own forward and cache ("off") and the paged
+# decoder ("on").
+ENGINE_PATHS = ["model_cache", "paged"]
 
 
 def make_engine(model, tokenizer, path: str, **kwargs) -> EmbeddedEngine:
-    return EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on" if path == "core" else "off"), **kwargs)
+    return EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on" if path == "paged" else "off"), **kwargs)
 
 
 @pytest.fixture(params=ENGINE_PATHS)
@@ -72,7 +73,7 @@ def engine_path(request) -> str:
 @pytest.fixture
 def engine(tokenizer, engine_path) -> EmbeddedEngine:
     engine = make_engine(make_model(seed=0), tokenizer, engine_path)
-    assert (engine.core is not None) == (engine_path == "core")
+    assert engine.core.kind == engine_path
     return engine
 
 
@@ -397,7 +398,6 @@ def test_generate_streaming_reports_each_request_as_it_finishes(engine, tokenize
     requests = requests_for(tokenizer, max_new_tokens=9, temperature=1.0, seed=7, ignore_eos=True)
     for request, limit in zip(requests, limits):
         request.sampling_params.max_new_tokens = limit
-    engine.max_batch_size = None if engine.core is not None else 2  # the HF path reports batch by batch
     plain = generate(engine, requests)
     reported: list[tuple[int, object]] = []
 
@@ -409,10 +409,7 @@ def test_generate_streaming_reports_each_request_as_it_finishes(engine, tokenize
     assert all(outputs[position] is output for position, output in reported)
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
     order = [position for position, _ in reported]
-    if engine.core is not None:  # per request: the 1-token request first, the 9-token ones last
-        assert order[0] == 1 and set(order[-2:]) == {0, 4}
-    else:  # per batch of two: positions 0-1 before 2-3 before 4
-        assert order == [0, 1, 2, 3, 4]
+    assert order[0] == 1 and set(order[-2:]) == {0, 4}  # per request: the 1-token one first, the 9-token ones last
 
 
 def test_the_batcher_answers_each_job_when_its_own_requests_finish(tokenizer):
@@ -420,7 +417,7 @@ def test_the_batcher_answers_each_job_when_its_own_requests_finish(tokenizer):
     while the other's still decodes, as `relax serve` answers a finished GRPO group before the call ends."""
     from relax.backends.inference.batcher import RequestBatcher
 
-    engine = make_engine(make_model(seed=0), tokenizer, "core")
+    engine = make_engine(make_model(seed=0), tokenizer, "paged")
     short, long = requests_for(tokenizer, prompts=PROMPTS[:2], max_new_tokens=1, ignore_eos=True)
     long.sampling_params.max_new_tokens = 40
 

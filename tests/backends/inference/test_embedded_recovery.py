@@ -23,7 +23,7 @@ PROMPTS = ["hello", "a+b=", "the quick brown fox", "7*8=5"]
 
 
 def _engine(path: str, max_recoveries: int) -> EmbeddedEngine:
-    core = CoreSettings(mode="on" if path == "core" else "off", cuda_graphs=False)
+    core = CoreSettings(mode="on" if path == "paged" else "off", cuda_graphs=False)
     return EmbeddedEngine(make_model(seed=3), make_tokenizer(), core=core, max_recoveries=max_recoveries)
 
 
@@ -62,19 +62,19 @@ def test_an_out_of_memory_step_is_recovered_and_samples_what_it_would_have(path)
         assert mine.output_log_probs == pytest.approx(theirs.output_log_probs, abs=1e-5)
     assert engine.recoveries == 1
     assert asyncio.run(engine.health())["recoveries"] == 1
-    assert (engine.core is not None) == (path == "core")
+    assert engine.core.kind == path
 
 
 def test_concurrent_calls_that_one_failure_ends_are_recovered_once():
     tokenizer = make_tokenizer()
-    clean_engine = _engine("core", 0)
+    clean_engine = _engine("paged", 0)
 
     async def both(engine):
         return await asyncio.gather(engine.generate(_requests(tokenizer, "a")),
                                     engine.generate(_requests(tokenizer, "b", seed=50)))
 
     clean = asyncio.run(both(clean_engine))
-    engine = _engine("core", max_recoveries=3)
+    engine = _engine("paged", max_recoveries=3)
     _fail_at(engine, {5}, torch.OutOfMemoryError("CUDA out of memory"))
     recovered = asyncio.run(both(engine))
     assert [_tokens(call) for call in recovered] == [_tokens(call) for call in clean]
@@ -116,7 +116,7 @@ def test_a_run_recovers_its_embedded_engine_in_place(tiny_workspace, tmp_path):
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "faulty"
     fault = {"PYTHONPATH": f"{ROOT / 'tests' / 'support' / 'fault_injection'}:{ROOT}",
-             "RELAX_TEST_OOM_AT": "relax.backends.inference.hf_decode:HFDecodeLoop._decode_step:3"}
+             "RELAX_TEST_OOM_AT": "relax.backends.inference.engine_core.paged_runner:PagedRunner.decode:3"}
     faulty = run_relax("train", *tiny_train_args(tiny_workspace, run_dir, *steps, "--use-fault-tolerance"),
                        env=fault)
     assert faulty.returncode == 0, faulty.stderr[-3000:]

@@ -223,7 +223,7 @@ def test_media_on_a_text_model_are_refused_naming_the_request():
 
     engine = EmbeddedEngine(make_model(seed=0), make_tokenizer(), core=CoreSettings(mode="on"))
     request = _request("pic", [5, 6, 7], {"pixel_values": torch.zeros(4, 8)})
-    with pytest.raises(ValueError, match="'pic' has media, and this model takes none"):
+    with pytest.raises(ValueError, match="'pic' has media, and Qwen3ForCausalLM takes none"):
         asyncio.run(engine.generate([request]))
     assert engine.core.in_flight == 0
 

@@ -39,8 +39,7 @@ def test_released_engine_refuses_until_its_weights_are_sent_then_samples_the_sam
     weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
     asyncio.run(engine.release_memory_occupation())
     assert all(p.numel() == 0 for p in engine.model.parameters())
-    if engine.core is not None:
-        assert engine.core.runner.released
+    assert engine.core.runner.released
     with pytest.raises(RuntimeError, match="released"):
         _generate(engine)
     with pytest.raises(RuntimeError, match="resume_memory_occupation first"):

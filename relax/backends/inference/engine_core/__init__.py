@@ -8,7 +8,9 @@
 - `decoder`: the forward of the supported text decoders over the Hugging Face model's own modules and weights;
 - `media`: a multimodal prompt's merged embeddings, 3D rope and block keys (Qwen-VL, Qwen2.5-Omni);
 - `sampler`: sampling on the device, with noise that depends on a request's seed and position only;
-- `model_runner`: the KV pool tensors, prefill over packed sequences, decode over block tables, CUDA graphs per
+- `step_runner`: what the runners share (a step's output, sampling, decode inputs);
+- `paged_runner`: the KV pool tensors, prefill over packed sequences, decode over block tables, CUDA graphs per
   batch-size bucket;
+- `cache_runner`: steps by the model's own forward and cache, for the families the decoder does not run;
 - `engine_core`: the step loop behind `EmbeddedEngine.generate`.
 """

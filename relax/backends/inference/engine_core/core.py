@@ -1,4 +1,4 @@
-"""The step loop behind `EmbeddedEngine.generate` for the models the core runs: continuous batching.
+"""The step loop behind `EmbeddedEngine.generate`, for every model: continuous batching.
 
 Every `generate` call puts its requests into the scheduler's waiting queue and awaits them; one loop task (on
 the event loop of the calls) runs steps while any request waits or runs: at each step boundary it lets other
@@ -13,7 +13,11 @@ gets a random one. Requests of one call that carry the same seed get distinct st
 their order among those requests), so the samples of a GRPO group sharing a step seed differ, and the same call
 repeated gives the same samples.
 
-Media. A multimodal request's prompt is encoded when it arrives (`media.MediaEncoder`: the towers, the merge
+Runners. The loop is handed a runner and its scheduler: `paged_runner.PagedRunner` with `scheduler.Scheduler` (the
+core's own decoder over a paged KV pool, CUDA graphs) for the families it runs, `cache_runner.CacheRunner` with
+`scheduler.CohortScheduler` (the model's own forward and cache) for every other one. The loop is the same.
+
+Media. On the paged runner, a multimodal request's prompt is encoded when it arrives (`media.MediaEncoder`: the towers, the merge
 into the embeddings, the 3D rope), once per distinct prompt of a call, and then runs as any other sequence.
 
 Cost per step: one host synchronization (the sampled tokens and their log-probs, which the stop checks need),
@@ -34,9 +38,9 @@ from collections.abc import Sequence as SequenceOf
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds
 from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.media import MediaEncoder, MediaPrompt
-from relax.backends.inference.engine_core.model_runner import ModelRunner, StepOutput
-from relax.backends.inference.engine_core.scheduler import Scheduler
+from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
 from relax.backends.inference.engine_core.sequence import Sequence, SequenceStatus
+from relax.backends.inference.engine_core.step_runner import StepOutput, StepRunner
 from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 
 PAUSE_POLL_S = 0.001
@@ -47,12 +51,12 @@ def mix_seed(seed: int, occurrence: int) -> int:
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, tokenizer,
-                 eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int],
+    def __init__(self, runner: StepRunner, blocks: BlockManager | None, scheduler: Scheduler | CohortScheduler,
+                 tokenizer, eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int],
                  media: MediaEncoder | None = None) -> None:
         self.runner = runner
-        self.media = media  # a multimodal model's encoder of media prompts
-        self.blocks = blocks
+        self.media = media  # the paged runner's encoder of media prompts (the cache runner's forward takes them)
+        self.blocks = blocks  # the paged runner's KV pool blocks (None on the cache runner)
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -115,14 +119,20 @@ class EngineCore:
     def in_flight(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
+    @property
+    def kind(self) -> str:
+        """``paged`` (the core's decoder over a paged KV pool) or ``model_cache`` (the model's own forward)."""
+        return "paged" if self.blocks is not None else "model_cache"
+
     def on_weights_updated(self) -> None:
-        self.blocks.reset_prefix_cache()  # K/V cached under the old weights must not serve new prompts
+        if self.blocks is not None:
+            self.blocks.reset_prefix_cache()  # K/V cached under the old weights must not serve new prompts
 
     def release_memory(self) -> None:
         """Free the KV pool and the CUDA graphs; only between generations."""
         if self.in_flight:
             raise RuntimeError(f"cannot release the KV pool with {self.in_flight} requests in flight")
-        self.blocks.reset_prefix_cache()
+        self.on_weights_updated()
         self.runner.release()
 
     def resume_memory(self) -> None:
@@ -250,8 +260,8 @@ class EngineCore:
         inputs = request.multimodal_inputs
         if not inputs:
             return None
-        if self.media is None:
-            raise ValueError(f"request {request.request_id!r} has media, and this model takes none")
+        if self.media is None:  # the cache runner's forward takes the processor tensors itself (the engine refuses
+            return None  # media for a model that takes none)
         key = (id(inputs), tuple(request.input_ids))
         if key not in encoded:
             encoded[key] = self.media.encode(list(request.input_ids), inputs)
@@ -270,5 +280,5 @@ class EngineCore:
             output_log_probs=sequence.output_log_probs, finish_reason=sequence.finish_reason or "abort",
             weight_version=versions[-1] if versions else self.weight_version(),
             text=self.tokenizer.decode(sequence.output_ids, skip_special_tokens=True),
-            output_weight_versions=versions,
+            output_weight_versions=versions, routed_experts=sequence.routed_experts_output(),
         )

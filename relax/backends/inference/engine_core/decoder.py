@@ -13,7 +13,7 @@ multimodal rope (Qwen2-VL, Qwen2.5-VL, the Qwen2.5-Omni thinker) run here too: t
 features merged in) and 3D rope come from `media.MediaEncoder` and reach `forward` as ``embeds`` and ``rope``;
 their decode positions are plain ones shifted by the prompt's rope delta, where the three rope axes agree and
 multimodal rope is ordinary rope. Other families (mixture-of-experts, sliding windows, Qwen3-VL's deepstack
-features) run on the Hugging Face path of `EmbeddedEngine`.
+features) run on the core's other runner, `cache_runner`, over the model's own forward.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TextDecoder:
     """``forward(input_ids [T], positions [T], pools, metadata) -> hidden [T, hidden]`` after the final norm;
     `logits` applies the LM head (in the model dtype, then float32, as the training forward does) and masks
-    ``suppressed_ids`` (media placeholders, which a model must never write) to -inf, as the Hugging Face path does."""
+    ``suppressed_ids`` (media placeholders, which a model must never write) to -inf, as the cache runner does."""
 
     def __init__(self, model: nn.Module, max_positions: int, fused: bool = False,
                  suppressed_ids: torch.Tensor | None = None) -> None:

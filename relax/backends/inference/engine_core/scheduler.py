@@ -1,4 +1,5 @@
-"""Which sequences run in the next step: continuous batching over a paged KV pool.
+"""Which sequences run in the next step: continuous batching over a paged KV pool (`Scheduler`), or over the
+model's own cache (`CohortScheduler`, the cache runner's).
 
 Requests join the waiting queue at any time and leave when they finish or are aborted; every step is either a
 *prefill* (new sequences' prompts, packed, within a token budget) or a *decode* (one token for every running
@@ -154,3 +155,47 @@ class Scheduler:
         if sequence.block_table:
             self.blocks.free(sequence.block_table)
         sequence.block_table, sequence.num_cached = [], 0
+
+
+class CohortScheduler:
+    """The cache runner's scheduling (`cache_runner`): the same steps over the model's own cache, which has no
+    pool to count. Waiting sequences are admitted, up to ``max_running`` running ones, as one prefill step (a
+    cohort); otherwise every running sequence decodes. Nothing is preempted: the cache grows as the model's does,
+    and running out of memory is the engine's in-place recovery's to handle."""
+
+    def __init__(self, max_running: int) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            sequence = self.waiting.popleft()
+            sequence.status = SequenceStatus.RUNNING
+            self.running.append(sequence)
+            admitted.append(sequence)
+        if admitted:
+            return Step(prefill=admitted)
+        decoding = [s for s in self.running if s.num_outputs + s.pending < s.params.max_new_tokens]
+        return Step(decode=sorted(decoding, key=lambda s: s.arrival))
+
+    def finish(self, sequences: Iterable[Sequence]) -> None:
+        """Take finished (or aborted) sequences out, running or waiting; a cohort's cache goes with its last one."""
+        sequences = list(sequences)
+        done = {id(s) for s in sequences}
+        self.running = [s for s in self.running if id(s) not in done]
+        self.waiting = deque(s for s in self.waiting if id(s) not in done)
+        for sequence in sequences:
+            sequence.status = SequenceStatus.FINISHED
+            sequence.cohort = None

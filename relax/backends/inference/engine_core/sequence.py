@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from relax.backends.inference.base import FinishReason, GenerationRequest, SamplingParams
 from relax.backends.inference.engine_core.media import MediaPrompt
@@ -45,6 +48,9 @@ class Sequence:
     # device runs step t + 1); they count in `num_tokens`, not in `token_ids`.
     pending: int = 0
     media: MediaPrompt | None = None  # a multimodal prompt's features, 3D rope and block keys
+    # [n, L, k] host tensors: the routed experts of the tokens fed so far, in order (when the request asks for them)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    cohort: Any = None  # the cache runner's batch that holds this sequence's cache row (`cache_runner.Cohort`)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -83,6 +89,13 @@ class Sequence:
         if self.media is None:
             return self.token_ids
         return list(self.media.key_tokens) + self.token_ids[self.num_prompt_tokens:]
+
+    def routed_experts_output(self) -> torch.Tensor | None:
+        """``[T - 1, L, k]``: the experts of every token fed to the model but the last one (`routing_replay`); a
+        token computed past the sequence's end (the core runs one step ahead) is cut off."""
+        if not self.request.return_routed_experts or not self.routed_experts:
+            return None
+        return torch.cat(self.routed_experts)[:len(self.token_ids) - 1]
 
     def __len__(self) -> int:
         return len(self.token_ids)

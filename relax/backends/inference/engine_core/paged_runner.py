@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +27,7 @@ from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
 from relax.backends.inference.engine_core.decoder import TextDecoder
 from relax.backends.inference.engine_core.media import merge_media
 from relax.backends.inference.engine_core.sequence import Sequence
-from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
+from relax.backends.inference.engine_core.step_runner import StepOutput, StepRunner
 from relax.backends.models import flash_varlen
 
 logger = logging.getLogger(__name__)
@@ -36,65 +35,32 @@ logger = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-def triton_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+class PagedRunner(StepRunner):
+    """Steps over the core's own decoder (`decoder.TextDecoder`) and a paged KV pool of ``num_blocks`` blocks."""
 
-
-@dataclass
-class StepOutput:
-    """The tokens a step sampled for ``sequences`` (device tensors), and their copy to the host once ready."""
-
-    sequences: list[Sequence]
-    tokens: torch.Tensor  # [B] int64, on the device
-    log_probs: torch.Tensor  # [B] float32
-    version: int  # the weight version the step ran with
-    host_tokens: torch.Tensor | None = None  # pinned copies, filled behind the step (CUDA)
-    host_log_probs: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-
-    def result(self) -> tuple[list[int], list[float]]:
-        """Wait for the step and read its tokens and log-probs (the host synchronization of the step)."""
-        if self.ready is None:
-            return self.tokens.tolist(), self.log_probs.tolist()
-        self.ready.synchronize()
-        count = len(self.sequences)
-        return self.host_tokens[:count].tolist(), self.host_log_probs[:count].tolist()
-
-
-class ModelRunner:
     def __init__(self, decoder: TextDecoder, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, max_blocks_per_sequence: int, cuda_graphs: bool = True,
                  max_graph_batch: int = 256, max_batch: int = 1024) -> None:
+        graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
+        rows = max(max_batch, graph_sizes[-1] if graph_sizes else 1)
+        super().__init__(device, rows)
         self.decoder = decoder
         self.block_size = block_size
-        self.device = device
         self.max_blocks_per_sequence = max_blocks_per_sequence
-        self.use_triton = triton_available(device)
         # Prefill attention on FlashAttention's varlen kernel where it runs (CUDA, half precision).
         self.varlen_prefill = self.use_triton and dtype in (torch.float16, torch.bfloat16) and flash_varlen.available()
         self._kv_shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
         self._kv_dtype = dtype
         self._allocate_pool()
-        self.graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
+        self.graph_sizes = graph_sizes
         self._cuda_graphs = cuda_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = 0  # tokens computed by prefill steps (a shared prompt prefix is computed once)
         self._buffers: dict[str, torch.Tensor] = {}
         self._staging: list[torch.Tensor] = []  # two pinned input buffers, used in turn (a copy may still read one)
-        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # two pinned output buffers, in turn
-        self._turn = 0
         if device.type == "cuda":
-            rows = max(max_batch, self.graph_sizes[-1] if self.graph_sizes else 1)
             self._staging = [torch.zeros((rows, 6 + max_blocks_per_sequence), dtype=torch.int64).pin_memory()
                              for _ in range(2)]
-            self._outputs = [(torch.zeros(rows, dtype=torch.int64).pin_memory(),
-                              torch.zeros(rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
         if self._graphs_wanted:
             self._capture_graphs()
 
@@ -201,65 +167,7 @@ class ModelRunner:
         target = torch.tensor([c * page + i for _, c in copies for i in range(page)], device=self.device)
         self.kv[:, :, target] = self.kv[:, :, source]
 
-    # ---- sampling ------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row of ``logits``; the noise of a row is keyed by its sequence's seed and the position of
-        the token it samples (``num_tokens``)."""
-        params = [s.params for s in sequences]
-        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
-        counters = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64)
-        filtering = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
-        if self.use_triton and not filtering:
-            from relax.backends.inference.triton_sampling import sample_tokens
-
-            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
-            log_probs = torch.empty(len(params), dtype=torch.float32, device=self.device)
-            sample_tokens(logits, temperature.to(self.device), seeds.to(self.device), counters.to(self.device),
-                          tokens, log_probs)
-            return tokens, log_probs
-        sampling = BatchSampling.from_params(params, self.device)
-        return sample_next_tokens(logits, sampling, CounterNoise(seeds.to(self.device), counters.to(self.device)))
-
-    def _finish(self, sequences: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor,
-                version: int) -> StepOutput:
-        output = StepOutput(sequences, tokens, log_probs, version)
-        if self.device.type == "cuda":
-            host_tokens, host_log_probs = self._outputs[self._next_turn()]
-            host_tokens[:len(sequences)].copy_(tokens, non_blocking=True)
-            host_log_probs[:len(sequences)].copy_(log_probs, non_blocking=True)
-            output.host_tokens, output.host_log_probs = host_tokens, host_log_probs
-            output.ready = torch.cuda.Event()
-            output.ready.record()
-        return output
-
-    def _next_turn(self) -> int:
-        self._turn ^= 1
-        return self._turn
-
     # ---- decode inputs -------------------------------------------------------------------
-    def _decode_inputs(self, sequences: list[Sequence], previous: StepOutput | None) -> torch.Tensor:
-        """The input token of each sequence: the host's last token, or (``pending``) ``previous``'s output."""
-        host_tokens, sources = self._token_sources(sequences, previous)
-        host = self._to_device(host_tokens)
-        if previous is None or all(source < 0 for source in sources):
-            return host
-        sources_tensor = self._to_device(sources)
-        return torch.where(sources_tensor >= 0, previous.tokens[sources_tensor.clamp(min=0)], host)
-
-    @staticmethod
-    def _token_sources(sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
-        row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
-        host_tokens, sources = [], []
-        for sequence in sequences:
-            if sequence.pending:
-                host_tokens.append(0)
-                sources.append(row_of[id(sequence)])
-            else:
-                host_tokens.append(sequence.token_ids[-1])
-                sources.append(-1)
-        return host_tokens, sources
-
     def _fill_graph_inputs(self, sequences: list[Sequence], previous: StepOutput | None, bucket: int) -> None:
         """Stage the step's inputs in a pinned buffer and copy them to the graph's buffers in one transfer. Table
         entries past a sequence's length are never read, so only the columns in use are written; padding rows
@@ -343,9 +251,3 @@ class ModelRunner:
                 self.graphs[size] = graph
         torch.cuda.synchronize(device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.graph_sizes)
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
