@@ -1,13 +1,16 @@
-"""Sampling throughput: `EmbeddedEngine.generate` against Hugging Face `model.generate`.
+"""Sampling throughput: `EmbeddedEngine.generate` on each of its core's runners against Hugging Face `model.generate`.
 
-Both sample (temperature 1, no top-k/top-p) the same left-padded batch of random prompts for
-exactly ``new_tokens`` tokens per row (EOS ignored), on a randomly initialized Qwen3 built from a
-config. Each setting (``--settings``, default: batch 64 x 8 new tokens and batch 16 x 64 new
-tokens, prompts of ~8 tokens) is timed ``--repeats`` times, alternating the two, after one warm-up
-call each; the median wall time gives tokens/s (generated tokens only). Prints one line per setting
-with the ratio engine/HF and writes a JSON result.
+All sample (temperature 1, no top-k/top-p) the same batch of random prompts for exactly ``new_tokens`` tokens per
+row (EOS ignored), on a randomly initialized Qwen3 (or, ``--shape tiny-moe``, Qwen3-MoE) built from a config. The
+engine runs once per ``--engine-core`` mode: ``on`` (the paged runner: the core's decoder over a paged KV pool) and
+``off`` (the cache runner: the model's own forward and cache, what every family the paged decoder does not run
+gets). Each setting (``--settings``, default: batch 64 x 8 new tokens and batch 16 x 64 new tokens, prompts of ~8
+tokens) is timed ``--repeats`` times, alternating the implementations, after one warm-up call each; the median
+wall time gives tokens/s (generated tokens only). Prints one line per setting with each engine's ratio to
+`model.generate` and writes a JSON result (headline: the geometric mean of each ratio over the settings).
 
     python benchmarks/engine_cpu.py                                   # tiny Qwen3 on CPU, fp32
+    python benchmarks/engine_cpu.py --shape tiny-moe --engine-core off
     python benchmarks/engine_cpu.py --device cuda --dtype bfloat16 --shape qwen3-0.6b --settings 64x8x8,64x256x128
 
 Wall times on a shared machine are noisy; compare the per-call times in the JSON.
@@ -26,10 +29,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
-from relax.backends.inference.embedded import EmbeddedEngine
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 
 SHAPES = {
     # ~2.6 M parameters, the CPU quickstart model (environment-notes §12).
@@ -37,6 +47,19 @@ SHAPES = {
         "vocab_size": 64,
         "hidden_size": 256,
         "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
+    # The tiny shape with 8 experts, 2 per token, in every layer (a family the paged decoder does not run).
+    "tiny-moe": {
+        "vocab_size": 64,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
@@ -117,20 +140,26 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="Qwen3 model shape")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated BATCHxPROMPTxNEW")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per setting and implementation")
+    parser.add_argument("--engine-core", default="on,off", help="comma-separated modes of the engine to time "
+                        "(on: the paged runner, off: the cache runner; a MoE shape runs only on off)")
     parser.add_argument("--out", type=Path, default=None, help="JSON result path (default benchmarks/results/...)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    config = Qwen3Config(
+    moe = "num_experts" in SHAPES[args.shape]
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_class(
         **SHAPES[args.shape], pad_token_id=PAD_ID, eos_token_id=2, bos_token_id=None, tie_word_embeddings=True
     )
     with torch.device(args.device):
-        model = Qwen3ForCausalLM(config).to(dtype).eval()
-    engine = EmbeddedEngine(model, make_char_tokenizer())
+        model = model_class(config).to(dtype).eval()
+    tokenizer = make_char_tokenizer()
+    modes = args.engine_core.split(",")
+    engines = {mode: EmbeddedEngine(model, tokenizer, core=CoreSettings(mode=mode)) for mode in modes}
     parameter_count = sum(p.numel() for p in model.parameters())
     print(
-        f"Qwen3 {args.shape}: {parameter_count / 1e6:.2f} M parameters, {args.device}, {args.dtype}, "
+        f"{model_class.__name__} {args.shape}: {parameter_count / 1e6:.2f} M parameters, {args.device}, {args.dtype}, "
         f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}"
     )
 
@@ -139,41 +168,41 @@ def main() -> None:
     settings = [tuple(int(n) for n in setting.split("x")) for setting in args.settings.split(",")]
     for batch_size, prompt_length, new_tokens in settings:
         prompts = random_prompts(batch_size, prompt_length, config.vocab_size, prompt_generator)
-        time_engine(engine, prompts, new_tokens, seed=0)
+        for engine in engines.values():
+            time_engine(engine, prompts, new_tokens, seed=0)
         time_hf_generate(model, prompts, new_tokens, args.device)
-        engine_times, hf_times = [], []
+        engine_times: dict[str, list[float]] = {mode: [] for mode in modes}
+        hf_times = []
         for repeat in range(args.repeats):
-            engine_times.append(time_engine(engine, prompts, new_tokens, seed=repeat))
+            for mode, engine in engines.items():
+                engine_times[mode].append(time_engine(engine, prompts, new_tokens, seed=repeat))
             hf_times.append(time_hf_generate(model, prompts, new_tokens, args.device))
         generated_tokens = batch_size * new_tokens
-        engine_tps = generated_tokens / statistics.median(engine_times)
         hf_tps = generated_tokens / statistics.median(hf_times)
-        results.append(
-            {
-                "batch_size": batch_size,
-                "prompt_length": prompt_length,
-                "new_tokens": new_tokens,
-                "engine_tokens_per_s": engine_tps,
-                "hf_generate_tokens_per_s": hf_tps,
-                "ratio": engine_tps / hf_tps,
-                "engine_seconds": engine_times,
-                "hf_generate_seconds": hf_times,
-            }
-        )
-        print(
-            f"batch {batch_size:3d}, prompt ~{prompt_length}, {new_tokens:3d} new tokens: "
-            f"engine {engine_tps:9.0f} tok/s, model.generate {hf_tps:9.0f} tok/s, ratio {engine_tps / hf_tps:.2f}"
-        )
+        row = {"batch_size": batch_size, "prompt_length": prompt_length, "new_tokens": new_tokens,
+               "hf_generate_tokens_per_s": hf_tps, "hf_generate_seconds": hf_times}
+        line = f"batch {batch_size:3d}, prompt ~{prompt_length}, {new_tokens:3d} new tokens: "
+        for mode in modes:
+            tps = generated_tokens / statistics.median(engine_times[mode])
+            row[f"engine_{mode}_tokens_per_s"] = tps
+            row[f"engine_{mode}_ratio"] = tps / hf_tps
+            row[f"engine_{mode}_seconds"] = engine_times[mode]
+            line += f"engine --engine-core {mode} {tps:8.0f} tok/s ({tps / hf_tps:.2f}x), "
+        results.append(row)
+        print(line + f"model.generate {hf_tps:8.0f} tok/s")
 
     out = (
         args.out
         or Path(__file__).parent / "results" / f"engine_{args.shape}_{args.device.split(':')[0]}_{args.dtype}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
+    headline = {f"engine_{mode}_vs_generate": statistics.geometric_mean(r[f"engine_{mode}_ratio"] for r in results)
+                for mode in modes}
     out.write_text(
         json.dumps(
             {
                 "benchmark": "engine_generate_vs_hf_generate",
+                **headline,
                 "shape": args.shape,
                 "parameters": parameter_count,
                 "device": args.device,
@@ -186,7 +215,7 @@ def main() -> None:
             indent=2,
         )
     )
-    print(f"wrote {out}")
+    print(f"wrote {out}: " + ", ".join(f"{key} {value:.2f}" for key, value in headline.items()))
 
 
 if __name__ == "__main__":

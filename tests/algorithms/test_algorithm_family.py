@@ -370,4 +370,8 @@ def test_two_training_steps_give_finite_losses(name, tiny_workspace, tmp_path):
         assert "train/pg_loss" not in per_step[0] and "train/pg_loss" in per_step[1]
         assert roles.rollout.engine.weight_version == 2
     if "--use-opd" in SMOKE_CASES[name]:
-        assert math.isfinite(metrics["train/opd_kl"]) and metrics["train/opd_kl"] >= -1e-6
+        # Step 1: the student is the teacher, so the divergence is 0 (up to the top-k truncation of the forward KL).
+        # Step 2: the student moved; the per-token estimate at the sampled tokens is unbiased but may be negative for
+        # one small batch, so only its being finite and no longer 0 is certain.
+        assert abs(per_step[0]["train/opd_kl"]) < 1e-3, per_step[0]["train/opd_kl"]
+        assert math.isfinite(metrics["train/opd_kl"]) and metrics["train/opd_kl"] != 0

@@ -16,6 +16,7 @@ from relax.backends.inference.router import EngineRouter
 from relax.distributed.process_group import free_loopback_port
 from relax.rollout.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
+from tests.support.http_servers import ThreadServer
 
 TOKEN = "scale-secret"
 TRAINED_VERSION = 5
@@ -43,19 +44,10 @@ def service(tiny_workspace):
         return engine, None
 
     manager = ScaleManager(router, weights=lambda: (TRAINED_VERSION, trained.items()), factory=factory)
-    port = free_loopback_port()
-    server = uvicorn.Server(uvicorn.Config(create_scaling_app(manager, api_key=TOKEN), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
-                      headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+    server = ThreadServer(uvicorn.Config(create_scaling_app(manager, api_key=TOKEN), log_level="warning"))
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
         yield client, manager, router, created, trained
-    server.should_exit = True
-    thread.join(10)
+    server.stop()
 
 
 def _wait_terminal(client, kind, request_id, timeout_s=60):

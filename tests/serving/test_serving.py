@@ -22,7 +22,7 @@ from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.distributed.weight_disk import DiskPublisher
 from relax.serving.app import create_app
-from tests.support.http_servers import API_KEY, free_port, wait_until
+from tests.support.http_servers import API_KEY, ThreadServer, free_port, wait_until
 from tests.support.runs import ROOT
 from tests.support.tiny_assets import build_tiny_model_dir
 
@@ -40,14 +40,9 @@ def server(model_dir):
     engine = EmbeddedEngine.from_pretrained(str(model_dir))
     app = create_app(engine, engine.tokenizer, model_name="tiny", model_path=str(model_dir), api_key=API_KEY,
                      batch_window_s=0.05)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    wait_until(lambda: uv.started, 20, "the server to start")
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
+    server = ThreadServer(uvicorn.Config(app, log_level="warning"))
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="module")

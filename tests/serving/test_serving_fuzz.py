@@ -41,7 +41,7 @@ from relax.backends.inference.router import EngineRouter
 from relax.distributed.process_group import free_loopback_port
 from relax.rollout.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
-from tests.support.http_servers import Server
+from tests.support.http_servers import Server, ThreadServer
 from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S
 
 TOKEN = "fuzz-token-7Qx2vLm9"  # distinctive, so that finding it anywhere cannot be a coincidence
@@ -241,19 +241,14 @@ def scaling(tiny_workspace):
     for logger in loggers:
         logger.addHandler(recorder)
         logger.setLevel(logging.DEBUG)
-    port = free_loopback_port()
     # log_config=None: uvicorn keeps the loggers as they are (the recorder is on them).
-    server = uvicorn.Server(uvicorn.Config(create_scaling_app(manager, api_key=TOKEN), host="127.0.0.1", port=port,
-                                           log_config=None, log_level="debug"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
+    server = ThreadServer(uvicorn.Config(create_scaling_app(manager, api_key=TOKEN), log_config=None,
+                                         log_level="debug"))
     try:
-        _wait_for(f"{base}/engines")
-        yield base, recorder
+        _wait_for(f"{server.url}/engines")
+        yield server.url, recorder
     finally:
-        server.should_exit = True
-        thread.join(10)
+        server.stop()
         for logger, level in zip(loggers, old_levels):
             logger.removeHandler(recorder)
             logger.setLevel(level)

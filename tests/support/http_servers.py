@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import httpx
 import uvicorn
 
 from relax.backends.inference.embedded import EmbeddedEngine
-from relax.distributed.process_group import free_port
+from relax.distributed.process_group import free_port  # noqa: F401 - the tests' import of it
 from relax.serving.app import create_app
 from relax.serving.limits import GenerationLimits
 from relax.utils.http_server import HTTPLimits, uvicorn_config
@@ -26,6 +27,30 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> N
         time.sleep(0.01)
 
 
+class ThreadServer:
+    """A uvicorn server on a daemon thread, listening on a socket bound here first to port 0: the OS picks a free
+    port, and no other process can take it between the pick and the listen (a port found free and then bound by
+    the server later can be, on a busy machine)."""
+
+    def __init__(self, config: uvicorn.Config, timeout_s: float = 60.0) -> None:
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.uv.started or not self.thread.is_alive(), timeout_s, "the server to start")
+        if not self.uv.started:
+            raise AssertionError(f"the server on {self.url} stopped before it started")
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(10)
+        self.socket.close()
+
+
 class Server:
     """`relax serve`'s app on a uvicorn thread, configured as `relax serve` configures it (`uvicorn_config`: the
     same bounds on bodies, connections and read times); ``engine`` is the served engine (to inspect its weights)."""
@@ -38,17 +63,11 @@ class Server:
                          api_key=api_key, batch_window_s=0.005,
                          weight_update_root=None if weight_update_root is None else str(weight_update_root),
                          generation_limits=generation_limits)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn_config(app, http_limits, host="127.0.0.1", port=self.port,
-                                                log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.uv.started, 20, "the server to start")
+        self.thread_server = ThreadServer(uvicorn_config(app, http_limits, log_level="warning"))
+        self.port, self.url = self.thread_server.port, self.thread_server.url
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
 
     def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(10)
+        self.thread_server.stop()

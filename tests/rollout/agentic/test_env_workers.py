@@ -74,8 +74,12 @@ def test_an_environment_that_crashes_its_process_fails_only_its_workers_episodes
         how = "exited with code 3" if kind == "exits" else "was killed by SIGSEGV"
         assert failed and all(how in s.metadata["error"] and "--env-workers" in s.metadata["error"] for s in failed)
         assert all(s.metadata["rollout_stop_reason"] == "env_error" and not any(s.loss_mask) for s in failed)
+        # The crashing episode fails, and with it at most the other episode its worker held (episode 2, when its
+        # environment was already built there: it depends on how far the engine had got); the rest finish.
+        assert samples[0].index in {s.index for s in failed} <= {samples[0].index, samples[2].index}
         survivors = [s for s in results if s.status is not SampleStatus.FAILED]
-        assert len(survivors) == 2 and all(s.metadata["rollout_stop_reason"] == "env_done" for s in survivors)
+        assert len(survivors) == 4 - len(failed)
+        assert all(s.metadata["rollout_stop_reason"] == "env_done" for s in survivors)
         assert pool.deaths == 1
 
         again = episodes(engine, tokenizer, prompt_samples(tokenizer, 4), cfg, pool)  # a new worker in its place

@@ -170,23 +170,29 @@ class CacheRunner(StepRunner):
         order, parts = [], []
         for cohort, positions in members.values():
             cohort.keep([sequences[p] for p in positions])
-            row_of = {id(s): row for row, s in enumerate(cohort.rows)}
-            rows = torch.tensor([row_of[id(sequences[p])] for p in positions], device=self.device)
-            picked = torch.tensor(positions, device=self.device)
-            fed = torch.full((len(cohort.rows),), self.pad_token_id, dtype=torch.long, device=self.device)
-            fed[rows] = inputs[picked]
+            fed_sequences = [sequences[p] for p in positions]
+            whole = len(positions) == len(cohort.rows) and all(a is b for a, b in zip(fed_sequences, cohort.rows))
+            if whole:  # the common case: every row of the cohort decodes, in its order
+                rows = None
+                fed = inputs if len(members) == 1 else inputs[self._to_device(positions)]
+            else:  # finished rows (not dropped yet) are fed padding
+                row_of = {id(s): row for row, s in enumerate(cohort.rows)}
+                rows = self._to_device([row_of[id(s)] for s in fed_sequences])
+                fed = torch.full((len(cohort.rows),), self.pad_token_id, dtype=torch.long, device=self.device)
+                fed[rows] = inputs[self._to_device(positions)]
             cohort.positions = cohort.positions + 1
             cohort.length += 1
-            logits, routes = self._forward([sequences[p] for p in positions], fed[:, None],
-                                           cohort.attention_mask[:, :cohort.length], cohort.positions, cohort.cache)
+            logits, routes = self._forward(fed_sequences, fed[:, None], cohort.attention_mask[:, :cohort.length],
+                                           cohort.positions, cohort.cache)
             if routes is not None:
-                for p, row in zip(positions, rows.tolist()):
+                row_list = rows.tolist() if rows is not None else range(len(positions))
+                for p, row in zip(positions, row_list):
                     sequences[p].routed_experts.append(routes[row:row + 1])
             order.extend(positions)
-            parts.append(logits[rows])
-        logits = torch.cat(parts)
+            parts.append(logits if rows is None else logits[rows])
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order != sorted(order):
-            logits = logits[torch.tensor(order, device=self.device).argsort()]
+            logits = logits[self._to_device(order).argsort()]
         return self._finish(sequences, *self._sample(logits, sequences), version)
 
     def _forward(self, sequences: list[Sequence], input_ids: torch.Tensor, attention_mask: torch.Tensor,

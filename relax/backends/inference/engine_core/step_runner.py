@@ -74,20 +74,21 @@ class StepRunner:
         """One token per row of ``logits``; the noise of a row is keyed by its sequence's seed and the position of
         the token it samples (``num_tokens``)."""
         params = [s.params for s in sequences]
-        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
-        counters = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64)
+        # One host-to-device copy of the seeds and counters, from pinned memory: a copy from pageable memory would
+        # wait for the device to finish the step's forward.
+        keys = self._to_device([s.seed for s in sequences] + [s.num_tokens for s in sequences]).view(2, -1)
+        seeds, counters = keys[0], keys[1]
         filtering = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
         if self.use_triton and not filtering:
             from relax.backends.inference.triton_sampling import sample_tokens
 
-            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).pin_memory()
             tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
             log_probs = torch.empty(len(params), dtype=torch.float32, device=self.device)
-            sample_tokens(logits, temperature.to(self.device), seeds.to(self.device), counters.to(self.device),
-                          tokens, log_probs)
+            sample_tokens(logits, temperature.to(self.device, non_blocking=True), seeds, counters, tokens, log_probs)
             return tokens, log_probs
         sampling = BatchSampling.from_params(params, self.device)
-        return sample_next_tokens(logits, sampling, CounterNoise(seeds.to(self.device), counters.to(self.device)))
+        return sample_next_tokens(logits, sampling, CounterNoise(seeds, counters))
 
     def _finish(self, sequences: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor,
                 version: int) -> StepOutput:
