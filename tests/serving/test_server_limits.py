@@ -213,7 +213,7 @@ def test_a_graceful_stop_ends_within_its_grace_and_aborts_the_work(tiny_workspac
     wait_until(lambda: stopping.health()["in_flight_requests"] > 0, 30, "the request to start")
     stopping.stop()
     thread.join(60)
-    assert not stopping.thread.is_alive(), "the server did not stop within its grace"
+    assert not stopping.thread_server.thread.is_alive(), "the server did not stop within its grace"
     assert asyncio.run(stopping.engine.health())["in_flight_requests"] == 0
 
 

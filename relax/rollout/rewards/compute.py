@@ -354,10 +354,16 @@ class RewardComputer:
 
 def _configure_reward_process() -> None:
     """In a worker process: no time limit of math-verify's own (which would end an overrun silently as a wrong
-    answer); the pool's kill at --reward-timeout is the one bound, so every overrun is counted."""
+    answer); the pool's kill at --reward-timeout is the one bound, so every overrun is counted. math-verify is
+    imported and run once here, before the worker takes a task: a task's time then is its own grading, not the
+    seconds of importing sympy and building the LaTeX parser (which, on a loaded machine, timed out a plain
+    ``\boxed{1}`` at a 1 s --reward-timeout)."""
+    from math_verify import parse, verify
+
     from relax.rollout.rewards import math_rewards
 
     math_rewards.MATH_VERIFY_TIMEOUT_S = None
+    verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
 
 
 _loaded_custom: dict[str, Callable[..., Any]] = {}
