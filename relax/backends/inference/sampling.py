@@ -64,25 +64,6 @@ class BatchSampling:
         return BatchSampling.from_params([self.params[row] for row in rows], self.temperature.device)
 
 
-class RowGenerators:
-    """Random streams for a batch whose rows draw from different generators (one per sampling seed).
-
-    ``groups`` pairs each generator with the batch rows ``(R,) int64`` it serves. Each generator
-    fills the noise of its rows exactly as it would for a batch of those rows alone, so a row's
-    samples do not depend on the other seeds in its batch; the sampling itself stays one pass.
-    """
-
-    def __init__(self, groups: Sequence[tuple[torch.Generator, torch.Tensor]]) -> None:
-        self.groups = list(groups)
-
-    def exponential_like(self, weights: torch.Tensor) -> torch.Tensor:
-        noise = torch.empty_like(weights)
-        for generator, rows in self.groups:
-            block = weights.new_empty((rows.numel(), *weights.shape[1:])).exponential_(generator=generator)
-            noise.index_copy_(0, rows, block)
-        return noise
-
-
 class CounterNoise:
     """Noise for a batch whose every row has its own stream, keyed by the row's ``seeds [B]`` and ``counters [B]``
     (int64): a row's draw depends on its seed and counter only, never on the rows beside it or on how many
@@ -141,7 +122,7 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-Randomness = Union[torch.Generator, RowGenerators, CounterNoise]
+Randomness = Union[torch.Generator, CounterNoise]
 
 
 def sample_next_tokens(
@@ -152,7 +133,7 @@ def sample_next_tokens(
     ``logits`` is (B, V) in any float dtype. Returns the tokens, (B,) int64, and their log-probs,
     (B,) float32: ``log_softmax(logits / temperature)`` at the token, computed in fp32 before
     top-k/top-p filtering (plain ``log_softmax`` on greedy rows). ``generator`` (on the logits'
-    device; or one per group of rows, `RowGenerators`) supplies all randomness, so equal inputs and
+    device; or `CounterNoise`, a stream per row) supplies all randomness, so equal inputs and
     equally seeded generators give equal tokens.
     """
     scaled_logits = logits.float() / sampling.temperature
@@ -195,7 +176,7 @@ def _exponential_race(probs: torch.Tensor, generator: Randomness) -> torch.Tenso
     """
     if isinstance(generator, CounterNoise) and not probs.is_cuda:
         return generator.sample_rows(probs)
-    if isinstance(generator, (RowGenerators, CounterNoise)):
+    if isinstance(generator, CounterNoise):
         noise = generator.exponential_like(probs)
     else:
         noise = torch.empty_like(probs).exponential_(generator=generator)

@@ -126,7 +126,12 @@ def test_requests_sharing_a_prompt_share_its_prefill_but_sample_independently(en
         reference = alone[index // 4]
         assert output.output_ids == reference.output_ids
         assert output.output_log_probs == pytest.approx(reference.output_log_probs, abs=1e-5)
+    before = engine.core.runner.prefill_tokens
     sampled = generate(engine, requests_for(tokenizer, grouped_prompts, max_new_tokens=12, seed=3))
+    computed = engine.core.runner.prefill_tokens - before
+    distinct = sum(len(request.input_ids) for request in requests_for(tokenizer))
+    # Each prompt is computed once for its group of 4 (the paged runner may also reuse blocks cached earlier).
+    assert computed == distinct if engine.core.kind == "model_cache" else 0 < computed <= distinct
     first_group = [tuple(output.output_ids) for output in sampled[:4]]
     assert len(set(first_group)) > 1  # one prefill, yet four different samples
 

@@ -169,8 +169,8 @@ class CacheRunner(StepRunner):
             members.setdefault(id(sequence.cohort), (sequence.cohort, []))[1].append(position)
         order, parts = [], []
         for cohort, positions in members.values():
-            cohort.keep([sequences[p] for p in positions])
             fed_sequences = [sequences[p] for p in positions]
+            cohort.keep(fed_sequences)
             whole = len(positions) == len(cohort.rows) and all(a is b for a, b in zip(fed_sequences, cohort.rows))
             if whole:  # the common case: every row of the cohort decodes, in its order
                 rows = None
