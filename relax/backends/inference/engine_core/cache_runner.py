@@ -157,13 +157,14 @@ class CacheRunner(StepRunner):
                 sequence.routed_experts.append(routes[prompt, longest - len(sequence.token_ids):])
         for sequence in sequences:
             sequence.cohort = cohort
-        return self._finish(sequences, *self._sample(logits[index], sequences), version)
+        return self._finish(sequences, *self._sample(logits[index], sequences, self._step_keys(sequences)), version)
 
     @torch.inference_mode()
     def decode(self, sequences: list[Sequence], previous: StepOutput | None, version: int) -> StepOutput:
         """Feed each sequence its newest token (from ``previous`` on the device when the host has not read it) and
         sample the next: one forward per cohort."""
-        inputs = self._decode_inputs(sequences, previous)
+        keys = self._step_keys(sequences, previous, decode=True)
+        inputs = keys.inputs
         members: dict[int, tuple[Cohort, list[int]]] = {}
         for position, sequence in enumerate(sequences):
             members.setdefault(id(sequence.cohort), (sequence.cohort, []))[1].append(position)
@@ -193,7 +194,7 @@ class CacheRunner(StepRunner):
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order != sorted(order):
             logits = logits[self._to_device(order).argsort()]
-        return self._finish(sequences, *self._sample(logits, sequences), version)
+        return self._finish(sequences, *self._sample(logits, sequences, keys), version)
 
     def _forward(self, sequences: list[Sequence], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  positions: torch.Tensor, cache: DynamicCache,

@@ -27,7 +27,7 @@ from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
 from relax.backends.inference.engine_core.decoder import TextDecoder
 from relax.backends.inference.engine_core.media import merge_media
 from relax.backends.inference.engine_core.sequence import Sequence
-from relax.backends.inference.engine_core.step_runner import StepOutput, StepRunner
+from relax.backends.inference.engine_core.step_runner import StepKeys, StepOutput, StepRunner
 from relax.backends.models import flash_varlen
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class PagedRunner(StepRunner):
         row_of = {id(s): row for row, s in enumerate(computed)}
         rows = [row_of[id(s.prefill_twin_of or s)] for s in sequences]
         logits = self.decoder.logits(hidden[last[rows].to(self.device)])
-        return self._finish(sequences, *self._sample(logits, sequences), version)
+        return self._finish(sequences, *self._sample(logits, sequences, self._step_keys(sequences)), version)
 
     def _media_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, computed: list[Sequence],
                       starts: list[int], ends: list[int]) -> tuple[torch.Tensor | None, tuple | None]:
@@ -143,19 +143,20 @@ class PagedRunner(StepRunner):
         bucket = next((size for size in self.graph_sizes if size >= batch), None) if self.graphs else None
         filtering = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in sequences)
         if bucket is None:
-            input_ids = self._decode_inputs(sequences, previous)
+            keys = self._step_keys(sequences, previous, decode=True)
             lens = [s.num_tokens for s in sequences]
             metadata = decode_metadata(self.block_size, [s.block_table for s in sequences], lens, self.device,
                                        self.use_triton)
             positions = [n - 1 + s.rope_delta for n, s in zip(lens, sequences)]
-            hidden = self.decoder.forward(input_ids, self._to_device(positions), self.key_pools, self.value_pools,
+            hidden = self.decoder.forward(keys.inputs, self._to_device(positions), self.key_pools, self.value_pools,
                                           metadata)
-            return self._finish(sequences, *self._sample(self.decoder.logits(hidden), sequences), version)
+            return self._finish(sequences, *self._sample(self.decoder.logits(hidden), sequences, keys), version)
         self._fill_graph_inputs(sequences, previous, bucket)
         self.graphs[bucket].replay()
         buffers = self._buffers
         if filtering:  # the graph sampled without top-k/top-p: sample those batches again from its logits
-            return self._finish(sequences, *self._sample(buffers["logits"][:batch], sequences), version)
+            keys = StepKeys(buffers["seeds"][:batch], buffers["counters"][:batch], buffers["temperature"][:batch])
+            return self._finish(sequences, *self._sample(buffers["logits"][:batch], sequences, keys), version)
         return self._finish(sequences, buffers["tokens"][:batch], buffers["log_probs"][:batch], version)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -192,8 +193,8 @@ class PagedRunner(StepRunner):
         staging[batch:bucket, 6] = RESERVED_BLOCK
         device = buffers["staging"]
         device[:bucket, :6 + columns].copy_(staging[:bucket, :6 + columns], non_blocking=True)
-        temperature = torch.tensor([s.params.temperature for s in sequences], dtype=torch.float32)
-        buffers["temperature"][:batch].copy_(temperature.pin_memory(), non_blocking=True)
+        _, temperature = self._stage([], [s.params.temperature for s in sequences])
+        buffers["temperature"][:batch].copy_(temperature, non_blocking=True)
         if previous is not None and any(source >= 0 for source in sources):
             source = device[:bucket, 4]
             gathered = previous.tokens[source.clamp(min=0, max=previous.tokens.shape[0] - 1)]

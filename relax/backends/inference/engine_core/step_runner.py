@@ -21,6 +21,10 @@ from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 
 
+# Columns of a step's staged integers: seeds, token indices, host tokens, rows of the previous step's tokens.
+STAGED_INT_COLUMNS = 4
+
+
 def triton_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -52,72 +56,83 @@ class StepOutput:
         return self.host_tokens[:count].tolist(), self.host_log_probs[:count].tolist()
 
 
+@dataclass
+class StepKeys:
+    """A step's per-row values on the device: its sampling noise's keys (the sequence's seed and the index of the
+    token it samples), temperatures, and on a decode step each row's input token."""
+
+    seeds: torch.Tensor  # [B] int64
+    counters: torch.Tensor  # [B] int64
+    temperature: torch.Tensor  # [B] float32
+    inputs: torch.Tensor | None = None  # [B] int64
+
+
 class StepRunner:
-    """The base of the core's runners: ``rows`` bounds the sequences of one step (pinned output buffers on CUDA)."""
+    """The base of the core's runners: ``rows`` bounds the sequences of one step (pinned buffers on CUDA)."""
 
     records_routing = False  # whether `prefill`/`decode` record each fed token's routed experts
 
     def __init__(self, device: torch.device, rows: int) -> None:
         self.device = device
         self.use_triton = triton_available(device)
-        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # two pinned output buffers, used in turn
+        # Pinned buffers used in turn by consecutive steps (`_turn`): the step's outputs copied to the host, and the
+        # step's host values staged for their copy to the device. With one step in flight, a buffer is written
+        # again two steps later, once the host has read the step that last used it.
+        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._turn = 0
         if device.type == "cuda":
             self._outputs = [(torch.zeros(rows, dtype=torch.int64).pin_memory(),
                               torch.zeros(rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
+            self._inputs = [(torch.zeros(STAGED_INT_COLUMNS * rows, dtype=torch.int64).pin_memory(),
+                             torch.zeros(rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared KV blocks before a decode step (a paged runner's; nothing to do otherwise)."""
 
-    # ---- sampling ------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row of ``logits``; the noise of a row is keyed by its sequence's seed and the position of
-        the token it samples (``num_tokens``)."""
-        params = [s.params for s in sequences]
-        # One host-to-device copy of the seeds and counters, from pinned memory: a copy from pageable memory would
-        # wait for the device to finish the step's forward.
-        keys = self._to_device([s.seed for s in sequences] + [s.num_tokens for s in sequences]).view(2, -1)
-        seeds, counters = keys[0], keys[1]
-        filtering = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
-        if self.use_triton and not filtering:
-            from relax.backends.inference.triton_sampling import sample_tokens
+    # ---- a step's host values ------------------------------------------------------------
+    def _stage(self, columns: list[list[int]], floats: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``columns`` (at most `STAGED_INT_COLUMNS` lists of B ints) as ``[k, B]`` int64 and ``floats`` as ``[B]``
+        float32, on the host: in this step's pinned buffers on CUDA, so that their copies to the device neither
+        allocate pinned memory nor wait for the device. At most one call per step (the buffers alternate by step)."""
+        ints = torch.tensor(columns, dtype=torch.int64).view(len(columns), len(floats))
+        values = torch.tensor(floats, dtype=torch.float32)
+        if not self._inputs:
+            return ints, values
+        int_buffer, float_buffer = self._inputs[self._turn]
+        staged = int_buffer[:ints.numel()].view(ints.shape)
+        staged.copy_(ints)
+        float_buffer[:len(floats)].copy_(values)
+        return staged, float_buffer[:len(floats)]
 
-            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).pin_memory()
-            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
-            log_probs = torch.empty(len(params), dtype=torch.float32, device=self.device)
-            sample_tokens(logits, temperature.to(self.device, non_blocking=True), seeds, counters, tokens, log_probs)
-            return tokens, log_probs
-        sampling = BatchSampling.from_params(params, self.device)
-        return sample_next_tokens(logits, sampling, CounterNoise(seeds, counters))
+    def _step_keys(self, sequences: list[Sequence], previous: StepOutput | None = None,
+                   decode: bool = False) -> StepKeys:
+        """This step's `StepKeys` in one copy to the device; ``decode``: with each sequence's input token, the
+        host's last token or (``pending``) ``previous``'s output."""
+        columns = [[s.seed for s in sequences], [s.num_tokens for s in sequences]]
+        if decode:
+            host_tokens, sources = self._token_sources(sequences, previous)
+            columns += [host_tokens, sources]
+        ints, temperature = self._stage(columns, [s.params.temperature for s in sequences])
+        ints = ints.to(self.device, non_blocking=True)
+        keys = StepKeys(ints[0], ints[1], temperature.to(self.device, non_blocking=True))
+        if decode:
+            keys.inputs = self._input_tokens(ints[2], ints[3], sources, previous)
+        return keys
 
-    def _finish(self, sequences: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor,
-                version: int) -> StepOutput:
-        output = StepOutput(sequences, tokens, log_probs, version)
-        if self.device.type == "cuda":
-            host_tokens, host_log_probs = self._outputs[self._next_turn()]
-            host_tokens[:len(sequences)].copy_(tokens, non_blocking=True)
-            host_log_probs[:len(sequences)].copy_(log_probs, non_blocking=True)
-            output.host_tokens, output.host_log_probs = host_tokens, host_log_probs
-            output.ready = torch.cuda.Event()
-            output.ready.record()
-        return output
-
-    def _next_turn(self) -> int:
-        self._turn ^= 1
-        return self._turn
-
-    # ---- decode inputs -------------------------------------------------------------------
-    def _decode_inputs(self, sequences: list[Sequence], previous: StepOutput | None) -> torch.Tensor:
-        """The input token of each sequence: the host's last token, or (``pending``) ``previous``'s output."""
-        host_tokens, sources = self._token_sources(sequences, previous)
-        host = self._to_device(host_tokens)
-        if previous is None or all(source < 0 for source in sources):
+    @staticmethod
+    def _input_tokens(host: torch.Tensor, source: torch.Tensor, sources: list[int],
+                      previous: StepOutput | None) -> torch.Tensor:
+        if previous is None or all(row < 0 for row in sources):
             return host
-        sources_tensor = self._to_device(sources)
-        return torch.where(sources_tensor >= 0, previous.tokens[sources_tensor.clamp(min=0)], host)
+        if len(sources) == len(previous.sequences) and sources == list(range(len(sources))):
+            return previous.tokens  # the steady state: the previous step's sequences, in its order, all pending
+        return torch.where(source >= 0, previous.tokens[source.clamp(min=0)], host)
 
     @staticmethod
     def _token_sources(sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
+        """Each sequence's last token as the host knows it (0 when pending) and its row in ``previous`` (-1 when
+        the host has its token)."""
         row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
         host_tokens, sources = [], []
         for sequence in sequences:
@@ -134,3 +149,36 @@ class StepRunner:
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, sequences: list[Sequence],
+                keys: StepKeys) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of ``logits``; the noise of a row is keyed by ``keys`` (its sequence's seed and the
+        index of the token it samples)."""
+        params = [s.params for s in sequences]
+        filtering = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+        if self.use_triton and not filtering:
+            from relax.backends.inference.triton_sampling import sample_tokens
+
+            tokens = torch.empty(len(params), dtype=torch.int64, device=self.device)
+            log_probs = torch.empty(len(params), dtype=torch.float32, device=self.device)
+            sample_tokens(logits, keys.temperature, keys.seeds, keys.counters, tokens, log_probs)
+            return tokens, log_probs
+        sampling = BatchSampling.from_params(params, self.device)
+        return sample_next_tokens(logits, sampling, CounterNoise(keys.seeds, keys.counters))
+
+    def _finish(self, sequences: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor,
+                version: int) -> StepOutput:
+        output = StepOutput(sequences, tokens, log_probs, version)
+        if self.device.type == "cuda":
+            host_tokens, host_log_probs = self._outputs[self._next_turn()]
+            host_tokens[:len(sequences)].copy_(tokens, non_blocking=True)
+            host_log_probs[:len(sequences)].copy_(log_probs, non_blocking=True)
+            output.host_tokens, output.host_log_probs = host_tokens, host_log_probs
+            output.ready = torch.cuda.Event()
+            output.ready.record()
+        return output
+
+    def _next_turn(self) -> int:
+        self._turn ^= 1
+        return self._turn
