@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from relax.utils.heap import freeze_long_lived_objects
 from tests.support.tiny_assets import build_tiny_model_dir, write_addition_data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,6 +36,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """The test modules' imports (torch, transformers, Relax) live as long as the worker: later collections skip
+    them (`relax.utils.heap`)."""
+    freeze_long_lived_objects()
 
 
 def pytest_runtest_setup(item):

@@ -100,6 +100,9 @@ def _run_command(command: str, argv: list[str]) -> int:
     from relax.config import ConfigError
     from relax.core.state.checkpoint import CheckpointError
     from relax.data.dataset import DatasetError
+    from relax.utils.heap import freeze_long_lived_objects
+
+    freeze_long_lived_objects()  # the command's imports are done: later collections skip them
 
     try:
         return function(argv)

@@ -29,6 +29,7 @@ from relax.telemetry.metrics_service import MetricsService
 from relax.telemetry.notify import Notifier
 from relax.telemetry.tracking import NullTracker, Tracker
 from relax.utils import interrupts
+from relax.utils.heap import freeze_long_lived_objects
 
 logger = logging.getLogger("relax")
 
@@ -56,6 +57,7 @@ def train(cfg: RelaxConfig, run_dir: Path, primary: bool, created: bool, notifie
             remove_if_unused(run_dir, created)
         raise
     roles = placement.roles
+    freeze_long_lived_objects()  # the models, engines and data live as long as the run
     if primary:
         announce()
     notifier.started(str(run_dir), roles.total_steps, resumed=bool(cfg.load))

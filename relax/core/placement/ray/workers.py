@@ -32,6 +32,7 @@ from relax.distributed.process_group import PG_INIT_METHOD_ENV
 from relax.distributed.weight_broadcast import BroadcastPublisher, BroadcastReceiver, WeightSyncGroup
 from relax.distributed.weight_disk import DiskFollower, DiskPublisher, DiskReceiver
 from relax.distributed.weight_sync import dtype_from_name
+from relax.utils.heap import freeze_long_lived_objects
 
 logger = logging.getLogger("relax")
 
@@ -104,6 +105,7 @@ class RoleWorker:
         self._scaling_server = None
         self._between_calls = asyncio.Lock()  # held while the engines generate: no weight load lands inside
         self._follower = None
+        freeze_long_lived_objects()  # the role and its imports live as long as this process
 
     # ---- every role -----------------------------------------------------------------------
     async def health(self) -> dict:
