@@ -10,7 +10,9 @@ test that wraps one (tests/support/fault_injection) lands inside a real save.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,11 @@ from relax.telemetry.plots import plot_run
 from relax.utils.errors import RunFault
 
 logger = logging.getLogger("relax")
+
+# A save redraws the run's curves (so that they survive a crash, not only a clean exit) at most this often: drawing
+# them takes a quarter of a second on a CPU, which a run saving every step of a few seconds would pay at every step.
+# The run's end draws them whatever the time.
+PLOT_INTERVAL_S = 60.0
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Checkpointer:
         self._background: threading.Thread | None = None  # --async-save's write of the last checkpoint
         self._background_error: BaseException | None = None
         self._background_step = 0
+        self._plotted_at = -math.inf
 
     # ---- saving --------------------------------------------------------------------------------
     def save(self, step: int, trainer_state: Callable[[], dict]) -> None:
@@ -95,10 +103,17 @@ class Checkpointer:
 
     def _saved(self, step: int, plot: bool = True) -> None:
         directory = checkpoint.iteration_dir(self.root, step)
-        if rank() == 0 and plot:
-            plot_run(Path(self.cfg.output_dir))  # curves survive a crash too, not only a clean exit
+        if plot:
+            self._plot()
         self.last = directory
         logger.info("saved checkpoint %s", directory)
+
+    def _plot(self) -> None:
+        """The run's curves from its metrics so far (rank 0), unless drawn less than `PLOT_INTERVAL_S` ago."""
+        if rank() != 0 or time.monotonic() - self._plotted_at < PLOT_INTERVAL_S:
+            return
+        plot_run(Path(self.cfg.output_dir))
+        self._plotted_at = time.monotonic()
 
     def _failure(self, step: int, staging: Path, err: BaseException) -> BaseException:
         """What a failed save raises, its staging folder removed (the previous checkpoint stays the newest)."""
@@ -134,7 +149,7 @@ class Checkpointer:
             thread.join()
         error, self._background_error = self._background_error, None
         if error is None:
-            plot_run(Path(self.cfg.output_dir))
+            self._plot()
         elif raise_error:
             raise error
         else:
