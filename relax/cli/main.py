@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (start-up, eval, export)
         print(f"\nrelax {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        # A Ctrl-C inside the command's imports can surface as another error: numpy interrupted while importing
+        # a submodule raises RecursionError at the next use of it (seen from accelerate's import).
+        if interrupts.caused_by_interrupt(err) or interrupts.received():
+            print(f"\nrelax {argv[0]}: interrupted", file=sys.stderr)
+            return 130
+        raise
 
 
 def _version() -> str:

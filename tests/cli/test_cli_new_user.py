@@ -285,3 +285,30 @@ def test_the_weight_buffer_size_sets_the_buckets_of_a_sync(tiny_workspace, tmp_p
         (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "perf/weight_sync_buckets" in r]
         buckets[size] = row["perf/weight_sync_buckets"]
     assert buckets["536870912"] == 1 and buckets["65536"] > 1
+
+
+@pytest.mark.parametrize("surfaced_as", [RecursionError, ImportError, AttributeError])
+def test_a_ctrl_c_that_an_import_turns_into_another_error_still_ends_the_command_as_interrupted(
+        monkeypatch, capsys, surfaced_as):
+    """A SIGINT during the command's imports, swallowed by the library being imported and surfacing as another
+    error (numpy interrupted mid-import raises RecursionError at its next use): exit 130, no traceback."""
+    from relax.cli import main as cli_main
+    from relax.utils import interrupts
+
+    def interrupted_import(command):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, to the handler `main` installs
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            raise surfaced_as("a half-imported module") from None
+        raise AssertionError("no KeyboardInterrupt from the SIGINT")
+
+    monkeypatch.setattr(cli_main, "command_function", interrupted_import)
+    monkeypatch.setattr(interrupts, "_received", [])  # this process's record, not the test worker's
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a terminal (not the runner's)
+    try:
+        assert cli_main.main(["train"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "relax train: interrupted" in capsys.readouterr().err
