@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES), help="the Qwen3 shape (random init)")
     parser.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     parser.add_argument("--routing-replay", action="store_true", help="--use-rollout-routing-replay (MoE shapes)")
+    parser.add_argument("--no-moe-grouped-gemm", action="store_true",
+                        help="transformers' own experts in the trainer (the path before grouped_experts; MoE shapes)")
     parser.add_argument("--use-tis", action="store_true",
                         help="--use-tis: also logs the engine/trainer log-prob mismatch (train/tis_mismatch_*)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
@@ -193,7 +195,7 @@ def main() -> None:
             num_rollout=args.steps, gradient_checkpointing=args.gradient_checkpointing, device=args.device,
             use_tensorboard=False, dump_samples=0, output_dir=str(root / "run"), engine_core=args.engine_core,
             colocate=args.colocate, use_rollout_routing_replay=args.routing_replay, use_tis=args.use_tis,
-            **batching, **extra,
+            moe_grouped_gemm=not args.no_moe_grouped_gemm, **batching, **extra,
         )
         roles = build_roles(cfg)
         roles.rollout.sampling = replace(roles.rollout.sampling, ignore_eos=True)
@@ -232,6 +234,7 @@ def main() -> None:
         "model": (f"Qwen3-{args.shape.upper()} shape, {shape['num_hidden_layers']} layers, random init"
                   if not args.tiny else "tiny Qwen3"),
         "active_params": active_params(shape), "routing_replay": args.routing_replay,
+        "moe_grouped_gemm": not args.no_moe_grouped_gemm,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "sequences_per_step": sequences, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

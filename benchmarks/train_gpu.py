@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
-from benchmarks.grpo_step_gpu import QWEN3_0_6B, QWEN3_4B, TINY
+from benchmarks.grpo_step_gpu import QWEN3_0_6B, QWEN3_4B, QWEN3_30B_A3B, TINY, active_params
 from relax.algorithms.loss import build_policy_loss_fn
 from relax.algorithms.policy_loss import PolicyLossSettings
 from relax.backends.training.base import TrainBatch
@@ -48,8 +48,10 @@ from relax.backends.training.settings import TrainSettings
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASHEET_TFLOPS = 989.0
 MEASURED_TFLOPS = 790.0
-SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "tiny": TINY}
-DEFAULT_BUDGET = {"0.6b": 32768, "4b": 8192, "tiny": 64}
+TINY_MOE = dict(TINY, model_type="qwen3_moe", moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True)
+SHAPES = {"0.6b": QWEN3_0_6B, "4b": QWEN3_4B, "30b-a3b": QWEN3_30B_A3B, "tiny": TINY, "tiny-moe": TINY_MOE}
+DEFAULT_BUDGET = {"0.6b": 32768, "4b": 8192, "30b-a3b": 16384, "tiny": 64, "tiny-moe": 64}
 LOSS = build_policy_loss_fn(PolicyLossSettings(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.28,
                                                eps_clip_c=None, aggregation="token-mean"))
 
@@ -114,15 +116,21 @@ def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, ste
 
 
 def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
-    shape = SHAPES[name]
+    shape = dict(SHAPES[name])
+    if "num_experts" in shape:
+        shape["num_hidden_layers"] = args.moe_layers or shape["num_hidden_layers"]
     model_dir = root / name
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=None))
-    num_params = sum(p.numel() for p in model.parameters())
-    model.to(torch.bfloat16).save_pretrained(model_dir)
+    config = transformers.CONFIG_MAPPING[shape.get("model_type", "qwen3")](
+        **{k: v for k, v in shape.items() if k != "model_type"}, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    with torch.device(device):  # a few billion parameters initialise in seconds on the GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(model_dir)
+    # what a token goes through (a MoE layer counts its chosen experts): the FLOPs that MFU counts
+    num_params = active_params(shape)
     del model
     batch = rl_batch(args.samples, args.prompt_len, args.min_response, args.max_response, shape["vocab_size"])
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     cuda = device.type == "cuda"
     base = TrainSettings(device=device, compute_dtype=torch.bfloat16 if cuda else torch.float32,
                          micro_batch_size=args.micro_batch_size or (4 if name == "4b" else 8), temperature=1.0,
@@ -131,7 +139,11 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
     variants = {
         "previous": dataclasses.replace(base, sequence_packing=False, log_probs_chunk_size=0, fused_optimizer=False,
                                         fsdp_single_process=False, liger_kernel=False,
-                                        gradient_accumulation_fusion=False),
+                                        gradient_accumulation_fusion=False, moe_grouped_gemm=False),
+        # today's packed trainer with transformers' own experts (float32 expert GEMMs under the master weights)
+        "hf_experts": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu or DEFAULT_BUDGET[name],
+                                          fused_optimizer=cuda, log_probs_chunk_size=args.log_probs_chunk_size,
+                                          liger_kernel=cuda and not args.no_liger, moe_grouped_gemm=False),
         "packed": dataclasses.replace(base, max_tokens_per_gpu=args.max_tokens_per_gpu or DEFAULT_BUDGET[name],
                                       fused_optimizer=cuda,
                                       log_probs_chunk_size=args.log_probs_chunk_size,
@@ -151,21 +163,23 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "fused_optimizer": settings.fused_optimizer,
                                          "liger_kernel": settings.liger_kernel,
                                          "gradient_accumulation_fusion": settings.gradient_accumulation_fusion,
-                                         "bf16_parameters_fsdp": settings.fsdp_single_process and cuda},
+                                         "bf16_parameters_fsdp": settings.fsdp_single_process and cuda,
+                                         "moe_grouped_gemm": settings.moe_grouped_gemm},
                             **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile)}
         print(name, variant, json.dumps(results[variant]), flush=True)
     lengths = batch.response_lengths
     return {"parameters": num_params, "batch": {"samples": len(batch), "prompt_len": args.prompt_len,
                                                 "response_len_min": min(lengths), "response_len_max": max(lengths),
                                                 "response_len_mean": sum(lengths) / len(lengths)},
-            **results, "speedup": round(results["previous"]["s_per_step"] / results["packed"]["s_per_step"], 2)
-            if len(results) == 2 else None}
+            **results, **{f"speedup_over_{base}": round(results[base]["s_per_step"] / results["packed"]["s_per_step"], 2)
+                          for base in ("previous", "hf_experts") if base in results and "packed" in results}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--shapes", default="0.6b,4b", help="comma-separated: 0.6b, 4b")
+    parser.add_argument("--shapes", default="0.6b,4b", help="comma-separated: 0.6b, 4b, 30b-a3b")
+    parser.add_argument("--moe-layers", type=int, default=None, help="layers of the 30b-a3b shape (default 4)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (smoke test)")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -177,7 +191,9 @@ def main() -> None:
                              "weights and AdamW state take 64 GiB)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing on 0.6b too")
     parser.add_argument("--no-checkpointing", action="store_true", help="packed path without checkpointing on 4b")
-    parser.add_argument("--variants", default="previous,packed", help="comma-separated: previous, packed")
+    parser.add_argument("--variants", default="previous,packed",
+                        help="comma-separated: previous, hf_experts (MoE: the packed trainer with transformers' own "
+                             "experts, the path before grouped_experts), packed")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
     parser.add_argument("--log-probs-chunk-size", type=int, default=4096, help="packed path's LM-head chunk")
     parser.add_argument("--fsdp", action="store_true",
@@ -187,14 +203,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_gpu.json")
     args = parser.parse_args()
-    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    shapes = ["tiny", "tiny-moe"] if args.tiny else args.shapes.split(",")
     if args.tiny:
         args.samples, args.prompt_len, args.min_response, args.max_response = 16, 8, 2, 24
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         per_shape = {name: bench_shape(name, args, Path(tmp)) for name in shapes}
     headline = {f"{name}_{key}": value for name, result in per_shape.items()
-                for key, value in (("speedup", result["speedup"]),
+                for key, value in (("speedup", result.get("speedup_over_previous")),
+                                   ("speedup_over_hf_experts", result.get("speedup_over_hf_experts")),
                                    ("mfu_989", result.get("packed", {}).get("mfu_989")),
                                    ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {

@@ -40,7 +40,7 @@ UPSTREAM_ONLY: dict[str, str] = {
                      "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias",
                      "--position-embedding-type", "--rotary-base", "--use-rotary-position-embeddings",
                      "--vocab-size", "--make-vocab-size-divisible-by", "--qk-layernorm", "--num-experts",
-                     "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+                     "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-token-dispatcher-type",
                      "--moe-router-load-balancing-type", "--moe-router-score-function", "--moe-layer-freq",
                      "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax", "--mrope-section",
                      "--attention-dropout", "--hidden-dropout"), _SHAPE),

@@ -51,6 +51,7 @@ from relax.backends.models.registry import traits
 from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.checkpoint_state import load_state, save_state
+from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
     apply_liger_kernels,
     checkpoint_context,
@@ -115,6 +116,9 @@ class FSDPTrainBackend(TrainBackend):
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
+        if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
+            logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
+                        str(settings.compute_dtype).removeprefix("torch."))
         unpackable = traits(hf_model.config).packing_unsupported
         if settings.sequence_packing and unpackable:
             logger.warning("%s trains on padded micro-batches, not packed rows: %s", type(hf_model).__name__,
@@ -168,6 +172,8 @@ class FSDPTrainBackend(TrainBackend):
         if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
             self._weight_casts = MasterWeightCasts(settings.compute_dtype)
             use_master_weight_linears(self.model, self._weight_casts)
+            if settings.moe_grouped_gemm:
+                set_master_weight_casts(self.model, self._weight_casts)
         self.model.train(trainable)
         if self.lora is not None:
             for name, parameter in self.model.named_parameters():

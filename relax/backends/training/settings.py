@@ -33,6 +33,10 @@ class TrainSettings:
     sequence_packing: bool = True  # micro-batches as packed rows (False: right-padded rows, the old layout)
     lora: LoraSettings | None = None  # train LoRA adapters only (`relax.backends.training.lora`)
     moe_aux_loss_coef: float | None = None  # None: the MoE family's own (`relax.backends.training.moe`)
+    # MoE experts as grouped GEMMs in the compute dtype from float32 master weights (`grouped_experts`). False:
+    # transformers' own implementation, which multiplies in the weights' dtype (float32 outside FSDP: the path
+    # before, kept as `benchmarks/train_gpu.py`'s baseline).
+    moe_grouped_gemm: bool = True
     routing_replay: bool = False  # forwards route tokens to a batch's recorded experts (`routing_replay`, R3)
     log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
