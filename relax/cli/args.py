@@ -209,7 +209,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict
 
 
 # What `relax eval --load RUN` takes from the run's saved config: everything but where and how the run ran.
-NOT_INHERITED_SECTIONS = ("run", "placement", "engines", "mode")
+NOT_INHERITED_SECTIONS = ("run", "placement", "engines", "mode", "parallel")  # checkpoints reshard across layouts
 
 
 def saved_run_settings(load: str | Path) -> dict[str, Any]:

@@ -9,8 +9,11 @@ the flags of upstream's text, vision-language and omni recipes through `relax tr
 
 from __future__ import annotations
 
-_FSDP = ("Megatron's model parallelism: Relax trains with FSDP2, which shards parameters, gradients and optimizer "
-         "state over the data-parallel ranks (`torchrun --nproc-per-node N relax train ...`); nothing to set")
+_FSDP = ("Megatron's data-parallel and communication knobs: Relax trains with FSDP2, which shards parameters, "
+         "gradients and optimizer state over the data-parallel ranks (`torchrun --nproc-per-node N relax train ...`); "
+         "nothing to set")
+_PARALLEL_LATER = ("not built in Relax yet: the trainer's mesh has data (FSDP2) and tensor axes "
+                   "(--tensor-model-parallel-size); context, pipeline and expert axes are to come (docs/parallelism.md)")
 _SHAPE = "Megatron's description of the model: Relax reads the architecture from --hf-checkpoint's config.json"
 _RECOMPUTE = "Megatron's activation recomputation: use --gradient-checkpointing"
 _PRECISION = ("Megatron's precision switches: Relax computes in --dtype (bf16 on CUDA) with float32 master weights, "
@@ -24,10 +27,11 @@ _NOT_BUILT = "not built in Relax yet"
 
 # Exact flags.
 UPSTREAM_ONLY: dict[str, str] = {
-    **dict.fromkeys(("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    **dict.fromkeys(("--pipeline-model-parallel-size", "--context-parallel-size",
                      "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--sequence-parallel",
                      "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                     "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer",
+                     "--num-layers-per-virtual-pipeline-stage"), _PARALLEL_LATER),
+    **dict.fromkeys(("--use-distributed-optimizer",
                      "--overlap-grad-reduce", "--overlap-param-gather", "--distributed-timeout-minutes"), _FSDP),
     **dict.fromkeys(("--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                      "--recompute-activations"), _RECOMPUTE),

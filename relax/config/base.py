@@ -22,7 +22,7 @@ def flag(field_name: str) -> str:
 
 
 # Sections group the fields in --help and docs/config.md; the order here is the order shown.
-SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "engines", "algorithm", "critic", "distillation", "optimizer", "lora", "reward",
+SECTIONS = ("model", "data", "multimodal", "batch", "mode", "rollout", "engines", "algorithm", "critic", "distillation", "optimizer", "parallel", "lora", "reward",
             "eval",
             "run", "placement")
 CRITIC_FIELDS = ("critic_lr", "num_critic_only_steps", "value_clip", "lambd")

@@ -73,6 +73,12 @@ class TrainingSettings(BaseModel):
         "the family's own (its config's router_aux_loss_coef when its output_router_logits is on, else none); 0 "
         "turns it off. Refused for models that define no such loss (DeepSeek-V3 balances with routing biases).",
         "optimizer", ge=0)
+    tensor_model_parallel_size: int = setting(
+        1, "Training processes that split each decoder layer: attention heads and MLP columns (Megatron's tensor "
+        "parallelism, put on the Hugging Face model by PyTorch's DTensor; each family's plan in docs/models.md). "
+        "Must divide the training processes, the heads and the key-value heads; the other factor of the processes "
+        "is data parallel (FSDP2). Embeddings, LM head, experts and vision/audio towers stay whole "
+        "(docs/parallelism.md).", "parallel", ge=1)
     lora_rank: int = setting(
         0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
         "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)

@@ -27,43 +27,60 @@ class ModelFamily:
     examples: str  # checkpoints of the family on the Hub
     not_supported: str | None = None  # why a run on it is refused (None: supported and tested)
     test_id: str | None = None  # the tiny model tests/backends/models/test_model_families.py builds for the row
+    parallel_plan: str = "none"  # its tensor-parallel plan (`parallel_plans.PLANS`)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("Llama 3", ("llama",), ("text",), "meta-llama/Llama-3.1-8B-Instruct", test_id="llama"),
-    ModelFamily("Qwen2.5", ("qwen2",), ("text",), "Qwen/Qwen2.5-7B-Instruct", test_id="qwen2"),
-    ModelFamily("Qwen3", ("qwen3",), ("text",), "Qwen/Qwen3-0.6B, Qwen/Qwen3-8B", test_id="qwen3"),
-    ModelFamily("Qwen3 MoE", ("qwen3_moe",), ("text",), "Qwen/Qwen3-30B-A3B", test_id="qwen3_moe"),
-    ModelFamily("Qwen3-Next", ("qwen3_next",), ("text",), "Qwen/Qwen3-Next-80B-A3B-Instruct", test_id="qwen3_next"),
+    ModelFamily("Llama 3", ("llama",), ("text",), "meta-llama/Llama-3.1-8B-Instruct", test_id="llama",
+                parallel_plan="dense"),
+    ModelFamily("Qwen2.5", ("qwen2",), ("text",), "Qwen/Qwen2.5-7B-Instruct", test_id="qwen2",
+                parallel_plan="dense"),
+    ModelFamily("Qwen3", ("qwen3",), ("text",), "Qwen/Qwen3-0.6B, Qwen/Qwen3-8B", test_id="qwen3",
+                parallel_plan="dense_qk_norm"),
+    ModelFamily("Qwen3 MoE", ("qwen3_moe",), ("text",), "Qwen/Qwen3-30B-A3B", test_id="qwen3_moe",
+                parallel_plan="moe"),
+    ModelFamily("Qwen3-Next", ("qwen3_next",), ("text",), "Qwen/Qwen3-Next-80B-A3B-Instruct", test_id="qwen3_next",
+                parallel_plan="hybrid_linear"),
     ModelFamily("Qwen3.5 (text)", ("qwen3_5_text",), ("text",), "Qwen/Qwen3.5 language models",
-                test_id="qwen3_5_text"),
+                test_id="qwen3_5_text",
+                parallel_plan="hybrid_linear"),
     ModelFamily("Qwen3.5 MoE (text)", ("qwen3_5_moe_text",), ("text",), "Qwen/Qwen3.5 MoE language models",
-                test_id="qwen3_5_moe_text"),
+                test_id="qwen3_5_moe_text",
+                parallel_plan="hybrid_linear"),
     ModelFamily("Qwen3.5 / Qwen3.6 (vision-language)", ("qwen3_5", "qwen3_5_moe"), ("text", "image", "video"),
-                "Qwen/Qwen3.5-*", test_id="qwen3_5"),
+                "Qwen/Qwen3.5-*", test_id="qwen3_5",
+                parallel_plan="hybrid_linear"),
     ModelFamily("Qwen2-VL / Qwen2.5-VL", ("qwen2_vl", "qwen2_5_vl"), ("text", "image", "video"),
-                "Qwen/Qwen2.5-VL-3B-Instruct", test_id="qwen2_5_vl"),
+                "Qwen/Qwen2.5-VL-3B-Instruct", test_id="qwen2_5_vl",
+                parallel_plan="dense"),
     ModelFamily("Qwen3-VL", ("qwen3_vl",), ("text", "image", "video"), "Qwen/Qwen3-VL-8B-Instruct",
-                test_id="qwen3_vl"),
+                test_id="qwen3_vl",
+                parallel_plan="dense_qk_norm"),
     ModelFamily("Qwen3-VL MoE", ("qwen3_vl_moe",), ("text", "image", "video"), "Qwen/Qwen3-VL-30B-A3B-Instruct",
-                test_id="qwen3_vl_moe"),
+                test_id="qwen3_vl_moe",
+                parallel_plan="moe"),
     ModelFamily("Qwen2.5-Omni thinker", ("qwen2_5_omni", "qwen2_5_omni_thinker"), ("text", "image", "video", "audio"),
-                "Qwen/Qwen2.5-Omni-7B", test_id="qwen2_5_omni"),
+                "Qwen/Qwen2.5-Omni-7B", test_id="qwen2_5_omni",
+                parallel_plan="dense"),
     ModelFamily("Qwen3-Omni MoE thinker", ("qwen3_omni_moe", "qwen3_omni_moe_thinker"),
-                ("text", "image", "video", "audio"), "Qwen/Qwen3-Omni-30B-A3B-Instruct", test_id="qwen3_omni_moe"),
-    ModelFamily("GLM-4.5 / 4.6 / 4.7 (MoE)", ("glm4_moe",), ("text",), "zai-org/GLM-4.5-Air", test_id="glm4_moe"),
+                ("text", "image", "video", "audio"), "Qwen/Qwen3-Omni-30B-A3B-Instruct", test_id="qwen3_omni_moe",
+                parallel_plan="moe"),
+    ModelFamily("GLM-4.5 / 4.6 / 4.7 (MoE)", ("glm4_moe",), ("text",), "zai-org/GLM-4.5-Air", test_id="glm4_moe",
+                parallel_plan="moe"),
     ModelFamily("GLM-5 (DSA)", ("glm_moe_dsa",), ("text",), "zai-org/GLM-5",
                 not_supported="its sparse-attention indexer gives other log-probs in a full forward than in cached "
                 "decoding in transformers 5.24 (gaps up to 0.15 nats on a tiny model), so the trainer's policy "
                 "would not be the rollout's"),
     ModelFamily("DeepSeek-V3 / Kimi K2 (MLA, MoE)", ("deepseek_v3",), ("text",),
-                "deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct", test_id="deepseek_v3"),
+                "deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct", test_id="deepseek_v3",
+                parallel_plan="mla_moe"),
     ModelFamily("Kimi K2.5 (vision-language)", ("kimi_k25",), ("text", "image", "video"), "moonshotai/Kimi-K2.5",
                 not_supported="its MoonViT image layout (NaViT resize, padding to the merge kernel, its own patch "
                 "order) exists only as transformers' torchvision processor, which does not load beside Relax's torch; "
                 "Relax's numpy media path lays out the Qwen-VL families only (its language model is DeepSeek-V3's, "
                 "which is supported)"),
-    ModelFamily("Gemma 3 (text)", ("gemma3_text",), ("text",), "google/gemma-3-1b-it", test_id="gemma3_text"),
+    ModelFamily("Gemma 3 (text)", ("gemma3_text",), ("text",), "google/gemma-3-1b-it", test_id="gemma3_text",
+                parallel_plan="dense_qk_norm"),
 )
 
 

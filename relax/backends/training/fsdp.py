@@ -29,12 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from relax.algorithms.aggregation import Rescale, StepCounts
@@ -61,6 +59,7 @@ from relax.backends.training.liger import (
 from relax.backends.training.lora import inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.moe import moe_aux_loss
+from relax.backends.training.mesh import ParallelDims
 from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
     balanced_partition,
@@ -72,6 +71,7 @@ from relax.backends.training.packing import (
     response_mask,
     to_device,
 )
+from relax.backends.training.parallelize import apply_tensor_parallel, shard_model
 from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
 from relax.backends.training.settings import TrainSettings
 from relax.backends.training.varlen_attention import PackedAttention
@@ -94,15 +94,6 @@ class _OpenStep:
     reduced: bool = False  # whether the gradients were reduced over ranks after the last backward
 
 
-def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
-    for module in model.hf_model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-
-
 class FSDPTrainBackend(TrainBackend):
     """Policy (``trainable=True``), frozen reference or teacher (``trainable=False``), or PPO
     critic (``value_head=True``)."""
@@ -116,6 +107,8 @@ class FSDPTrainBackend(TrainBackend):
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
+        self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size)
+        self.dims.check(hf_model.config)
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
                         str(settings.compute_dtype).removeprefix("torch."))
@@ -125,6 +118,9 @@ class FSDPTrainBackend(TrainBackend):
                            unpackable)
             self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
         self.lora = settings.lora if trainable else None
+        if self.lora is not None and self.dims.tp > 1:
+            raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
+                             "would wrap the projections the plan splits")
         if self.lora is not None:
             adapters = inject(hf_model, self.lora)
             total = sum(p.numel() for p in hf_model.parameters())
@@ -138,7 +134,9 @@ class FSDPTrainBackend(TrainBackend):
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
                 hf_model.enable_input_require_grads()
         self._liger = False
-        if settings.liger_kernel:
+        if settings.liger_kernel and self.dims.tp > 1:
+            logger.warning("liger-kernel's kernels are not used under tensor parallelism (they take no DTensors)")
+        elif settings.liger_kernel:
             reason = liger_unavailable_reason(settings.device)
             if reason:
                 raise RuntimeError(f"liger kernels asked for, but {reason}")
@@ -160,14 +158,16 @@ class FSDPTrainBackend(TrainBackend):
         self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
-        self.sharded = self.world_size > 1
+        self.sharded = self.world_size > 1  # collectives in every step
         # FSDP2 also at one process on CUDA when training in low precision: its mixed precision is the bf16
         # compute with float32 master weights that autocast over float32 parameters only approximates (slower:
         # every activation and residual stays float32).
         self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
                                      and settings.fsdp_single_process)
+        if self.dims.tp > 1:
+            apply_tensor_parallel(language_model(hf_model), hf_model, self.dims)
         if self.fsdp:
-            shard_model(self.model, settings.compute_dtype)
+            shard_model(self.model, settings.compute_dtype, self.dims if self.sharded else None)
         self._weight_casts: MasterWeightCasts | None = None
         if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
             self._weight_casts = MasterWeightCasts(settings.compute_dtype)
@@ -330,12 +330,14 @@ class FSDPTrainBackend(TrainBackend):
 
     # ---- micro-batches -------------------------------------------------------------------
     def _rank_share(self, batch: TrainBatch) -> TrainBatch:
-        if not self.sharded:
+        """This data rank's share (the ranks of a tensor-parallel group get the same one)."""
+        shares = self.dims.dp
+        if shares == 1:
             return batch
-        rank = dist.get_rank()
+        rank = self.dims.dp_rank
         if self.settings.balance_data:
-            return batch.select(balanced_partition([len(t) for t in batch.tokens], self.world_size)[rank])
-        return batch.select(range(rank, len(batch), self.world_size))
+            return batch.select(balanced_partition([len(t) for t in batch.tokens], shares)[rank])
+        return batch.select(range(rank, len(batch), shares))
 
     def _plan(self, batch: TrainBatch, max_tokens: int | None, at_least: int = 1) -> list[list[int]]:
         if max_tokens is None:
@@ -497,9 +499,9 @@ class FSDPTrainBackend(TrainBackend):
                 if placeholder:  # a forward and backward for the collectives, adding nothing
                     loss = loss * 0.0
                     metrics = {name: value * 0.0 for name, value in metrics.items()}
-                # Each rank's loss is its share of the global mean (global denominators): the gradient
-                # must be the sum over ranks, and FSDP's reduction averages, hence the factor.
-                (loss * self.world_size).backward()
+                # Each data rank's loss is its share of the global mean (global denominators): the gradient
+                # must be the sum over data ranks, and FSDP's reduction averages over them, hence the factor.
+                (loss * self.dims.dp).backward()
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value.detach().float()
         return totals
@@ -521,20 +523,28 @@ class FSDPTrainBackend(TrainBackend):
         return loss, metrics
 
     def _clip_gradients(self) -> float:
+        """Clip to ``clip_grad`` (0: no clipping); the global norm. Gradients may live on different meshes (tensor-
+        parallel weights on data x tensor, whole ones on data only): each mesh's norm is reduced on its own."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for param in params:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        if self.settings.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad, total)
+        return float(total)
 
     def _all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         if not totals:
             return {}
         names = sorted(totals)
         stacked = torch.stack([torch.as_tensor(totals[n], dtype=torch.float32) for n in names]).to(self.settings.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stacked)
+        if self.dims.dp > 1:  # over the data ranks (a tensor-parallel group's ranks hold the same sums)
+            dist.all_reduce(stacked, group=self.dims.dp_group)
         return dict(zip(names, stacked.tolist()))
 
     # ---- weights -------------------------------------------------------------------------
