@@ -83,6 +83,9 @@ class CrossSectionRules(BaseModel):
             )
         if self.min_lr > self.lr:
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
+        if self.expert_model_parallel_size > 1 and not self.moe_grouped_gemm:
+            raise ValueError(f"{flag('expert_model_parallel_size')} runs the experts as grouped GEMMs: drop "
+                             "--no-moe-grouped-gemm")
         return self
 
     def _check_offload(self, asynchronous: bool) -> None:

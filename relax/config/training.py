@@ -79,6 +79,11 @@ class TrainingSettings(BaseModel):
         "Must divide the training processes, the heads and the key-value heads; the other factor of the processes "
         "is data parallel (FSDP2). Embeddings, LM head, experts and vision/audio towers stay whole "
         "(docs/parallelism.md).", "parallel", ge=1)
+    expert_model_parallel_size: int = setting(
+        1, "Data-parallel training processes that split each mixture-of-experts layer's experts among them: each holds "
+        "its share of the experts, and tokens go to the process of their expert and back by all-to-all (torchtitan's "
+        "layout: the expert axis is borrowed from the data axis). Must divide the data-parallel processes and the "
+        "model's experts; needs --moe-grouped-gemm.", "parallel", ge=1)
     lora_rank: int = setting(
         0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
         "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)

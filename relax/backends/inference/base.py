@@ -18,6 +18,14 @@ FinishReason = Literal["stop", "length", "abort"]
 GREEDY_TEMPERATURE = 1e-5
 
 
+def occurrence_seed(seed: int, occurrence: int) -> int:
+    """The sampling seed of the ``occurrence``-th request (from 0) of one call that carry the same ``seed``: distinct
+    streams for the samples of a group. A caller that spreads one call's requests over several engines gives each
+    request this seed itself, so that the split changes no token."""
+    seed %= 2**63
+    return seed if occurrence == 0 else (seed * 1_000_003 + 7919 * occurrence) % (2**63)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. ``top_k <= 0`` and ``top_p >= 1`` disable those filters;

@@ -71,7 +71,7 @@ from relax.backends.training.packing import (
     response_mask,
     to_device,
 )
-from relax.backends.training.parallelize import apply_tensor_parallel, shard_model
+from relax.backends.training.parallelize import apply_expert_parallel, apply_tensor_parallel, shard_model
 from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
 from relax.backends.training.settings import TrainSettings
 from relax.backends.training.varlen_attention import PackedAttention
@@ -107,7 +107,8 @@ class FSDPTrainBackend(TrainBackend):
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
-        self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size)
+        self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size,
+                                 ep=settings.expert_model_parallel_size)
         self.dims.check(hf_model.config)
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
@@ -166,8 +167,13 @@ class FSDPTrainBackend(TrainBackend):
                                      and settings.fsdp_single_process)
         if self.dims.tp > 1:
             apply_tensor_parallel(language_model(hf_model), hf_model, self.dims)
+        if self.dims.ep > 1:
+            apply_expert_parallel(hf_model, self.dims)
         if self.fsdp:
             shard_model(self.model, settings.compute_dtype, self.dims if self.sharded else None)
+        # (after FSDP2, which puts parameters of its own in place of the module's)
+        self._expert_parameters = [p for m in hf_model.modules() if getattr(m, "relax_expert_group", None)
+                                   for p in m.parameters(recurse=False)]
         self._weight_casts: MasterWeightCasts | None = None
         if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
             self._weight_casts = MasterWeightCasts(settings.compute_dtype)
@@ -471,6 +477,12 @@ class FSDPTrainBackend(TrainBackend):
             for parameter in self.model.parameters():
                 if parameter.grad is not None:
                     parameter.grad.mul_(rescale.gradients)
+        for parameter in self._expert_parameters:
+            # FSDP averaged them over the data ranks outside their expert group; they already held the sum over the
+            # group's tokens (the all-to-all's backward): an average over all data ranks, as the dense weights get.
+            # (FSDP2's set_gradient_divide_factor says the same with NCCL's PreMulSum, which gloo lacks.)
+            if parameter.grad is not None:
+                parameter.grad.div_(self.dims.ep)
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
@@ -525,17 +537,18 @@ class FSDPTrainBackend(TrainBackend):
     def _clip_gradients(self) -> float:
         """Clip to ``clip_grad`` (0: no clipping); the global norm. Gradients may live on different meshes (tensor-
         parallel weights on data x tensor, whole ones on data only): each mesh's norm is reduced on its own."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
         by_mesh: dict[object, list[torch.Tensor]] = {}
-        for param in params:
-            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+        for param in self.model.parameters():
+            if param.grad is not None:
+                by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
         norms = []
-        for grads in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         if self.settings.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad, total)
+            for params in by_mesh.values():  # (one foreach over the gradients of one mesh at a time)
+                torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad, total)
         return float(total)
 
     def _all_reduce_sum(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -23,7 +23,10 @@ the auxiliary load-balancing loss (router logits).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
 from relax.backends.training.master_weights import MasterWeightCasts
@@ -139,15 +142,24 @@ def _linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, offsets: t
     return _grouped_mm(x.to(weight.dtype), weight.transpose(-2, -1), offsets)
 
 
+def grouped_layout(module: nn.Module) -> bool:
+    """Whether `relax_grouped_mm` computes ``module``'s layout (gated, concatenated, untransposed, no biases, no
+    post-expert norm; the last two attributes are newer than transformers 5.17)."""
+    return (module.has_gate and not module.has_bias and not module.is_transposed and module.is_concatenated
+            and not getattr(module, "has_post_expert_norm", False)
+            and not getattr(module, "_is_expert_parallel", False))
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight spread over the expert group (`expert_parallel`), or the weight."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 def relax_grouped_mm_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature: ``hidden_states [N, H]``, ``top_k_index``/``top_k_weights``
     ``[N, k]``; returns ``[N, H]``."""
-    # (the last two attributes are newer than transformers 5.17)
-    supported = (self.has_gate and not self.has_bias and not self.is_transposed and self.is_concatenated
-                 and not getattr(self, "has_post_expert_norm", False)
-                 and not getattr(self, "_is_expert_parallel", False))
-    if not supported:  # layouts this path does not know: transformers' own
+    if not grouped_layout(self):  # layouts this path does not know: transformers' own
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     top_k = top_k_index.shape[-1]
     # token-expert pairs sorted by expert, so that each expert's rows are contiguous
@@ -158,16 +170,46 @@ def relax_grouped_mm_experts_forward(self: nn.Module, hidden_states: torch.Tenso
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     # cast before the k-fold copy (the residual stream is float32 under master weights)
     routed = _ToExpertRows.apply(hidden_states.to(_compute_dtype(self, hidden_states)), order, unsorted, top_k)
-    gate_up = _linear(self, routed, self.gate_up_proj, offsets)
-    hidden = _linear(self, self._apply_gate(gate_up), self.down_proj, offsets)
+    group = getattr(self, "relax_expert_group", None)
+    if group is None:
+        gate_up = _linear(self, routed, self.gate_up_proj, offsets)
+        hidden = _linear(self, self._apply_gate(gate_up), self.down_proj, offsets)
+    else:
+        hidden = dispatch_to_experts(self, routed, counts, group)
     hidden = hidden * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden.dtype)
     return _FromExpertRows.apply(hidden, order, unsorted, top_k).to(hidden_states.dtype)
+
+
+def dispatch_to_experts(self: nn.Module, routed: torch.Tensor, counts: torch.Tensor,
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """Expert parallelism: ``routed`` ``[S, H]`` (this rank's token-expert rows, sorted by global expert; ``counts``
+    per expert) go to the ranks that hold their experts (all-to-all), are computed there by the local experts, and
+    come back in the same order (all-to-all). Rank r of the group holds experts ``[r * L, (r + 1) * L)``."""
+    ranks = group.size()
+    local = self.num_experts // ranks
+    # how many rows every rank sends to each of this rank's experts: [ranks, L], source-major
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)
+    send_splits = counts.view(ranks, local).sum(dim=1).tolist()  # (a host sync: the split sizes are host lists)
+    receive_splits = received_counts.view(ranks, local).sum(dim=1).tolist()
+    # (torch's differentiable all-to-all: its backward is the all-to-all the other way)
+    received = wait_tensor(all_to_all_single_autograd(routed, receive_splits, send_splits, group))
+    # received rows come by (source rank, local expert): regroup them by local expert for the grouped GEMMs
+    expert_of_row = torch.arange(local, device=routed.device).repeat(ranks).repeat_interleave(received_counts)
+    _, by_expert = torch.sort(expert_of_row, stable=True)
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+    offsets = torch.cumsum(received_counts.view(ranks, local).sum(dim=0), dim=0, dtype=torch.int32)
+    rows = received[by_expert]
+    gate_up = _linear(self, rows, _local(self.gate_up_proj), offsets)
+    computed = _linear(self, self._apply_gate(gate_up), _local(self.down_proj), offsets)[back]
+    return wait_tensor(all_to_all_single_autograd(computed, send_splits, receive_splits, group))
 
 
 def use_grouped_experts(model: nn.Module) -> int:
     """Route the experts of ``model`` (and of its sub-models) through `relax_grouped_mm`; returns how many expert
     modules there are (0: a dense model, left as it is)."""
-    experts = [module for module in model.modules() if _is_experts(module)]
+    experts = [module for module in model.modules() if is_experts(module)]
     if experts:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, relax_grouped_mm_experts_forward)
         for module in experts:
@@ -175,7 +217,7 @@ def use_grouped_experts(model: nn.Module) -> int:
     return len(experts)
 
 
-def _is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module) -> bool:
     """A module built by transformers' ``use_experts_implementation`` (its forward dispatches on the config)."""
     return hasattr(module, "has_gate") and hasattr(module, "is_concatenated") and hasattr(module, "num_experts")
 
@@ -184,7 +226,7 @@ def set_master_weight_casts(model: nn.Module, casts: MasterWeightCasts) -> int:
     """Have the float32 experts of ``model`` take their compute-dtype weights from ``casts``; returns how many."""
     count = 0
     for module in model.modules():
-        if _is_experts(module) and module.down_proj.dtype == torch.float32:
+        if is_experts(module) and module.down_proj.dtype == torch.float32:
             module.relax_master_weight_casts = casts
             count += 1
     return count

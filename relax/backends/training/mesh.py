@@ -1,9 +1,11 @@
-"""The trainer's layout over its processes: one `DeviceMesh` whose axes are pipeline, data replicate, data shard,
-context and tensor (``pp, dp_replicate, dp_shard, cp, tp``, outermost first; torchtitan's order), every axis present
-even at size 1, so that code asks for an axis by name whatever the layout.
+"""The trainer's layout over its processes: one `DeviceMesh` whose axes are pipeline, data replicate, data shard
+(split in two: the ranks outside and inside an expert group), context and tensor (``pp, dp_replicate,
+dp_shard_mod_ep, ep, cp, tp``, outermost first; torchtitan's order), every axis present even at size 1, so that
+code asks for an axis by name whatever the layout.
 
 - data (``dp_replicate x dp_shard``): each data rank trains on its share of the batch; FSDP2 shards parameters,
-  gradients and optimizer state over ``dp_shard`` (and replicates them over ``dp_replicate``, HSDP);
+  gradients and optimizer state over ``dp_shard`` (replicating over ``dp_replicate``, HSDP, is not built yet:
+  that axis, context and pipeline stay at size 1 until they are);
 - tensor (``--tensor-model-parallel-size``): the family's plan (`relax.backends.models.parallel_plans`) splits
   attention heads and MLP columns; the ranks of a tensor group see the same tokens;
 - experts (``--expert-model-parallel-size``): borrowed from ``dp_shard`` (each expert group's ranks hold different
@@ -21,7 +23,7 @@ from functools import cached_property
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 TP_FLAG = "--tensor-model-parallel-size"
 EP_FLAG = "--expert-model-parallel-size"
 
@@ -52,6 +54,10 @@ class ParallelDims:
     def check(self, config=None) -> None:
         """Raise ValueError naming the flag when the layout does not fit the world or ``config`` (a transformers
         config: heads, key-value heads and experts must divide among the ranks that split them)."""
+        unbuilt = {name: size for name, size in (("pipeline", self.pp), ("context", self.cp),
+                                                 ("data replicate", self.dp_replicate)) if size > 1}
+        if unbuilt:
+            raise ValueError(f"{', '.join(unbuilt)} parallelism is not built yet (docs/parallelism.md)")
         inner = self.pp * self.dp_replicate * self.cp * self.tp
         if self.world_size % inner:
             raise ValueError(f"{TP_FLAG} {self.tp} (x context {self.cp} x pipeline {self.pp} x data replicate "
@@ -76,29 +82,48 @@ class ParallelDims:
             if experts % self.ep:
                 raise ValueError(f"{EP_FLAG} {self.ep} does not divide the model's {experts} experts")
 
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
+
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The mesh over the default group's ranks (built once, collectively)."""
+        """The mesh over the default group's ranks; built once, collectively."""
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         return init_device_mesh(device_type, tuple(getattr(self, axis) for axis in AXES), mesh_dim_names=AXES)
 
+    @cached_property
+    def _flattened(self) -> dict[str, DeviceMesh]:
+        """Products of axes the layout uses as one: ``dp_shard`` (both halves of the data-shard axis) and ``dp`` (all
+        data ranks) (`_flatten`: private in torch 2.13, what torchtitan uses)."""
+        mesh = self.mesh
+        return {"dp_shard": mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
+                "dp": mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")}
+
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """What FSDP2 shards (and replicates) over."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        """What FSDP2 shards the dense weights over."""
+        return self._flattened["dp_shard"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP2 shards the experts over: the data ranks outside their expert group."""
+        return self.mesh["dp_shard_mod_ep"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
 
     @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.mesh["ep"]
+
+    @property
     def dp_rank(self) -> int:
         """This process's share of the batch."""
-        return self.mesh["dp_replicate"].get_local_rank() * self.dp_shard + self.mesh["dp_shard"].get_local_rank()
+        return self._flattened["dp"].get_local_rank()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """The data ranks' group (the ranks whose metrics differ), for sums of metrics."""
-        if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-        return self.mesh["dp_shard"].get_group()
+        return self._flattened["dp"].get_group()

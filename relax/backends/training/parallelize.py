@@ -10,11 +10,13 @@ import re
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from relax.backends.models.parallel_plans import COLWISE, HEADS_NORM, PLANS, ROWWISE
 from relax.backends.models.registry import family_of
-from relax.backends.training.mesh import TP_FLAG, ParallelDims
+from relax.backends.training.grouped_experts import IMPLEMENTATION, grouped_layout, is_experts
+from relax.backends.training.mesh import EP_FLAG, TP_FLAG, ParallelDims
 
 logger = logging.getLogger("relax")
 
@@ -58,10 +60,35 @@ def apply_tensor_parallel(decoder: nn.Module, hf_model: nn.Module, dims: Paralle
     return len(styles)
 
 
+def apply_expert_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:
+    """Spread every MoE layer's experts over the mesh's expert axis (rank r of a group holds experts
+    ``[r * E / ep, (r + 1) * E / ep)``, as DTensors sharded on the expert dimension); their forward exchanges tokens
+    with the group (`grouped_experts.dispatch_to_experts`). Returns the expert modules spread."""
+    experts = [module for module in hf_model.modules() if is_experts(module)]
+    for module in experts:
+        if module.config._experts_implementation != IMPLEMENTATION or not grouped_layout(module):
+            raise ValueError(f"{EP_FLAG} {dims.ep}: {type(module).__name__} does not run on Relax's grouped experts "
+                             "(a layout with biases or transposed weights, or --no-moe-grouped-gemm)")
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), dims.ep_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.relax_expert_group = dims.ep_mesh.get_group()
+    logger.info("expert parallel over %d ranks: %d MoE layers, %d experts per rank", dims.ep, len(experts),
+                experts[0].num_experts // dims.ep if experts else 0)
+    return len(experts)
+
+
 def shard_model(model: nn.Module, compute_dtype: torch.dtype, dims: ParallelDims | None = None) -> None:
-    """FSDP2 over the data ranks (all ranks when ``dims`` is None): each decoder layer, then the whole model."""
+    """FSDP2 over the data ranks (all ranks when ``dims`` is None): experts spread by expert parallelism over the
+    data ranks outside their group, then each decoder layer, then the whole model."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     mesh = dims.fsdp_mesh if dims is not None else None
+    if dims is not None and dims.ep > 1:
+        for module in model.hf_model.modules():
+            if getattr(module, "relax_expert_group", None) is not None:
+                # (their gradients are averaged over the ranks this mesh spans; the trainer corrects that by the
+                # expert group's size after the reduction: `FSDPTrainBackend.end_step`)
+                fully_shard(module, mesh=dims.expert_fsdp_mesh, mp_policy=policy)
     layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
     for module in model.hf_model.modules():
         if type(module).__name__ in layer_classes:

@@ -42,6 +42,7 @@ class TrainSettings:
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
     tensor_model_parallel_size: int = 1  # ranks that split each layer's heads and MLP columns (`mesh`)
+    expert_model_parallel_size: int = 1  # data ranks that split each MoE layer's experts among them
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
     fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
     liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)

@@ -6,7 +6,13 @@ import copy
 from collections.abc import Callable
 from dataclasses import replace
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, InferenceEngine, SamplingParams
+from relax.backends.inference.base import (
+    GenerationOutput,
+    GenerationRequest,
+    InferenceEngine,
+    SamplingParams,
+    occurrence_seed,
+)
 from relax.data.sample import Sample, SampleStatus
 
 _STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -50,7 +56,10 @@ async def generate_samples(engine: InferenceEngine, samples: list[Sample], sampl
         GenerationRequest(
             request_id=f"g{sample.group_index}-i{sample.index}-{position}",
             input_ids=list(sample.tokens),
-            sampling_params=replace(sampling),
+            # each its own stream, as one engine call would give them, so that spreading the call over several
+            # engines (one per rank under torchrun, or a router) samples the same tokens
+            sampling_params=replace(sampling, seed=None if sampling.seed is None else occurrence_seed(sampling.seed,
+                                                                                                     position)),
             # The processor tensors, shared with the trainer (HTTP engines take sample.multimodal_inputs' raw media).
             multimodal_inputs=sample.multimodal_train_inputs,
             return_routed_experts=return_routed_experts,

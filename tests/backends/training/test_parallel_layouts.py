@@ -26,9 +26,12 @@ from tests.support.tiny_mm_assets import build_tiny_vl
 LR = 1e-4
 
 
-def _backend(model_dir: str, tp: int = 1) -> FSDPTrainBackend:
+def _backend(model_dir: str, tp: int = 1, ep: int = 1) -> FSDPTrainBackend:
     torch.manual_seed(0)
-    return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, tensor_model_parallel_size=tp))
+    # clip_grad: the clipping runs (the norms stay below it)
+    return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, clip_grad=10.0,
+                                                           tensor_model_parallel_size=tp,
+                                                           expert_model_parallel_size=ep))
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:
@@ -59,26 +62,30 @@ def _join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _tensor_parallel_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
-    """World 2: a TP=2 step per model; Qwen3's checkpoint saved at TP=2 and loaded at FSDP=2, which takes a
-    second step; the weights of a weight sync from the TP trainer."""
+# (model, layout) run on two processes: each axis alone
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3_moe", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"))
+
+
+def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
+    """World 2: a step per (model, layout); each Qwen3 / Qwen3-MoE checkpoint saved in that layout and loaded at
+    FSDP=2, which takes a second step; the weights of a weight sync from the sharded trainer."""
     _join(rank, world, port)
     results = {}
-    for name, model_dir in models.items():
-        backend = _backend(model_dir, tp=2)
-        assert backend.dims.tp == 2 and backend.dims.dp == 1
-        results[name] = _step(backend, torch.load(Path(root) / f"{name}.batch", weights_only=False))
-        if name == "qwen3":
-            synced = {n: t.clone() for bucket in backend.named_parameters_for_sync(torch.float32, 1 << 12)
-                      for n, t in bucket}
-            results["synced"] = synced
-            backend.save(Path(root) / "tp2")
+    for name, layout in TWO_PROCESS_LAYOUTS:
+        backend = _backend(models[name], tp=2 if layout == "tp" else 1, ep=2 if layout == "ep" else 1)
+        assert (backend.dims.tp, backend.dims.ep, backend.dims.dp) == ((2, 1, 1) if layout == "tp" else (1, 2, 2))
+        results[name, layout] = _step(backend, torch.load(Path(root) / f"{name}.batch", weights_only=False))
+        if name != "vl":
+            results[name, layout, "synced"] = {n: t.clone() for bucket in backend.named_parameters_for_sync(
+                torch.float32, 1 << 12) for n, t in bucket}
+            backend.save(Path(root) / f"{name}-{layout}")
         backend.release()
-    data_parallel = _backend(models["qwen3"], tp=1)
-    data_parallel.load(Path(root) / "tp2")
-    results["loaded_at_fsdp2"] = data_parallel.full_state_dict()
-    results["second_step_at_fsdp2"] = _step(data_parallel, _rl_batch(seed=1))
-    data_parallel.release()
+        if name != "vl":
+            data_parallel = _backend(models[name])
+            data_parallel.load(Path(root) / f"{name}-{layout}")
+            results[name, layout, "loaded_at_fsdp2"] = data_parallel.full_state_dict()
+            results[name, layout, "second_step_at_fsdp2"] = _step(data_parallel, _rl_batch(seed=1))
+            data_parallel.release()
     if rank == 0:
         torch.save(results, Path(root) / "results.pt")
     shutdown_process_group()
@@ -95,57 +102,62 @@ def models(tmp_path_factory):
     return root, dirs, batches
 
 
-def test_tensor_parallel_steps_equal_the_single_process_step_and_checkpoints_reshard(models):
+def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_checkpoints_reshard(models):
     root, dirs, batches = models
-    mp.start_processes(_tensor_parallel_on_rank, args=(2, free_loopback_port(), dirs, str(root)), nprocs=2,
+    mp.start_processes(_two_process_on_rank, args=(2, free_loopback_port(), dirs, str(root)), nprocs=2,
                        join=True, start_method="spawn")
     results = torch.load(root / "results.pt", weights_only=False)
-    for name, model_dir in dirs.items():
-        single = _backend(model_dir)
+    for name, layout in TWO_PROCESS_LAYOUTS:
+        single = _backend(dirs[name])
         assert single.dims.trivial
-        _assert_same_step(results[name], _step(single, batches[name]))
-        if name == "qwen3":
-            first_state = results[name]["state"]
-            # an engine synced from the TP trainer holds exactly its full tensors
-            hf_names = {n: t for n, t in first_state.items()}
-            assert results["synced"].keys() == hf_names.keys()
-            for n, tensor in results["synced"].items():
-                assert torch.equal(tensor, hf_names[n]), n
-            # saved at TP=2, loaded at FSDP=2: the same weights, and the optimizer state came along (the second
-            # step equals the single process's second step)
+        _assert_same_step(results[name, layout], _step(single, batches[name]))
+        if name != "vl":
+            first_state = results[name, layout]["state"]
+            # an engine synced from the sharded trainer holds exactly its full tensors
+            synced = results[name, layout, "synced"]
+            assert synced.keys() == first_state.keys()
+            for n, tensor in synced.items():
+                assert torch.equal(tensor, first_state[n]), n
+            # loaded at FSDP=2: the same weights, and the optimizer state came along (the second step equals the
+            # single process's second step)
             for n, tensor in first_state.items():
-                assert torch.equal(results["loaded_at_fsdp2"][n], tensor), n
-            _assert_same_step(results["second_step_at_fsdp2"], _step(single, _rl_batch(seed=1)))
+                assert torch.equal(results[name, layout, "loaded_at_fsdp2"][n], tensor), n
+            _assert_same_step(results[name, layout, "second_step_at_fsdp2"], _step(single, _rl_batch(seed=1)))
         single.release()
 
 
-def _two_dimensional_on_rank(rank: int, world: int, port: int, model_dir: str, root: str) -> None:
-    """World 4: FSDP=2 x TP=2 takes a step and saves; FSDP=4 loads and takes the second; TP=2 x FSDP=2 loads that
-    and takes the third."""
+# per model, the (tp, ep) of each of three steps on four processes, each step resuming the previous one's checkpoint
+FOUR_PROCESS_LAYOUTS = {"qwen3": ((2, 1), (1, 1), (2, 1)),  # FSDP2 x TP2 -> FSDP4 -> TP2 x FSDP2
+                        "qwen3_moe": ((1, 2), (2, 2), (1, 4))}  # FSDP4 with EP2 -> TP2 x EP2 -> EP4
+
+
+def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
     _join(rank, world, port)
     results = {}
-    for index, tp in enumerate((2, 1, 2)):
-        backend = _backend(model_dir, tp=tp)
-        assert backend.dims.dp == world // tp
-        if index:
-            backend.load(Path(root) / f"step{index}")
-        results[index] = _step(backend, _rl_batch(seed=index))
-        backend.save(Path(root) / f"step{index + 1}")
-        backend.release()
+    for name, layouts in FOUR_PROCESS_LAYOUTS.items():
+        for index, (tp, ep) in enumerate(layouts):
+            backend = _backend(models[name], tp=tp, ep=ep)
+            assert backend.dims.dp == world // tp and backend.dims.ep == ep
+            if index:
+                backend.load(Path(root) / f"{name}-step{index}")
+            results[name, index] = _step(backend, _rl_batch(seed=index))
+            backend.save(Path(root) / f"{name}-step{index + 1}")
+            backend.release()
     if rank == 0:
         torch.save(results, Path(root) / "results.pt")
     shutdown_process_group()
 
 
-def test_fsdp_by_tensor_parallel_steps_equal_the_single_process_steps_across_layouts(models, tmp_path):
+def test_two_dimensional_layouts_equal_the_single_process_steps_and_reshard(models, tmp_path):
     _, dirs, _ = models
-    mp.start_processes(_two_dimensional_on_rank, args=(4, free_loopback_port(), dirs["qwen3"], str(tmp_path)),
+    mp.start_processes(_two_dimensional_on_rank, args=(4, free_loopback_port(), dirs, str(tmp_path)),
                        nprocs=4, join=True, start_method="spawn")
     results = torch.load(tmp_path / "results.pt", weights_only=False)
-    single = _backend(dirs["qwen3"])
-    for index in range(3):
-        _assert_same_step(results[index], _step(single, _rl_batch(seed=index)))
-    single.release()
+    for name, layouts in FOUR_PROCESS_LAYOUTS.items():
+        single = _backend(dirs[name])
+        for index in range(len(layouts)):
+            _assert_same_step(results[name, index], _step(single, _rl_batch(seed=index)))
+        single.release()
 
 
 # ---- layouts refused -----------------------------------------------------------------------------
@@ -179,3 +191,36 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
     assert cfg.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="--context-parallel-size: not built in Relax yet"):
         parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--context-parallel-size", "2"])
+
+
+def test_a_tensor_parallel_relax_train_run_gives_the_single_process_runs_metrics(tiny_workspace, tmp_path):
+    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2`: both ranks are one tensor group (and
+    each generates half of the groups, seeded per sample, so the same samples as one engine); three steps give the
+    one-process run's metrics."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S, run_relax, tiny_train_args
+
+    def train_metrics(run_dir: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if k.startswith("train/")} for row in rows if "train/loss" in row]
+
+    args = ("--num-rollout", "3", "--clip-grad", "1.0")
+    single = run_relax("train", *tiny_train_args(tiny_workspace, tmp_path / "one", *args))
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", "train",
+               *tiny_train_args(tiny_workspace, tmp_path / "tp2", *args, "--tensor-model-parallel-size", "2")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected, got = train_metrics(tmp_path / "one"), train_metrics(tmp_path / "tp2")
+    assert len(got) == len(expected) == 3
+    for step, (row, reference) in enumerate(zip(got, expected)):
+        assert row.keys() == reference.keys()
+        for key, value in reference.items():
+            if key.endswith("_s") or "time" in key:
+                continue
+            assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)

@@ -35,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
-from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds
+from relax.backends.inference.base import GenerationOutput, GenerationRequest, PauseHolds, occurrence_seed
 from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.media import MediaEncoder, MediaPrompt
 from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
@@ -44,10 +44,6 @@ from relax.backends.inference.engine_core.step_runner import StepOutput, StepRun
 from relax.backends.inference.stopping import finish_on_stop_strings, stop_token_ids, stop_window_tokens
 
 PAUSE_POLL_S = 0.001
-
-
-def mix_seed(seed: int, occurrence: int) -> int:
-    return seed if occurrence == 0 else (seed * 1_000_003 + 7919 * occurrence) % (2**63)
 
 
 class EngineCore:
@@ -89,7 +85,7 @@ class EngineCore:
             else:
                 occurrence = occurrences.get(params.seed, 0)
                 occurrences[params.seed] = occurrence + 1
-                seed = mix_seed(params.seed % (2**63), occurrence)
+                seed = occurrence_seed(params.seed, occurrence)
             sequence = self._new_sequence(request, seed, loop)
             sequence.media = self._encode_media(request, encoded)
             sequences.append(sequence)
