@@ -193,10 +193,24 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
         parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--context-parallel-size", "2"])
 
 
-def test_a_tensor_parallel_relax_train_run_gives_the_single_process_runs_metrics(tiny_workspace, tmp_path):
-    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2`: both ranks are one tensor group (and
-    each generates half of the groups, seeded per sample, so the same samples as one engine); three steps give the
-    one-process run's metrics."""
+@pytest.fixture(scope="module")
+def moe_workspace(tmp_path_factory):
+    """The tiny workspace's data beside a tiny Qwen3-MoE with its tokenizer."""
+    from tests.support.tiny_assets import write_addition_data
+
+    root = tmp_path_factory.mktemp("moe_workspace")
+    build_text_family("qwen3_moe", root / "model")
+    write_addition_data(root / "train.jsonl", 64, seed=0)
+    write_addition_data(root / "test.jsonl", 16, seed=1)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["tensor", "expert"])
+def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(layout, tiny_workspace,
+                                                                                moe_workspace, tmp_path):
+    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2` (dense) or
+    `--expert-model-parallel-size 2` (MoE): each rank generates half of the groups, seeded per sample, so the
+    same samples as one engine; three steps give the one-process run's metrics."""
     import json
     import subprocess
     import sys
@@ -207,16 +221,17 @@ def test_a_tensor_parallel_relax_train_run_gives_the_single_process_runs_metrics
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in row.items() if k.startswith("train/")} for row in rows if "train/loss" in row]
 
+    workspace = tiny_workspace if layout == "tensor" else moe_workspace
     args = ("--num-rollout", "3", "--clip-grad", "1.0")
-    single = run_relax("train", *tiny_train_args(tiny_workspace, tmp_path / "one", *args))
+    single = run_relax("train", *tiny_train_args(workspace, tmp_path / "one", *args))
     assert single.returncode == 0, single.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", "train",
-               *tiny_train_args(tiny_workspace, tmp_path / "tp2", *args, "--tensor-model-parallel-size", "2")]
+               *tiny_train_args(workspace, tmp_path / "two", *args, f"--{layout}-model-parallel-size", "2")]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    expected, got = train_metrics(tmp_path / "one"), train_metrics(tmp_path / "tp2")
+    expected, got = train_metrics(tmp_path / "one"), train_metrics(tmp_path / "two")
     assert len(got) == len(expected) == 3
     for step, (row, reference) in enumerate(zip(got, expected)):
         assert row.keys() == reference.keys()
