@@ -90,7 +90,9 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype, dims: ParallelDims
                 # expert group's size after the reduction: `FSDPTrainBackend.end_step`)
                 fully_shard(module, mesh=dims.expert_fsdp_mesh, mp_policy=policy)
     layer_classes = set(getattr(model.hf_model, "_no_split_modules", None) or [])
-    for module in model.hf_model.modules():
+    # innermost first: a family may list a tower beside its layers (Qwen3-Omni's audio encoder), and FSDP2 takes a
+    # module's parameters that no unit inside it took
+    for module in reversed(list(model.hf_model.modules())):
         if type(module).__name__ in layer_classes:
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -239,3 +239,20 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
             if key.endswith("_s") or "time" in key:
                 continue
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+
+
+# ---- plans at real shapes, simulated (benchmarks/parallel_plan.py) -------------------------------------------------
+
+@pytest.mark.parametrize("name, world, tp, ep", [("Qwen3-4B", 8, 2, 1), ("Qwen3-Omni-30B-A3B thinker", 16, 2, 8)])
+def test_real_shapes_lay_out_on_a_simulated_world(name, world, tp, ep):
+    """The real Qwen3-4B and Qwen3-Omni thinker on the meta device under a fake group of ``world`` ranks: the
+    trainer's plans apply (the omni thinker lists its audio encoder beside the encoder's layers as FSDP units: inner
+    units are wrapped first), and one rank holds the share the layout implies."""
+    from benchmarks.parallel_plan import plan
+
+    row = plan(name, world, tp, ep, tokens=4096)
+    assert row["dp"] == world // tp
+    # each rank holds at least its 1/world share and at most 1/dp of the whole
+    assert row["parameters_total_b"] / world <= row["parameters_per_gpu_b"] * 1.001
+    assert row["parameters_per_gpu_b"] <= row["parameters_total_b"] / row["dp"] * 1.001
+    assert not torch.distributed.is_initialized()
