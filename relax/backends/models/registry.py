@@ -168,16 +168,26 @@ def models_markdown() -> str:
         "weights are synced to the engines with the rest. `--use-rollout-routing-replay` (R3) has the engine record",
         "each token's experts and the policy's forwards take them (docs/training.md; tested on the text MoE rows).",
         "",
-        "| family | model_type | inputs | experts | attention | engine | packed | status | examples |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Tensor parallel: the family's plan (`--tensor-model-parallel-size`; docs/parallelism.md); mixture-of-experts",
+        "families also split their experts over data ranks (`--expert-model-parallel-size`).",
+        "",
+        "| family | model_type | inputs | experts | attention | engine | packed | tensor parallel | status | examples |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in FAMILIES:
         row = _row_traits(family)
         status = "supported" if family.not_supported is None else f"not yet: {family.not_supported}"
         lines.append(f"| {family.name} | {', '.join(f'`{t}`' for t in family.model_types)} | "
                      f"{', '.join(family.inputs)} | {row['experts']} | {row['attention']} | {row['engine']} | "
-                     f"{row['packed']} | {status} | {family.examples} |")
+                     f"{row['packed']} | {_plan_cell(family)} | {status} | {family.examples} |")
     return "\n".join(lines) + "\n"
+
+
+def _plan_cell(family: ModelFamily) -> str:
+    from relax.backends.models.parallel_plans import PLANS
+
+    plan = PLANS[family.parallel_plan]
+    return "no" if not plan.tensor else f"`{plan.name}`: {plan.summary}"
 
 
 # What the table says of each family's architecture (the defaults of its transformers config).
