@@ -11,8 +11,10 @@ computes under autocast ran every expert GEMM in float32 (Qwen3-30B-A3B's layer 
 compute dtype:
 
 - with `MasterWeightCasts` (``--gradient-accumulation-fusion``, the default outside FSDP), each expert weight is
-  cast once per step and its gradient is summed into the float32 ``.grad`` per micro-batch by the weight-gradient
-  grouped GEMM, as the dense linears do (`master_weights`);
+  cast once per step and its gradient is added into the float32 ``.grad`` per micro-batch (CUDA's grouped GEMM
+  writes only its inputs' dtype in torch 2.11, "Grouped gemm output dtype must match `mat_a` dtype" on the H200: a
+  micro-batch's expert gradient is a bf16 product, widened inside the add, as under autocast; float32 where a
+  kernel offers it);
 - under plain autocast, the weights are cast per call (autograd casts the gradient back);
 - otherwise (FSDP2's bf16 parameters, float32 on CPU) it is transformers' computation as it is.
 
