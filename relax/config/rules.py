@@ -83,6 +83,8 @@ class CrossSectionRules(BaseModel):
             )
         if self.min_lr > self.lr:
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
+        if self.context_parallel_size > 1 and not self.sequence_packing:
+            raise ValueError(f"{flag('context_parallel_size')} splits packed rows: drop --no-sequence-packing")
         if self.expert_model_parallel_size > 1 and not self.moe_grouped_gemm:
             raise ValueError(f"{flag('expert_model_parallel_size')} runs the experts as grouped GEMMs: drop "
                              "--no-moe-grouped-gemm")

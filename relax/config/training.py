@@ -84,6 +84,12 @@ class TrainingSettings(BaseModel):
         "its share of the experts, and tokens go to the process of their expert and back by all-to-all (torchtitan's "
         "layout: the expert axis is borrowed from the data axis). Must divide the data-parallel processes and the "
         "model's experts; needs --moe-grouped-gemm.", "parallel", ge=1)
+    context_parallel_size: int = setting(
+        1, "Training processes that split each packed micro-batch's tokens (long responses): every layer but "
+        "attention works on its slice, and attention trades tokens for heads by all-to-all (Ulysses) so that it sees "
+        "the whole row. Must divide the training processes (with the tensor-parallel size) and the heads of a "
+        "tensor-parallel rank; needs sequence packing. Not yet with images/video/audio, routing replay or an MoE "
+        "auxiliary loss (docs/parallelism.md).", "parallel", ge=1)
     lora_rank: int = setting(
         0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
         "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)

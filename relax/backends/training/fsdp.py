@@ -49,6 +49,7 @@ from relax.backends.models.registry import traits
 from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.checkpoint_state import load_state, save_state
+from relax.backends.training.context_parallel import gather_response_outputs, split_packed
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
     apply_liger_kernels,
@@ -108,7 +109,7 @@ class FSDPTrainBackend(TrainBackend):
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
         self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size,
-                                 ep=settings.expert_model_parallel_size)
+                                 ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size)
         self.dims.check(hf_model.config)
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
@@ -118,6 +119,16 @@ class FSDPTrainBackend(TrainBackend):
             logger.warning("%s trains on padded micro-batches, not packed rows: %s", type(hf_model).__name__,
                            unpackable)
             self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
+        if self.dims.cp > 1:
+            refused = [reason for reason, applies in (
+                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
+                 not settings.sequence_packing),
+                ("routing replay", settings.routing_replay),
+                ("a mixture-of-experts auxiliary loss", moe_aux_loss(hf_model, settings.moe_aux_loss_coef) is not None
+                 and trainable and not value_head)) if applies]
+            if refused:
+                raise ValueError(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with "
+                                 f"{', '.join(refused)}")
         self.lora = settings.lora if trainable else None
         if self.lora is not None and self.dims.tp > 1:
             raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
@@ -275,9 +286,15 @@ class FSDPTrainBackend(TrainBackend):
                 positions = rope_positions(self.model.hf_model, to_device(input_ids, device), mask, raw_media)
                 if positions is not None:
                     position_ids = positions[:, mask.bool()].unsqueeze(1)
+            context = None
+            if self.dims.cp > 1:  # this rank's slice of the row's tokens (`context_parallel`)
+                if raw_media is not None:
+                    raise NotImplementedError("--context-parallel-size with images, video or audio is not built yet")
+                packed, context = split_packed(packed, self.dims.cp_group)
+                position_ids = to_device(packed.position_ids, device)
             inputs = {"input_ids": to_device(packed.input_ids, device), "attention_mask": None,
                       "position_ids": position_ids, "predict_index": to_device(packed.predict_index, device),
-                      "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device)}
+                      "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device, context)}
             targets = packed.targets
         else:
             input_ids, attention_mask, predict_index, targets = pad_sequences(mb.tokens, mb.response_lengths,
@@ -316,23 +333,31 @@ class FSDPTrainBackend(TrainBackend):
         inputs, targets = self._model_inputs(batch)
         lengths = batch.response_lengths
         mask = response_mask(lengths, device)
+        packing = inputs.get("packing")
+        context = packing.context if packing is not None else None
+        whole = (lambda values: values) if context is None else \
+            (lambda values: gather_response_outputs(values, context))  # every slice's response positions
         if self.value_head:
             with self._autocast():
-                values = self.model(**inputs)
+                values = whole(self.model(**inputs))
             return PerTokenOutputs(pad_responses(values.float(), lengths), None, mask)
         ids = targets.unsqueeze(-1)
         if batch.gather_ids is not None:
-            ids = torch.cat([ids, to_device(torch.cat([g.long() for g in batch.gather_ids]), device)], dim=-1)
+            extra = torch.cat([g.long() for g in batch.gather_ids])
+            if context is not None:
+                extra = extra[context.rows]
+            ids = torch.cat([ids, to_device(extra, device)], dim=-1)
         head = HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
                            entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype,
                            self._weight_casts)
         with self._autocast():
             out = self.model(**inputs, head=head)
-        gathered = pad_responses(out.log_probs[:, 1:], lengths) if batch.gather_ids is not None else None
-        top_log_probs = pad_responses(out.top_log_probs, lengths) if top_k else None
-        top_ids = pad_responses(out.top_ids, lengths) if top_k else None
-        return PerTokenOutputs(pad_responses(out.log_probs[:, 0], lengths), pad_responses(out.entropy, lengths), mask,
-                               gathered, top_log_probs, top_ids)
+        log_probs = whole(out.log_probs)
+        gathered = pad_responses(log_probs[:, 1:], lengths) if batch.gather_ids is not None else None
+        top_log_probs = pad_responses(whole(out.top_log_probs), lengths) if top_k else None
+        top_ids = pad_responses(whole(out.top_ids), lengths) if top_k else None
+        return PerTokenOutputs(pad_responses(log_probs[:, 0], lengths), pad_responses(whole(out.entropy), lengths),
+                               mask, gathered, top_log_probs, top_ids)
 
     # ---- micro-batches -------------------------------------------------------------------
     def _rank_share(self, batch: TrainBatch) -> TrainBatch:

@@ -5,9 +5,11 @@ code asks for an axis by name whatever the layout.
 
 - data (``dp_replicate x dp_shard``): each data rank trains on its share of the batch; FSDP2 shards parameters,
   gradients and optimizer state over ``dp_shard`` (replicating over ``dp_replicate``, HSDP, is not built yet:
-  that axis, context and pipeline stay at size 1 until they are);
+  that axis and pipeline stay at size 1 until they are);
 - tensor (``--tensor-model-parallel-size``): the family's plan (`relax.backends.models.parallel_plans`) splits
   attention heads and MLP columns; the ranks of a tensor group see the same tokens;
+- context (``--context-parallel-size``): the ranks of a context group hold the same samples and split each packed
+  row's tokens; attention trades tokens for heads (Ulysses, `context_parallel`); FSDP2 shards over them too;
 - experts (``--expert-model-parallel-size``): borrowed from ``dp_shard`` (each expert group's ranks hold different
   experts and exchange tokens), as torchtitan does.
 
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 TP_FLAG = "--tensor-model-parallel-size"
 EP_FLAG = "--expert-model-parallel-size"
+CP_FLAG = "--context-parallel-size"
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,16 @@ class ParallelDims:
     def check(self, config=None) -> None:
         """Raise ValueError naming the flag when the layout does not fit the world or ``config`` (a transformers
         config: heads, key-value heads and experts must divide among the ranks that split them)."""
-        unbuilt = {name: size for name, size in (("pipeline", self.pp), ("context", self.cp),
-                                                 ("data replicate", self.dp_replicate)) if size > 1}
+        unbuilt = {name: size for name, size in (("pipeline", self.pp), ("data replicate", self.dp_replicate))
+                   if size > 1}
         if unbuilt:
             raise ValueError(f"{', '.join(unbuilt)} parallelism is not built yet (docs/parallelism.md)")
         inner = self.pp * self.dp_replicate * self.cp * self.tp
         if self.world_size % inner:
-            raise ValueError(f"{TP_FLAG} {self.tp} (x context {self.cp} x pipeline {self.pp} x data replicate "
-                             f"{self.dp_replicate}) does not divide the {self.world_size} training processes")
+            raise ValueError(f"{TP_FLAG} {self.tp} x {CP_FLAG} {self.cp} does not divide the {self.world_size} "
+                             "training processes")
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"{EP_FLAG} with {CP_FLAG} is not built yet")
         if self.ep > 1 and self.dp_shard % self.ep:
             raise ValueError(f"{EP_FLAG} {self.ep} must divide the data-parallel shard size {self.dp_shard} "
                              f"(experts borrow the data ranks: {self.world_size} processes / tensor {self.tp})")
@@ -74,6 +79,10 @@ class ParallelDims:
                 if count is not None and count % self.tp:
                     raise ValueError(f"{TP_FLAG} {self.tp} does not divide the model's {field} ({count}): each "
                                      "tensor-parallel rank computes whole heads")
+        heads = getattr(text, "num_attention_heads", None)
+        if self.cp > 1 and heads is not None and heads % (self.tp * self.cp):
+            raise ValueError(f"{CP_FLAG} {self.cp} does not divide the {heads // self.tp} attention heads of a "
+                             "tensor-parallel rank: Ulysses gives each context rank whole heads")
         if self.ep > 1:
             experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or \
                 getattr(text, "num_local_experts", None)
@@ -97,13 +106,18 @@ class ParallelDims:
         """Products of axes the layout uses as one: ``dp_shard`` (both halves of the data-shard axis) and ``dp`` (all
         data ranks) (`_flatten`: private in torch 2.13, what torchtitan uses)."""
         mesh = self.mesh
-        return {"dp_shard": mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
+        return {"dp_shard_cp": mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp"),
                 "dp": mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")}
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """What FSDP2 shards the dense weights over."""
-        return self._flattened["dp_shard"]
+        """What FSDP2 shards the dense weights over: the data ranks and the context ranks (which hold the same
+        samples, different tokens)."""
+        return self._flattened["dp_shard_cp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.mesh["cp"].get_group()
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

@@ -43,6 +43,7 @@ class TrainSettings:
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
     tensor_model_parallel_size: int = 1  # ranks that split each layer's heads and MLP columns (`mesh`)
     expert_model_parallel_size: int = 1  # data ranks that split each MoE layer's experts among them
+    context_parallel_size: int = 1  # ranks that split each packed row's tokens (Ulysses attention)
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
     fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
     liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)

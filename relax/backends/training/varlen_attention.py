@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from relax.backends.models import flash_varlen
 from relax.backends.models.flash_varlen import causal_varlen_attention
+from relax.backends.training.context_parallel import ContextSlice, ulysses_attention
 from relax.backends.training.packing import to_device
 
 IMPLEMENTATION = "relax_packed"
@@ -36,11 +37,13 @@ class PackedAttention:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     boundaries: tuple[int, ...]  # cu_seqlens on the host, for the per-sequence fallback
+    context: ContextSlice | None = None  # context parallel: this rank holds a slice of the row's tokens
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device) -> PackedAttention:
+    def of(cls, cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device,
+           context: ContextSlice | None = None) -> PackedAttention:
         host = cu_seqlens.to(dtype=torch.int32)
-        return cls(to_device(host, device), int(max_seqlen), tuple(host.tolist()))
+        return cls(to_device(host, device), int(max_seqlen), tuple(host.tolist()), context)
 
 
 def _half_dtype(value: torch.Tensor) -> torch.dtype | None:
@@ -94,10 +97,13 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     dtype = _half_dtype(value)
-    if q.is_cuda and dtype is not None and flash_varlen.available() and not dropout:
-        out = _flash_attend(q, k, v, packing, scale, dtype)
-    else:
-        out = _per_sequence_attend(q, k, v, packing, scale, dropout if module.training else 0.0)
+
+    def attend(q, k, v):
+        if q.is_cuda and dtype is not None and flash_varlen.available() and not dropout:
+            return _flash_attend(q, k, v, packing, scale, dtype)
+        return _per_sequence_attend(q, k, v, packing, scale, dropout if module.training else 0.0)
+
+    out = attend(q, k, v) if packing.context is None else ulysses_attention(q, k, v, packing.context, attend)
     return out.unsqueeze(0), None
 
 

@@ -26,12 +26,13 @@ from tests.support.tiny_mm_assets import build_tiny_vl
 LR = 1e-4
 
 
-def _backend(model_dir: str, tp: int = 1, ep: int = 1) -> FSDPTrainBackend:
+def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1) -> FSDPTrainBackend:
     torch.manual_seed(0)
     # clip_grad: the clipping runs (the norms stay below it)
     return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, clip_grad=10.0,
                                                            tensor_model_parallel_size=tp,
-                                                           expert_model_parallel_size=ep))
+                                                           expert_model_parallel_size=ep,
+                                                           context_parallel_size=cp))
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:
@@ -63,7 +64,9 @@ def _join(rank: int, world: int, port: int) -> None:
 
 
 # (model, layout) run on two processes: each axis alone
-TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3_moe", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"))
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3_moe", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"),
+                       ("qwen3_moe", "cp"))
+SIZES = {"tp": dict(tp=2), "ep": dict(ep=2), "cp": dict(cp=2)}
 
 
 def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
@@ -72,15 +75,15 @@ def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: s
     _join(rank, world, port)
     results = {}
     for name, layout in TWO_PROCESS_LAYOUTS:
-        backend = _backend(models[name], tp=2 if layout == "tp" else 1, ep=2 if layout == "ep" else 1)
-        assert (backend.dims.tp, backend.dims.ep, backend.dims.dp) == ((2, 1, 1) if layout == "tp" else (1, 2, 2))
+        backend = _backend(models[name], **SIZES[layout])
+        assert backend.dims.dp == (2 if layout == "ep" else 1)
         results[name, layout] = _step(backend, torch.load(Path(root) / f"{name}.batch", weights_only=False))
-        if name != "vl":
+        if name != "vl" and layout != "cp":
             results[name, layout, "synced"] = {n: t.clone() for bucket in backend.named_parameters_for_sync(
                 torch.float32, 1 << 12) for n, t in bucket}
             backend.save(Path(root) / f"{name}-{layout}")
         backend.release()
-        if name != "vl":
+        if name != "vl" and layout != "cp":
             data_parallel = _backend(models[name])
             data_parallel.load(Path(root) / f"{name}-{layout}")
             results[name, layout, "loaded_at_fsdp2"] = data_parallel.full_state_dict()
@@ -111,7 +114,7 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
         single = _backend(dirs[name])
         assert single.dims.trivial
         _assert_same_step(results[name, layout], _step(single, batches[name]))
-        if name != "vl":
+        if name != "vl" and layout != "cp":
             first_state = results[name, layout]["state"]
             # an engine synced from the sharded trainer holds exactly its full tensors
             synced = results[name, layout, "synced"]
@@ -126,18 +129,19 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
         single.release()
 
 
-# per model, the (tp, ep) of each of three steps on four processes, each step resuming the previous one's checkpoint
-FOUR_PROCESS_LAYOUTS = {"qwen3": ((2, 1), (1, 1), (2, 1)),  # FSDP2 x TP2 -> FSDP4 -> TP2 x FSDP2
-                        "qwen3_moe": ((1, 2), (2, 2), (1, 4))}  # FSDP4 with EP2 -> TP2 x EP2 -> EP4
+# per model, the (tp, ep, cp) of each of three steps on four processes, each step resuming the previous one's
+# checkpoint
+FOUR_PROCESS_LAYOUTS = {"qwen3": ((2, 1, 1), (2, 1, 2), (1, 1, 1)),  # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4
+                        "qwen3_moe": ((1, 2, 1), (2, 2, 1), (1, 4, 1))}  # FSDP4 with EP2 -> TP2 x EP2 -> EP4
 
 
 def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
     _join(rank, world, port)
     results = {}
     for name, layouts in FOUR_PROCESS_LAYOUTS.items():
-        for index, (tp, ep) in enumerate(layouts):
-            backend = _backend(models[name], tp=tp, ep=ep)
-            assert backend.dims.dp == world // tp and backend.dims.ep == ep
+        for index, (tp, ep, cp) in enumerate(layouts):
+            backend = _backend(models[name], tp=tp, ep=ep, cp=cp)
+            assert backend.dims.dp == world // (tp * cp) and backend.dims.ep == ep
             if index:
                 backend.load(Path(root) / f"{name}-step{index}")
             results[name, index] = _step(backend, _rl_batch(seed=index))
@@ -162,16 +166,18 @@ def test_two_dimensional_layouts_equal_the_single_process_steps_and_reshard(mode
 
 # ---- layouts refused -----------------------------------------------------------------------------
 
-@given(world=st.integers(1, 16), tp=st.integers(1, 8), heads=st.integers(1, 16), kv_heads=st.integers(1, 8))
-def test_a_layout_is_refused_exactly_when_a_size_does_not_divide_naming_the_flag(world, tp, heads, kv_heads):
+@given(world=st.integers(1, 16), tp=st.integers(1, 8), cp=st.integers(1, 4), heads=st.integers(1, 16),
+       kv_heads=st.integers(1, 8))
+def test_a_layout_is_refused_exactly_when_a_size_does_not_divide_naming_the_flag(world, tp, cp, heads, kv_heads):
     config = transformers.Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv_heads)
-    dims = ParallelDims(world, tp=tp)
-    fits = world % tp == 0 and (tp == 1 or (heads % tp == 0 and kv_heads % tp == 0))
+    dims = ParallelDims(world, tp=tp, cp=cp)
+    fits = (world % (tp * cp) == 0 and (tp == 1 or (heads % tp == 0 and kv_heads % tp == 0))
+            and (cp == 1 or heads % (tp * cp) == 0))
     if fits:
         dims.check(config)
-        assert dims.dp * tp == world
+        assert dims.dp * tp * cp == world
     else:
-        with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
+        with pytest.raises(ValueError, match="--tensor-model-parallel-size|--context-parallel-size"):
             dims.check(config)
 
 
@@ -189,8 +195,8 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
 
     cfg = parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--tensor-model-parallel-size", "2"])
     assert cfg.tensor_model_parallel_size == 2
-    with pytest.raises(ConfigError, match="--context-parallel-size: not built in Relax yet"):
-        parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--context-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size: not built in Relax yet"):
+        parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--pipeline-model-parallel-size", "2"])
 
 
 @pytest.fixture(scope="module")
