@@ -1,6 +1,7 @@
-"""Puts a model on the trainer's mesh (`mesh.ParallelDims`): the family's tensor-parallel plan on its language
-model, then FSDP2 over the data ranks (each decoder layer a unit, then the whole), in that order (FSDP2 shards the
-tensor-parallel DTensors further over the data axis: a 2-D layout)."""
+"""Puts a model on the trainer's mesh (`mesh.ParallelDims`), in this order: the family's tensor-parallel plan on its
+language model, its experts spread over the expert axis, then FSDP2 over the data (and context) ranks, each decoder
+layer a unit, then the whole; FSDP2 shards the DTensors of the first two further (2-D layouts). Context parallelism
+changes no module: it lives in the attention function and the trainer's inputs (`context_parallel`)."""
 
 from __future__ import annotations
 
