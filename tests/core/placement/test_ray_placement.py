@@ -352,9 +352,11 @@ def test_the_actor_across_two_processes_trains_as_one_process_does(tiny_workspac
 @needs_ray
 def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_does(tiny_workspace, tmp_path,
                                                                                       ray_guard):
-    """`--fully-async` with `{"actor": [2, 1]}`: the controller passes each chunk's TransferQueue keys, both ranks read
-    the samples there, train on their shares of each chunk, and take one optimizer step at the step's end; the
-    update is the one the in-process run takes on the whole step (the same samples: on-policy, same seed)."""
+    """`--fully-async` with `{"actor": [2, 1]}` and `--tensor-model-parallel-size 2` (the two Ray processes are one
+    tensor-parallel group; the sync test above has them as two FSDP2 data ranks): the controller passes each chunk's
+    TransferQueue keys, both ranks read the samples there, train on each chunk, and take one optimizer step at the
+    step's end; the update is the one the in-process run takes on the whole step (the same samples: on-policy, same
+    seed), and the weights the engine is sent are the full tensors."""
     from relax.core.build import build_roles
     from relax.core.loops import loop_class
     from relax.core.placement.in_process import InProcessPlacement
@@ -362,7 +364,8 @@ def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_
     one_step = ("--fully-async", "--max-staleness", "0", "--num-rollout", "1", "--skip-eval-before-train",
                 "--dump-samples", "0", "--no-use-tensorboard", "--adam-eps", "1.0")  # see the sync test above
     cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / "two", "--placement", "ray", "--resource",
-                                       '{"actor": [2, 1], "rollout": [1, 1]}', *one_step))
+                                       '{"actor": [2, 1], "rollout": [1, 1]}', "--tensor-model-parallel-size", "2",
+                                       *one_step))
     two_ranks = _run_with_ray(cfg, lambda service: service.trainer_weights())
     [row] = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert row["perf/train_chunks"] > 1 and row["data/passed_by_key_fraction"] == 1.0, row
