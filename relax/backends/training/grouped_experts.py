@@ -18,6 +18,9 @@ compute dtype:
 - under plain autocast, the weights are cast per call (autograd casts the gradient back);
 - otherwise (FSDP2's bf16 parameters, float32 on CPU) it is transformers' computation as it is.
 
+Under expert parallelism (`parallelize.apply_expert_parallel`) the sorted rows go to the rank that holds their
+expert and come back by all-to-all (`dispatch_to_experts`); the rest is the same.
+
 Routing replay hooks the routers, not the experts, so it works unchanged; so do LoRA (attention projections) and
 the auxiliary load-balancing loss (router logits).
 """
