@@ -23,7 +23,6 @@ The estimate is checked against a measured peak on one GPU: the Qwen3-30B-A3B la
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
