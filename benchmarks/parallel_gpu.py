@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from benchmarks.grpo_step_gpu import active_params
-from benchmarks.train_gpu import DATASHEET_TFLOPS, LOSS, SHAPES, rl_batch
+from benchmarks.train_gpu import DATASHEET_TFLOPS, LOSS, SHAPES, release, rl_batch, seconds_per_step
 from relax.backends.training.fsdp import FSDPTrainBackend
 from relax.backends.training.settings import TrainSettings
 from relax.distributed.process_group import ensure_process_group, shutdown_process_group
@@ -55,23 +53,10 @@ def time_layout(model_dir: str, base: TrainSettings, layout: dict[str, int], bat
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
     backend.train_step(batch, LOSS)  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        backend.train_step(batch, LOSS)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / steps
+    seconds = seconds_per_step(backend, batch, steps, cuda)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=settings.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    backend.release()
-    del backend
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release(backend, cuda)
     return {"s_per_step": round(seconds, 3), "peak_memory_gib_per_gpu": round(float(peak), 1)}
 
 

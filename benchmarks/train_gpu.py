@@ -44,6 +44,7 @@ from relax.algorithms.policy_loss import PolicyLossSettings
 from relax.backends.training.base import TrainBatch
 from relax.backends.training.fsdp import FSDPTrainBackend
 from relax.backends.training.settings import TrainSettings
+from relax.distributed.process_group import barrier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASHEET_TFLOPS = 989.0
@@ -83,21 +84,36 @@ def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30) -
             "gpu_busy": round(kernel_s / wall, 3)}
 
 
+def seconds_per_step(backend: FSDPTrainBackend, batch: TrainBatch, steps: int, cuda: bool) -> float:
+    """The mean time of ``steps`` training steps, the peak-memory counter reset before them and every rank starting
+    together (the backend has taken its warm-up step)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        backend.train_step(batch, LOSS)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps
+
+
+def release(backend: FSDPTrainBackend, cuda: bool) -> None:
+    """Free the backend's memory before the next variant builds its own."""
+    backend.release()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int,
                 profile: bool = False) -> dict:
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
     backend.train_step(batch, LOSS)  # warm-up: allocator, kernels' autotuning
     profiled = profile_step(backend, batch) if profile and cuda else {}
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for _ in range(steps):
-        backend.train_step(batch, LOSS)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / steps
+    seconds = seconds_per_step(backend, batch, steps, cuda)
     tokens = sum(len(t) for t in batch.tokens)
     flops = 6 * num_params * tokens / seconds
     result = {
@@ -107,11 +123,7 @@ def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, ste
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
         **profiled,
     }
-    backend.release()
-    del backend
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release(backend, cuda)
     return result
 
 
