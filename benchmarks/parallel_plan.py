@@ -107,7 +107,7 @@ def plan(name: str, world: int, tp: int, ep: int, tokens: int) -> dict:
         total = sum(p.numel() for p in model.parameters())
         unit = largest_unit_bytes(model)
         if tp > 1:
-            apply_tensor_parallel(language_model(model), model, dims)
+            apply_tensor_parallel(model, dims)
         if ep > 1:
             apply_expert_parallel(model, dims)
         wrapped = ResponseLogitsModel(model)

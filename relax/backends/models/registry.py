@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from relax.backends.models.parallel_plans import PLANS
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -184,8 +186,6 @@ def models_markdown() -> str:
 
 
 def _plan_cell(family: ModelFamily) -> str:
-    from relax.backends.models.parallel_plans import PLANS
-
     plan = PLANS[family.parallel_plan]
     return "no" if not plan.tensor else f"`{plan.name}`: {plan.summary}"
 

@@ -119,16 +119,6 @@ class FSDPTrainBackend(TrainBackend):
             logger.warning("%s trains on padded micro-batches, not packed rows: %s", type(hf_model).__name__,
                            unpackable)
             self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
-        if self.dims.cp > 1:
-            refused = [reason for reason, applies in (
-                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
-                 not settings.sequence_packing),
-                ("routing replay", settings.routing_replay),
-                ("a mixture-of-experts auxiliary loss", moe_aux_loss(hf_model, settings.moe_aux_loss_coef) is not None
-                 and trainable and not value_head)) if applies]
-            if refused:
-                raise ValueError(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with "
-                                 f"{', '.join(refused)}")
         self.lora = settings.lora if trainable else None
         if self.lora is not None and self.dims.tp > 1:
             raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
@@ -167,6 +157,15 @@ class FSDPTrainBackend(TrainBackend):
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
+        if self.dims.cp > 1:
+            refused = [reason for reason, applies in (
+                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
+                 not settings.sequence_packing),
+                ("routing replay", self._routing is not None),
+                ("a mixture-of-experts auxiliary loss", self._moe_aux is not None)) if applies]
+            if refused:
+                raise ValueError(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with "
+                                 f"{', '.join(refused)}")
         self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
@@ -177,7 +176,7 @@ class FSDPTrainBackend(TrainBackend):
         self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
                                      and settings.fsdp_single_process)
         if self.dims.tp > 1:
-            apply_tensor_parallel(language_model(hf_model), hf_model, self.dims)
+            apply_tensor_parallel(hf_model, self.dims)
         if self.dims.ep > 1:
             apply_expert_parallel(hf_model, self.dims)
         if self.fsdp:

@@ -45,13 +45,21 @@ def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) 
     return grouped_mm(x, weight_t, offs=offsets)
 
 
+_float32_output: bool | None = None  # whether this torch's CUDA grouped GEMM writes float32 from bf16 (found once)
+
+
 def _weight_grads(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``[E, out, in]``: per group, ``grad_out[rows].T @ x[rows]`` (float32 where the kernel can write it)."""
+    global _float32_output
     if grad_out.is_cuda:  # one grouped GEMM over the shared (token) dimension
-        try:
-            return torch._grouped_mm(grad_out.t(), x, offs=offsets, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a kernel without float32 output: the bf16 product
-            return torch._grouped_mm(grad_out.t(), x, offs=offsets)
+        if _float32_output is not False:
+            try:
+                product = torch._grouped_mm(grad_out.t(), x, offs=offsets, out_dtype=torch.float32)
+                _float32_output = True
+                return product
+            except (RuntimeError, TypeError):  # a kernel without float32 output (torch 2.11): the bf16 product
+                _float32_output = False
+        return torch._grouped_mm(grad_out.t(), x, offs=offsets)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     return torch.stack([grad_out[s:e].float().t() @ x[s:e].float() for s, e in zip(starts, ends)])

@@ -49,11 +49,6 @@ class ParallelDims:
         """Data-parallel ranks: how many shares the batch is split into."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def trivial(self) -> bool:
-        """Data parallelism only (the layout before the mesh)."""
-        return self.tp == self.ep == self.cp == self.pp == self.dp_replicate == 1
-
     def check(self, config=None) -> None:
         """Raise ValueError naming the flag when the layout does not fit the world or ``config`` (a transformers
         config: heads, key-value heads and experts must divide among the ranks that split them)."""
@@ -103,8 +98,9 @@ class ParallelDims:
 
     @cached_property
     def _flattened(self) -> dict[str, DeviceMesh]:
-        """Products of axes the layout uses as one: ``dp_shard`` (both halves of the data-shard axis) and ``dp`` (all
-        data ranks) (`_flatten`: private in torch 2.13, what torchtitan uses)."""
+        """Products of axes the layout uses as one: ``dp_shard_cp`` (both halves of the data-shard axis and the context
+        axis: what FSDP2 shards over) and ``dp`` (all data ranks) (`_flatten`: private in torch 2.13, what torchtitan
+        uses)."""
         mesh = self.mesh
         return {"dp_shard_cp": mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp"),
                 "dp": mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")}

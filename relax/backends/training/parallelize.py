@@ -18,6 +18,7 @@ from relax.backends.models.parallel_plans import COLWISE, HEADS_NORM, PLANS, ROW
 from relax.backends.models.registry import family_of
 from relax.backends.training.grouped_experts import IMPLEMENTATION, grouped_layout, is_experts
 from relax.backends.training.mesh import EP_FLAG, TP_FLAG, ParallelDims
+from relax.backends.training.response_model import language_model
 
 logger = logging.getLogger("relax")
 
@@ -47,9 +48,10 @@ def _matches(name: str, pattern: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
-def apply_tensor_parallel(decoder: nn.Module, hf_model: nn.Module, dims: ParallelDims) -> int:
-    """Split ``decoder`` (``hf_model``'s language model) over the mesh's tensor axis; returns the modules split."""
+def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:
+    """Split ``hf_model``'s language model over the mesh's tensor axis; returns the modules split."""
     plan = tensor_parallel_plan(hf_model)
+    decoder = language_model(hf_model)
     # the plan's patterns resolved to the modules this model has (hybrid families: some layers lack attention)
     styles = {name: _style(kind) for name, _ in decoder.named_modules()
               for pattern, kind in plan.tensor.items() if _matches(name, pattern)}

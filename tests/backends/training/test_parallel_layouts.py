@@ -111,7 +111,7 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
     results = torch.load(root / "results.pt", weights_only=False)
     for name, layout in TWO_PROCESS_LAYOUTS:
         single = _backend(dirs[name])
-        assert single.dims.trivial
+        assert (single.dims.world_size, single.dims.tp, single.dims.ep, single.dims.cp) == (1, 1, 1, 1)
         _assert_same_step(results[name, layout], _step(single, batches[name]))
         if name != "vl" and layout != "cp":
             first_state = results[name, layout]["state"]
@@ -194,6 +194,11 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
 
     cfg = parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--tensor-model-parallel-size", "2"])
     assert cfg.tensor_model_parallel_size == 2
+    for extra, message in ((["--context-parallel-size", "2", "--no-sequence-packing"], "drop --no-sequence-packing"),
+                           (["--expert-model-parallel-size", "2", "--no-moe-grouped-gemm"],
+                            "drop --no-moe-grouped-gemm")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", *extra])
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-size: not built in Relax yet"):
         parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--pipeline-model-parallel-size", "2"])
 
