@@ -85,6 +85,14 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         if self.context_parallel_size > 1 and not self.sequence_packing:
             raise ValueError(f"{flag('context_parallel_size')} splits packed rows: drop --no-sequence-packing")
+        if self.pipeline_model_parallel_size > 1 and not self.sequence_packing:
+            raise ValueError(f"{flag('pipeline_model_parallel_size')} runs packed micro-batches: drop "
+                             "--no-sequence-packing")
+        split = [flag(n) for n in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                 if getattr(self, n) is not None]
+        if split and self.pipeline_model_parallel_size == 1:
+            raise ValueError(f"{', '.join(split)} {'needs' if len(split) == 1 else 'need'} "
+                             f"{flag('pipeline_model_parallel_size')} > 1")
         if self.expert_model_parallel_size > 1 and not self.moe_grouped_gemm:
             raise ValueError(f"{flag('expert_model_parallel_size')} runs the experts as grouped GEMMs: drop "
                              "--no-moe-grouped-gemm")

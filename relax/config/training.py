@@ -90,6 +90,20 @@ class TrainingSettings(BaseModel):
         "the whole row. Must divide the training processes (with the tensor-parallel size) and the heads of a "
         "tensor-parallel rank; needs sequence packing. Not yet with images/video/audio, routing replay or an MoE "
         "auxiliary loss (docs/parallelism.md).", "parallel", ge=1)
+    pipeline_model_parallel_size: int = setting(
+        1, "Training processes that hold the decoder's layers in contiguous stages, one each (pipeline parallelism, "
+        "torch.distributed.pipelining's 1F1B schedule over packed micro-batches; the first stage also holds the "
+        "embedding, the last the final norm and LM head). Must divide the training processes (with the tensor- and "
+        "context-parallel sizes) and be at most the model's layers; each micro-batch of a step is padded to the "
+        "longest, and a step has at least this many. Needs sequence packing; not yet with tied embeddings, "
+        "images/video/audio, LoRA, a critic, routing replay, an MoE auxiliary loss, or context or expert "
+        "parallelism (docs/parallelism.md).", "parallel", ge=1)
+    decoder_first_pipeline_num_layers: int | None = setting(
+        None, "Decoder layers of the first pipeline stage (it also runs the embedding); the other stages share the "
+        "rest evenly. Default: an even split.", "parallel", ge=1)
+    decoder_last_pipeline_num_layers: int | None = setting(
+        None, "Decoder layers of the last pipeline stage (it also runs the LM head and the loss); the other stages "
+        "share the rest evenly. Default: an even split.", "parallel", ge=1)
     lora_rank: int = setting(
         0, "Train LoRA adapters of this rank (peft) instead of every weight; 0: full fine-tuning. Only the adapters "
         "are in the optimizer and the checkpoint; the engines get merged weights (docs/lora.md).", "lora", ge=0)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-from relax.backends.training.packing import PackedSequences
+from relax.backends.training.packing import PackedSequences, pad_packed
 
 # the differentiable all-gather (its backward sums the gradients to their slice): renamed in torch 2.13
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -49,14 +49,10 @@ def split_packed(packed: PackedSequences, group: dist.ProcessGroup) -> tuple[Pac
     """This rank's slice of ``packed`` (host tensors): its tokens and positions, the whole row's ``cu_seqlens``
     (with the padding as a last sequence), and its response positions relative to the slice."""
     size, rank = group.size(), group.rank()
-    total = packed.input_ids.shape[1]
+    total = packed.num_tokens
     padded = -(-total // size) * size
-    input_ids, position_ids, cu_seqlens = packed.input_ids, packed.position_ids, packed.cu_seqlens
-    if padded > total:  # a sequence of padding (token 0, positions from 0) that attends only to itself
-        extra = padded - total
-        input_ids = torch.cat([input_ids, input_ids.new_zeros(1, extra)], dim=1)
-        position_ids = torch.cat([position_ids, torch.arange(extra, dtype=position_ids.dtype).unsqueeze(0)], dim=1)
-        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([padded])])
+    row = pad_packed(packed, padded)
+    input_ids, position_ids, cu_seqlens = row.input_ids, row.position_ids, row.cu_seqlens
     width = padded // size
     start, end = rank * width, (rank + 1) * width
     owner = torch.div(packed.predict_index, width, rounding_mode="floor")
@@ -64,7 +60,7 @@ def split_packed(packed: PackedSequences, group: dist.ProcessGroup) -> tuple[Pac
     mine = owner == rank
     local = PackedSequences(
         input_ids=input_ids[:, start:end], position_ids=position_ids[:, start:end], cu_seqlens=cu_seqlens,
-        max_seqlen=max(packed.max_seqlen, padded - total), predict_index=packed.predict_index[mine] - start,
+        max_seqlen=row.max_seqlen, predict_index=packed.predict_index[mine] - start,
         targets=packed.targets[mine], response_lengths=packed.response_lengths)
     return local, ContextSlice(group, rank, size, counts)
 

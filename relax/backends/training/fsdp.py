@@ -49,7 +49,7 @@ from relax.backends.models.registry import traits
 from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.checkpoint_state import load_state, save_state
-from relax.backends.training.context_parallel import gather_response_outputs, split_packed
+from relax.backends.training.context_parallel import ContextSlice, gather_response_outputs, split_packed
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
     apply_liger_kernels,
@@ -60,11 +60,13 @@ from relax.backends.training.liger import (
 from relax.backends.training.lora import inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.moe import moe_aux_loss
-from relax.backends.training.mesh import ParallelDims
+from relax.backends.training.log_probs import TokenLogProbs
+from relax.backends.training.mesh import PP_FLAG, ParallelDims
 from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
     balanced_partition,
     pack_sequences,
+    pad_packed,
     pad_responses,
     pad_sequences,
     padded_rows,
@@ -73,6 +75,7 @@ from relax.backends.training.packing import (
     to_device,
 )
 from relax.backends.training.parallelize import apply_expert_parallel, apply_tensor_parallel, shard_model
+from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel, stage_layers
 from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
 from relax.backends.training.settings import TrainSettings
 from relax.backends.training.varlen_attention import PackedAttention
@@ -109,7 +112,8 @@ class FSDPTrainBackend(TrainBackend):
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
         self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size,
-                                 ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size)
+                                 ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size,
+                                 pp=settings.pipeline_model_parallel_size)
         self.dims.check(hf_model.config)
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
@@ -151,12 +155,15 @@ class FSDPTrainBackend(TrainBackend):
         self._offloaded_state: list[tuple[dict, str]] = []
         media_ids = MediaTokens.of(hf_model.config).never_generated
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
-        self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not value_head else None
+        self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
+        if self.dims.pp > 1:
+            self.model = self._pipeline_stage(hf_model)
+        else:
+            self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         if self._moe_aux is not None:
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
-        self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
         if self.dims.cp > 1:
             refused = [reason for reason, applies in (
                 ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
@@ -200,11 +207,35 @@ class FSDPTrainBackend(TrainBackend):
             frozen = freeze_towers(hf_model, settings.freeze_vision_tower, settings.freeze_audio_tower)
             if frozen:
                 logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
+        self.pipeline: PipelineRunner | None = None
+        if self.dims.pp > 1:
+            self.pipeline = PipelineRunner(self.model, self.dims.pp_group, settings.device,
+                                           hf_model.config.get_text_config().hidden_size, settings.compute_dtype)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(self.model, settings)
         release_before_shutdown(self.release)
+
+    def _pipeline_stage(self, hf_model) -> PipelineStageModel:
+        """This rank's stage of the model (`pipeline`), once what pipelining does not take yet is refused."""
+        refused = [reason for reason, applies in (
+            ("a critic (value head)", self.value_head),
+            ("LoRA", self.lora is not None),
+            ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
+             not self.settings.sequence_packing),
+            ("images, video or audio (a multimodal family)", bool(MediaTokens.of(hf_model.config).never_generated)),
+            ("routing replay", self._routing is not None),
+            ("a mixture-of-experts auxiliary loss", self._moe_aux is not None)) if applies]
+        if refused:
+            raise ValueError(f"{PP_FLAG} {self.dims.pp}: not built yet with {', '.join(refused)} "
+                             "(docs/parallelism.md)")
+        stage, stages = self.dims.pp_rank, self.dims.pp
+        layers = stage_layers(hf_model.config.get_text_config().num_hidden_layers, stages,
+                              self.settings.decoder_first_pipeline_num_layers,
+                              self.settings.decoder_last_pipeline_num_layers)[stage]
+        logger.info("pipeline stage %d of %d: decoder layers %d-%d", stage, stages, layers.start, layers.stop - 1)
+        return PipelineStageModel(hf_model, layers, first=stage == 0, last=stage == stages - 1)
 
     @property
     def adds_per_sample_loss(self) -> bool:
@@ -268,15 +299,17 @@ class FSDPTrainBackend(TrainBackend):
         return self.model.hf_model.config
 
     # ---- forward -------------------------------------------------------------------------
-    def _model_inputs(self, mb: TrainBatch) -> tuple[dict[str, object], torch.Tensor]:
+    def _model_inputs(self, mb: TrainBatch, row_length: int | None = None) -> tuple[dict[str, object], torch.Tensor]:
         """The model's keyword arguments for micro-batch ``mb`` (packed or padded) and the next-token
-        ``targets`` ``[M]`` of its response positions, samples in order."""
+        ``targets`` ``[M]`` of its response positions, samples in order; ``row_length``: a packed row padded to it."""
         device = self.settings.device
         raw_media = concat_inputs(mb.multimodal) if mb.multimodal and any(mb.multimodal) else None
         if raw_media is not None and self.value_head:
             raise NotImplementedError("a critic on multimodal samples is not supported yet")
         if self.settings.sequence_packing:
             packed = pack_sequences(mb.tokens, mb.response_lengths)
+            if row_length is not None:
+                packed = pad_packed(packed, row_length)
             position_ids = to_device(packed.position_ids, device)
             if raw_media is not None:  # multimodal rope: 3-D positions of each sequence, concatenated
                 input_ids, attention_mask, _, _ = pad_sequences(mb.tokens, mb.response_lengths,
@@ -328,35 +361,57 @@ class FSDPTrainBackend(TrainBackend):
         return self._weight_casts.scope() if self._weight_casts is not None else nullcontext()
 
     def _per_token_outputs(self, batch: TrainBatch, entropy_grad: bool, top_k: int = 0) -> PerTokenOutputs:
-        device = self.settings.device
         inputs, targets = self._model_inputs(batch)
-        lengths = batch.response_lengths
-        mask = response_mask(lengths, device)
         packing = inputs.get("packing")
         context = packing.context if packing is not None else None
-        whole = (lambda values: values) if context is None else \
-            (lambda values: gather_response_outputs(values, context))  # every slice's response positions
         if self.value_head:
             with self._autocast():
-                values = whole(self.model(**inputs))
-            return PerTokenOutputs(pad_responses(values.float(), lengths), None, mask)
+                values = self.model(**inputs)
+            if context is not None:
+                values = gather_response_outputs(values, context)
+            lengths = batch.response_lengths
+            return PerTokenOutputs(pad_responses(values.float(), lengths), None,
+                                   response_mask(lengths, self.settings.device))
+        head = self._head_request(batch, targets, context, entropy_grad, top_k)
+        with self._autocast():
+            out = self.model(**inputs, head=head)
+        return self._token_outputs(batch, out, context)
+
+    def _head_request(self, batch: TrainBatch, targets: torch.Tensor, context: ContextSlice | None,
+                      entropy_grad: bool, top_k: int) -> HeadRequest:
+        """What the LM head computes for ``batch``: log-probs of the next tokens ``targets`` (and of the batch's
+        ``gather_ids``), entropies, and the ``top_k`` most likely tokens."""
         ids = targets.unsqueeze(-1)
         if batch.gather_ids is not None:
             extra = torch.cat([g.long() for g in batch.gather_ids])
             if context is not None:
                 extra = extra[context.rows]
-            ids = torch.cat([ids, to_device(extra, device)], dim=-1)
-        head = HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
+            ids = torch.cat([ids, to_device(extra, self.settings.device)], dim=-1)
+        return HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
                            entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype,
                            self._weight_casts)
-        with self._autocast():
-            out = self.model(**inputs, head=head)
+
+    def _token_outputs(self, batch: TrainBatch, out: TokenLogProbs, context: ContextSlice | None) -> PerTokenOutputs:
+        """The head's flat outputs for ``batch`` as ``[B, R]`` rows (every context slice's response positions)."""
+        lengths = batch.response_lengths
+        whole = (lambda values: values) if context is None else \
+            (lambda values: gather_response_outputs(values, context))
         log_probs = whole(out.log_probs)
         gathered = pad_responses(log_probs[:, 1:], lengths) if batch.gather_ids is not None else None
-        top_log_probs = pad_responses(whole(out.top_log_probs), lengths) if top_k else None
-        top_ids = pad_responses(whole(out.top_ids), lengths) if top_k else None
+        top_log_probs = pad_responses(whole(out.top_log_probs), lengths) if out.top_log_probs is not None else None
+        top_ids = pad_responses(whole(out.top_ids), lengths) if out.top_ids is not None else None
         return PerTokenOutputs(pad_responses(log_probs[:, 0], lengths), pad_responses(whole(out.entropy), lengths),
-                               mask, gathered, top_log_probs, top_ids)
+                               response_mask(lengths, self.settings.device), gathered, top_log_probs, top_ids)
+
+    def _pipeline_inputs(self, micro_batches: list[TrainBatch], entropy_grad: bool, top_k: int = 0) -> list[dict]:
+        """Each micro-batch's stage inputs (`PipelineRunner.run`), packed rows padded to the longest."""
+        length = max(sum(len(t) for t in mb.tokens) for mb in micro_batches)
+        entries = []
+        for mb in micro_batches:
+            inputs, targets = self._model_inputs(mb, row_length=length)
+            entries.append({name: inputs[name] for name in ("input_ids", "position_ids", "predict_index", "packing")}
+                           | {"head": self._head_request(mb, targets, None, entropy_grad, top_k)})
+        return entries
 
     # ---- micro-batches -------------------------------------------------------------------
     def _rank_share(self, batch: TrainBatch) -> TrainBatch:
@@ -382,11 +437,12 @@ class FSDPTrainBackend(TrainBackend):
                            max(lengths), max_tokens)
         return plan_token_budget(lengths, max_tokens, at_least)
 
-    def _micro_batches(self, batch: TrainBatch, max_tokens: int | None,
-                       same_count_on_all_ranks: bool) -> list[tuple[list[int], TrainBatch | None]]:
-        """``(indices into batch, micro-batch)`` pairs; a micro-batch is None where this rank has nothing
-        left while others still compute (FSDP's collectives need the same number of forwards everywhere)."""
-        plan = self._plan(batch, max_tokens)
+    def _micro_batches(self, batch: TrainBatch, max_tokens: int | None, same_count_on_all_ranks: bool,
+                       at_least: int = 1) -> list[tuple[list[int], TrainBatch | None]]:
+        """``(indices into batch, micro-batch)`` pairs, ``at_least`` of them; a micro-batch is None where this rank
+        has nothing left while others still compute (FSDP's collectives need the same number of forwards
+        everywhere)."""
+        plan = self._plan(batch, max_tokens, at_least)
         if same_count_on_all_ranks and self.sharded:
             count = torch.tensor([len(plan)], device=self.settings.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -410,6 +466,9 @@ class FSDPTrainBackend(TrainBackend):
         self.model.eval()
         budget = self.settings.log_probs_max_tokens_per_gpu or self.settings.max_tokens_per_gpu
         try:
+            if self.pipeline is not None:
+                yield from self._pipeline_forward_without_grad(batch, budget, top_k)
+                return
             with self._cast_once():
                 for indices, mb in self._micro_batches(batch, budget, same_count_on_all_ranks=False):
                     with self._routes_replayed(mb):
@@ -418,6 +477,20 @@ class FSDPTrainBackend(TrainBackend):
                         yield index, row, resp_len, outputs
         finally:
             self.model.train(was_training)
+
+    def _pipeline_forward_without_grad(self, batch: TrainBatch, budget: int | None,
+                                       top_k: int) -> Iterator[tuple[int, int, int, PerTokenOutputs]]:
+        """`_forward_without_grad` through the pipeline: the last stage's outputs, sent to every stage."""
+        micro_batches = self._micro_batches(batch, budget, same_count_on_all_ranks=False)
+        chunks = [mb for _, mb in micro_batches]
+        outputs = self.pipeline.run(self._pipeline_inputs(chunks, entropy_grad=False, top_k=top_k), None)
+        per_token = [PerTokenOutputs(*(t.cpu() if t is not None else None
+                                       for t in self._token_outputs(mb, TokenLogProbs(*out), None)))
+                     for mb, out in zip(chunks, outputs)] if self.pipeline.stage.last else None
+        per_token = self.pipeline.broadcast_from_last(per_token)
+        for (indices, mb), out in zip(micro_batches, per_token):
+            for row, (index, resp_len) in enumerate(zip(indices, mb.response_lengths)):
+                yield index, row, resp_len, out
 
     def compute_log_probs(self, batch: TrainBatch, top_k: int = 0) -> LogProbs:
         """Per-sample log-probs and entropies (and log-probs at ``batch.gather_ids``, and the
@@ -474,11 +547,15 @@ class FSDPTrainBackend(TrainBackend):
         step = self._open_step
         if step is None:
             raise RuntimeError("accumulate() outside a step: call begin_step() first")
+        # (a pipeline's 1F1B schedule needs a micro-batch per stage at least)
         micro_batches = self._micro_batches(self._rank_share(batch), self.settings.max_tokens_per_gpu,
-                                            same_count_on_all_ranks=True)
+                                            same_count_on_all_ranks=True, at_least=self.dims.pp)
         # rope_scope: a checkpointed layer recomputes in backward with the kernels it ran with
         with rope_scope(self._liger), self._cast_once():
-            totals = self._accumulate_gradients(batch, micro_batches, step.loss_fn, step.counts, reduce=last)
+            if self.pipeline is not None:  # (its schedule reduces the gradients after each run)
+                totals, last = self._pipeline_gradients(batch, micro_batches, step.loss_fn, step.counts), True
+            else:
+                totals = self._accumulate_gradients(batch, micro_batches, step.loss_fn, step.counts, reduce=last)
         for name, value in totals.items():
             step.totals[name] = step.totals.get(name, 0.0) + value
         step.seen_samples += len(batch)
@@ -510,7 +587,9 @@ class FSDPTrainBackend(TrainBackend):
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
-        result = self._all_reduce_sum(step.totals)
+        result = self._all_reduce_sum(step.totals)  # (under a pipeline: on the last stage)
+        if self.pipeline is not None:
+            result = self.pipeline.broadcast_from_last(result)
         if rescale is not None:
             result = {name: value * rescale.metric(name) for name, value in result.items()}
         result["grad_norm"] = grad_norm
@@ -542,9 +621,33 @@ class FSDPTrainBackend(TrainBackend):
                 totals[name] = totals.get(name, 0.0) + value.detach().float()
         return totals
 
+    def _pipeline_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn,
+                            counts: StepCounts) -> dict[str, torch.Tensor]:
+        """`_accumulate_gradients` through the pipeline: the last stage takes each micro-batch's loss as its outputs
+        come (the metrics are summed there; the other stages return none)."""
+        chunks = [mb if mb is not None else self._placeholder(batch, self.settings.pad_token_id)
+                  for _, mb in micro_batches]
+        totals: dict[str, torch.Tensor] = {}
+
+        def loss(outputs: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+            mb = chunks[index]
+            value, metrics = self._loss_of(mb, self._token_outputs(mb, TokenLogProbs(*outputs), None), loss_fn,
+                                           counts.samples, counts.tokens)
+            if micro_batches[index][1] is None:  # a placeholder: adds nothing
+                value, metrics = value * 0.0, {name: v * 0.0 for name, v in metrics.items()}
+            for name, v in metrics.items():
+                totals[name] = totals.get(name, 0.0) + v.detach().float()
+            return value * self.dims.dp  # (as `_accumulate_gradients`: FSDP averages over the data ranks)
+
+        self.pipeline.run(self._pipeline_inputs(chunks, self.settings.entropy_grad), loss)
+        return totals
+
     def _micro_batch_loss(self, mb: TrainBatch, loss_fn: LossFn, entropy_grad: bool, num_samples: int,
                           num_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        outputs = self._per_token_outputs(mb, entropy_grad)
+        return self._loss_of(mb, self._per_token_outputs(mb, entropy_grad), loss_fn, num_samples, num_tokens)
+
+    def _loss_of(self, mb: TrainBatch, outputs: PerTokenOutputs, loss_fn: LossFn, num_samples: int,
+                 num_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tensors = self._micro_batch_tensors(mb, outputs.response_mask, num_samples, num_tokens)
         if outputs.gathered is not None:
             tensors.fields["gathered_log_probs"] = outputs.gathered
@@ -569,7 +672,11 @@ class FSDPTrainBackend(TrainBackend):
         for params in by_mesh.values():
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.settings.device)
+        if self.pipeline is not None:  # each stage's weights are its own: the squares summed over the stages
+            square = total.square()
+            dist.all_reduce(square, group=self.dims.pp_group)
+            total = square.sqrt()
         if self.settings.clip_grad > 0:
             for params in by_mesh.values():  # (one foreach over the gradients of one mesh at a time)
                 torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad, total)
@@ -592,14 +699,18 @@ class FSDPTrainBackend(TrainBackend):
         # Lazily gathered: with FSDP each parameter is unsharded only when its bucket is built.
         if self.lora is not None:  # the base model's names, adapters merged: engines need no LoRA support
             full = merged_named_weights(self.model.hf_model)
+        elif self.pipeline is not None:  # every stage's, sent to all stages one by one
+            full = self.pipeline.full_parameters(list(self.model.hf_model.named_parameters()), _whole)
         else:
-            full = ((name, param.full_tensor() if hasattr(param, "full_tensor") else param)
-                    for name, param in self.model.hf_model.named_parameters())
+            full = ((name, _whole(param)) for name, param in self.model.hf_model.named_parameters())
         yield from bucketize(full, bucket_bytes, dtype)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the unsharded HF state dict on CPU (every rank gets it)."""
         self.reload()
+        if self.pipeline is not None:
+            return {name: tensor.cpu().clone() for name, tensor in
+                    self.pipeline.full_parameters(list(self.model.hf_model.named_parameters()), _whole)}
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # At world size 1 on CPU the "gathered" tensors can alias the live parameters: copy them.
         return {name.removeprefix("hf_model."): tensor.clone() for name, tensor in state.items()}
@@ -623,3 +734,8 @@ class FSDPTrainBackend(TrainBackend):
         if self.lora is not None:
             return StateDictOptions(ignore_frozen_params=True, strict=False)
         return StateDictOptions()
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter's full tensor (gathered from its shards: a collective over its mesh), without autograd."""
+    return (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()

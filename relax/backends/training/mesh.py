@@ -3,9 +3,12 @@
 dp_shard_mod_ep, ep, cp, tp``, outermost first; torchtitan's order), every axis present even at size 1, so that
 code asks for an axis by name whatever the layout.
 
+- pipeline (``--pipeline-model-parallel-size``): each rank of a pipeline group holds a contiguous stage of the decoder
+  layers (`pipeline`); the ranks of one stage form the other axes, and every collective of those axes stays within
+  one stage;
 - data (``dp_replicate x dp_shard``): each data rank trains on its share of the batch; FSDP2 shards parameters,
   gradients and optimizer state over ``dp_shard`` (replicating over ``dp_replicate``, HSDP, is not built yet:
-  that axis and pipeline stay at size 1 until they are);
+  that axis stays at size 1 until it is);
 - tensor (``--tensor-model-parallel-size``): the family's plan (`relax.backends.models.parallel_plans`) splits
   attention heads and MLP columns; the ranks of a tensor group see the same tokens;
 - context (``--context-parallel-size``): the ranks of a context group hold the same samples and split each packed
@@ -29,6 +32,7 @@ AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 TP_FLAG = "--tensor-model-parallel-size"
 EP_FLAG = "--expert-model-parallel-size"
 CP_FLAG = "--context-parallel-size"
+PP_FLAG = "--pipeline-model-parallel-size"
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,17 @@ class ParallelDims:
     def check(self, config=None) -> None:
         """Raise ValueError naming the flag when the layout does not fit the world or ``config`` (a transformers
         config: heads, key-value heads and experts must divide among the ranks that split them)."""
-        unbuilt = {name: size for name, size in (("pipeline", self.pp), ("data replicate", self.dp_replicate))
-                   if size > 1}
-        if unbuilt:
-            raise ValueError(f"{', '.join(unbuilt)} parallelism is not built yet (docs/parallelism.md)")
+        if self.dp_replicate > 1:
+            raise ValueError("data replicate (HSDP) parallelism is not built yet (docs/parallelism.md)")
         inner = self.pp * self.dp_replicate * self.cp * self.tp
         if self.world_size % inner:
-            raise ValueError(f"{TP_FLAG} {self.tp} x {CP_FLAG} {self.cp} does not divide the {self.world_size} "
-                             "training processes")
+            raise ValueError(f"{PP_FLAG} {self.pp} x {TP_FLAG} {self.tp} x {CP_FLAG} {self.cp} does not divide the "
+                             f"{self.world_size} training processes")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"{EP_FLAG} with {CP_FLAG} is not built yet")
+        other = [name for name, size in ((TP_FLAG, self.tp), (CP_FLAG, self.cp), (EP_FLAG, self.ep)) if size > 1]
+        if self.pp > 1 and other:
+            raise ValueError(f"{PP_FLAG} with {', '.join(other)} is not built yet (docs/parallelism.md)")
         if self.ep > 1 and self.dp_shard % self.ep:
             raise ValueError(f"{EP_FLAG} {self.ep} must divide the data-parallel shard size {self.dp_shard} "
                              f"(experts borrow the data ranks: {self.world_size} processes / tensor {self.tp})")
@@ -112,6 +117,11 @@ class ParallelDims:
         return self._flattened["dp_shard_cp"]
 
     @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline: one rank of each stage, holding the same data."""
+        return self.mesh["pp"].get_group()
+
+    @property
     def cp_group(self) -> dist.ProcessGroup:
         return self.mesh["cp"].get_group()
 
@@ -127,6 +137,11 @@ class ParallelDims:
     @property
     def ep_mesh(self) -> DeviceMesh:
         return self.mesh["ep"]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.mesh["pp"].get_local_rank()
 
     @property
     def dp_rank(self) -> int:

@@ -78,6 +78,24 @@ def pack_sequences(tokens: Sequence[Sequence[int]], response_lengths: Sequence[i
     )
 
 
+def pad_packed(packed: PackedSequences, length: int) -> PackedSequences:
+    """``packed`` grown to ``length`` tokens by a last sequence of padding (token 0, positions from 0), which attends
+    only to itself and predicts nothing: the row's real tokens compute exactly as before."""
+    total = packed.num_tokens
+    if length < total:
+        raise ValueError(f"cannot pad a packed row of {total} tokens to {length}")
+    if length == total:
+        return packed
+    extra = length - total
+    return PackedSequences(
+        input_ids=torch.cat([packed.input_ids, packed.input_ids.new_zeros(1, extra)], dim=1),
+        position_ids=torch.cat([packed.position_ids,
+                                torch.arange(extra, dtype=packed.position_ids.dtype).unsqueeze(0)], dim=1),
+        cu_seqlens=torch.cat([packed.cu_seqlens, packed.cu_seqlens.new_tensor([length])]),
+        max_seqlen=max(packed.max_seqlen, extra), predict_index=packed.predict_index, targets=packed.targets,
+        response_lengths=packed.response_lengths)
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without waiting for the device: on CUDA through pinned memory, so the copy
     is queued behind the kernels in flight instead of draining them (a copy from pageable memory synchronizes

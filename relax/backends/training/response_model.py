@@ -29,6 +29,14 @@ class HeadRequest:
     compute_dtype: torch.dtype
     weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
 
+    def apply(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> TokenLogProbs:
+        """The LM head ``head_weight`` on the response positions' last hidden states ``[M, H]``."""
+        return token_log_probs(
+            hidden, head_weight, self.ids, temperature=self.temperature, suppressed_ids=self.suppressed_ids,
+            chunk_size=self.chunk_size, entropy_grad=self.entropy_grad, top_k=self.top_k,
+            compute_dtype=self.compute_dtype, weight_casts=self.weight_casts,
+        )
+
 
 @contextmanager
 def _head_bypassed(hf_model: nn.Module):
@@ -46,6 +54,14 @@ def language_model(hf_model: nn.Module) -> nn.Module:
     """The text decoder (whose attention is packed); vision and audio towers keep their own attention."""
     decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
     return decoder if decoder is not None else hf_model.base_model
+
+
+def packed_mask_placeholder(device: torch.device) -> torch.Tensor:
+    """The attention mask a decoder is given for a packed row. A 4-D mask is taken as prepared, so the decoder builds
+    none (every family's mask builder returns it as it is). Building one from packed positions reads a device value
+    on the host (transformers' packed-sequence check), a synchronization per forward; the packed attention keeps the
+    sequences apart itself and never reads this placeholder."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
@@ -67,11 +83,7 @@ def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tens
         hidden = output.logits
     else:
         if packing is not None and attention_mask is None:
-            # A 4-D mask is taken as prepared, so the decoder builds none (every family's mask builder returns it
-            # as it is). Building one from packed positions reads a device value on the host (transformers'
-            # packed-sequence check), a synchronization per forward; the packed attention keeps the sequences
-            # apart itself and never reads this placeholder.
-            attention_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+            attention_mask = packed_mask_placeholder(input_ids.device)
         output = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         hidden = output.last_hidden_state
     routing = getattr(output, "router_logits", None) if router_logits else None
@@ -98,11 +110,7 @@ class ResponseLogitsModel(nn.Module):
         hidden, routing = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask,
                                            position_ids, predict_index, packing, media, router_logits=record)
         self.router_logits = (routing, attention_mask) if routing is not None else None
-        return token_log_probs(
-            hidden, self.hf_model.get_output_embeddings().weight, head.ids, temperature=head.temperature,
-            suppressed_ids=head.suppressed_ids, chunk_size=head.chunk_size, entropy_grad=head.entropy_grad,
-            top_k=head.top_k, compute_dtype=head.compute_dtype, weight_casts=head.weight_casts,
-        )
+        return head.apply(hidden, self.hf_model.get_output_embeddings().weight)
 
 
 class ResponseValueModel(nn.Module):

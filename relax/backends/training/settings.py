@@ -44,6 +44,9 @@ class TrainSettings:
     tensor_model_parallel_size: int = 1  # ranks that split each layer's heads and MLP columns (`mesh`)
     expert_model_parallel_size: int = 1  # data ranks that split each MoE layer's experts among them
     context_parallel_size: int = 1  # ranks that split each packed row's tokens (Ulysses attention)
+    pipeline_model_parallel_size: int = 1  # ranks that hold the decoder's layers in stages (`pipeline`)
+    decoder_first_pipeline_num_layers: int | None = None  # layers of the first stage (None: an even split)
+    decoder_last_pipeline_num_layers: int | None = None  # layers of the last stage
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
     fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
     liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)

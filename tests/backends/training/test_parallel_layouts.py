@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 from hypothesis import given
@@ -26,18 +27,25 @@ from tests.support.tiny_mm_assets import build_tiny_vl
 LR = 1e-4
 
 
-def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1) -> FSDPTrainBackend:
+def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1) -> FSDPTrainBackend:
     torch.manual_seed(0)
     # clip_grad: the clipping runs (the norms stay below it)
     return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, clip_grad=10.0,
                                                            tensor_model_parallel_size=tp,
                                                            expert_model_parallel_size=ep,
-                                                           context_parallel_size=cp))
+                                                           context_parallel_size=cp,
+                                                           pipeline_model_parallel_size=pp))
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for n, p in backend.model.named_parameters() if p.grad is not None}
+    """The full gradients (of every pipeline stage's weights: each rank holds its stage's)."""
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in backend.model.named_parameters() if p.grad is not None}
+    if backend.pipeline is not None:
+        stages: list = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, grads)
+        grads = {name: grad for stage in stages for name, grad in stage.items()}
+    return grads
 
 
 def _step(backend, batch) -> dict:
@@ -63,9 +71,9 @@ def _join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-# (model, layout) run on two processes: each axis alone (TP on the MoE model runs in the four-process test)
-TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"))
-SIZES = {"tp": dict(tp=2), "ep": dict(ep=2), "cp": dict(cp=2)}
+# (model, layout) run on two processes: each axis alone (TP and PP on the MoE model run in the four-process test)
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"), ("qwen3", "pp"))
+SIZES = {"tp": dict(tp=2), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
 
 
 def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
@@ -76,7 +84,10 @@ def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: s
     for name, layout in TWO_PROCESS_LAYOUTS:
         backend = _backend(models[name], **SIZES[layout])
         assert backend.dims.dp == (2 if layout == "ep" else 1)
-        results[name, layout] = _step(backend, torch.load(Path(root) / f"{name}.batch", weights_only=False))
+        batch = torch.load(Path(root) / f"{name}.batch", weights_only=False)
+        if layout == "pp":  # the forward without gradients through the pipeline: every stage gets the log-probs
+            results[name, layout, "log_probs"] = backend.compute_log_probs(batch, top_k=3)
+        results[name, layout] = _step(backend, batch)
         if name != "vl" and layout != "cp":
             results[name, layout, "synced"] = {n: t.clone() for bucket in backend.named_parameters_for_sync(
                 torch.float32, 1 << 12) for n, t in bucket}
@@ -112,6 +123,12 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
     for name, layout in TWO_PROCESS_LAYOUTS:
         single = _backend(dirs[name])
         assert (single.dims.world_size, single.dims.tp, single.dims.ep, single.dims.cp) == (1, 1, 1, 1)
+        if (name, layout, "log_probs") in results:
+            for got, expected in zip(results[name, layout, "log_probs"], single.compute_log_probs(batches[name],
+                                                                                                 top_k=3)):
+                assert (got is None) == (expected is None)
+                for row, reference in zip(got or (), expected or ()):
+                    torch.testing.assert_close(row, reference, rtol=1e-5, atol=1e-6)
         _assert_same_step(results[name, layout], _step(single, batches[name]))
         if name != "vl" and layout != "cp":
             first_state = results[name, layout]["state"]
@@ -128,19 +145,21 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
         single.release()
 
 
-# per model, the (tp, ep, cp) of each of three steps on four processes, each step resuming the previous one's
-# checkpoint
-FOUR_PROCESS_LAYOUTS = {"qwen3": ((2, 1, 1), (2, 1, 2), (1, 1, 1)),  # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4
-                        "qwen3_moe": ((1, 2, 1), (2, 2, 1), (1, 4, 1))}  # FSDP4 with EP2 -> TP2 x EP2 -> EP4
+# per model, the (tp, ep, cp, pp) of each step on four processes, each step resuming the previous one's checkpoint
+FOUR_PROCESS_LAYOUTS = {
+    # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> PP2 x FSDP2
+    "qwen3": ((2, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 2)),
+    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2
+    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2))}
 
 
 def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
     _join(rank, world, port)
     results = {}
     for name, layouts in FOUR_PROCESS_LAYOUTS.items():
-        for index, (tp, ep, cp) in enumerate(layouts):
-            backend = _backend(models[name], tp=tp, ep=ep, cp=cp)
-            assert backend.dims.dp == world // (tp * cp) and backend.dims.ep == ep
+        for index, (tp, ep, cp, pp) in enumerate(layouts):
+            backend = _backend(models[name], tp=tp, ep=ep, cp=cp, pp=pp)
+            assert backend.dims.dp == world // (tp * cp * pp) and backend.dims.ep == ep
             if index:
                 backend.load(Path(root) / f"{name}-step{index}")
             results[name, index] = _step(backend, _rl_batch(seed=index))
@@ -199,8 +218,60 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
                             "drop --no-moe-grouped-gemm")):
         with pytest.raises(ConfigError, match=message):
             parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", *extra])
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size: not built in Relax yet"):
-        parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--pipeline-model-parallel-size", "2"])
+    cfg = parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--pipeline-model-parallel-size", "2",
+                        "--decoder-last-pipeline-num-layers", "3"])
+    assert (cfg.pipeline_model_parallel_size, cfg.decoder_last_pipeline_num_layers) == (2, 3)
+    for extra, message in ((["--pipeline-model-parallel-size", "2", "--no-sequence-packing"],
+                            "--pipeline-model-parallel-size runs packed micro-batches: drop --no-sequence-packing"),
+                           (["--decoder-first-pipeline-num-layers", "2"],
+                            "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", *extra])
+    with pytest.raises(ConfigError, match="--sequence-parallel: not built in Relax yet"):
+        parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--sequence-parallel"])
+
+
+@given(layers=st.integers(1, 64), stages=st.integers(1, 16), first=st.none() | st.integers(0, 20),
+       last=st.none() | st.integers(0, 20))
+def test_pipeline_stages_hold_every_layer_once_in_order_or_the_split_is_refused_naming_the_flag(layers, stages, first,
+                                                                                                last):
+    from relax.backends.training.pipeline import stage_layers
+
+    fits = stages <= layers
+    if stages == 1:
+        fits = fits and first is None and last is None
+    else:
+        fixed = [c for c in (first, last) if c is not None]
+        free = stages - len(fixed)
+        rest = layers - sum(fixed)
+        fits = fits and all(c >= 1 for c in fixed) and rest >= free and (free > 0 or rest == 0)
+    if not fits:
+        with pytest.raises(ValueError, match="--pipeline-model-parallel-size|--decoder-(first|last)-pipeline-num-layers"):
+            stage_layers(layers, stages, first, last)
+        return
+    ranges = stage_layers(layers, stages, first, last)
+    assert len(ranges) == stages and all(len(r) >= 1 for r in ranges)
+    assert [i for r in ranges for i in r] == list(range(layers))  # contiguous, in order, each layer once
+    if first is not None:
+        assert len(ranges[0]) == first
+    if last is not None:
+        assert len(ranges[-1]) == last
+    free = [len(r) for i, r in enumerate(ranges) if not ((i == 0 and first is not None)
+                                                         or (i == stages - 1 and last is not None))]
+    assert not free or max(free) - min(free) <= 1  # the rest as even as the count allows
+
+
+def test_pipeline_refuses_what_it_does_not_take_yet_naming_the_flag(models, tmp_path):
+    """Tied embeddings (the first and last stages would share a weight), and pipeline beside tensor parallelism."""
+    from relax.backends.training.pipeline import PipelineStageModel
+    from tests.support.tiny_assets import build_tiny_model_dir
+
+    tied = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "tied"))
+    assert tied.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size: the model ties its input and output"):
+        PipelineStageModel(tied, range(0, 1), first=True, last=False)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size with --tensor-model-parallel-size is not"):
+        ParallelDims(4, tp=2, pp=2).check()
 
 
 @pytest.fixture(scope="module")
