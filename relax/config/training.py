@@ -96,8 +96,8 @@ class TrainingSettings(BaseModel):
         "embedding, the last the final norm and LM head). Must divide the training processes (with the tensor- and "
         "context-parallel sizes) and be at most the model's layers; each micro-batch of a step is padded to the "
         "longest, and a step has at least this many. Needs sequence packing; not yet with tied embeddings, "
-        "images/video/audio, LoRA, a critic, routing replay, an MoE auxiliary loss, or context or expert "
-        "parallelism (docs/parallelism.md).", "parallel", ge=1)
+        "images/video/audio, LoRA, a critic, routing replay, an MoE auxiliary loss, or context parallelism "
+        "(docs/parallelism.md).", "parallel", ge=1)
     decoder_first_pipeline_num_layers: int | None = setting(
         None, "Decoder layers of the first pipeline stage (it also runs the embedding); the other stages share the "
         "rest evenly. Default: an even split.", "parallel", ge=1)

@@ -1,6 +1,12 @@
 """A training backend's state in a checkpoint: the model (and the optimizer) as a torch distributed checkpoint
-under ``model_optim/`` (each rank writes its shard; a checkpoint moves between world sizes), the LR schedule as
-``lr_scheduler.pt``. `relax.core.state.checkpoint` stages, seals and verifies the folder around it."""
+under ``model_optim/`` (each rank writes its shard; a checkpoint moves between world sizes and layouts), the LR
+schedule as ``lr_scheduler.pt``. `relax.core.state.checkpoint` stages, seals and verifies the folder around it.
+
+The optimizer's state is saved flattened, every entry keyed by its parameter's name (``state.<name>.exp_avg``,
+``param_groups.<name>.lr``), not by the index of its parameter group: under pipeline parallelism each stage's ranks
+hold a different group 0, and DCP keeps one writer per key, so an indexed group's hyper-parameters and parameter list
+would be one stage's, and the other stages would load them wrongly. Checkpoints written before (indexed groups) still
+load."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     copies the state to host memory before this returns and writes the files in a background thread; the returned
     futures end when they are written (training may change the weights meanwhile: the copy is what gets written)."""
     write = dcp.async_save if asynchronous else dcp.save
+    options = dataclasses.replace(options, flatten_optimizer_state_dict=True)
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         written = write({"model": model_state, "optim": optim_state}, checkpoint_id=directory / "model_optim")
@@ -40,9 +47,13 @@ def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler,
                options: StateDictOptions) -> None:
     """What `save_state` wrote into ``model`` (with ``optimizer``: its state and ``scheduler``'s)."""
+    saved = set(dcp.FileSystemReader(str(directory / "model_optim")).read_metadata().state_dict_metadata)
+    # (a checkpoint of before: its groups indexed, ``optim.param_groups.0.lr``)
+    flat = not any(key.startswith("optim.param_groups.0.") for key in saved)
+    options = dataclasses.replace(options, flatten_optimizer_state_dict=flat)
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        dropped = _drop_states_not_saved(optim_state, directory / "model_optim")
+        dropped = _drop_states_not_saved(optim_state, saved, flat)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory / "model_optim")  # strict: every weight and saved state
         # not strict only where the optimizer states of parameters without a gradient yet were left out
@@ -55,12 +66,17 @@ def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         set_model_state_dict(model, state["model"], options=options)
 
 
-def _drop_states_not_saved(optim_state: dict, checkpoint: Path) -> int:
-    """Leave out of the state to load the optimizer states the checkpoint does not hold: those of parameters
-    that had no gradient before the save (an omni thinker's unused audio token, a vision tower before the first
-    image). `get_state_dict` gives a fresh optimizer a state for every parameter, which DCP would then look for;
-    left out, such a parameter starts its state at its first gradient, as it would have without the restart."""
-    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+def _drop_states_not_saved(optim_state: dict, saved: set[str], flat: bool) -> int:
+    """Leave out of the state to load the optimizer states the checkpoint (whose keys are ``saved``) does not hold:
+    those of parameters that had no gradient before the save (an omni thinker's unused audio token, a vision tower
+    before the first image). `get_state_dict` gives a fresh optimizer a state for every parameter, which DCP would
+    then look for; left out, such a parameter starts its state at its first gradient, as it would have without the
+    restart. ``flat``: the state as `_flatten_optim_state_dict` lays it out."""
+    if flat:
+        unsaved = [key for key in optim_state if key.startswith("state.") and f"optim.{key}" not in saved]
+        for key in unsaved:
+            del optim_state[key]
+        return len(unsaved)
     unsaved = [name for name, entry in optim_state["state"].items()
                if not all(f"optim.state.{name}.{key}" in saved for key in entry)]
     for name in unsaved:

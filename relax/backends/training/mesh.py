@@ -64,9 +64,8 @@ class ParallelDims:
                              f"{self.world_size} training processes")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"{EP_FLAG} with {CP_FLAG} is not built yet")
-        other = [name for name, size in ((TP_FLAG, self.tp), (CP_FLAG, self.cp), (EP_FLAG, self.ep)) if size > 1]
-        if self.pp > 1 and other:
-            raise ValueError(f"{PP_FLAG} with {', '.join(other)} is not built yet (docs/parallelism.md)")
+        if self.pp > 1 and self.cp > 1:
+            raise ValueError(f"{PP_FLAG} with {CP_FLAG} is not built yet (docs/parallelism.md)")
         if self.ep > 1 and self.dp_shard % self.ep:
             raise ValueError(f"{EP_FLAG} {self.ep} must divide the data-parallel shard size {self.dp_shard} "
                              f"(experts borrow the data ranks: {self.world_size} processes / tensor {self.tp})")

@@ -17,8 +17,8 @@ of the mesh's ``pp`` axis, run by `torch.distributed.pipelining`'s 1F1B schedule
 
 Not built yet (refused naming the flag): tied input and output embeddings (the first and last stages would share one
 weight), images / video / audio (the towers run in the multimodal model's top-level forward), routing replay and an
-MoE auxiliary loss (both read state across the whole forward), padded micro-batches, and pipeline with tensor,
-context or expert parallelism.
+MoE auxiliary loss (both read state across the whole forward), padded micro-batches, and pipeline with context
+parallelism.
 """
 
 from __future__ import annotations

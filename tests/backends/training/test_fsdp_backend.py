@@ -131,6 +131,34 @@ def test_save_and_load_restore_model_optimizer_and_schedule(tiny_workspace, tmp_
         torch.testing.assert_close(tensor, backend.full_state_dict()[name], atol=1e-7, rtol=0)
 
 
+@pytest.mark.parametrize("layout", ["by parameter name", "by group index (checkpoints of before)"])
+def test_the_optimizer_state_round_trips_in_either_checkpoint_layout(layout, tiny_workspace, tmp_path):
+    """Checkpoints key the optimizer's state by parameter name (pipeline stages each hold a different group 0);
+    those written before, with groups by index, still load with their moments and hyper-parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    backend = make_backend(tiny_workspace / "model")
+    backend.train_step(make_batch(seed=1), LOSS)
+    if layout.startswith("by parameter"):
+        backend.save(tmp_path / "ckpt")
+        keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "model_optim")).read_metadata().state_dict_metadata
+        assert any(key.startswith("optim.param_groups.hf_model.") for key in keys)
+    else:  # what save_state wrote before
+        model_state, optim_state = get_state_dict(backend.model, backend.optimizer, options=StateDictOptions())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "ckpt" / "model_optim")
+        torch.save(backend.scheduler.state_dict(), tmp_path / "ckpt" / "lr_scheduler.pt")
+    restored = make_backend(tiny_workspace / "model")
+    restored.load(tmp_path / "ckpt")
+    for group, expected in zip(restored.optimizer.param_groups, backend.optimizer.param_groups):
+        assert {k: v for k, v in group.items() if k != "params"} == {k: v for k, v in expected.items() if k != "params"}
+    for param, expected in zip(restored.model.parameters(), backend.model.parameters()):
+        state, reference = restored.optimizer.state[param], backend.optimizer.state[expected]
+        assert state.keys() == reference.keys()
+        for key in state:
+            assert torch.equal(state[key], reference[key]), key
+
+
 def test_frozen_backend_cannot_train(tiny_workspace):
     frozen = make_backend(tiny_workspace / "model", trainable=False)
     assert all(not p.requires_grad for p in frozen.model.parameters())

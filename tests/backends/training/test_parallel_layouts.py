@@ -147,10 +147,10 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
 
 # per model, the (tp, ep, cp, pp) of each step on four processes, each step resuming the previous one's checkpoint
 FOUR_PROCESS_LAYOUTS = {
-    # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> PP2 x FSDP2
-    "qwen3": ((2, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 2)),
-    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2
-    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2))}
+    # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> PP2 x FSDP2 -> PP2 x TP2
+    "qwen3": ((2, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2)),
+    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2 -> PP2 x EP2
+    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 2, 1, 2))}
 
 
 def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
@@ -262,7 +262,7 @@ def test_pipeline_stages_hold_every_layer_once_in_order_or_the_split_is_refused_
 
 
 def test_pipeline_refuses_what_it_does_not_take_yet_naming_the_flag(models, tmp_path):
-    """Tied embeddings (the first and last stages would share a weight), and pipeline beside tensor parallelism."""
+    """Tied embeddings (the first and last stages would share a weight), and pipeline beside context parallelism."""
     from relax.backends.training.pipeline import PipelineStageModel
     from tests.support.tiny_assets import build_tiny_model_dir
 
@@ -270,8 +270,8 @@ def test_pipeline_refuses_what_it_does_not_take_yet_naming_the_flag(models, tmp_
     assert tied.config.tie_word_embeddings
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size: the model ties its input and output"):
         PipelineStageModel(tied, range(0, 1), first=True, last=False)
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size with --tensor-model-parallel-size is not"):
-        ParallelDims(4, tp=2, pp=2).check()
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size with --context-parallel-size is not"):
+        ParallelDims(4, cp=2, pp=2).check()
 
 
 @pytest.fixture(scope="module")
