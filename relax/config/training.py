@@ -95,7 +95,7 @@ class TrainingSettings(BaseModel):
         "torch.distributed.pipelining's 1F1B schedule over packed micro-batches; the first stage also holds the "
         "embedding, the last the final norm and LM head). Must divide the training processes (with the tensor- and "
         "context-parallel sizes) and be at most the model's layers; each micro-batch of a step is padded to the "
-        "longest, and a step has at least this many. Needs sequence packing; not yet with tied embeddings, "
+        "longest, and a step has at least this many. Needs sequence packing; not yet with "
         "images/video/audio, LoRA, a critic, routing replay, an MoE auxiliary loss, or context parallelism "
         "(docs/parallelism.md).", "parallel", ge=1)
     decoder_first_pipeline_num_layers: int | None = setting(

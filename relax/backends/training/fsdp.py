@@ -75,7 +75,7 @@ from relax.backends.training.packing import (
     to_device,
 )
 from relax.backends.training.parallelize import apply_expert_parallel, apply_tensor_parallel, shard_model
-from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel, stage_layers
+from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel, stage_layers, ties_embeddings
 from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
 from relax.backends.training.settings import TrainSettings
 from relax.backends.training.varlen_attention import PackedAttention
@@ -209,8 +209,11 @@ class FSDPTrainBackend(TrainBackend):
                 logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
         self.pipeline: PipelineRunner | None = None
         if self.dims.pp > 1:
+            # a head tied to the embedding: its two copies (first and last stage) exchange gradients; every rank
+            # builds the end stages' groups (the whole model was loaded everywhere: every rank knows)
             self.pipeline = PipelineRunner(self.model, self.dims.pp_group, settings.device,
-                                           hf_model.config.get_text_config().hidden_size, settings.compute_dtype)
+                                           hf_model.config.get_text_config().hidden_size, settings.compute_dtype,
+                                           self.dims.end_stages_group if self._tied_embedding else None)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if trainable:
@@ -230,6 +233,7 @@ class FSDPTrainBackend(TrainBackend):
         if refused:
             raise ValueError(f"{PP_FLAG} {self.dims.pp}: not built yet with {', '.join(refused)} "
                              "(docs/parallelism.md)")
+        self._tied_embedding = ties_embeddings(hf_model)
         stage, stages = self.dims.pp_rank, self.dims.pp
         layers = stage_layers(hf_model.config.get_text_config().num_hidden_layers, stages,
                               self.settings.decoder_first_pipeline_num_layers,
@@ -571,6 +575,8 @@ class FSDPTrainBackend(TrainBackend):
             raise RuntimeError("end_step() of a step without data")
         rescale = None if loss_kind is None else \
             Rescale(step.counts, StepCounts(step.seen_samples, step.seen_tokens), loss_kind)
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_gradients()
         if self.fsdp and not step.reduced:  # a forward and backward that adds nothing, to reduce over ranks
             with rope_scope(self._liger), self._cast_once():
                 self._accumulate_gradients(step.template, [([], None)], step.loss_fn, step.counts, reduce=True)
@@ -668,9 +674,13 @@ class FSDPTrainBackend(TrainBackend):
         for param in self.model.parameters():
             if param.grad is not None:
                 by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+        counted = (lambda _: True) if self.pipeline is None else self.pipeline.counted_in_norm
         norms = []
         for params in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            grads = [p.grad for p in params if counted(p)]
+            if not grads:
+                continue
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.settings.device)
         if self.pipeline is not None:  # each stage's weights are its own: the squares summed over the stages
@@ -708,9 +718,9 @@ class FSDPTrainBackend(TrainBackend):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the unsharded HF state dict on CPU (every rank gets it)."""
         self.reload()
-        if self.pipeline is not None:
-            return {name: tensor.cpu().clone() for name, tensor in
-                    self.pipeline.full_parameters(list(self.model.hf_model.named_parameters()), _whole)}
+        if self.pipeline is not None:  # (every name of a tied weight, as the state dict has them)
+            return {name: tensor.cpu().clone() for name, tensor in self.pipeline.full_parameters(
+                list(self.model.hf_model.named_parameters(remove_duplicate=False)), _whole)}
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # At world size 1 on CPU the "gathered" tensors can alias the live parameters: copy them.
         return {name.removeprefix("hf_model."): tensor.clone() for name, tensor in state.items()}

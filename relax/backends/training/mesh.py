@@ -120,6 +120,15 @@ class ParallelDims:
         """This rank's pipeline: one rank of each stage, holding the same data."""
         return self.mesh["pp"].get_group()
 
+    @cached_property
+    def end_stages_group(self) -> dist.ProcessGroup | None:
+        """This rank's pipeline's first and last stage, a group of two (None on the stages between). Collective: every
+        rank builds every pipeline's pair."""
+        ranks = self.mesh.mesh  # [pp, ...] global ranks
+        pairs = [list(pair) for pair in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist())]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        return group
+
     @property
     def cp_group(self) -> dist.ProcessGroup:
         return self.mesh["cp"].get_group()

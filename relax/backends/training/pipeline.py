@@ -7,7 +7,10 @@ of the mesh's ``pp`` axis, run by `torch.distributed.pipelining`'s 1F1B schedule
 - `keep_stage`: the Hugging Face model keeps its structure: the layers of other stages become parameter-free
   pass-throughs (`SkippedLayer`), and the token embedding (unless first) and the final norm and LM head (unless
   last) go. Every name stays the model's own (``model.layers.7.mlp.up_proj.weight``), so a DCP checkpoint saved at
-  one layout loads at any other and weight sync renames nothing;
+  one layout loads at any other and weight sync renames nothing. A model that ties its LM head to its embedding
+  (Qwen3 up to 4B) keeps the embedding on the last stage too, as the head's weight under the embedding's name: the two
+  end stages hold one copy each, their gradients are summed (`PipelineRunner.sum_tied_gradients`), and the same
+  AdamW step keeps them equal; a checkpoint holds it once, under the same names as without pipelining;
 - `PipelineStageModel`: a stage's forward: token ids (first stage) or the previous stage's hidden states in; hidden
   states out, or on the last stage the log-probs and entropies at the response positions, the LM head chunked as
   without pipelining (no full-vocabulary logits);
@@ -15,8 +18,7 @@ of the mesh's ``pp`` axis, run by `torch.distributed.pipelining`'s 1F1B schedule
   one length: a stage's receive buffers have one shape per step), so no shape-inference forward runs; the loss is
   taken on the last stage, micro-batch by micro-batch, by the trainer's own loss code.
 
-Not built yet (refused naming the flag): tied input and output embeddings (the first and last stages would share one
-weight), images / video / audio (the towers run in the multimodal model's top-level forward), routing replay and an
+Not built yet (refused naming the flag): images / video / audio (the towers run in the multimodal model's top-level forward), routing replay and an
 MoE auxiliary loss (both read state across the whole forward), padded micro-batches, and pipeline with context
 parallelism.
 """
@@ -84,14 +86,20 @@ class SkippedLayer(nn.Module):
         return hidden_states
 
 
+def ties_embeddings(hf_model: nn.Module) -> bool:
+    """Whether the LM head's weight is the token embedding's."""
+    head, embedding = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
+
+
 def keep_stage(hf_model: nn.Module, layers: range, first: bool, last: bool) -> None:
-    """Strip ``hf_model`` to one stage in place: only ``layers`` of its decoder, the embedding if ``first``, the final
-    norm and LM head if ``last``."""
+    """Strip ``hf_model`` to one stage in place: only ``layers`` of its decoder, the embedding if ``first`` (or if
+    ``last`` and the head's weight is the embedding's), the final norm and LM head if ``last``."""
     decoder = language_model(hf_model)
     for index, layer in enumerate(decoder.layers):
         if index not in layers:
             decoder.layers[index] = SkippedLayer(layer)
-    if not first:
+    if not first and not (last and ties_embeddings(hf_model)):
         decoder.embed_tokens = None
     if not last:
         decoder.norm = nn.Identity()
@@ -104,9 +112,8 @@ class PipelineStageModel(nn.Module):
 
     def __init__(self, hf_model: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
-        if getattr(hf_model.config.get_text_config(), "tie_word_embeddings", False):
-            raise ValueError(f"{PP_FLAG}: the model ties its input and output embeddings, which the first and last "
-                             "stages would share; not built yet (docs/parallelism.md)")
+        # an end stage of a model whose head is its embedding: the embedding is on both end stages, kept equal
+        self.tied = ties_embeddings(hf_model) and first != last
         keep_stage(hf_model, layers, first, last)
         self.hf_model = hf_model
         self.layers, self.first, self.last = layers, first, last
@@ -139,8 +146,9 @@ class PipelineRunner:
     ranks of its pipeline group."""
 
     def __init__(self, stage: PipelineStageModel, group: dist.ProcessGroup, device: torch.device, hidden_size: int,
-                 compute_dtype: torch.dtype):
-        self.stage, self.group = stage, group
+                 compute_dtype: torch.dtype, end_stages: dist.ProcessGroup | None = None):
+        """``end_stages``: this pipeline's first and last stage (on those; None elsewhere), for a tied embedding."""
+        self.stage, self.group, self.end_stages = stage, group, end_stages
         self.device, self.hidden_size, self.compute_dtype = device, hidden_size, compute_dtype
 
     @property
@@ -196,6 +204,23 @@ class PipelineRunner:
         finally:
             self.stage.micro_batches = []
 
+    def sum_tied_gradients(self) -> None:
+        """The tied embedding's gradient summed over the two end stages (its use as the embedding on the first, as
+        the LM head on the last), so that both copies take the same step. Once per optimizer step."""
+        if not self.stage.tied or self.end_stages is None:
+            return
+        weight = language_model(self.stage.hf_model).embed_tokens.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        local = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+        dist.all_reduce(local, group=self.end_stages)
+
+    def counted_in_norm(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` counts in the gradient norm here: the tied embedding counts on the first stage
+        only (the last holds the same gradient)."""
+        return not (self.stage.tied and self.stage.last and
+                    parameter is language_model(self.stage.hf_model).embed_tokens.weight)
+
     def broadcast_from_last(self, value: object) -> object:
         """``value`` of the last stage, on every stage of this pipeline."""
         holder = [value]
@@ -211,9 +236,13 @@ class PipelineRunner:
         everyone: list = [None] * self.stages
         dist.all_gather_object(everyone, [(name, tuple(t.shape), t.dtype) for name, t in parameters],
                                group=self.group)
+        seen = set()  # (a tied embedding is on two stages: sent once)
         for index, entries in enumerate(everyone):
             source = dist.get_global_rank(self.group, index)
             for name, shape, dtype in entries:
+                if name in seen:
+                    continue
+                seen.add(name)
                 tensor = whole(local[name]).contiguous() if index == self.index else \
                     torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=source, group=self.group)

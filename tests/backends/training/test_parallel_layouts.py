@@ -21,6 +21,7 @@ from relax.backends.training.fsdp import FSDPTrainBackend
 from relax.backends.training.mesh import ParallelDims
 from relax.distributed.process_group import free_loopback_port, shutdown_process_group
 from tests.backends.training.test_packing import LOSS, _media_batch, _rl_batch, _settings
+from tests.support.tiny_assets import build_tiny_model_dir
 from tests.support.tiny_families import build_text_family
 from tests.support.tiny_mm_assets import build_tiny_vl
 
@@ -72,7 +73,8 @@ def _join(rank: int, world: int, port: int) -> None:
 
 
 # (model, layout) run on two processes: each axis alone (TP and PP on the MoE model run in the four-process test)
-TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"), ("qwen3", "pp"))
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"), ("qwen3", "pp"),
+                       ("tied", "pp"))  # (the quickstart's model: its LM head is its embedding)
 SIZES = {"tp": dict(tp=2), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
 
 
@@ -109,7 +111,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     dirs = {name: str(build_text_family(name, root / name)) for name in ("qwen3", "qwen3_moe")}
     dirs["vl"] = str(build_tiny_vl(root))
-    batches = {"qwen3": _rl_batch(), "qwen3_moe": _rl_batch(), "vl": _media_batch(dirs["vl"], "image", root, count=2)}
+    dirs["tied"] = str(build_tiny_model_dir(root / "tied"))
+    batches = {"qwen3": _rl_batch(), "qwen3_moe": _rl_batch(), "vl": _media_batch(dirs["vl"], "image", root, count=2),
+               "tied": _rl_batch()}
     for name, batch in batches.items():
         torch.save(batch, root / f"{name}.batch")
     return root, dirs, batches
@@ -134,7 +138,8 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
             first_state = results[name, layout]["state"]
             # an engine synced from the sharded trainer holds exactly its full tensors
             synced = results[name, layout, "synced"]
-            assert synced.keys() == first_state.keys()
+            # (a head tied to the embedding is sent once, under the embedding's name)
+            assert synced.keys() == first_state.keys() - ({"lm_head.weight"} if name == "tied" else set())
             for n, tensor in synced.items():
                 assert torch.equal(tensor, first_state[n]), n
             # loaded at FSDP=2: the same weights, and the optimizer state came along (the second step equals the
@@ -261,15 +266,7 @@ def test_pipeline_stages_hold_every_layer_once_in_order_or_the_split_is_refused_
     assert not free or max(free) - min(free) <= 1  # the rest as even as the count allows
 
 
-def test_pipeline_refuses_what_it_does_not_take_yet_naming_the_flag(models, tmp_path):
-    """Tied embeddings (the first and last stages would share a weight), and pipeline beside context parallelism."""
-    from relax.backends.training.pipeline import PipelineStageModel
-    from tests.support.tiny_assets import build_tiny_model_dir
-
-    tied = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model_dir(tmp_path / "tied"))
-    assert tied.config.tie_word_embeddings
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size: the model ties its input and output"):
-        PipelineStageModel(tied, range(0, 1), first=True, last=False)
+def test_pipeline_beside_context_parallel_is_refused_naming_the_flags():
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size with --context-parallel-size is not"):
         ParallelDims(4, cp=2, pp=2).check()
 
@@ -286,12 +283,13 @@ def moe_workspace(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("layout", ["tensor", "expert"])
+@pytest.mark.parametrize("layout", ["tensor", "expert", "pipeline"])
 def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(layout, tiny_workspace,
                                                                                 moe_workspace, tmp_path):
-    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2` (dense) or
-    `--expert-model-parallel-size 2` (MoE): each rank generates half of the groups, seeded per sample, so the
-    same samples as one engine; three steps give the one-process run's metrics."""
+    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2` (dense),
+    `--expert-model-parallel-size 2` (MoE) or `--pipeline-model-parallel-size 2` (the quickstart's model, whose head
+    is its embedding): each rank generates half of the groups, seeded per sample, so the same samples as one
+    engine; three steps give the one-process run's metrics."""
     import json
     import subprocess
     import sys
@@ -302,7 +300,7 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in row.items() if k.startswith("train/")} for row in rows if "train/loss" in row]
 
-    workspace = tiny_workspace if layout == "tensor" else moe_workspace
+    workspace = moe_workspace if layout == "expert" else tiny_workspace
     args = ("--num-rollout", "3", "--clip-grad", "1.0")
     single = run_relax("train", *tiny_train_args(workspace, tmp_path / "one", *args))
     assert single.returncode == 0, single.stderr[-3000:]
