@@ -77,8 +77,9 @@ class TrainingSettings(BaseModel):
         1, "Training processes that split each decoder layer: attention heads and MLP columns (Megatron's tensor "
         "parallelism, put on the Hugging Face model by PyTorch's DTensor; each family's plan in docs/models.md). "
         "Must divide the training processes, the heads and the key-value heads; the other factor of the processes "
-        "is data parallel (FSDP2). Embeddings, LM head, experts and vision/audio towers stay whole "
-        "(docs/parallelism.md).", "parallel", ge=1)
+        "is data parallel (FSDP2). The LM head is split by vocabulary (no rank holds full-vocabulary logits) unless "
+        "it is the token embedding; embeddings, experts and vision/audio towers stay whole (docs/parallelism.md).",
+        "parallel", ge=1)
     expert_model_parallel_size: int = setting(
         1, "Data-parallel training processes that split each mixture-of-experts layer's experts among them: each holds "
         "its share of the experts, and tokens go to the process of their expert and back by all-to-all (torchtitan's "

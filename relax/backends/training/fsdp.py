@@ -75,8 +75,14 @@ from relax.backends.training.packing import (
     to_device,
 )
 from relax.backends.training.parallelize import apply_expert_parallel, apply_tensor_parallel, shard_model
-from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel, stage_layers, ties_embeddings
-from relax.backends.training.response_model import HeadRequest, ResponseLogitsModel, ResponseValueModel, language_model
+from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel, stage_layers
+from relax.backends.training.response_model import (
+    HeadRequest,
+    ResponseLogitsModel,
+    ResponseValueModel,
+    language_model,
+    ties_embeddings,
+)
 from relax.backends.training.settings import TrainSettings
 from relax.backends.training.varlen_attention import PackedAttention
 from relax.distributed.process_group import ensure_process_group, release_before_shutdown

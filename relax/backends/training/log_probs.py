@@ -161,13 +161,16 @@ def _fused_grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_
     return result
 
 
-def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids):
-    """The torch path of the chunk's logit gradient (CPU, and top-k requests), in the hidden states' dtype."""
+def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids,
+                 owned=None):
+    """The torch path of the chunk's logit gradient (CPU, and top-k requests), in the hidden states' dtype.
+    ``owned`` ``[c, K]``: which asked ids are among ``weight``'s rows (a slice of the vocabulary, `vocab_parallel`;
+    ``ids`` then index the slice), None: all."""
     logits = _logits(hidden, weight, temperature, suppressed_ids)
     probs = torch.exp(logits - log_norm.unsqueeze(-1))
     # d log p(c) / d logit_v = 1[v = c] - p_v, for each asked id c
     grad = probs * -grad_log_probs.sum(dim=-1, keepdim=True)
-    grad.scatter_add_(-1, ids, grad_log_probs)
+    grad.scatter_add_(-1, ids, grad_log_probs if owned is None else grad_log_probs * owned)
     if grad_entropy is not None:
         # d H / d logit_v = -p_v (log p_v + H)
         grad -= grad_entropy.unsqueeze(-1) * probs * (logits - log_norm.unsqueeze(-1) + ent.unsqueeze(-1))

@@ -1,5 +1,5 @@
 """Puts a model on the trainer's mesh (`mesh.ParallelDims`), in this order: the family's tensor-parallel plan on its
-language model, its experts spread over the expert axis, then FSDP2 over the data (and context) ranks, each decoder
+language model (and its LM head split by vocabulary, unless it is the token embedding), its experts spread over the expert axis, then FSDP2 over the data (and context) ranks, each decoder
 layer a unit, then the whole; FSDP2 shards the DTensors of the first two further (2-D layouts). Context parallelism
 changes no module: it lives in the attention function and the trainer's inputs (`context_parallel`)."""
 
@@ -18,7 +18,7 @@ from relax.backends.models.parallel_plans import COLWISE, HEADS_NORM, PLANS, ROW
 from relax.backends.models.registry import family_of
 from relax.backends.training.grouped_experts import IMPLEMENTATION, grouped_layout, is_experts
 from relax.backends.training.mesh import EP_FLAG, TP_FLAG, ParallelDims
-from relax.backends.training.response_model import language_model
+from relax.backends.training.response_model import language_model, ties_embeddings
 
 logger = logging.getLogger("relax")
 
@@ -56,11 +56,18 @@ def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:
     styles = {name: _style(kind) for name, _ in decoder.named_modules()
               for pattern, kind in plan.tensor.items() if _matches(name, pattern)}
     parallelize_module(decoder, dims.tp_mesh, styles)
+    head = hf_model.get_output_embeddings()
+    vocab_parallel = head is not None and not ties_embeddings(hf_model)
+    if vocab_parallel:
+        # split by vocabulary: each rank computes its slice of the logits (`vocab_parallel`); a head that is the
+        # token embedding stays whole (the embedding would have to be split the same way)
+        parallelize_module(head, dims.tp_mesh, ColwiseParallel(output_layouts=Shard(-1)))
     # DTensor warns that the 2-D (data x tensor) norm of the gradients and the gathers of weight sync take two
     # collectives where one would do: true, and negligible next to a step; not worth a line per step in the logs
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    logger.info("tensor parallel over %d ranks (%s plan): %d modules split", dims.tp, plan.name, len(styles))
-    return len(styles)
+    logger.info("tensor parallel over %d ranks (%s plan): %d modules split%s", dims.tp, plan.name, len(styles),
+                ", the LM head by vocabulary" if vocab_parallel else "")
+    return len(styles) + vocab_parallel
 
 
 def apply_expert_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:

@@ -37,6 +37,7 @@ from relax.backends.training.response_model import (
     HeadRequest,
     language_model,
     packed_mask_placeholder,
+    ties_embeddings,
 )
 from relax.backends.training.varlen_attention import PACKING_KWARG, use_packed_attention
 
@@ -84,12 +85,6 @@ class SkippedLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return hidden_states
-
-
-def ties_embeddings(hf_model: nn.Module) -> bool:
-    """Whether the LM head's weight is the token embedding's."""
-    head, embedding = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
-    return head is not None and embedding is not None and head.weight is embedding.weight
 
 
 def keep_stage(hf_model: nn.Module, layers: range, first: bool, last: bool) -> None:

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor, Shard
+
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs
 from relax.backends.training.master_weights import MasterWeightCasts
 from relax.backends.training.varlen_attention import PACKING_KWARG, PackedAttention, use_packed_attention
+from relax.backends.training.vocab_parallel import vocab_parallel_token_log_probs
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,18 @@ class HeadRequest:
     weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
 
     def apply(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> TokenLogProbs:
-        """The LM head ``head_weight`` on the response positions' last hidden states ``[M, H]``."""
+        """The LM head ``head_weight`` on the response positions' last hidden states ``[M, H]``; a head split by
+        vocabulary over a tensor-parallel group (a DTensor ``Shard(0)``) computes its slice there
+        (`vocab_parallel`)."""
+        if isinstance(head_weight, DTensor):
+            mesh = head_weight.device_mesh
+            if mesh.ndim != 1 or head_weight.placements != (Shard(0),):
+                raise ValueError(f"an LM head laid out as {head_weight.placements} on {mesh} (expected Shard(0) over "
+                                 "the tensor-parallel ranks)")
+            return vocab_parallel_token_log_probs(
+                hidden, head_weight.to_local(), self.ids, head_weight.shape[0], mesh.get_group(),
+                temperature=self.temperature, suppressed_ids=self.suppressed_ids, chunk_size=self.chunk_size,
+                entropy_grad=self.entropy_grad, top_k=self.top_k, compute_dtype=self.compute_dtype)
         return token_log_probs(
             hidden, head_weight, self.ids, temperature=self.temperature, suppressed_ids=self.suppressed_ids,
             chunk_size=self.chunk_size, entropy_grad=self.entropy_grad, top_k=self.top_k,
@@ -54,6 +68,12 @@ def language_model(hf_model: nn.Module) -> nn.Module:
     """The text decoder (whose attention is packed); vision and audio towers keep their own attention."""
     decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
     return decoder if decoder is not None else hf_model.base_model
+
+
+def ties_embeddings(hf_model: nn.Module) -> bool:
+    """Whether the LM head's weight is the token embedding's."""
+    head, embedding = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
 
 
 def packed_mask_placeholder(device: torch.device) -> torch.Tensor:
