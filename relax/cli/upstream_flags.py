@@ -14,8 +14,8 @@ _FSDP = ("Megatron's data-parallel and communication knobs: Relax trains with FS
          "nothing to set")
 _PARALLEL_LATER = ("not built in Relax yet: the trainer's mesh has data (FSDP2), tensor (--tensor-model-parallel-size), "
                    "expert (--expert-model-parallel-size), context (--context-parallel-size) and pipeline "
-                   "(--pipeline-model-parallel-size) axes; sequence parallelism, expert tensor parallelism and "
-                   "virtual pipeline stages are to come (docs/parallelism.md)")
+                   "(--pipeline-model-parallel-size) axes, and sequence parallelism (--sequence-parallel); expert tensor "
+                   "parallelism and virtual pipeline stages are to come (docs/parallelism.md)")
 _SHAPE = "Megatron's description of the model: Relax reads the architecture from --hf-checkpoint's config.json"
 _RECOMPUTE = "Megatron's activation recomputation: use --gradient-checkpointing"
 _PRECISION = ("Megatron's precision switches: Relax computes in --dtype (bf16 on CUDA) with float32 master weights, "
@@ -29,9 +29,8 @@ _NOT_BUILT = "not built in Relax yet"
 
 # Exact flags.
 UPSTREAM_ONLY: dict[str, str] = {
-    **dict.fromkeys(("--expert-tensor-parallel-size", "--sequence-parallel",
-                     "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage"),
-                    _PARALLEL_LATER),
+    **dict.fromkeys(("--expert-tensor-parallel-size", "--virtual-pipeline-model-parallel-size",
+                     "--num-layers-per-virtual-pipeline-stage"), _PARALLEL_LATER),
     **dict.fromkeys(("--use-distributed-optimizer",
                      "--overlap-grad-reduce", "--overlap-param-gather", "--distributed-timeout-minutes"), _FSDP),
     **dict.fromkeys(("--recompute-granularity", "--recompute-method", "--recompute-num-layers",

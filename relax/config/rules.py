@@ -85,6 +85,11 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('min_lr')} ({self.min_lr}) is above {flag('lr')} ({self.lr})")
         if self.context_parallel_size > 1 and not self.sequence_packing:
             raise ValueError(f"{flag('context_parallel_size')} splits packed rows: drop --no-sequence-packing")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(f"{flag('sequence_parallel')} splits the tokens over the tensor-parallel ranks: it needs "
+                             f"{flag('tensor_model_parallel_size')} > 1")
+        if self.sequence_parallel and not self.sequence_packing:
+            raise ValueError(f"{flag('sequence_parallel')} splits packed rows: drop --no-sequence-packing")
         if self.pipeline_model_parallel_size > 1 and not self.sequence_packing:
             raise ValueError(f"{flag('pipeline_model_parallel_size')} runs packed micro-batches: drop "
                              "--no-sequence-packing")

@@ -93,8 +93,9 @@ def test_a_yaml_config_of_upstream_settings_is_refused_with_the_reason(tmp_path)
     from relax.cli.args import read_yaml_settings
 
     path = tmp_path / "recipe.yaml"
-    path.write_text("sequence_parallel: true\n")
-    with pytest.raises(ConfigError, match="upstream Relax's setting 'sequence_parallel': not built in Relax yet"):
+    path.write_text("expert_tensor_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="upstream Relax's setting 'expert_tensor_parallel_size': not built in Relax "
+                                          "yet"):
         read_yaml_settings(path)
     path.write_text("tensor_model_parallel_size: 2\npipeline_model_parallel_size: 2\n")  # honoured: Relax settings
     assert read_yaml_settings(path) == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}

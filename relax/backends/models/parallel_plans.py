@@ -9,8 +9,8 @@ gate and up projections by columns and the down projection by rows. Per-head nor
 forward, two in the backward.
 
 What stays whole (the same on every rank of the group, sharded only by FSDP over the data ranks):
-- the embedding and the LM head: a vocabulary-parallel head needs a log-softmax and entropy across ranks, which the
-  chunked head (`relax.backends.training.log_probs`) does not do yet;
+- the token embedding (and an LM head that is the embedding); any other LM head is split by vocabulary outside the
+  plan (`relax.backends.training.parallelize`, `relax.backends.training.vocab_parallel`);
 - mixture-of-experts experts and routers: experts split over ranks by expert parallelism
   (``--expert-model-parallel-size``), not by tensor parallelism; shared experts are split like a dense MLP;
 - multi-head latent attention (DeepSeek-V3): its rotary key part comes from the shared down projection straight

@@ -61,7 +61,7 @@ from relax.backends.training.lora import inject, is_adapter, merged_named_weight
 from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
 from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.log_probs import TokenLogProbs
-from relax.backends.training.mesh import PP_FLAG, ParallelDims
+from relax.backends.training.mesh import CP_FLAG, PP_FLAG, SP_FLAG, TP_FLAG, ParallelDims
 from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
     balanced_partition,
@@ -179,6 +179,15 @@ class FSDPTrainBackend(TrainBackend):
             if refused:
                 raise ValueError(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with "
                                  f"{', '.join(refused)}")
+        if settings.sequence_parallel:
+            refused = [reason for reason, applies in (
+                (f"{TP_FLAG} 1 (nothing to split the tokens over)", self.dims.tp == 1),
+                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
+                 not settings.sequence_packing),
+                ("images, video or audio (a multimodal family)", bool(MediaTokens.of(hf_model.config).never_generated)),
+                (PP_FLAG, self.dims.pp > 1), (CP_FLAG, self.dims.cp > 1)) if applies]
+            if refused:
+                raise ValueError(f"{SP_FLAG}: not built with {', '.join(refused)} (docs/parallelism.md)")
         self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
@@ -189,7 +198,7 @@ class FSDPTrainBackend(TrainBackend):
         self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
                                      and settings.fsdp_single_process)
         if self.dims.tp > 1:
-            apply_tensor_parallel(hf_model, self.dims)
+            apply_tensor_parallel(hf_model, self.dims, settings.sequence_parallel)
         if self.dims.ep > 1:
             apply_expert_parallel(hf_model, self.dims)
         if self.fsdp:
@@ -318,8 +327,10 @@ class FSDPTrainBackend(TrainBackend):
             raise NotImplementedError("a critic on multimodal samples is not supported yet")
         if self.settings.sequence_packing:
             packed = pack_sequences(mb.tokens, mb.response_lengths)
-            if row_length is not None:
-                packed = pad_packed(packed, row_length)
+            length = row_length or packed.num_tokens
+            if self.settings.sequence_parallel:  # each tensor-parallel rank holds an equal slice of the tokens
+                length = -(-length // self.dims.tp) * self.dims.tp
+            packed = pad_packed(packed, length)
             position_ids = to_device(packed.position_ids, device)
             if raw_media is not None:  # multimodal rope: 3-D positions of each sequence, concatenated
                 input_ids, attention_mask, _, _ = pad_sequences(mb.tokens, mb.response_lengths,

@@ -33,6 +33,7 @@ TP_FLAG = "--tensor-model-parallel-size"
 EP_FLAG = "--expert-model-parallel-size"
 CP_FLAG = "--context-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
+SP_FLAG = "--sequence-parallel"
 
 
 @dataclass(frozen=True)

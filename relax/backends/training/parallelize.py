@@ -11,23 +11,31 @@ import re
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from relax.backends.models.parallel_plans import COLWISE, HEADS_NORM, PLANS, ROWWISE
 from relax.backends.models.registry import family_of
 from relax.backends.training.grouped_experts import IMPLEMENTATION, grouped_layout, is_experts
-from relax.backends.training.mesh import EP_FLAG, TP_FLAG, ParallelDims
+from relax.backends.training.mesh import EP_FLAG, SP_FLAG, TP_FLAG, ParallelDims
 from relax.backends.training.response_model import language_model, ties_embeddings
 
 logger = logging.getLogger("relax")
 
 
-def _style(kind: str):
+def _style(kind: str, sequence_parallel: bool = False):
     if kind == COLWISE:
         return ColwiseParallel()
-    if kind == ROWWISE:
-        return RowwiseParallel()
+    if kind == ROWWISE:  # under sequence parallelism: reduce-scattered over the tokens instead of all-reduced
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else \
+            RowwiseParallel()
     if kind == HEADS_NORM:  # input [..., heads, head_dim] split by heads (dim -2)
         return SequenceParallel(sequence_dim=-2, use_local_output=True)
     raise ValueError(f"unknown tensor-parallel style {kind!r}")
@@ -48,14 +56,51 @@ def _matches(name: str, pattern: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
-def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:
-    """Split ``hf_model``'s language model over the mesh's tensor axis; returns the modules split."""
+# The decoder layer a sequence-parallel plan knows: a norm before attention and one before the MLP, the MLP's output
+# projection named down_proj (Llama, Qwen2.5, Qwen3).
+_SEQUENCE_PARALLEL_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _sequence_parallel_styles(decoder: nn.Module) -> dict[str, object]:
+    """Megatron's sequence parallelism around the plan's projections: the embedding's output, every norm, residual and
+    the final norm hold 1/T of the row's tokens (``Shard(1)``); each block gathers them before its column-parallel
+    projections and its row-parallel projection reduce-scatters (not all-reduces) back; the final norm's output is
+    gathered for the LM head."""
+    for index, layer in enumerate(decoder.layers):
+        children = {name for name, _ in layer.named_children()}
+        norms = {name for name, module in layer.named_children() if "norm" in type(module).__name__.lower()}
+        if not set(_SEQUENCE_PARALLEL_LAYER) <= children or norms - set(_SEQUENCE_PARALLEL_LAYER) or \
+                not hasattr(layer.mlp, "down_proj"):
+            raise ValueError(f"{SP_FLAG}: {type(layer).__name__} (layer {index}) is not a pre-norm attention + MLP "
+                             "block with down_proj, the layout sequence parallelism is built for (Llama, Qwen2.5, "
+                             "Qwen3)")
+    gather = {"layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+              "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    styles = {"layers.*.input_layernorm": SequenceParallel(), "layers.*.post_attention_layernorm": SequenceParallel(),
+              **gather}
+    return {name: style for name, _ in decoder.named_modules() for pattern, style in styles.items()
+            if _matches(name, pattern)}
+
+
+def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> int:
+    """Split ``hf_model``'s language model over the mesh's tensor axis (with ``sequence_parallel``, the activations
+    between the blocks' projections too, by token); returns the modules split."""
     plan = tensor_parallel_plan(hf_model)
     decoder = language_model(hf_model)
     # the plan's patterns resolved to the modules this model has (hybrid families: some layers lack attention)
-    styles = {name: _style(kind) for name, _ in decoder.named_modules()
+    styles = {name: _style(kind, sequence_parallel) for name, _ in decoder.named_modules()
               for pattern, kind in plan.tensor.items() if _matches(name, pattern)}
+    if sequence_parallel:
+        styles.update(_sequence_parallel_styles(decoder))
+        # the embedding's output kept by token slice; the final norm on slices, its output gathered for the head
+        styles["embed_tokens"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                     use_local_output=False)
+        styles["norm"] = SequenceParallel()
     parallelize_module(decoder, dims.tp_mesh, styles)
+    if sequence_parallel:  # (a second style on the final norm: its hooks run after SequenceParallel's)
+        parallelize_module(decoder.norm, dims.tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     head = hf_model.get_output_embeddings()
     vocab_parallel = head is not None and not ties_embeddings(hf_model)
     if vocab_parallel:
@@ -65,8 +110,9 @@ def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims) -> int:
     # DTensor warns that the 2-D (data x tensor) norm of the gradients and the gathers of weight sync take two
     # collectives where one would do: true, and negligible next to a step; not worth a line per step in the logs
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    logger.info("tensor parallel over %d ranks (%s plan): %d modules split%s", dims.tp, plan.name, len(styles),
-                ", the LM head by vocabulary" if vocab_parallel else "")
+    logger.info("tensor parallel over %d ranks (%s plan): %d modules split%s%s", dims.tp, plan.name, len(styles),
+                ", the LM head by vocabulary" if vocab_parallel else "",
+                ", activations between blocks by token (sequence parallel)" if sequence_parallel else "")
     return len(styles) + vocab_parallel
 
 

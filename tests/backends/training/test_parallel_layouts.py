@@ -28,14 +28,15 @@ from tests.support.tiny_mm_assets import build_tiny_vl
 LR = 1e-4
 
 
-def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1) -> FSDPTrainBackend:
+def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> FSDPTrainBackend:
     torch.manual_seed(0)
     # clip_grad: the clipping runs (the norms stay below it)
     return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, clip_grad=10.0,
                                                            tensor_model_parallel_size=tp,
                                                            expert_model_parallel_size=ep,
                                                            context_parallel_size=cp,
-                                                           pipeline_model_parallel_size=pp))
+                                                           pipeline_model_parallel_size=pp,
+                                                           sequence_parallel=sp))
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:
@@ -73,9 +74,9 @@ def _join(rank: int, world: int, port: int) -> None:
 
 
 # (model, layout) run on two processes: each axis alone (TP and PP on the MoE model run in the four-process test)
-TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"), ("qwen3", "pp"),
-                       ("tied", "pp"))  # (the quickstart's model: its LM head is its embedding)
-SIZES = {"tp": dict(tp=2), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3", "tp_sp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"),
+                       ("qwen3", "pp"), ("tied", "pp"))  # (tied: the quickstart's model, its LM head its embedding)
+SIZES = {"tp": dict(tp=2), "tp_sp": dict(tp=2, sp=True), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
 
 
 def _two_process_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
@@ -232,8 +233,29 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
                             "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1")):
         with pytest.raises(ConfigError, match=message):
             parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", *extra])
-    with pytest.raises(ConfigError, match="--sequence-parallel: not built in Relax yet"):
+    cfg = parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel"])
+    assert cfg.sequence_parallel
+    with pytest.raises(ConfigError, match="--sequence-parallel splits the tokens over the tensor-parallel ranks: it "
+                                          "needs --tensor-model-parallel-size > 1"):
         parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--sequence-parallel"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size: not built in Relax yet"):
+        parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--expert-tensor-parallel-size", "2"])
+
+
+def test_sequence_parallel_is_refused_for_a_block_it_is_not_built_for_naming_the_flag(models):
+    from relax.backends.training.parallelize import _sequence_parallel_styles
+    from relax.backends.training.response_model import language_model
+
+    _, dirs, _ = models
+    dense = transformers.AutoModelForCausalLM.from_pretrained(dirs["qwen3"])
+    styles = _sequence_parallel_styles(language_model(dense))
+    assert {name.split(".")[-1] for name in styles} == {"input_layernorm", "post_attention_layernorm", "self_attn",
+                                                        "mlp"}
+    assert len(styles) == 4 * dense.config.num_hidden_layers
+    moe = transformers.AutoModelForCausalLM.from_pretrained(dirs["qwen3_moe"])  # experts: no down_proj
+    with pytest.raises(ValueError, match="--sequence-parallel: Qwen3MoeDecoderLayer .* is not a pre-norm attention"):
+        _sequence_parallel_styles(language_model(moe))
 
 
 @given(layers=st.integers(1, 64), stages=st.integers(1, 16), first=st.none() | st.integers(0, 20),
