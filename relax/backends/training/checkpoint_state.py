@@ -56,9 +56,15 @@ def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dropped = _drop_states_not_saved(optim_state, saved, flat)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory / "model_optim")  # strict: every weight and saved state
+        if flat:  # the flat layout needs every entry to unflatten: the fresh ones back, cleared after
+            optim_state.update(dropped)
         # not strict only where the optimizer states of parameters without a gradient yet were left out
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=dataclasses.replace(options, strict=not dropped and options.strict))
+        if flat and dropped:
+            parameters = dict(model.named_parameters())
+            for name in {key.removeprefix("state.").rsplit(".", 1)[0] for key in dropped}:
+                optimizer.state.pop(parameters[name], None)
         scheduler.load_state_dict(torch.load(directory / "lr_scheduler.pt", weights_only=True))
     else:
         state = {"model": get_model_state_dict(model, options=options)}
@@ -66,19 +72,15 @@ def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         set_model_state_dict(model, state["model"], options=options)
 
 
-def _drop_states_not_saved(optim_state: dict, saved: set[str], flat: bool) -> int:
+def _drop_states_not_saved(optim_state: dict, saved: set[str], flat: bool) -> dict:
     """Leave out of the state to load the optimizer states the checkpoint (whose keys are ``saved``) does not hold:
     those of parameters that had no gradient before the save (an omni thinker's unused audio token, a vision tower
     before the first image). `get_state_dict` gives a fresh optimizer a state for every parameter, which DCP would
     then look for; left out, such a parameter starts its state at its first gradient, as it would have without the
-    restart. ``flat``: the state as `_flatten_optim_state_dict` lays it out."""
+    restart. ``flat``: the state as `_flatten_optim_state_dict` lays it out. Returns what was left out."""
     if flat:
-        unsaved = [key for key in optim_state if key.startswith("state.") and f"optim.{key}" not in saved]
-        for key in unsaved:
-            del optim_state[key]
-        return len(unsaved)
-    unsaved = [name for name, entry in optim_state["state"].items()
-               if not all(f"optim.state.{name}.{key}" in saved for key in entry)]
-    for name in unsaved:
-        del optim_state["state"][name]
-    return len(unsaved)
+        return {key: optim_state.pop(key) for key in
+                [key for key in optim_state if key.startswith("state.") and f"optim.{key}" not in saved]}
+    return {name: optim_state["state"].pop(name) for name in
+            [name for name, entry in optim_state["state"].items()
+             if not all(f"optim.state.{name}.{key}" in saved for key in entry)]}

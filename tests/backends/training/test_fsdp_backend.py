@@ -134,12 +134,15 @@ def test_save_and_load_restore_model_optimizer_and_schedule(tiny_workspace, tmp_
 @pytest.mark.parametrize("layout", ["by parameter name", "by group index (checkpoints of before)"])
 def test_the_optimizer_state_round_trips_in_either_checkpoint_layout(layout, tiny_workspace, tmp_path):
     """Checkpoints key the optimizer's state by parameter name (pipeline stages each hold a different group 0);
-    those written before, with groups by index, still load with their moments and hyper-parameters."""
+    those written before, with groups by index, still load with their moments and hyper-parameters. A parameter
+    without a state yet (no gradient before the save: an omni thinker's unused audio token) has none after the load
+    either, and starts at its first gradient."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     backend = make_backend(tiny_workspace / "model")
     backend.train_step(make_batch(seed=1), LOSS)
+    backend.optimizer.state.pop(backend.model.hf_model.model.norm.weight)  # as if it had had no gradient
     if layout.startswith("by parameter"):
         backend.save(tmp_path / "ckpt")
         keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "model_optim")).read_metadata().state_dict_metadata
