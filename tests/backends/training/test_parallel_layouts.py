@@ -73,9 +73,11 @@ def _join(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-# (model, layout) run on two processes: each axis alone (TP and PP on the MoE model run in the four-process test)
-TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3", "tp_sp"), ("vl", "tp"), ("qwen3_moe", "ep"), ("qwen3", "cp"),
-                       ("qwen3", "pp"), ("tied", "pp"))  # (tied: the quickstart's model, its LM head its embedding)
+# (model, layout) run on two processes: each axis alone on the dense and the MoE model (tied: the quickstart's model,
+# its LM head its embedding)
+TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3", "tp_sp"), ("vl", "tp"), ("qwen3", "cp"), ("qwen3", "pp"),
+                       ("tied", "pp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"), ("qwen3_moe", "cp"),
+                       ("qwen3_moe", "pp"))
 SIZES = {"tp": dict(tp=2), "tp_sp": dict(tp=2, sp=True), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
 
 
@@ -155,8 +157,8 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
 FOUR_PROCESS_LAYOUTS = {
     # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> PP2 x FSDP2 -> PP2 x TP2
     "qwen3": ((2, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2)),
-    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2 -> PP2 x EP2
-    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 2, 1, 2))}
+    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2 -> PP2 x EP2 -> TP2 x CP2
+    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1))}
 
 
 def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
@@ -311,7 +313,8 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
     """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2` (dense),
     `--expert-model-parallel-size 2` (MoE) or `--pipeline-model-parallel-size 2` (the quickstart's model, whose head
     is its embedding): each rank generates half of the groups, seeded per sample, so the same samples as one
-    engine; three steps give the one-process run's metrics."""
+    engine; three steps give the one-process run's metrics, and `relax export` of the sharded run's checkpoint
+    gives the one-process run's Hugging Face folder."""
     import json
     import subprocess
     import sys
@@ -323,7 +326,7 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
         return [{k: v for k, v in row.items() if k.startswith("train/")} for row in rows if "train/loss" in row]
 
     workspace = moe_workspace if layout == "expert" else tiny_workspace
-    args = ("--num-rollout", "3", "--clip-grad", "1.0")
+    args = ("--num-rollout", "3", "--clip-grad", "1.0", "--save-interval", "3")
     single = run_relax("train", *tiny_train_args(workspace, tmp_path / "one", *args))
     assert single.returncode == 0, single.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -340,6 +343,19 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
             if key.endswith("_s") or "time" in key:
                 continue
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+    from safetensors.torch import load_file
+
+    exported = {}
+    for name in ("one", "two"):
+        result = run_relax("export", str(tmp_path / name), str(tmp_path / f"{name}_hf"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        exported[name] = {k: v for f in sorted((tmp_path / f"{name}_hf").glob("*.safetensors"))
+                          for k, v in load_file(f).items()}
+    assert exported["two"].keys() == exported["one"].keys()
+    # (AdamW moves a weight by about lr whatever its gradient's size: sums in another order move a near-zero
+    # gradient's weight by a fraction of lr = 1e-3; measured 2e-6 at most)
+    for key, tensor in exported["one"].items():
+        torch.testing.assert_close(exported["two"][key], tensor, rtol=0, atol=1e-5, msg=key)
 
 
 # ---- plans at real shapes, simulated (benchmarks/parallel_plan.py) -------------------------------------------------

@@ -382,16 +382,26 @@ def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_
         torch.testing.assert_close(tensor, one_process[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+# a sharded trainer behind each transport: two actor processes as one tensor-parallel group, or as two pipeline stages
+SHARDED_ACTOR = {"tensor": ("--resource", '{"actor": [2, 1], "rollout": [1, 1]}', "--tensor-model-parallel-size", "2"),
+                 "pipeline": ("--resource", '{"actor": [2, 1], "rollout": [1, 1]}', "--pipeline-model-parallel-size",
+                              "2"),
+                 None: ()}
+
+
 @needs_ray
-@pytest.mark.parametrize("mode, transport", [("--fully-async", "broadcast"), ("--fully-async", "disk"),
-                                             pytest.param("--hybrid", "disk", marks=pytest.mark.slow)])
-def test_async_modes_in_ray_processes_account_every_group_once(tiny_workspace, tmp_path, ray_guard, mode, transport):
+@pytest.mark.parametrize("mode, transport, sharded", [("--fully-async", "broadcast", "tensor"),
+                                                      ("--fully-async", "disk", "pipeline"),
+                                                      pytest.param("--hybrid", "disk", None, marks=pytest.mark.slow)])
+def test_async_modes_in_ray_processes_account_every_group_once(tiny_workspace, tmp_path, ray_guard, mode, transport,
+                                                               sharded):
     """Over broadcast the controller pushes each version; over disk the actor publishes and the rollout's engines
     follow the published versions themselves (nothing waits for the generation in flight), and the run ends with
-    the engine serving its last version, equal to the trainer's weights."""
+    the engine serving its last version, equal to the trainer's weights. The fully-async runs train a sharded actor
+    (tensor-parallel over broadcast, two pipeline stages over disk): each transport sends the full tensors."""
     out = tmp_path / mode.strip("-")
     cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", mode, "--max-staleness", "1",
-                                       "--weight-sync-transport", transport, *RUN))
+                                       "--weight-sync-transport", transport, *SHARDED_ACTOR[sharded], *RUN))
     assert _run_with_ray(cfg, _weights_equal) > 0
     rows = _assert_finite_losses(out)
     for row in rows:  # exactly once: each step's 4 groups produced by the rollout process, consumed here
