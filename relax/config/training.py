@@ -85,8 +85,8 @@ class TrainingSettings(BaseModel):
         "(norms, residuals, the embedding's output) by token over the tensor-parallel ranks (Megatron's sequence "
         "parallelism): each block all-gathers its input and reduce-scatters its output instead of one all-reduce, "
         "and those activations take 1/T of the memory. Packed rows are padded to a multiple of the tensor-parallel "
-        "size. For Llama-, Qwen2.5- and Qwen3-style dense decoders; not yet with images/video/audio, pipeline or "
-        "context parallelism (docs/parallelism.md).", "parallel")
+        "size. For Llama-, Qwen2.5-, Qwen3- and Qwen3-MoE-style decoders; not yet with images/video/audio, "
+        "pipeline or context parallelism (docs/parallelism.md).", "parallel")
     expert_model_parallel_size: int = setting(
         1, "Data-parallel training processes that split each mixture-of-experts layer's experts among them: each holds "
         "its share of the experts, and tokens go to the process of their expert and back by all-to-all (torchtitan's "

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -30,12 +31,19 @@ from relax.backends.training.response_model import language_model, ties_embeddin
 logger = logging.getLogger("relax")
 
 
-def _style(kind: str, sequence_parallel: bool = False):
+# A block's last projection: under sequence parallelism it reduce-scatters over the tokens instead of all-reducing
+# (a projection inside a mixture-of-experts block, a shared expert's, keeps its all-reduce: the block's output is
+# sliced as a whole).
+_BLOCK_OUTPUTS = ("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj")
+
+
+def _style(kind: str, name: str = "", sequence_parallel: bool = False):
     if kind == COLWISE:
         return ColwiseParallel()
-    if kind == ROWWISE:  # under sequence parallelism: reduce-scattered over the tokens instead of all-reduced
-        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else \
-            RowwiseParallel()
+    if kind == ROWWISE:
+        if sequence_parallel and any(_matches(name, pattern) for pattern in _BLOCK_OUTPUTS):
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel()
     if kind == HEADS_NORM:  # input [..., heads, head_dim] split by heads (dim -2)
         return SequenceParallel(sequence_dim=-2, use_local_output=True)
     raise ValueError(f"unknown tensor-parallel style {kind!r}")
@@ -56,8 +64,8 @@ def _matches(name: str, pattern: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
-# The decoder layer a sequence-parallel plan knows: a norm before attention and one before the MLP, the MLP's output
-# projection named down_proj (Llama, Qwen2.5, Qwen3).
+# The decoder layer a sequence-parallel plan knows: a norm before attention and one before the MLP, which is a dense
+# MLP with its output projection named down_proj or a mixture-of-experts block (Llama, Qwen2.5, Qwen3, Qwen3-MoE).
 _SEQUENCE_PARALLEL_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -65,22 +73,27 @@ def _sequence_parallel_styles(decoder: nn.Module) -> dict[str, object]:
     """Megatron's sequence parallelism around the plan's projections: the embedding's output, every norm, residual and
     the final norm hold 1/T of the row's tokens (``Shard(1)``); each block gathers them before its column-parallel
     projections and its row-parallel projection reduce-scatters (not all-reduces) back; the final norm's output is
-    gathered for the LM head."""
+    gathered for the LM head. A mixture-of-experts block gets its whole input (as under tensor parallelism alone: its
+    experts are not split by it) and its output is sliced."""
+    styles = {}
     for index, layer in enumerate(decoder.layers):
         children = {name for name, _ in layer.named_children()}
         norms = {name for name, module in layer.named_children() if "norm" in type(module).__name__.lower()}
-        if not set(_SEQUENCE_PARALLEL_LAYER) <= children or norms - set(_SEQUENCE_PARALLEL_LAYER) or \
-                not hasattr(layer.mlp, "down_proj"):
+        if not set(_SEQUENCE_PARALLEL_LAYER) <= children or norms - set(_SEQUENCE_PARALLEL_LAYER):
             raise ValueError(f"{SP_FLAG}: {type(layer).__name__} (layer {index}) is not a pre-norm attention + MLP "
-                             "block with down_proj, the layout sequence parallelism is built for (Llama, Qwen2.5, "
-                             "Qwen3)")
-    gather = {"layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-              "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    styles = {"layers.*.input_layernorm": SequenceParallel(), "layers.*.post_attention_layernorm": SequenceParallel(),
-              **gather}
-    return {name: style for name, _ in decoder.named_modules() for pattern, style in styles.items()
-            if _matches(name, pattern)}
+                             "block, the layout sequence parallelism is built for (Llama, Qwen2.5, Qwen3, Qwen3-MoE)")
+        prefix = f"layers.{index}"
+        styles[f"{prefix}.input_layernorm"] = SequenceParallel()
+        styles[f"{prefix}.post_attention_layernorm"] = SequenceParallel()
+        styles[f"{prefix}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        if hasattr(layer.mlp, "down_proj"):  # its down projection reduce-scatters (`_BLOCK_OUTPUTS`)
+            styles[f"{prefix}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        else:  # a mixture-of-experts block: plain tensors in and out, its output sliced by token
+            styles[f"{prefix}.mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    return styles
 
 
 def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> int:
@@ -89,7 +102,7 @@ def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims, sequence_para
     plan = tensor_parallel_plan(hf_model)
     decoder = language_model(hf_model)
     # the plan's patterns resolved to the modules this model has (hybrid families: some layers lack attention)
-    styles = {name: _style(kind, sequence_parallel) for name, _ in decoder.named_modules()
+    styles = {name: _style(kind, name, sequence_parallel) for name, _ in decoder.named_modules()
               for pattern, kind in plan.tensor.items() if _matches(name, pattern)}
     if sequence_parallel:
         styles.update(_sequence_parallel_styles(decoder))

@@ -76,7 +76,7 @@ def _join(rank: int, world: int, port: int) -> None:
 # (model, layout) run on two processes: each axis alone on the dense and the MoE model (tied: the quickstart's model,
 # its LM head its embedding)
 TWO_PROCESS_LAYOUTS = (("qwen3", "tp"), ("qwen3", "tp_sp"), ("vl", "tp"), ("qwen3", "cp"), ("qwen3", "pp"),
-                       ("tied", "pp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"), ("qwen3_moe", "cp"),
+                       ("tied", "pp"), ("qwen3_moe", "tp"), ("qwen3_moe", "tp_sp"), ("qwen3_moe", "ep"), ("qwen3_moe", "cp"),
                        ("qwen3_moe", "pp"))
 SIZES = {"tp": dict(tp=2), "tp_sp": dict(tp=2, sp=True), "ep": dict(ep=2), "cp": dict(cp=2), "pp": dict(pp=2)}
 
@@ -245,19 +245,20 @@ def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_wi
         parse_config(["--hf-checkpoint", "m", "--prompt-data", "d.jsonl", "--expert-tensor-parallel-size", "2"])
 
 
-def test_sequence_parallel_is_refused_for_a_block_it_is_not_built_for_naming_the_flag(models):
+def test_sequence_parallel_is_refused_for_a_block_it_is_not_built_for_naming_the_flag(models, tmp_path):
     from relax.backends.training.parallelize import _sequence_parallel_styles
     from relax.backends.training.response_model import language_model
 
     _, dirs, _ = models
-    dense = transformers.AutoModelForCausalLM.from_pretrained(dirs["qwen3"])
-    styles = _sequence_parallel_styles(language_model(dense))
-    assert {name.split(".")[-1] for name in styles} == {"input_layernorm", "post_attention_layernorm", "self_attn",
-                                                        "mlp"}
-    assert len(styles) == 4 * dense.config.num_hidden_layers
-    moe = transformers.AutoModelForCausalLM.from_pretrained(dirs["qwen3_moe"])  # experts: no down_proj
-    with pytest.raises(ValueError, match="--sequence-parallel: Qwen3MoeDecoderLayer .* is not a pre-norm attention"):
-        _sequence_parallel_styles(language_model(moe))
+    for name in ("qwen3", "qwen3_moe"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(dirs[name])
+        styles = _sequence_parallel_styles(language_model(model))
+        assert {key.split(".")[-1] for key in styles} == {"input_layernorm", "post_attention_layernorm", "self_attn",
+                                                          "mlp"}
+        assert len(styles) == 4 * model.config.num_hidden_layers
+    gemma = transformers.AutoModelForCausalLM.from_pretrained(build_text_family("gemma3_text", tmp_path / "gemma"))
+    with pytest.raises(ValueError, match="--sequence-parallel: Gemma3DecoderLayer .* is not a pre-norm attention"):
+        _sequence_parallel_styles(language_model(gemma))
 
 
 @given(layers=st.integers(1, 64), stages=st.integers(1, 16), first=st.none() | st.integers(0, 20),
