@@ -80,6 +80,12 @@ class TrainingSettings(BaseModel):
         "is data parallel (FSDP2). The LM head is split by vocabulary (no rank holds full-vocabulary logits) unless "
         "it is the token embedding; embeddings, experts and vision/audio towers stay whole (docs/parallelism.md).",
         "parallel", ge=1)
+    data_parallel_replicate_size: int = setting(
+        1, "Replicas of the data-parallel sharding (HSDP, FSDP2's hybrid sharding): the data-parallel processes form "
+        "this many groups, FSDP2 shards parameters, gradients and optimizer state within each group (one node, "
+        "say) and keeps the groups as replicas, so gradients are reduce-scattered within a group and all-reduced "
+        "across groups, and the weights' all-gathers stay inside a group. Must divide the data-parallel processes; "
+        "not yet with expert parallelism (docs/parallelism.md).", "parallel", ge=1)
     sequence_parallel: bool = setting(
         False, "With --tensor-model-parallel-size > 1, also split the activations between the blocks' projections "
         "(norms, residuals, the embedding's output) by token over the tensor-parallel ranks (Megatron's sequence "

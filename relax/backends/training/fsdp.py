@@ -119,7 +119,8 @@ class FSDPTrainBackend(TrainBackend):
         hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
         self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size,
                                  ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size,
-                                 pp=settings.pipeline_model_parallel_size)
+                                 pp=settings.pipeline_model_parallel_size,
+                                 dp_replicate=settings.data_parallel_replicate_size)
         self.dims.check(hf_model.config)
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,

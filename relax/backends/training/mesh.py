@@ -7,8 +7,9 @@ code asks for an axis by name whatever the layout.
   layers (`pipeline`); the ranks of one stage form the other axes, and every collective of those axes stays within
   one stage;
 - data (``dp_replicate x dp_shard``): each data rank trains on its share of the batch; FSDP2 shards parameters,
-  gradients and optimizer state over ``dp_shard`` (replicating over ``dp_replicate``, HSDP, is not built yet:
-  that axis stays at size 1 until it is);
+  gradients and optimizer state over ``dp_shard`` and, with ``--data-parallel-replicate-size`` R > 1, keeps R
+  replicas of that sharding (HSDP: shards within a replica group, e.g. one node; gradients reduce-scattered within it
+  and all-reduced across replicas);
 - tensor (``--tensor-model-parallel-size``): the family's plan (`relax.backends.models.parallel_plans`) splits
   attention heads and MLP columns; the ranks of a tensor group see the same tokens;
 - context (``--context-parallel-size``): the ranks of a context group hold the same samples and split each packed
@@ -33,6 +34,7 @@ TP_FLAG = "--tensor-model-parallel-size"
 EP_FLAG = "--expert-model-parallel-size"
 CP_FLAG = "--context-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
+DP_REPLICATE_FLAG = "--data-parallel-replicate-size"
 SP_FLAG = "--sequence-parallel"
 
 
@@ -57,12 +59,12 @@ class ParallelDims:
     def check(self, config=None) -> None:
         """Raise ValueError naming the flag when the layout does not fit the world or ``config`` (a transformers
         config: heads, key-value heads and experts must divide among the ranks that split them)."""
-        if self.dp_replicate > 1:
-            raise ValueError("data replicate (HSDP) parallelism is not built yet (docs/parallelism.md)")
         inner = self.pp * self.dp_replicate * self.cp * self.tp
         if self.world_size % inner:
-            raise ValueError(f"{PP_FLAG} {self.pp} x {TP_FLAG} {self.tp} x {CP_FLAG} {self.cp} does not divide the "
-                             f"{self.world_size} training processes")
+            raise ValueError(f"{PP_FLAG} {self.pp} x {DP_REPLICATE_FLAG} {self.dp_replicate} x {TP_FLAG} {self.tp} x "
+                             f"{CP_FLAG} {self.cp} does not divide the {self.world_size} training processes")
+        if self.dp_replicate > 1 and self.ep > 1:
+            raise ValueError(f"{DP_REPLICATE_FLAG} with {EP_FLAG} is not built yet (docs/parallelism.md)")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"{EP_FLAG} with {CP_FLAG} is not built yet")
         if self.pp > 1 and self.cp > 1:
@@ -113,8 +115,9 @@ class ParallelDims:
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP2 shards the dense weights over: the data ranks and the context ranks (which hold the same
-        samples, different tokens)."""
-        return self._flattened["dp_shard_cp"]
+        samples, different tokens); with replicas, a 2-D mesh (replicate, shard): FSDP2's HSDP."""
+        shard = self._flattened["dp_shard_cp"]
+        return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else shard
 
     @property
     def pp_group(self) -> dist.ProcessGroup:

@@ -45,6 +45,7 @@ class TrainSettings:
     expert_model_parallel_size: int = 1  # data ranks that split each MoE layer's experts among them
     context_parallel_size: int = 1  # ranks that split each packed row's tokens (Ulysses attention)
     sequence_parallel: bool = False  # tensor-parallel ranks hold slices of the tokens between blocks (`parallelize`)
+    data_parallel_replicate_size: int = 1  # replicas of the FSDP2 sharding (HSDP; `mesh`)
     pipeline_model_parallel_size: int = 1  # ranks that hold the decoder's layers in stages (`pipeline`)
     decoder_first_pipeline_num_layers: int | None = None  # layers of the first stage (None: an even split)
     decoder_last_pipeline_num_layers: int | None = None  # layers of the last stage

@@ -28,7 +28,8 @@ from tests.support.tiny_mm_assets import build_tiny_vl
 LR = 1e-4
 
 
-def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> FSDPTrainBackend:
+def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False,
+             replicas: int = 1) -> FSDPTrainBackend:
     torch.manual_seed(0)
     # clip_grad: the clipping runs (the norms stay below it)
     return FSDPTrainBackend(model_dir, dataclasses.replace(_settings(), lr=LR, clip_grad=10.0,
@@ -36,7 +37,8 @@ def _backend(model_dir: str, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1,
                                                            expert_model_parallel_size=ep,
                                                            context_parallel_size=cp,
                                                            pipeline_model_parallel_size=pp,
-                                                           sequence_parallel=sp))
+                                                           sequence_parallel=sp,
+                                                           data_parallel_replicate_size=replicas))
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:
@@ -153,21 +155,27 @@ def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_chec
         single.release()
 
 
-# per model, the (tp, ep, cp, pp) of each step on four processes, each step resuming the previous one's checkpoint
+# per model, the (tp, ep, cp, pp, replicas) of each step on four processes, each step resuming the previous one's
+# checkpoint
 FOUR_PROCESS_LAYOUTS = {
-    # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> PP2 x FSDP2 -> PP2 x TP2
-    "qwen3": ((2, 1, 1, 1), (2, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2)),
-    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2 -> PP2 x EP2 -> TP2 x CP2
-    "qwen3_moe": ((1, 2, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 2, 1))}
+    # FSDP2 x TP2 -> TP2 x CP2 -> FSDP4 -> HSDP (2 replicas x FSDP2) -> PP2 x FSDP2 -> PP2 x TP2
+    "qwen3": ((2, 1, 1, 1, 1), (2, 1, 2, 1, 1), (1, 1, 1, 1, 1), (1, 1, 1, 1, 2), (1, 1, 1, 2, 1), (2, 1, 1, 2, 1)),
+    # FSDP4 with EP2 -> TP2 x EP2 -> EP4 -> PP2 x FSDP2 -> PP2 x EP2 -> TP2 x CP2 -> HSDP
+    "qwen3_moe": ((1, 2, 1, 1, 1), (2, 2, 1, 1, 1), (1, 4, 1, 1, 1), (1, 1, 1, 2, 1), (1, 2, 1, 2, 1),
+                  (2, 1, 2, 1, 1), (1, 1, 1, 1, 2))}
 
 
 def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, root: str) -> None:
     _join(rank, world, port)
     results = {}
     for name, layouts in FOUR_PROCESS_LAYOUTS.items():
-        for index, (tp, ep, cp, pp) in enumerate(layouts):
-            backend = _backend(models[name], tp=tp, ep=ep, cp=cp, pp=pp)
+        for index, (tp, ep, cp, pp, replicas) in enumerate(layouts):
+            backend = _backend(models[name], tp=tp, ep=ep, cp=cp, pp=pp, replicas=replicas)
             assert backend.dims.dp == world // (tp * cp * pp) and backend.dims.ep == ep
+            if replicas > 1:  # HSDP: every weight replicated over the replicas, sharded within each
+                from torch.distributed.tensor import Replicate, Shard
+
+                assert all(p.placements == (Replicate(), Shard(0)) for p in backend.model.parameters())
             if index:
                 backend.load(Path(root) / f"{name}-step{index}")
             results[name, index] = _step(backend, _rl_batch(seed=index))
