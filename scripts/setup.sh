@@ -38,7 +38,7 @@ step "torch 2.13.0" python -m pip install "torch==2.13.0"
 step "relax-rl${extras:+[$extras]}" python -m pip install -e ".${extras:+[$extras]}"
 
 # The result, checked: a pip that exits 0 without installing the package (seen once on a fresh clone) fails here.
-python -c "import relax, torch, transformers" >> "$log" 2>&1 || fail "import relax (relax-rl is not installed in .venv)"
+python -c "import relax, torch, transformers, gguf" >> "$log" 2>&1 || fail "import relax, torch, transformers, gguf (relax-rl is not installed in .venv)"
 relax --version >> "$log" 2>&1 || fail "the relax command (relax --version) does not run"
 case ",$extras," in
   *,test,*|*,ray,*) python -c "import ray, transfer_queue" >> "$log" 2>&1 || fail "import ray, transfer_queue (the ray extra)" ;;

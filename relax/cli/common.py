@@ -113,3 +113,22 @@ def log_to_run_file(message: str, exc_info: BaseException | None = None) -> None
             record = logging.LogRecord("relax", logging.ERROR, __file__, 0, message, None,
                                        (type(exc_info), exc_info, exc_info.__traceback__) if exc_info else None)
             handler.handle(record)
+
+
+def with_model_folders(cfg):
+    """``cfg`` with each model named as a GGUF file (``--hf-checkpoint``, ``--teacher-hf-checkpoint``) replaced by its
+    cached Hugging Face folder (`relax.backends.models.gguf_source`), made on first use; a bad file is a ConfigError
+    naming the flag and the file."""
+    from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
+    from relax.config import ConfigError
+
+    updates = {}
+    for name in ("hf_checkpoint", "teacher_hf_checkpoint"):
+        value = getattr(cfg, name, None)
+        if is_gguf(value):
+            try:
+                updates[name] = str(hf_folder_of_gguf(value))
+            except ValueError as err:
+                raise ConfigError(f"{flag_of(name)} {err}") from None
+            logging.getLogger("relax").info("%s %s: dequantised into %s", flag_of(name), value, updates[name])
+    return cfg.model_copy(update=updates) if updates else cfg

@@ -8,7 +8,7 @@ from pathlib import Path
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.backends.models.family import load_model
 from relax.cli.args import parse_config
-from relax.cli.common import quiet_libraries, setup_logging
+from relax.cli.common import quiet_libraries, setup_logging, with_model_folders
 from relax.components.rollout import Rollout
 from relax.config import ConfigError, flag
 from relax.core.preflight import check_data_files, preflight
@@ -21,7 +21,7 @@ from relax.utils.cpu_threads import set_cpu_threads
 def cmd_eval(argv: list[str]) -> int:
     """Evaluate --hf-checkpoint (a model folder) or --load (a checkpoint) on --eval-prompt-data, generating as
     training does: with the media preparer, the multi-turn environment or the custom generate function."""
-    cfg = parse_config(argv, prog="relax eval", inherit_from_load=True)
+    cfg = with_model_folders(parse_config(argv, prog="relax eval", inherit_from_load=True))
     setup_logging(None)
     quiet_libraries()
     import torch

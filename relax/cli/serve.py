@@ -62,6 +62,7 @@ def cmd_serve(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     setup_logging(None)
     quiet_libraries()
+    from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
     from relax.serving.server import serve
 
     try:
@@ -69,7 +70,10 @@ def cmd_serve(argv: list[str]) -> int:
                           shutdown_grace_s=args.shutdown_grace_s)
         work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
                                 args.max_inflight_sequences)
-        serve(args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+        model = args.hf_checkpoint
+        if is_gguf(model):  # dequantised once into a cached Hugging Face folder
+            model = str(hf_folder_of_gguf(model))
+        serve(model, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
               dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
               batch_window_ms=args.batch_window_ms, log_level=args.log_level,
               weight_update_root=args.weight_update_root, engine_core=args.engine_core,

@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 from relax.cli.args import parse_config
-from relax.cli.common import build_notifier, cause_first, flag_of, quiet_libraries, resolved_config_text, setup_logging
+from relax.cli.common import (
+    build_notifier,
+    cause_first,
+    flag_of,
+    quiet_libraries,
+    resolved_config_text,
+    setup_logging,
+    with_model_folders,
+)
 from relax.config import ConfigError
 from relax.core.preflight import preflight
 from relax.core.run import first_eval_accuracy, reward_failures, train
@@ -18,7 +26,7 @@ from relax.telemetry.notify import Notifier
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg = parse_config(argv, prog="relax train")
+    cfg = with_model_folders(parse_config(argv, prog="relax train"))
     run_dir = Path(cfg.output_dir)
     primary = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 writes the run directory
     quiet_libraries()

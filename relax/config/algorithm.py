@@ -118,7 +118,8 @@ class AlgorithmSettings(BaseModel):
         "distillation",
     )
     teacher_hf_checkpoint: str | None = setting(
-        None, "Hugging Face folder of the teacher; it must share the student's tokenizer.", "distillation"
+        None, "Hugging Face folder (or GGUF file) of the teacher; it must share the student's tokenizer.",
+        "distillation"
     )
     opd_kl_type: Literal["reverse_kl", "forward_kl", "low_var_kl"] = setting(
         "reverse_kl",

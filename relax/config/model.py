@@ -12,7 +12,8 @@ from relax.config.base import setting
 class ModelSettings(BaseModel):
     """The model a run starts from and where it runs."""
     hf_checkpoint: str | None = setting(
-        None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from.", "model"
+        None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from, or a GGUF file "
+        "(model.gguf), dequantised once into a cached Hugging Face folder (docs/gguf.md).", "model"
     )
     dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto",

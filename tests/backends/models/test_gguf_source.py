@@ -1,0 +1,100 @@
+"""A GGUF file as a model source (issue 31): a tiny Llama written to GGUF by the `gguf` package inside the test, loaded
+through Relax's path (`hf_folder_of_gguf`, and `--hf-checkpoint model.gguf`), gives the source model's logits and
+tokens; the folder is made once per file content; a missing, foreign, corrupt or unsupported file is refused naming
+it; `relax train` runs two steps from the GGUF file."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import pytest
+import torch
+
+from relax.backends.models.family import load_model
+from relax.backends.models.gguf_source import hf_folder_of_gguf
+from tests.support.tiny_gguf import tiny_llama, write_gguf
+
+# Q8_0 keeps each block of 32 weights as int8 with one scale: on this model the logits move by at most this much
+# (measured 4.7e-3 on logits of about unit size)
+Q8_0_LOGIT_ERROR = 0.02
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    model, tokenizer = tiny_llama()
+    files = {kind: write_gguf(model, tokenizer, root / f"tiny-{kind}.gguf", quantized=kind == "q8_0")
+             for kind in ("f32", "q8_0")}
+    return model, tokenizer, files
+
+
+@pytest.mark.parametrize("kind, tolerance", [("f32", 1e-6), ("q8_0", Q8_0_LOGIT_ERROR)])
+def test_a_gguf_file_loads_as_the_model_it_was_written_from(source, kind, tolerance, tmp_path, monkeypatch):
+    model, tokenizer, files = source
+    monkeypatch.setenv("RELAX_GGUF_CACHE", str(tmp_path / "cache"))
+    folder = hf_folder_of_gguf(files[kind])
+    assert folder.parent == tmp_path / "cache" and (folder / "config.json").is_file()
+    loaded = load_model(folder, torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    loaded_tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "12+34=46"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert torch.equal(loaded_tokenizer(text, return_tensors="pt").input_ids, ids)
+    assert loaded_tokenizer.eos_token_id == tokenizer.eos_token_id
+    with torch.no_grad():
+        expected, got = model(ids).logits, loaded(ids).logits
+    assert float((got - expected).abs().max()) <= tolerance
+    assert kind == "f32" or float((got - expected).abs().max()) > 0  # (Q8_0 did quantise)
+
+    # made once per file content: the second call is the cached folder (transformers is not asked again)
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("converted again"))
+    assert hf_folder_of_gguf(files[kind]) == folder
+    copy = tmp_path / "renamed.gguf"
+    shutil.copy(files[kind], copy)
+    assert hf_folder_of_gguf(copy) == folder  # the same content under another name
+
+
+def test_a_bad_gguf_file_is_refused_naming_it(source, tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_GGUF_CACHE", str(tmp_path / "cache"))
+    _, _, files = source
+    with pytest.raises(ValueError, match=f"{tmp_path / 'missing.gguf'}: no such GGUF file"):
+        hf_folder_of_gguf(tmp_path / "missing.gguf")
+    foreign = tmp_path / "weights.gguf"
+    foreign.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=f"{foreign}: not a GGUF file"):
+        hf_folder_of_gguf(foreign)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(files["f32"].read_bytes()[:4096])
+    with pytest.raises(ValueError, match=f"{truncated}: transformers cannot load this GGUF file"):
+        hf_folder_of_gguf(truncated)
+    unsupported = tmp_path / "unsupported.gguf"  # an architecture transformers does not dequantise
+    writer = gguf.GGUFWriter(str(unsupported), "rwkv6")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"{unsupported}: transformers cannot load this GGUF file"):
+        hf_folder_of_gguf(unsupported)
+    assert not any((tmp_path / "cache").glob(".*"))  # no half-made folder left behind
+
+
+def test_relax_train_runs_two_steps_from_a_gguf_file(source, tiny_workspace, tmp_path, monkeypatch):
+    from tests.support.runs import run_relax, tiny_train_args
+
+    _, _, files = source
+    args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "2", "--skip-eval-before-train")
+    args[args.index("--hf-checkpoint") + 1] = str(files["q8_0"])
+    result = run_relax("train", *args, env={"RELAX_GGUF_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2" in (tmp_path / "run" / "run.log").read_text()
+    bad = tiny_train_args(tiny_workspace, tmp_path / "bad", "--num-rollout", "1")
+    bad[bad.index("--hf-checkpoint") + 1] = str(tmp_path / "missing.gguf")
+    result = run_relax("train", *bad, env={"RELAX_GGUF_CACHE": str(tmp_path / "cache")})
+    assert result.returncode != 0
+    assert f"--hf-checkpoint {tmp_path / 'missing.gguf'}: no such GGUF file" in result.stderr
