@@ -82,14 +82,11 @@ def hf_folder_of_gguf(path: str | Path, root: Path | None = None) -> Path:
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(folder)
-        except OSError:  # another process put the same file's folder in place first
+        except OSError:  # another process put the same file's folder in place first (complete: renamed when saved)
             if not folder.is_dir():
                 raise
-        else:
-            (folder / _MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}) + "\n")
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    if not (folder / _MARKER).is_file():  # the other process has not written its marker yet
-        (folder / _MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}) + "\n")
+    (folder / _MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}) + "\n")
     return folder

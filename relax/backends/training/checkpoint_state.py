@@ -47,11 +47,11 @@ def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler,
                options: StateDictOptions) -> None:
     """What `save_state` wrote into ``model`` (with ``optimizer``: its state and ``scheduler``'s)."""
-    saved = set(dcp.FileSystemReader(str(directory / "model_optim")).read_metadata().state_dict_metadata)
-    # (a checkpoint of before: its groups indexed, ``optim.param_groups.0.lr``)
-    flat = not any(key.startswith("optim.param_groups.0.") for key in saved)
-    options = dataclasses.replace(options, flatten_optimizer_state_dict=flat)
     if optimizer is not None:
+        saved = set(dcp.FileSystemReader(str(directory / "model_optim")).read_metadata().state_dict_metadata)
+        # (a checkpoint of before: its groups indexed, ``optim.param_groups.0.lr``)
+        flat = not any(key.startswith("optim.param_groups.0.") for key in saved)
+        options = dataclasses.replace(options, flatten_optimizer_state_dict=flat)
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         dropped = _drop_states_not_saved(optim_state, saved, flat)
         state = {"model": model_state, "optim": optim_state}

@@ -161,6 +161,7 @@ class FSDPTrainBackend(TrainBackend):
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []
         media_ids = MediaTokens.of(hf_model.config).never_generated
+        self._multimodal = bool(media_ids)
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not value_head else None
         self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
@@ -172,23 +173,12 @@ class FSDPTrainBackend(TrainBackend):
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         if self.dims.cp > 1:
-            refused = [reason for reason, applies in (
-                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
-                 not settings.sequence_packing),
-                ("routing replay", self._routing is not None),
-                ("a mixture-of-experts auxiliary loss", self._moe_aux is not None)) if applies]
-            if refused:
-                raise ValueError(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with "
-                                 f"{', '.join(refused)}")
+            self._refuse(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with",
+                         padded=True, replay=True, aux_loss=True)
         if settings.sequence_parallel:
-            refused = [reason for reason, applies in (
-                (f"{TP_FLAG} 1 (nothing to split the tokens over)", self.dims.tp == 1),
-                ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
-                 not settings.sequence_packing),
-                ("images, video or audio (a multimodal family)", bool(MediaTokens.of(hf_model.config).never_generated)),
-                (PP_FLAG, self.dims.pp > 1), (CP_FLAG, self.dims.cp > 1)) if applies]
-            if refused:
-                raise ValueError(f"{SP_FLAG}: not built with {', '.join(refused)} (docs/parallelism.md)")
+            self._refuse(f"{SP_FLAG}: not built with", padded=True, media=True,
+                         extra={f"{TP_FLAG} 1 (nothing to split the tokens over)": self.dims.tp == 1,
+                                PP_FLAG: self.dims.pp > 1, CP_FLAG: self.dims.cp > 1})
         self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
@@ -236,19 +226,22 @@ class FSDPTrainBackend(TrainBackend):
             self.optimizer, self.scheduler = build_optimizer(self.model, settings)
         release_before_shutdown(self.release)
 
+    def _refuse(self, prefix: str, padded: bool = False, media: bool = False, replay: bool = False,
+                aux_loss: bool = False, extra: dict[str, bool] | None = None) -> None:
+        """ValueError ``prefix`` + what of the asked kinds this backend has (a layout not built with them yet)."""
+        reasons = {"padded micro-batches (--no-sequence-packing, or a family that cannot pack)":
+                   padded and not self.settings.sequence_packing,
+                   "images, video or audio (a multimodal family)": media and self._multimodal,
+                   "routing replay": replay and self._routing is not None,
+                   "a mixture-of-experts auxiliary loss": aux_loss and self._moe_aux is not None, **(extra or {})}
+        refused = [reason for reason, applies in reasons.items() if applies]
+        if refused:
+            raise ValueError(f"{prefix} {', '.join(refused)} (docs/parallelism.md)")
+
     def _pipeline_stage(self, hf_model) -> PipelineStageModel:
         """This rank's stage of the model (`pipeline`), once what pipelining does not take yet is refused."""
-        refused = [reason for reason, applies in (
-            ("a critic (value head)", self.value_head),
-            ("LoRA", self.lora is not None),
-            ("padded micro-batches (--no-sequence-packing, or a family that cannot pack)",
-             not self.settings.sequence_packing),
-            ("images, video or audio (a multimodal family)", bool(MediaTokens.of(hf_model.config).never_generated)),
-            ("routing replay", self._routing is not None),
-            ("a mixture-of-experts auxiliary loss", self._moe_aux is not None)) if applies]
-        if refused:
-            raise ValueError(f"{PP_FLAG} {self.dims.pp}: not built yet with {', '.join(refused)} "
-                             "(docs/parallelism.md)")
+        self._refuse(f"{PP_FLAG} {self.dims.pp}: not built yet with", padded=True, media=True, replay=True,
+                     aux_loss=True, extra={"a critic (value head)": self.value_head, "LoRA": self.lora is not None})
         self._tied_embedding = ties_embeddings(hf_model)
         stage, stages = self.dims.pp_rank, self.dims.pp
         layers = stage_layers(hf_model.config.get_text_config().num_hidden_layers, stages,

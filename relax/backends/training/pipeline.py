@@ -111,7 +111,7 @@ class PipelineStageModel(nn.Module):
         self.tied = ties_embeddings(hf_model) and first != last
         keep_stage(hf_model, layers, first, last)
         self.hf_model = hf_model
-        self.layers, self.first, self.last = layers, first, last
+        self.first, self.last = first, last
         use_packed_attention(language_model(hf_model))
         # The step's micro-batches (`PipelineRunner.run`): what a forward is given besides its activation, found by
         # the micro-batch's index (the schedule splits only tensors along their first dimension: packed rows'
