@@ -116,7 +116,7 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP2 shards the dense weights over: the data ranks and the context ranks (which hold the same
         samples, different tokens); with replicas, a 2-D mesh (replicate, shard): FSDP2's HSDP."""
-        shard = self._flattened["dp_shard_cp"]
+        shard = self._flattened["dp_shard_cp"]  # (also defines the flattened axis the 2-D slice names)
         return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else shard
 
     @property
