@@ -116,19 +116,22 @@ def log_to_run_file(message: str, exc_info: BaseException | None = None) -> None
 
 
 def with_model_folders(cfg):
-    """``cfg`` with each model named as a GGUF file (``--hf-checkpoint``, ``--teacher-hf-checkpoint``) replaced by its
+    """``cfg`` with each model named as a GGUF file (``--hf-checkpoint``, or it and ``--gguf-file``;
+    ``--teacher-hf-checkpoint``) replaced by its
     cached Hugging Face folder (`relax.backends.models.gguf_source`), made on first use; a bad file is a ConfigError
     naming the flag and the file."""
     from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
     from relax.config import ConfigError
 
     updates = {}
-    for name in ("hf_checkpoint", "teacher_hf_checkpoint"):
-        value = getattr(cfg, name, None)
+    sources = {"hf_checkpoint": cfg.model_source, "teacher_hf_checkpoint": cfg.teacher_hf_checkpoint}
+    for name, value in sources.items():
         if is_gguf(value):
             try:
                 updates[name] = str(hf_folder_of_gguf(value))
             except ValueError as err:
                 raise ConfigError(f"{flag_of(name)} {err}") from None
             logging.getLogger("relax").info("%s %s: dequantised into %s", flag_of(name), value, updates[name])
+    if "hf_checkpoint" in updates:
+        updates["gguf_file"] = None  # folded into the dequantised folder
     return cfg.model_copy(update=updates) if updates else cfg

@@ -17,7 +17,9 @@ def cmd_serve(argv: list[str]) -> int:
     parser = CommandLineParser(
         prog="relax serve", description="Serve a model folder with the embedded engine over HTTP: SGLang's native "
         "protocol (/generate, /update_weights_from_disk, ...) and the OpenAI protocol (/v1/...). See docs/serving.md.")
-    parser.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config, weights, tokenizer)")
+    parser.add_argument("--hf-checkpoint", required=True, help="Hugging Face model folder (config, weights, tokenizer), "
+                        "or a GGUF file (dequantised once into a cached folder, docs/gguf.md)")
+    parser.add_argument("--gguf-file", help="name of a GGUF file inside the --hf-checkpoint folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=port_number, default=30000, help="port to listen on (1-65535)")
     parser.add_argument("--api-key", default=None,
@@ -71,6 +73,10 @@ def cmd_serve(argv: list[str]) -> int:
         work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
                                 args.max_inflight_sequences)
         model = args.hf_checkpoint
+        if args.gguf_file is not None:
+            if not is_gguf(args.gguf_file) or "/" in args.gguf_file:
+                raise ValueError(f"--gguf-file {args.gguf_file}: expected a file name ending in .gguf")
+            model = f"{model.rstrip('/')}/{args.gguf_file}"
         if is_gguf(model):  # dequantised once into a cached Hugging Face folder
             model = str(hf_folder_of_gguf(model))
         serve(model, host=args.host, port=args.port, api_key=args.api_key, device=args.device,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
-from relax.config.base import setting
+from relax.config.base import flag, setting
 
 
 class ModelSettings(BaseModel):
@@ -14,6 +14,10 @@ class ModelSettings(BaseModel):
     hf_checkpoint: str | None = setting(
         None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from, or a GGUF file "
         "(model.gguf), dequantised once into a cached Hugging Face folder (docs/gguf.md).", "model"
+    )
+    gguf_file: str | None = setting(
+        None, "Name of a GGUF file inside the --hf-checkpoint folder (transformers' `gguf_file`): the same as giving "
+        "--hf-checkpoint FOLDER/NAME.gguf.", "model"
     )
     dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto",
@@ -42,3 +46,23 @@ class ModelSettings(BaseModel):
         "Llama, Mistral families): `auto` uses them on CUDA when liger-kernel is installed, `on` requires them.",
         "model",
     )
+
+    @model_validator(mode="after")
+    def _check_gguf_file(self) -> Self:
+        if self.gguf_file is None:
+            return self
+        if not self.hf_checkpoint:
+            raise ValueError(f"{flag('gguf_file')} names a file inside {flag('hf_checkpoint')}: set that folder too")
+        if self.hf_checkpoint.lower().endswith(".gguf"):
+            raise ValueError(f"{flag('hf_checkpoint')} {self.hf_checkpoint} is a GGUF file already: drop "
+                             f"{flag('gguf_file')} or give the folder")
+        if not self.gguf_file.lower().endswith(".gguf") or "/" in self.gguf_file:
+            raise ValueError(f"{flag('gguf_file')} {self.gguf_file}: expected a file name ending in .gguf")
+        return self
+
+    @property
+    def model_source(self) -> str | None:
+        """What --hf-checkpoint and --gguf-file name together: a folder, or a GGUF file."""
+        if self.gguf_file is None or self.hf_checkpoint is None:
+            return self.hf_checkpoint
+        return f"{self.hf_checkpoint.rstrip('/')}/{self.gguf_file}"

@@ -1,7 +1,8 @@
 """A GGUF file as a model source (issue 31): a tiny Llama written to GGUF by the `gguf` package inside the test, loaded
 through Relax's path (`hf_folder_of_gguf`, and `--hf-checkpoint model.gguf`), gives the source model's logits and
 tokens; the folder is made once per file content; a missing, foreign, corrupt or unsupported file is refused naming
-it; `relax train` runs two steps from the GGUF file."""
+it; `relax train` runs two steps from the GGUF file; `--gguf-file` names the file inside a folder; `relax serve`
+answers from a GGUF file over HTTP."""
 
 from __future__ import annotations
 
@@ -98,3 +99,78 @@ def test_relax_train_runs_two_steps_from_a_gguf_file(source, tiny_workspace, tmp
     result = run_relax("train", *bad, env={"RELAX_GGUF_CACHE": str(tmp_path / "cache")})
     assert result.returncode != 0
     assert f"--hf-checkpoint {tmp_path / 'missing.gguf'}: no such GGUF file" in result.stderr
+
+
+def test_gguf_file_names_the_file_inside_the_checkpoint_folder(source, tmp_path, monkeypatch):
+    """`--hf-checkpoint FOLDER --gguf-file NAME` is `--hf-checkpoint FOLDER/NAME`; misuse is refused naming the flag."""
+    from relax.cli.args import parse_config
+    from relax.cli.common import with_model_folders
+    from relax.config import ConfigError
+
+    _, _, files = source
+    monkeypatch.setenv("RELAX_GGUF_CACHE", str(tmp_path / "cache"))
+    path = files["f32"]
+    base = ["--prompt-data", str(tmp_path / "unused.jsonl"), "--rm-type", "exact_match", "--label-key", "label"]
+    cfg = parse_config([*base, "--hf-checkpoint", str(path.parent), "--gguf-file", path.name])
+    assert cfg.model_source == str(path)
+    resolved = with_model_folders(cfg)
+    assert resolved.hf_checkpoint == str(hf_folder_of_gguf(path)) and resolved.gguf_file is None
+    assert with_model_folders(parse_config([*base, "--hf-checkpoint", str(path)])).hf_checkpoint == resolved.hf_checkpoint
+    for argv, message in (
+        ([*base, "--gguf-file", path.name], "--gguf-file names a file inside --hf-checkpoint"),
+        ([*base, "--hf-checkpoint", str(path), "--gguf-file", path.name], "is a GGUF file already"),
+        ([*base, "--hf-checkpoint", str(path.parent), "--gguf-file", "model.safetensors"], "ending in .gguf"),
+        ([*base, "--hf-checkpoint", str(path.parent), "--gguf-file", "sub/x.gguf"], "ending in .gguf"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(argv)
+    missing = parse_config([*base, "--hf-checkpoint", str(path.parent), "--gguf-file", "absent.gguf"])
+    with pytest.raises(ConfigError, match=f"--hf-checkpoint {path.parent / 'absent.gguf'}: no such GGUF file"):
+        with_model_folders(missing)
+
+
+def test_relax_serve_answers_from_a_gguf_file(source, tmp_path):
+    """`relax serve --hf-checkpoint FOLDER --gguf-file NAME` over real HTTP on 127.0.0.1: greedy tokens equal the
+    source model's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from tests.support.http_servers import free_port, wait_until
+
+    model, tokenizer, files = source
+    path, port = files["f32"], free_port()
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), "RELAX_GGUF_CACHE": str(tmp_path / "cache")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(path.parent), "--gguf-file",
+         path.name, "--port", str(port), "--device", "cpu"], cwd=root, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, 90, "relax serve to answer /health")
+        prompt = [int(t) for t in tokenizer("12+34=")["input_ids"]]
+        body = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
+            "input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                     "ignore_eos": True}}).json()
+        served = body["output_ids"]
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                                      min_new_tokens=4)[0, len(prompt):].tolist()
+        assert served[:4] == expected
+    finally:
+        process.terminate()
+        try:
+            process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate(timeout=10)
