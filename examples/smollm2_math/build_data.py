@@ -16,6 +16,7 @@ final statement's number; a ``\\boxed{}`` answer, should the model learn to give
 Outputs (under ``--out``, default ``examples/smollm2_math/data``):
   train.jsonl   {"input": [{"role": "user", "content": ...}], "label": "42", "metadata": {"level": 2}}
   test.jsonl    the held-out problems, the same fields
+  train_level1.jsonl, test_level1.jsonl   the same rows of level 1 only (the CPU configuration's)
 
 Usage: python examples/smollm2_math/build_data.py [--out DIR] [--train N] [--test N]
 """
@@ -115,6 +116,9 @@ def _level4(rng: random.Random) -> Problem:
 
 
 LEVELS: dict[int, Callable[[random.Random], Problem]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
+# The CPU configuration's subset (the same rows, filtered): the level a 135M model learns first (19% -> 88% in 20
+# steps on the GPU), so that two cores show the reward rising within minutes.
+EASY_LEVELS = (1,)
 
 
 def problems(count: int, seed: int) -> list[dict]:
@@ -138,8 +142,10 @@ def build(out: Path, num_train: int = 8000, num_test: int = 400) -> tuple[list[d
     # file (`test.jsonl@[0:100]`, the CPU configuration's evaluation) is balanced too.
     by_level = [[r for r in test if r["metadata"]["level"] == level][: num_test // len(LEVELS)] for level in LEVELS]
     test = [row for group in zip(*by_level) for row in group]
+    easy = lambda rows: [row for row in rows if row["metadata"]["level"] in EASY_LEVELS]  # noqa: E731
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train.jsonl", train), ("test.jsonl", test)):
+    for name, rows in (("train.jsonl", train), ("test.jsonl", test), ("train_level1.jsonl", easy(train)),
+                       ("test_level1.jsonl", easy(test))):
         (out / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return train, test
 
