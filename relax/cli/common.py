@@ -117,14 +117,15 @@ def log_to_run_file(message: str, exc_info: BaseException | None = None) -> None
 
 def with_model_folders(cfg):
     """``cfg`` with each model named as a GGUF file (``--hf-checkpoint``, or it and ``--gguf-file``;
-    ``--teacher-hf-checkpoint``) replaced by its
+    ``--teacher-hf-checkpoint``, ``--genrm-model-path``) replaced by its
     cached Hugging Face folder (`relax.backends.models.gguf_source`), made on first use; a bad file is a ConfigError
     naming the flag and the file."""
     from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
     from relax.config import ConfigError
 
     updates = {}
-    sources = {"hf_checkpoint": cfg.model_source, "teacher_hf_checkpoint": cfg.teacher_hf_checkpoint}
+    sources = {"hf_checkpoint": cfg.model_source, "teacher_hf_checkpoint": cfg.teacher_hf_checkpoint,
+               "genrm_model_path": cfg.genrm_model_path}
     for name, value in sources.items():
         if is_gguf(value):
             try:

@@ -4,6 +4,7 @@ configurations load with the model named by --hf-checkpoint and --gguf-file."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import sys
@@ -32,6 +33,8 @@ def test_the_data_is_deterministic_and_the_held_out_set_is_unseen(tmp_path):
     levels = [row["metadata"]["level"] for row in test]
     for size in (4, 100, 200):  # any prefix is balanced
         assert all(levels[:size].count(level) == size // 4 for level in (1, 2, 3, 4)), size
+    easy = [json.loads(line) for line in (tmp_path / "a" / "test_level1.jsonl").read_text().splitlines()]
+    assert easy == [row for row in test if row["metadata"]["level"] == 1] and easy
     assert len(seen) > 0.9 * len(train)  # few repeats among the training prompts (small level-1 products repeat)
 
 

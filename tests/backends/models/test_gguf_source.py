@@ -116,6 +116,8 @@ def test_gguf_file_names_the_file_inside_the_checkpoint_folder(source, tmp_path,
     resolved = with_model_folders(cfg)
     assert resolved.hf_checkpoint == str(hf_folder_of_gguf(path)) and resolved.gguf_file is None
     assert with_model_folders(parse_config([*base, "--hf-checkpoint", str(path)])).hf_checkpoint == resolved.hf_checkpoint
+    judged = with_model_folders(parse_config([*base, "--hf-checkpoint", str(path), "--genrm-model-path", str(path)]))
+    assert judged.genrm_model_path == resolved.hf_checkpoint  # the judge model too
     for argv, message in (
         ([*base, "--gguf-file", path.name], "--gguf-file names a file inside --hf-checkpoint"),
         ([*base, "--hf-checkpoint", str(path), "--gguf-file", path.name], "is a GGUF file already"),
