@@ -72,11 +72,7 @@ def cmd_serve(argv: list[str]) -> int:
                           shutdown_grace_s=args.shutdown_grace_s)
         work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
                                 args.max_inflight_sequences)
-        model = args.hf_checkpoint
-        if args.gguf_file is not None:
-            if not is_gguf(args.gguf_file) or "/" in args.gguf_file:
-                raise ValueError(f"--gguf-file {args.gguf_file}: expected a file name ending in .gguf")
-            model = f"{model.rstrip('/')}/{args.gguf_file}"
+        model = model_source(args.hf_checkpoint, args.gguf_file)
         if is_gguf(model):  # dequantised once into a cached Hugging Face folder
             model = str(hf_folder_of_gguf(model))
         serve(model, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
@@ -89,3 +85,15 @@ def cmd_serve(argv: list[str]) -> int:
         print(f"relax serve: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def model_source(hf_checkpoint: str, gguf_file: str | None) -> str:
+    """The folder or GGUF file the two flags name, by the training configuration's own rule (`ModelSettings`)."""
+    from pydantic import ValidationError
+
+    from relax.config.model import ModelSettings
+
+    try:
+        return ModelSettings(hf_checkpoint=hf_checkpoint, gguf_file=gguf_file).model_source
+    except ValidationError as err:
+        raise ValueError("; ".join(error["msg"].removeprefix("Value error, ") for error in err.errors())) from None

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,8 +19,7 @@ from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.distributed.weight_disk import DiskPublisher
 from relax.serving.app import create_app
-from tests.support.http_servers import API_KEY, ThreadServer, free_port, wait_until
-from tests.support.runs import ROOT
+from tests.support.http_servers import API_KEY, ServeProcess, ThreadServer, free_port, wait_until
 from tests.support.tiny_assets import build_tiny_model_dir
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -242,34 +238,15 @@ def test_update_weights_from_disk_changes_outputs_and_version(client, model_dir,
 
 
 def test_relax_serve_command(model_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RELAX_API_KEY": API_KEY}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
-         "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        def up() -> bool:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, 60, "relax serve to answer /health")
-        base = f"http://127.0.0.1:{port}"
+    serving = ServeProcess("--hf-checkpoint", str(model_dir), "--device", "cpu", env={"RELAX_API_KEY": API_KEY})
+    with serving:
+        base = serving.url
         body = httpx.post(f"{base}/generate", json={"text": "1+1=", "sampling_params": greedy(2)}, timeout=30).json()
         assert body["meta_info"]["completion_tokens"] == 2
         assert httpx.post(f"{base}/pause_generation", timeout=5).status_code == 401
         assert httpx.post(f"{base}/continue_generation", headers=AUTH, timeout=5).status_code == 200
-    finally:
-        process.terminate()
-        try:
-            output, _ = process.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            output, _ = process.communicate(timeout=10)
-    assert API_KEY not in output
-    assert json.dumps(API_KEY) not in output
+    assert API_KEY not in serving.output
+    assert json.dumps(API_KEY) not in serving.output
 
 
 def test_update_weights_over_a_distributed_group(server, model_dir, tmp_path, reference):

@@ -71,3 +71,48 @@ class Server:
 
     def stop(self) -> None:
         self.thread_server.stop()
+
+
+class ServeProcess:
+    """`relax serve` in a subprocess on 127.0.0.1 (a context manager): up once /health answers, terminated on exit;
+    ``output`` holds its combined stdout and stderr afterwards."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
+        import os
+        import subprocess
+        import sys
+
+        from tests.support.runs import ROOT
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.timeout_s = timeout_s
+        self.output = ""
+        self._subprocess = subprocess
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "relax.cli.main", "serve", *args, "--port", str(self.port)], cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    def _up(self) -> bool:
+        assert self.process.poll() is None, self.process.stdout.read()
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __enter__(self) -> ServeProcess:
+        try:
+            wait_until(self._up, self.timeout_s, "relax serve to answer /health")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.output, _ = self.process.communicate(timeout=10)
+        except self._subprocess.TimeoutExpired:
+            self.process.kill()
+            self.output, _ = self.process.communicate(timeout=10)

@@ -126,6 +126,11 @@ def test_gguf_file_names_the_file_inside_the_checkpoint_folder(source, tmp_path,
     ):
         with pytest.raises(ConfigError, match=message):
             parse_config(argv)
+    from relax.cli.serve import model_source  # relax serve applies the same rule to its two flags
+
+    assert model_source(str(path.parent), path.name) == str(path)
+    with pytest.raises(ValueError, match="--gguf-file model.safetensors: expected a file name ending in .gguf"):
+        model_source(str(path.parent), "model.safetensors")
     missing = parse_config([*base, "--hf-checkpoint", str(path.parent), "--gguf-file", "absent.gguf"])
     with pytest.raises(ConfigError, match=f"--hf-checkpoint {path.parent / 'absent.gguf'}: no such GGUF file"):
         with_model_folders(missing)
@@ -134,34 +139,16 @@ def test_gguf_file_names_the_file_inside_the_checkpoint_folder(source, tmp_path,
 def test_relax_serve_answers_from_a_gguf_file(source, tmp_path):
     """`relax serve --hf-checkpoint FOLDER --gguf-file NAME` over real HTTP on 127.0.0.1: greedy tokens equal the
     source model's."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     import httpx
 
-    from tests.support.http_servers import free_port, wait_until
+    from tests.support.http_servers import ServeProcess
 
     model, tokenizer, files = source
-    path, port = files["f32"], free_port()
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "PYTHONPATH": str(root), "RELAX_GGUF_CACHE": str(tmp_path / "cache")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(path.parent), "--gguf-file",
-         path.name, "--port", str(port), "--device", "cpu"], cwd=root, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        def up() -> bool:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, 90, "relax serve to answer /health")
+    path = files["f32"]
+    with ServeProcess("--hf-checkpoint", str(path.parent), "--gguf-file", path.name, "--device", "cpu",
+                      env={"RELAX_GGUF_CACHE": str(tmp_path / "cache")}, timeout_s=90) as serving:
         prompt = [int(t) for t in tokenizer("12+34=")["input_ids"]]
-        body = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60, json={
+        body = httpx.post(f"{serving.url}/generate", timeout=60, json={
             "input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
                                                      "ignore_eos": True}}).json()
         served = body["output_ids"]
@@ -169,10 +156,3 @@ def test_relax_serve_answers_from_a_gguf_file(source, tmp_path):
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
                                       min_new_tokens=4)[0, len(prompt):].tolist()
         assert served[:4] == expected
-    finally:
-        process.terminate()
-        try:
-            process.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate(timeout=10)
