@@ -60,11 +60,20 @@ def test_activity_tells_computing_blocked_and_stopped_apart(child):
     assert process_activity(computing.pid) is None  # gone: nothing to observe
 
 
+def _settled(pid: int) -> bool:
+    """Whether ``pid`` is neither runnable nor gaining CPU time over 0.2 s: at its blocking wait, past interpreter
+    start-up (which sleeps on disk reads between bursts of work, so one non-runnable sample does not show it)."""
+    before = process_activity(pid)
+    time.sleep(0.2)
+    after = process_activity(pid)
+    return not before.runnable and not after.runnable and after.cpu_s == before.cpu_s
+
+
 def test_the_judge_waits_for_a_working_process_and_only_for_it(child):
     timeout_s = 1.0
     judge = SilenceJudge(timeout_s)
     computing, blocked = child(COMPUTES), child(BLOCKS)
-    _until(lambda: not process_activity(blocked.pid).runnable)
+    _until(lambda: _settled(blocked.pid))
     for pid in (computing.pid, blocked.pid):
         judge.look(pid)
     time.sleep(0.3)
