@@ -10,6 +10,14 @@ step and peak GPU memory, and prints the ratio of the engine's rollout throughpu
 
     python -m benchmarks.grpo_step_gpu                 # on the H200
     python -m benchmarks.grpo_step_gpu --tiny --device cpu   # smoke test of the script itself
+
+``--compare-overlap`` runs instead, on RL-like response lengths (each sample's length drawn from a log-normal
+with mean ``--mean-response-len``, capped at ``--new-tokens``; fixed seeds, so both runs see the same lengths),
+``relax train`` twice in processes of their own on the same workspace: the synchronous loop (``--colocate`` with
+``--colocate``) and the overlapped ``--colocate-async``, ``--steps`` steps each, and writes seconds per step, their
+ratio and the peak memory per phase to ``benchmarks/results/grpo_step_overlap_gpu.json``:
+
+    python -m benchmarks.grpo_step_gpu --compare-overlap --steps 20 --mean-response-len 256 --new-tokens 2048
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import asyncio
 import json
 import math
 import platform
+import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -111,6 +121,101 @@ def end_responses_early(model, eos_id: int, mean_response_len: int, prompt_len: 
     head[eos_id] = (math.log(vocab) / threshold * direction).to(head.dtype)
 
 
+LENGTH_SIGMA = 1.2  # the log-normal's spread: with a mean of 256 about 1% of responses reach 2,048 tokens
+
+
+def response_length(key: str, mean: float, cap: int) -> int:
+    """A response length drawn from a log-normal of mean ``mean`` (before the cap), seeded by ``key``: RL responses
+    are mostly short with a long tail that sets the rollout's time while the batch thins out."""
+    import random
+
+    draw = random.Random(key).gauss(math.log(mean) - LENGTH_SIGMA ** 2 / 2, LENGTH_SIGMA)
+    return max(1, min(cap, math.ceil(math.exp(draw))))
+
+
+async def rl_lengths_generate(args, sample, sampling_params):
+    """A per-sample generate function (``--custom-generate-function-path``) that decodes each sample to its
+    `response_length` (EOS ignored; the mean from ``$RELAX_BENCH_MEAN_RESPONSE_LEN``, the cap
+    ``--rollout-max-response-len``), keyed by the sample's seed: the same lengths in every run of one config."""
+    import os
+
+    from relax.backends.inference.base import GenerationRequest
+    from relax.rollout.generation.generate import apply_output
+
+    key = f"{sampling_params.seed}-{sample.group_index}-{sample.index}"
+    length = response_length(key, float(os.environ["RELAX_BENCH_MEAN_RESPONSE_LEN"]), args.rollout_max_response_len)
+    request = GenerationRequest(request_id=f"bench-{key}", input_ids=list(sample.tokens),
+                                sampling_params=replace(sampling_params, max_new_tokens=length, ignore_eos=True))
+    (output,) = await args.engine.generate([request])
+    apply_output(sample, output)
+    return sample
+
+
+def compare_overlap(args) -> None:
+    """Sync against ``--colocate-async`` on the RL-like lengths (module doc), each in a `relax train` process."""
+    from benchmarks.modes_gpu import environment, run, summarize
+
+    shape = dict(TINY if args.tiny else SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    warmup = 2 if args.steps > 4 else 1
+    modes = {"sync": ["--colocate"] if args.colocate else [], "overlapped": ["--colocate-async"]}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len, args.device)
+        env = {**environment(""), "RELAX_BENCH_MEAN_RESPONSE_LEN": str(args.mean_response_len)}
+        for mode, flags in modes.items():
+            out = root / mode
+            command = [sys.executable, "-m", "relax.cli.main", "train", "--hf-checkpoint", str(model_dir),
+                       "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
+                       "--custom-rm-path", "benchmarks.grpo_step_gpu:parity_reward",
+                       "--custom-generate-function-path", "benchmarks.grpo_step_gpu:rl_lengths_generate",
+                       "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt",
+                       str(args.samples_per_prompt), "--rollout-max-response-len", str(args.new_tokens),
+                       "--rollout-max-prompt-len", str(args.prompt_len), "--lr", "1e-6", "--rollout-seed", "1",
+                       "--num-rollout", str(args.steps), "--device", args.device, "--use-dynamic-batch-size",
+                       "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--use-tis",
+                       "--save-interval", str(10 * args.steps), "--dump-samples", "0", "--no-use-tensorboard",
+                       "--skip-eval-before-train", "--output-dir", str(out), *flags,
+                       *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+                       *(["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else [])]
+            run(command, env, mode, timeout=3600)
+            summary = summarize(out, warmup)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            summary["peak_gib"] = {key.removeprefix("perf/gpu_peak_gib_"): max(r[key] for r in rows if key in r)
+                                   for key in sorted({k for r in rows for k in r if k.startswith("perf/gpu_peak")})}
+            summary["response_length_mean"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows
+                                                               if "rollout/response_length_mean" in r)
+            summary["response_length_max"] = max(r["rollout/response_length_max"] for r in rows
+                                                 if "rollout/response_length_max" in r)
+            results[mode] = summary
+            print(mode, json.dumps(summary), flush=True)
+    report = {
+        "benchmark": "grpo_step_gpu --compare-overlap",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "model": f"Qwen3-{args.shape.upper()} shape, random init" if not args.tiny else "tiny Qwen3",
+        "sync_s_per_step": round(results["sync"]["s_per_step"], 3),
+        "overlapped_s_per_step": round(results["overlapped"]["s_per_step"], 3),
+        "overlap_speedup": round(results["sync"]["s_per_step"] / results["overlapped"]["s_per_step"], 3),
+        "details": results,
+        "config": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples_per_prompt,
+                   "prompt_len": args.prompt_len, "mean_response_len": args.mean_response_len,
+                   "max_response_len": args.new_tokens, "length_sigma": LENGTH_SIGMA, "steps": args.steps,
+                   "warmup_steps": warmup, "sync": " ".join(modes["sync"]) or "sync, both resident",
+                   "max_tokens_per_gpu": args.max_tokens_per_gpu,
+                   "gradient_checkpointing": args.gradient_checkpointing},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    output = args.output if args.output != RESULTS / "grpo_step_gpu.json" else RESULTS / "grpo_step_overlap_gpu.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    print(f"sync {report['sync_s_per_step']} s/step, overlapped {report['overlapped_s_per_step']} s/step -> "
+          f"{report['overlap_speedup']}x")
+
+
 def active_params(shape: dict) -> int:
     """Parameters a token goes through (the LM head, not the embedding): a MoE layer counts its chosen experts."""
     hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
@@ -176,7 +281,13 @@ def main() -> None:
                         "runner for this model)")
     parser.add_argument("--baseline", default="generate", choices=["generate", "none"],
                         help="time model.generate on the same prompts too")
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="sync against --colocate-async on RL-like lengths (module doc)")
+    parser.add_argument("--mean-response-len", type=int, default=256,
+                        help="--compare-overlap: the mean of the drawn response lengths (capped at --new-tokens)")
     args = parser.parse_args()
+    if args.compare_overlap:
+        return compare_overlap(args)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     shape = dict(TINY if args.tiny else SHAPES[args.shape])
     if args.layers:

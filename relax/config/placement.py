@@ -41,6 +41,15 @@ class PlacementSettings(BaseModel):
         "(docs/modes.md).",
         "mode",
     )
+    colocate_async: bool = setting(
+        False,
+        "Overlapped colocated mode: --fully-async with the embedded engine on the trainer's device, the engine "
+        "generating step s+1 while the trainer trains step s (the trainer on a thread and CUDA stream of its own, "
+        "the engine decoding on the event loop's). --max-staleness defaults to 1 (one step off-policy; TIS and the "
+        "per-token weight versions as in --fully-async). Both stay resident: the offload flags are refused "
+        "(docs/modes.md).",
+        "mode",
+    )
     max_staleness: int = setting(
         0,
         "How many weight versions rollout may run ahead of training (0: each step waits for the previous "
@@ -112,6 +121,22 @@ class PlacementSettings(BaseModel):
         "placement",
         ge=1,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _colocate_async_is_fully_async(cls, settings: Any) -> Any:
+        """--colocate-async is --fully-async on one device, one step off-policy unless --max-staleness says more
+        (as upstream's --hybrid turns on its fully_async internally). Its own misuses are named here, before the
+        fully-async rules would name a flag the user did not pass."""
+        if not isinstance(settings, dict) or not settings.get("colocate_async"):
+            return settings
+        for other in ("hybrid", "colocate"):
+            if settings.get(other):
+                raise ValueError(f"{flag('colocate_async')} and {flag(other)} are exclusive modes")
+        if settings.get("max_staleness") == 0:
+            raise ValueError(f"{flag('colocate_async')} overlaps step s+1's rollout with step s's training: it needs "
+                             f"{flag('max_staleness')} >= 1, got 0 (0 is the synchronous --colocate)")
+        return {**settings, "fully_async": True, "max_staleness": settings.get("max_staleness") or 1}
 
     @field_validator("resource", mode="before")
     @classmethod

@@ -204,3 +204,11 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('use_rollout_routing_replay')}: {self.rollout_engine_protocol} servers do not "
                              f"return routed experts; use {flag('rollout_engine_protocol')} relax or sglang")
         self._check_offload(asynchronous)
+        if self.colocate_async and not self._embedded_rollout:
+            raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine and the trainer on one device; "
+                             f"with {flag('placement')} ray, {flag('rollout_external')} or {flag('rollout_api_port')} "
+                             f"rollout runs elsewhere and overlaps already: use {flag('fully_async')}")
+        if self.colocate_async and self.rollout_serve_replicas:
+            raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine with the trainer; "
+                             f"{flag('rollout_serve_replicas')} serves rollout from other processes: use "
+                             f"{flag('fully_async')}")

@@ -277,6 +277,7 @@ class AsyncController(SyncController):
             logger.warning("step %d: no usable group arrived (all dropped); the weights stay", rollout_id + 1)
         await self.plane.clear(rollout_id)
         metrics.update(self._accounting(rollout_id))
+        metrics.update(self.memory.overlapped_step_metrics())
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = tokens / metrics["perf/step_s"]
         return metrics
@@ -363,4 +364,6 @@ class AsyncController(SyncController):
 
     @property
     def mode(self) -> str:
+        if self.cfg.colocate_async:
+            return "colocate-async"
         return "hybrid" if self.cfg.hybrid else "fully-async"

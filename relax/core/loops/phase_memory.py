@@ -6,7 +6,8 @@ trainer-side teacher) move their weights and optimizer state to host memory befo
 around the weight sync keeps the peak low: the engine's weights come back (as unloaded storage), the actor sends
 its weights into them, the trainers leave, and only then does the KV pool return.
 
-On CUDA each phase's peak allocation is recorded (``perf/gpu_peak_gib_rollout``, ``perf/gpu_peak_gib_train``), and
+On CUDA each phase's peak allocation is recorded (``perf/gpu_peak_gib_rollout``, ``perf/gpu_peak_gib_train``; the async
+modes, whose phases overlap, record ``perf/gpu_peak_gib_step``), and
 what stays allocated between steps (``perf/gpu_allocated_gib``) shows whether anything grows from step to step.
 """
 
@@ -96,6 +97,13 @@ class PhaseMemory:
         await self.engine.resume_memory_occupation(["weights"])
         self.engine_weights_released = False
         return True
+
+    def overlapped_step_metrics(self) -> dict[str, float]:
+        """`step_metrics` of the async modes, whose rollout and training overlap: one peak per step
+        (``perf/gpu_peak_gib_step``) instead of one per phase."""
+        self._record_peak("step")
+        self._start_peak()
+        return self.step_metrics()
 
     def step_metrics(self) -> dict[str, float]:
         """This step's figures (once): peaks per phase, time spent moving memory, and what is allocated now."""

@@ -13,9 +13,14 @@ short-lived event loop of that thread; `OffLoopRole` wraps a role so that its co
 there while everything else (attributes, plain methods such as `Actor.weight_buckets` and `save`)
 stays on the caller's thread. The trainer still awaits each call, so role calls never overlap each other.
 
-It is used only when the rollout runs in other processes (``--rollout-external``,
-``--rollout-serve-replicas``): an embedded engine decodes on the loop thread, and two threads of torch compute in
-one process compete for the CPU (measured 1.7x slower per step on CPU, see `relax.backends.inference.embedded`).
+It is used when the rollout runs in other processes (``--rollout-external``, ``--rollout-serve-replicas``), and
+with ``--colocate-async``, where the embedded engine decodes on the loop thread and the trainer trains beside it on
+the same GPU. On CUDA the thread then computes on a stream of its own, so the trainer's kernels and the engine's
+(on the loop thread's stream) run side by side, and each call waits for its stream's work before it returns: what
+the trainer wrote (the updated weights the loop thread sends to the engine, the metrics) is complete when the loop
+thread sees the result. Without ``--colocate-async`` an embedded engine keeps the trainer on the loop thread: on
+CPU two threads of torch compute in one process compete for the cores (measured 1.7x slower per step, see
+`relax.backends.inference.embedded`).
 """
 
 from __future__ import annotations
@@ -30,25 +35,40 @@ import torch
 
 
 class ComputeThread:
-    """One worker thread that runs coroutines to completion, one at a time."""
+    """One worker thread that runs coroutines to completion, one at a time; on CUDA with ``own_stream``, on a
+    stream of its own (module doc)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, own_stream: bool = False):
+        self._stream = torch.cuda.Stream(device) if own_stream and device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-trainer-compute",
-                                            initializer=_bind_device, initargs=(device,))
+                                            initializer=_bind_device, initargs=(device, self._stream))
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        return self._stream
 
     async def run(self, coroutine_function, *args, **kwargs) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor,
-                                          functools.partial(asyncio.run, coroutine_function(*args, **kwargs)))
+        return await loop.run_in_executor(self._executor, functools.partial(
+            self._run_to_completion, coroutine_function(*args, **kwargs)))
+
+    def _run_to_completion(self, coroutine) -> Any:
+        try:
+            return asyncio.run(coroutine)
+        finally:
+            if self._stream is not None:  # the caller's stream may read what this call wrote
+                self._stream.synchronize()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
 
-def _bind_device(device: torch.device) -> None:
-    # The current CUDA device is per thread; a new thread starts on device 0.
+def _bind_device(device: torch.device, stream: torch.cuda.Stream | None) -> None:
+    # The current CUDA device and stream are per thread; a new thread starts on device 0's default stream.
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if stream is not None:
+        torch.cuda.set_stream(stream)
 
 
 class OffLoopRole:

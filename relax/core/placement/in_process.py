@@ -3,7 +3,9 @@
 Weights are copied into the engines in place (`InProcessWeights`); the asynchronous modes' groups go through an
 in-process data plane (`InProcessFeed`). When the engines live in other processes (external servers, a Serve
 deployment) the rollout only waits on HTTP, so in the async modes the trainer-side roles compute on a thread of
-their own (`relax.core.placement.compute_thread`) and the two overlap.
+their own (`relax.core.placement.compute_thread`) and the two overlap. ``--colocate-async`` does the same with the
+embedded engine: it decodes on the event loop's thread while the trainer computes on its own thread and CUDA stream,
+both on the one device.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class InProcessPlacement:
     def build(cls, cfg: RelaxConfig) -> InProcessPlacement:
         roles = build_roles(cfg)
         compute_thread = None
-        if (cfg.fully_async or cfg.hybrid) and (cfg.rollout_external or cfg.rollout_serve_replicas):
-            compute_thread = ComputeThread(roles.device)
+        if cfg.colocate_async or (
+                (cfg.fully_async or cfg.hybrid) and (cfg.rollout_external or cfg.rollout_serve_replicas)):
+            compute_thread = ComputeThread(roles.device, own_stream=cfg.colocate_async)
             roles = dataclasses.replace(roles, **{
                 name: OffLoopRole(getattr(roles, name), compute_thread)
                 for name in ("actor", "reference", "critic") if getattr(roles, name) is not None})

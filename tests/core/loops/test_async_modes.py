@@ -49,17 +49,22 @@ class RecordingController(AsyncController):
 
 
 def _run(cfg) -> RecordingController:
-    roles = build_roles(cfg)
-    with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
-        controller = RecordingController(cfg, InProcessPlacement(cfg, roles), tracker)
-        asyncio.run(controller.run())
+    placement = InProcessPlacement.build(cfg)
+    try:
+        with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
+            controller = RecordingController(cfg, placement, tracker)
+            asyncio.run(controller.run())
+    finally:
+        placement.close()
     return controller
 
 
-@pytest.mark.parametrize("staleness, partial", [(0, False), (1, False), (2, True)])
-def test_no_trained_sample_is_older_than_max_staleness(tiny_workspace, tmp_path, staleness, partial):
+@pytest.mark.parametrize("mode, staleness, partial", [
+    ("--fully-async", 0, False), ("--fully-async", 1, False), ("--fully-async", 2, True),
+    ("--colocate-async", 1, False), ("--colocate-async", 2, True)])
+def test_no_trained_sample_is_older_than_max_staleness(tiny_workspace, tmp_path, mode, staleness, partial):
     extra = ["--partial-rollout"] if partial else []
-    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--max-staleness", str(staleness),
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, mode, "--max-staleness", str(staleness),
                                        "--num-rollout", "6", "--dump-samples", "0", "--skip-eval-before-train",
                                        *extra))
     controller = _run(cfg)
@@ -80,6 +85,52 @@ def test_no_trained_sample_is_older_than_max_staleness(tiny_workspace, tmp_path,
             assert row["data/produced_groups"] == row["data/consumed_groups"] == 4
             assert row["data/outstanding_groups"] == 0
     assert all(math.isfinite(row["train/loss"]) for row in metrics if "train/loss" in row)
+
+
+@pytest.mark.parametrize("mode, overlaps", [("--colocate-async", True), ("--fully-async", False)])
+def test_colocate_async_decodes_while_the_trainer_computes(tiny_workspace, tmp_path, monkeypatch, mode, overlaps):
+    """--colocate-async: the embedded engine takes decode steps while the trainer computes, on another thread.
+    Each training call holds its thread for 0.3 s (as a long backward would): under --colocate-async the engine's
+    steps go on meanwhile; under plain --fully-async with the embedded engine the trainer shares the loop's thread,
+    so the engine waits for every training call."""
+    import threading
+    import time
+
+    from relax.backends.inference.engine_core.core import EngineCore
+    from relax.components.actor import Actor
+
+    training: list[tuple[float, float, str]] = []
+    engine_steps: list[float] = []
+
+    def held(function):
+        async def wrapper(self, *args, **kwargs):
+            started = time.monotonic()
+            time.sleep(0.3)  # holds the calling thread, not only this task
+            result = await function(self, *args, **kwargs)
+            training.append((started, time.monotonic(), threading.current_thread().name))
+            return result
+        return wrapper
+
+    process = EngineCore._process
+
+    def recorded_process(self, output):
+        engine_steps.append(time.monotonic())
+        return process(self, output)
+
+    for name in ("train", "train_chunk"):
+        monkeypatch.setattr(Actor, name, held(getattr(Actor, name)))
+    monkeypatch.setattr(EngineCore, "_process", recorded_process)
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, mode, "--max-staleness", "1", "--num-rollout", "4",
+                                       "--dump-samples", "0", "--skip-eval-before-train", "--rollout-max-batch-size",
+                                       "4", "--rollout-max-response-len", "16"))
+    _run(cfg)
+    assert training and engine_steps
+    inside = sum(any(start < moment < end for start, end, _ in training) for moment in engine_steps)
+    threads = {thread for _, _, thread in training}
+    if overlaps:
+        assert threads == {"relax-trainer-compute_0"} and inside > 0, (threads, inside)
+    else:
+        assert threads == {threading.main_thread().name} and inside == 0, (threads, inside)
 
 
 class StreamCheckingController(RecordingController):
@@ -234,6 +285,14 @@ def test_hybrid_and_fully_async_runs_from_the_command_line(tiny_workspace, tmp_p
     (["--fully-async", "--mask-offpolicy-in-partial-rollout"], "needs --partial-rollout"),
     (["--fully-async", "--advantage-estimator", "rloo"], "rloo is on-policy"),
     (["--fully-async", "--colocate"], "--colocate is the synchronous mode"),
+    (["--colocate-async", "--hybrid"], "--colocate-async and --hybrid are exclusive"),
+    (["--colocate-async", "--colocate"], "--colocate-async and --colocate are exclusive"),
+    (["--colocate-async", "--max-staleness", "0"], "--colocate-async .* needs --max-staleness >= 1"),
+    (["--colocate-async", "--offload-train"], "--offload-train: the async modes overlap"),
+    (["--colocate-async", "--placement", "ray"], "--colocate-async overlaps the embedded engine .* use --fully-async"),
+    (["--colocate-async", "--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:1"],
+     "--colocate-async overlaps the embedded"),
+    (["--colocate-async", "--rollout-serve-replicas", "2"], "--colocate-async overlaps the embedded engine with"),
 ])
 def test_mode_rules_name_the_flags(flags, message):
     with pytest.raises(ConfigError, match=message):

@@ -48,7 +48,8 @@ def trained_steps(run_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in row]
 
 
-@pytest.mark.parametrize("mode", [[], ["--fully-async", "--max-staleness", "1"]], ids=["sync", "fully-async"])
+@pytest.mark.parametrize("mode", [[], ["--fully-async", "--max-staleness", "1"], ["--colocate-async"]],
+                         ids=["sync", "fully-async", "colocate-async"])
 def test_sigterm_checkpoints_and_load_continues(mode, tiny_workspace, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_train_args(tiny_workspace, run_dir, "--num-rollout", str(STEPS), "--save-interval", "100",
