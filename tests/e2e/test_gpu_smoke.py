@@ -22,6 +22,8 @@ TEXT_CASES = {
                             "--opd-loss-coef", "0.5", "--opd-log-prob-top-k", "4", "--use-tis"],
     "opd-engine-teacher": ["--use-opd", "--teacher-hf-checkpoint", "{teacher}", "--opd-type", "engine", "--use-tis"],
     "fully-async": ["--fully-async", "--max-staleness", "1", "--use-tis"],
+    # the trainer on its own thread and CUDA stream beside the embedded engine
+    "colocate-async": ["--colocate-async", "--use-tis"],
     # the reference and the advantages as streaming roles, groups reported by the engine core as they finish
     "fully-async-streaming-kl": ["--fully-async", "--max-staleness", "1", "--use-tis", "--use-kl-loss",
                                  "--kl-loss-coef", "0.01"],

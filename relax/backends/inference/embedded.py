@@ -344,6 +344,11 @@ class EmbeddedEngine(InferenceEngine):
     async def resume(self, owner: str = PAUSE_OPERATOR) -> None:
         self._pauses.release(owner)
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the core's KV pool (0 for the model-cache runner, whose cache grows with its requests)."""
+        return int(getattr(self.core.runner, "kv_bytes", 0) or 0) if self.core is not None else 0
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free the core's KV pool and CUDA graphs (tag ``kv_cache``) and the storage of every parameter (tag
         ``weights``; the graphs point into the weights, so they go too). Buffers such as rotary tables stay:

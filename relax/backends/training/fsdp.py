@@ -613,6 +613,31 @@ class FSDPTrainBackend(TrainBackend):
         result["lr"] = self.scheduler.get_last_lr()[0]
         return result
 
+    def measure_step_memory(self, token_counts: tuple[int, ...]) -> list[int] | None:
+        """Peak bytes one forward and backward of a sample of each of ``token_counts`` tokens allocates above what
+        was allocated before it (the gradients and the activations of a micro-batch of that size), on CUDA; None
+        elsewhere, or for a pipeline (its stages hold several micro-batches). The probe of the run's memory plan
+        (`relax.core.loops.memory_plan`): every rank calls it at the same point, as a step's collectives need. The
+        weights do not change; the gradients it leaves are dropped."""
+        device = self.settings.device
+        if device.type != "cuda" or self.pipeline is not None or not self.trainable:
+            return None
+        generator = torch.Generator().manual_seed(0)
+        peaks = []
+        for count in token_counts:
+            ids = torch.randint(self.hf_config.vocab_size, (count,), generator=generator).tolist()
+            batch = TrainBatch(tokens=[ids], response_lengths=[count - 1], loss_masks=[[1] * (count - 1)])
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            with rope_scope(self._liger), self._cast_once():
+                outputs = self._per_token_outputs(batch, self.settings.entropy_grad)
+                (outputs.primary.float().sum() * 0.0).backward()
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+            self.model.zero_grad(set_to_none=True)
+        return peaks
+
     def _accumulate_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn, counts: StepCounts,
                               reduce: bool) -> dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch (None: a placeholder); the summed metrics. ``reduce``: the

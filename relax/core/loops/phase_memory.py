@@ -13,13 +13,22 @@ what stays allocated between steps (``perf/gpu_allocated_gib``) shows whether an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relax.backends.inference.base import InferenceEngine
 from relax.backends.training.fsdp import FSDPTrainBackend
+from relax.core.loops.memory_plan import (
+    DeviceMemory,
+    MemoryPlan,
+    StepFootprint,
+    largest_micro_batch_tokens,
+    plan_memory,
+)
 
 logger = logging.getLogger("relax")
 
@@ -28,12 +37,16 @@ GIB = 1024 ** 3
 
 class PhaseMemory:
     def __init__(self, trainers: list[FSDPTrainBackend], engine: InferenceEngine | None, device: torch.device,
-                 offload_train: bool, offload_rollout: bool):
+                 offload_train: bool, offload_rollout: bool, release_kv_while_training: bool = False,
+                 plan: MemoryPlan | None = None):
         self.trainers = trainers
+        self.plan = plan  # the run's memory plan (CUDA with the embedded engine), for the record
         self.engine = engine
         self.device = device
         self.offload_train = offload_train and bool(trainers)
         self.offload_rollout = offload_rollout and engine is not None
+        # The memory plan's choice (`relax.core.loops.memory_plan`): the KV pool alone leaves while training.
+        self.release_kv_while_training = release_kv_while_training and engine is not None and not self.offload_rollout
         self.engine_weights_released = False  # their storage is freed
         self._engine_kv_released = False
         self._metrics: dict[str, float] = {}
@@ -44,7 +57,7 @@ class PhaseMemory:
 
     @property
     def moves_memory(self) -> bool:
-        return self.offload_train or self.offload_rollout
+        return self.offload_train or self.offload_rollout or self.release_kv_while_training
 
     @property
     def _cuda(self) -> bool:
@@ -69,7 +82,7 @@ class PhaseMemory:
         if self.offload_train:
             for trainer in self.trainers:
                 trainer.offload()
-        if self.offload_rollout and self._engine_kv_released:
+        if (self.offload_rollout or self.release_kv_while_training) and self._engine_kv_released:
             await self.engine.resume_memory_occupation(["kv_cache"])
             self._engine_kv_released = False
         self._timed("perf/offload_s", started)
@@ -82,6 +95,9 @@ class PhaseMemory:
         if self.offload_rollout:
             await self.engine.release_memory_occupation(["weights", "kv_cache"])
             self.engine_weights_released = self._engine_kv_released = True
+        elif self.release_kv_while_training:
+            await self.engine.release_memory_occupation(["kv_cache"])
+            self._engine_kv_released = True
         if self.offload_train:  # back at once rather than on first use, so that the time is counted here
             for trainer in self.trainers:
                 trainer.reload()
@@ -130,10 +146,55 @@ def trainer_backends(roles) -> list[FSDPTrainBackend]:
 
 
 def build_phase_memory(cfg, roles) -> PhaseMemory:
-    """From the resolved flags; inert (only the per-phase figures) in the modes that do not offload."""
+    """From the resolved flags and, on CUDA with the embedded engine, the memory plan; inert (only the per-phase
+    figures) in the modes that do not offload."""
     offload_train, offload_rollout = cfg.resolved_offload_train, cfg.resolved_offload_rollout
-    if cfg.loss_type == "sft" or cfg.fully_async or cfg.hybrid or cfg.placement != "in_process":
+    asynchronous = cfg.fully_async or cfg.hybrid
+    if cfg.loss_type == "sft" or asynchronous or cfg.placement != "in_process":
         offload_train = offload_rollout = False
+    plan = plan_for_run(cfg, roles, can_release_kv=not asynchronous, engine_released=offload_rollout)
+    release_kv = plan is not None and plan.release_kv_while_training
+    engine = roles.rollout.engine if offload_rollout or release_kv else None
     trainers = trainer_backends(roles) if offload_train else []
-    engine = roles.rollout.engine if offload_rollout else None
-    return PhaseMemory(trainers, engine, roles.device, offload_train, offload_rollout)
+    return PhaseMemory(trainers, engine, roles.device, offload_train, offload_rollout, release_kv, plan)
+
+
+def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> MemoryPlan | None:
+    """The memory plan of a run whose trainer and embedded engine share this process's GPU (None elsewhere: on
+    CPU, with engines or roles in other processes, for SFT). ``engine_released``: --offload-rollout frees the
+    engine's weights and pool while training already."""
+    engine = getattr(roles.rollout, "engine", None) if roles.rollout is not None else None
+    if roles.device.type != "cuda" or cfg.placement != "in_process" or cfg.loss_type == "sft" \
+            or not hasattr(engine, "kv_pool_bytes"):
+        return None
+    trainers = trainer_backends(roles)
+    tokens = largest_micro_batch_tokens(cfg)
+    probe = (max(64, tokens // 8), max(128, tokens // 4))
+    peaks = [trainer.measure_step_memory(probe) for trainer in trainers if trainer.trainable]
+    peaks = [p for p in peaks if p is not None]
+    if not peaks:
+        return None
+    step = max((StepFootprint.from_two_points(probe, tuple(p)) for p in peaks), key=lambda s: s.peak_bytes(tokens))
+    releasable = engine.kv_pool_bytes + (engine_weight_bytes(engine) if engine_released else 0)
+    device = DeviceMemory(total_bytes=torch.cuda.get_device_properties(roles.device).total_memory,
+                          held_bytes=torch.cuda.memory_allocated(roles.device),
+                          pending_bytes=sum(optimizer_state_bytes(t) for t in trainers), kv_pool_bytes=releasable)
+    plan = plan_memory(device, step, tokens, can_release_kv=can_release_kv or engine_released)
+    if engine_released:  # --offload-rollout frees it all anyway
+        plan = dataclasses.replace(plan, release_kv_while_training=False)
+    logger.info("%s (micro-batches up to %d tokens: %.0f KiB per token%s)", plan.describe(), tokens,
+                step.bytes_per_token / 1024, "" if cfg.rollout_max_prompt_len or cfg.rollout_max_context_len else
+                "; prompts counted as empty: set --rollout-max-prompt-len for a bound on them")
+    return plan
+
+
+def engine_weight_bytes(engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def optimizer_state_bytes(trainer: FSDPTrainBackend) -> int:
+    """What AdamW's two float32 moments will take at the first optimizer step, if not allocated yet."""
+    if trainer.optimizer is None or trainer.optimizer.state:
+        return 0
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in trainer.model.parameters() if p.requires_grad)
+    return sum(2 * 4 * t.numel() for t in local)

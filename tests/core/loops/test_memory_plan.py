@@ -1,0 +1,148 @@
+"""The memory plan of a trainer and an embedded engine on one GPU (`relax.core.loops.memory_plan`): a budget that fits
+changes nothing, one that fits only without the KV pool releases it while training (synchronous loop only), one
+that does not fit stops the run naming the largest budget that does; the phase memory applies the release on a real
+engine; the GPU probe is tested under ``-m gpu``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.config import ConfigError, RelaxConfig
+from relax.core.loops.memory_plan import (
+    HEADROOM,
+    DeviceMemory,
+    StepFootprint,
+    largest_micro_batch_tokens,
+    plan_memory,
+)
+from relax.core.loops.phase_memory import PhaseMemory
+from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
+from tests.core.loops.test_phase_memory import _generate
+
+GIB = 1024 ** 3
+H200 = 141 * GIB
+STEP = StepFootprint(fixed_bytes=2 * GIB, bytes_per_token=3.5 * 1024 * 1024)  # the 0.6B shape, no checkpointing
+
+
+def _device(held_gib: float, kv_gib: float, pending_gib: float = 0.0) -> DeviceMemory:
+    return DeviceMemory(total_bytes=H200, held_bytes=int(held_gib * GIB), pending_bytes=int(pending_gib * GIB),
+                        kv_pool_bytes=int(kv_gib * GIB))
+
+
+def test_a_budget_that_fits_beside_the_pool_changes_nothing():
+    plan = plan_memory(_device(held_gib=50, kv_gib=40), STEP, tokens=16384, can_release_kv=True)
+    assert not plan.release_kv_while_training
+    assert plan.peak_bytes == 50 * GIB + STEP.peak_bytes(16384) <= plan.usable_bytes
+
+
+def test_a_budget_that_fits_only_without_the_pool_releases_it_in_the_sync_loop_and_is_refused_when_overlapped():
+    # The H200 failure: 32,768-token micro-batches beside a resident pool.
+    device = _device(held_gib=50, kv_gib=40, pending_gib=5)
+    plan = plan_memory(device, STEP, tokens=32768, can_release_kv=True)
+    assert plan.release_kv_while_training and plan.peak_bytes <= plan.usable_bytes
+    with pytest.raises(ConfigError) as refused:
+        plan_memory(device, STEP, tokens=32768, can_release_kv=False)
+    message = str(refused.value)
+    for named in ("--max-tokens-per-gpu", "--mem-fraction-static", "--gradient-checkpointing", "--colocate-async",
+                  "32768 tokens", "40.0 GiB"):
+        assert named in message, (named, message)
+
+
+def test_a_budget_that_fits_nowhere_names_a_smaller_model_when_no_token_fits():
+    with pytest.raises(ConfigError, match="a smaller model or more devices"):
+        plan_memory(_device(held_gib=135, kv_gib=0), STEP, tokens=1024, can_release_kv=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(held=st.floats(1, 130), kv_share=st.floats(0, 1), pending=st.floats(0, 20), fixed=st.floats(0, 10),
+       per_token_kib=st.floats(1, 8192), tokens=st.integers(1, 1 << 17), can_release=st.booleans())
+def test_a_plan_always_fits_and_a_refusal_names_the_largest_budget_that_does(held, kv_share, pending, fixed,
+                                                                            per_token_kib, tokens, can_release):
+    device = _device(held_gib=held, kv_gib=held * kv_share, pending_gib=pending)
+    step = StepFootprint(fixed_bytes=int(fixed * GIB), bytes_per_token=per_token_kib * 1024)
+    try:
+        plan = plan_memory(device, step, tokens, can_release)
+    except ConfigError as error:
+        message = str(error)
+        if "--max-tokens-per-gpu " not in message:  # not even one token fits
+            with pytest.raises(ConfigError):
+                plan_memory(device, step, 1, can_release)
+            return
+        fitting = int(message.split("--max-tokens-per-gpu ")[1].split()[0])
+        assert 0 < fitting < tokens
+        fits = plan_memory(device, step, fitting, can_release)  # the suggestion fits ...
+        assert fits.peak_bytes <= fits.usable_bytes
+        with pytest.raises(ConfigError):  # ... and is the largest that does
+            plan_memory(device, step, fitting + 1, can_release)
+        return
+    assert plan.peak_bytes <= plan.usable_bytes == int(H200 * (1 - HEADROOM))
+    assert can_release or not plan.release_kv_while_training
+    if plan.release_kv_while_training:  # released only when keeping it would not fit
+        assert plan.peak_bytes + device.kv_pool_bytes > plan.usable_bytes
+
+
+def test_the_footprint_is_the_line_through_two_probes():
+    step = StepFootprint.from_two_points((1024, 4096), (3 * GIB, 6 * GIB))
+    assert step.bytes_per_token == GIB / 1024 and step.fixed_bytes == 2 * GIB
+    assert step.peak_bytes(8192) == 10 * GIB
+    assert StepFootprint.from_two_points((1024, 4096), (5 * GIB, 4 * GIB)).bytes_per_token == 0.0  # noise
+
+
+@pytest.mark.parametrize("fields, tokens", [
+    ({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 32768, "rollout_max_response_len": 2048}, 32768),
+    ({"use_dynamic_batch_size": True, "max_tokens_per_gpu": 4096, "rollout_max_response_len": 2048,
+      "rollout_max_prompt_len": 512}, 4096),
+    ({"micro_batch_size": 8, "rollout_max_response_len": 512, "rollout_max_prompt_len": 256}, 8 * 768),
+    ({"micro_batch_size": 2, "rollout_max_response_len": 512, "rollout_max_context_len": 4096}, 8192),
+])
+def test_the_largest_micro_batch_follows_the_flags(fields, tokens):
+    cfg = RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", **fields)
+    assert largest_micro_batch_tokens(cfg) == tokens
+
+
+def test_the_phase_memory_releases_only_the_kv_pool_while_training_and_the_engine_samples_the_same():
+    engine = EmbeddedEngine(make_model(seed=0), make_tokenizer(), core=CoreSettings(mode="on"))
+    before = _generate(engine)
+    memory = PhaseMemory([], engine, torch.device("cpu"), offload_train=False, offload_rollout=False,
+                         release_kv_while_training=True)
+    assert memory.moves_memory
+    for _ in range(2):
+        asyncio.run(memory.enter_training())
+        assert engine.core.runner.released and all(p.numel() for p in engine.model.parameters())
+        assert not asyncio.run(memory.before_weight_sync())  # the weights never left: nothing to resend
+        asyncio.run(memory.enter_rollout())
+        assert not engine.core.runner.released
+        assert _generate(engine) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_probe_predicts_the_training_peak_on_cuda(tiny_workspace, tmp_path):
+    """The plan's prediction of the training phase's peak (probe + resident + AdamW's moments) against the peak two
+    real steps reach with the largest micro-batch the flags allow."""
+    from relax.cli.args import parse_config
+    from relax.core.build import build_roles
+    from relax.core.loops.sync import SyncController
+    from relax.core.placement.in_process import InProcessPlacement
+    from relax.telemetry.metrics_file import read_metrics
+    from relax.telemetry.tracking import Tracker
+    from tests.support.runs import tiny_train_args
+
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--num-rollout", "2", "--device", "cuda",
+                                       "--skip-eval-before-train", "--dump-samples", "0",
+                                       "--rollout-max-response-len", "64", "--rollout-max-prompt-len", "64"))
+    roles = build_roles(cfg)
+    with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
+        controller = SyncController(cfg, InProcessPlacement(cfg, roles), tracker)
+        plan = controller.memory.plan
+        assert plan is not None and not plan.release_kv_while_training
+        asyncio.run(controller.run())
+    peak = max(row["perf/gpu_peak_gib_train"] for row in read_metrics(tmp_path / "metrics.jsonl")
+               if "perf/gpu_peak_gib_train" in row) * GIB
+    assert peak <= plan.peak_bytes * 1.1, (peak / GIB, plan.peak_bytes / GIB)
