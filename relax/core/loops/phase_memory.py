@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from relax.backends.inference.base import InferenceEngine
 from relax.backends.training.fsdp import FSDPTrainBackend
+from relax.config import ConfigError, flag
 from relax.core.loops.memory_plan import (
     DeviceMemory,
     MemoryPlan,
@@ -170,7 +171,15 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
     trainers = trainer_backends(roles)
     tokens = largest_micro_batch_tokens(cfg)
     probe = (max(64, tokens // 8), max(128, tokens // 4))
-    peaks = [trainer.measure_step_memory(probe) for trainer in trainers if trainer.trainable]
+    try:
+        peaks = [trainer.measure_step_memory(probe) for trainer in trainers if trainer.trainable]
+    except torch.cuda.OutOfMemoryError:
+        raise ConfigError(f"the training step does not fit on the device: even a micro-batch of {probe[1]} tokens "
+                          f"(a quarter of the largest the flags allow, {tokens}) ran out of memory beside the engine; "
+                          f"lower {flag('max_tokens_per_gpu')} or the KV pool ({flag('mem_fraction_static')}), or "
+                          f"use {flag('gradient_checkpointing')}") from None
+    finally:
+        torch.cuda.empty_cache()  # the probe's blocks, cached for this thread's stream, go back to the device
     peaks = [p for p in peaks if p is not None]
     if not peaks:
         return None
