@@ -6,7 +6,10 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
 - ``core``: `EmbeddedEngine` on its engine core (paged KV pool, continuous batching, decode in CUDA graphs);
 - ``previous``: `EmbeddedEngine` on the core's runner over the model's own forward and cache (``CoreSettings(mode=
   "off")``; until 2026-12-03 a decode loop of its own, which results from before that date measured);
-- ``generate``: ``model.generate`` (sampling, static batch), the plain baseline.
+- ``generate``: ``model.generate`` (sampling, static batch), the plain baseline;
+- ``core_fp8`` (when named in ``--only``): the engine core with ``--rollout-fp8`` (`engine_core.fp8`), with the
+  mismatch of its samples against the bf16 model (k1 KL and mean |delta log-prob| per token, teacher-forced on the
+  first 32 sequences): the figure ``--use-tis`` reports in training.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured). Tokens/s counts new tokens over the
 wall time of the call (prefill included). The HBM bound of a setting is the decode-only time of reading, at
@@ -108,6 +111,29 @@ def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str)
     return {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
 
 
+def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
+    """The core with FP8 linears, and its samples' log-probs against the bf16 model's (the rollout/trainer
+    mismatch); the model's linears are restored afterwards."""
+    from relax.backends.inference.base import ScoreRequest
+
+    pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                            core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512, fp8=True))
+    timing = time_engine(engine, prompts, args.new_tokens, args.device)
+    outputs = asyncio.run(engine.generate(requests_for(prompts[:32], args.new_tokens, "mismatch")))
+    engine.fp8.remove()
+    del engine
+    scorer = EmbeddedEngine(model, tokenizer, max_batch_size=4, core=CoreSettings(mode="off", max_total_tokens=4096))
+    scored = asyncio.run(scorer.score([ScoreRequest(list(prompt) + list(output.output_ids), len(output.output_ids))
+                                       for prompt, output in zip(prompts[:32], outputs)]))
+    del scorer
+    deltas = torch.tensor([a - b for output, score in zip(outputs, scored)
+                           for a, b in zip(output.output_log_probs, score.log_probs)])
+    timing["mismatch_k1_kl"] = deltas.mean().item()  # E_fp8[log p_fp8 - log p_bf16]
+    timing["mismatch_mean_abs_log_prob_delta"] = deltas.abs().mean().item()
+    return timing
+
+
 def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(SHAPES[shape_name], device, dtype)
@@ -124,6 +150,8 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             torch.cuda.reset_peak_memory_stats()
         if name == "generate":
             timing = time_generate(model, prompts, args.new_tokens, device)
+        elif name == "core_fp8":
+            timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
             mode = "on" if name == "core" else "off"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
@@ -139,6 +167,8 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
               f"({timing['seconds']:.2f} s; {100 * timing['fraction_of_hbm_bound']:.1f}% of the HBM bound "
               f"{bound:,.0f}) {timing.get('host_ms_per_decode_step', '')}", flush=True)
     core = result.get("core", {}).get("tokens_per_s")
+    if core and "core_fp8" in result:
+        result["speedup_fp8_vs_bf16"] = result["core_fp8"]["tokens_per_s"] / core
     for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
         if core and baseline in result:
             result[key] = core / result[baseline]["tokens_per_s"]
@@ -170,7 +200,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "previous", "generate"])
+                        choices=["core", "core_fp8", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -200,14 +230,16 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "previous", "generate"):
+        for name in ("core", "core_fp8", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
-        for key in ("speedup_vs_generate", "speedup_vs_previous"):
+        for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 2)
         if "core" in row:
             summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
+        if "core_fp8" in row:
+            summary[f"{prefix}_fp8_mismatch_k1_kl"] = row["core_fp8"]["mismatch_k1_kl"]
     Path(args.out).write_text(json.dumps({**summary, "settings": rows}, indent=2) + "\n")
     return summary
 

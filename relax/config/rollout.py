@@ -31,6 +31,15 @@ class RolloutSettings(BaseModel):
         "every model.",
         "rollout",
     )
+    rollout_fp8: bool = setting(
+        False, "The embedded engine core's decoder projections in FP8 (e4m3, a scale per output channel, activations "
+        "scaled per token, torch._scaled_mm), requantised from the synced weights at every weight sync; embeddings, "
+        "attention, the KV cache and the LM head stay in the model's dtype. Halves the weight bytes decoding reads "
+        "(Hopper or newer on CUDA). The rollout then differs from the bf16 trainer by more than rounding: use "
+        "--use-tis, which corrects it and reports it (train/tis_mismatch_kl). Paged engine core only "
+        "(docs/engines.md).",
+        "rollout",
+    )
     mem_fraction_static: float = setting(
         0.4,
         "On CUDA, the share of the device memory free when the engine starts (after its weights, a colocated "

@@ -208,6 +208,12 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine and the trainer on one device; "
                              f"with {flag('placement')} ray, {flag('rollout_external')} or {flag('rollout_api_port')} "
                              f"rollout runs elsewhere and overlaps already: use {flag('fully_async')}")
+        if self.rollout_fp8 and self.engine_core == "off":
+            raise ValueError(f"{flag('rollout_fp8')} runs on the paged engine core; {flag('engine_core')} off "
+                             "serves the model's own forward")
+        if self.rollout_fp8 and self.rollout_external:
+            raise ValueError(f"{flag('rollout_fp8')} quantises the embedded engine; with {flag('rollout_external')} "
+                             "the servers quantise their own weights (SGLang's --quantization fp8)")
         if self.colocate_async and self.rollout_serve_replicas:
             raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine with the trainer; "
                              f"{flag('rollout_serve_replicas')} serves rollout from other processes: use "

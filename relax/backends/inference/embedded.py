@@ -54,6 +54,7 @@ from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.cache_runner import CacheRunner
 from relax.backends.inference.engine_core.core import EngineCore
 from relax.backends.inference.engine_core.decoder import TextDecoder, unsupported_reason
+from relax.backends.inference.engine_core.fp8 import Fp8Linears
 from relax.backends.inference.engine_core.media import MediaEncoder
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
 from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
@@ -79,7 +80,7 @@ class CoreSettings:
     trainer's and other engines'); ``max_total_tokens`` sets the pool's size in tokens instead (default on CPU:
     65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
     most. ``page_size``: token slots per KV block. ``cuda_graphs``: decode in CUDA graphs up to
-    ``max_graph_batch`` sequences.
+    ``max_graph_batch`` sequences. ``fp8``: the decoder's projections in FP8 (`engine_core.fp8`; paged runner only).
     """
 
     mode: str = "auto"
@@ -89,6 +90,7 @@ class CoreSettings:
     page_size: int = 16
     cuda_graphs: bool = True
     max_graph_batch: int = 256
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
@@ -188,7 +190,11 @@ class EmbeddedEngine(InferenceEngine):
             raise ValueError(f"--engine-core on: the paged engine core cannot run {type(self.model).__name__}: "
                              f"{reason} (--engine-core auto serves it on the model-cache runner)")
         self.core_unavailable_reason = reason
+        self.fp8: Fp8Linears | None = None
         running = self.max_batch_size or 1024
+        if reason is not None and settings.fp8:
+            raise ValueError(f"--rollout-fp8 runs on the paged engine core, which cannot run "
+                             f"{type(self.model).__name__}: {reason}")
         if reason is not None:
             runner = CacheRunner(self.model, self._pad_token_id, self._suppressed_ids, self._routing, running)
             return EngineCore(runner, None, CohortScheduler(running), self.tokenizer, self._eos_token_ids,
@@ -196,6 +202,8 @@ class EmbeddedEngine(InferenceEngine):
         max_positions = int(self.model.config.get_text_config().max_position_embeddings)
         decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device),
                               suppressed_ids=self._suppressed_ids)
+        # before the runner captures its CUDA graphs, which then read the FP8 buffers that syncs refill in place
+        self.fp8 = Fp8Linears(decoder.layers) if settings.fp8 else None
         media = MediaEncoder(self.model, decoder.text_model) if self._media_tokens.ids else None
         dtype = next(self.model.parameters()).dtype
         token_bytes = 2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * dtype.itemsize
@@ -414,6 +422,8 @@ class EmbeddedEngine(InferenceEngine):
                     )
                 target.copy_(tensor)
                 self._unloaded_weights.discard(target)
+            if self.fp8 is not None:
+                self.fp8.requantize()
         self._weight_version = version
         self.core.on_weights_updated()
 

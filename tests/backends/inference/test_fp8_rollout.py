@@ -1,0 +1,142 @@
+"""FP8 rollout (`relax.backends.inference.engine_core.fp8`, ``--rollout-fp8``): row-wise quantisation within e4m3's
+rounding, FP8 linears close to the full-precision ones, an FP8 engine whose log-probs stay near the full-precision
+engine's, and weight syncs that requantise in place (an updated FP8 engine samples exactly as one built from the new
+weights). torch's ``_scaled_mm`` runs on CPU, so these run everywhere; the GPU test compares with bf16 on CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from relax.backends.inference.base import GenerationRequest, SamplingParams, ScoreRequest
+from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.backends.inference.engine_core.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
+from relax.cli.args import parse_config
+from relax.config import ConfigError
+from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
+
+# e4m3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself; below 2^-6 (subnormal) the spacing is
+# a fixed 2^-9 of the row's scale.
+RELATIVE = 2.0 ** -4
+SUBNORMAL_STEP = 2.0 ** -9
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays("float32", st.tuples(st.integers(1, 6), st.integers(1, 40)),
+              elements=st.floats(-1e4, 1e4, allow_nan=False, width=32)),
+       st.sampled_from([1e-6, 1.0, 1e3]))
+def test_rows_quantise_within_e4m3_rounding(values, magnitude):
+    matrix = torch.from_numpy(values) * magnitude
+    quantized, scale = quantize_rows(matrix)
+    assert quantized.dtype == FP8 and scale.shape == (matrix.shape[0], 1)
+    restored = quantized.float() * scale
+    amax = matrix.abs().amax(dim=1, keepdim=True)
+    assert torch.all(restored.abs().amax(dim=1, keepdim=True) <= amax * (1 + RELATIVE) + 1e-30)
+    bound = matrix.abs() * RELATIVE + scale * SUBNORMAL_STEP
+    assert torch.all((restored - matrix).abs() <= bound * 1.0001), (restored - matrix).abs().max()
+    assert torch.all(restored[amax.squeeze(1) == 0] == 0)  # a zero row stays zero (no 0 / 0)
+
+
+def test_the_largest_value_of_a_row_maps_to_the_largest_fp8():
+    quantized, scale = quantize_rows(torch.tensor([[1.0, -3.0, 0.5], [0.0, 0.0, 0.0]]))
+    assert quantized[0].float().abs().max() == FP8_MAX and math.isclose(scale[0, 0].item(), 3.0 / FP8_MAX, rel_tol=1e-6)
+
+
+def test_an_fp8_linear_is_close_to_the_full_precision_one():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(3, 7, 64), torch.randn(48, 64) * 0.05, torch.randn(48)
+    exact = torch.nn.functional.linear(x, weight, bias)
+    w8, scale = quantize_rows(weight)
+    approx = fp8_linear(x, w8, scale, bias)
+    assert approx.shape == exact.shape
+    assert ((approx - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_the_fp8_product_is_the_product_of_the_dequantised_operands():
+    """`_scaled_mm` with row-wise scales equals the float32 product of what the two FP8 operands stand for: the
+    scales are applied to the right rows and columns, and what is left is FP8's rounding alone."""
+    torch.manual_seed(1)
+    x, weight = torch.randn(5, 64) * 3, torch.randn(48, 64) * 0.02
+    w8, w_scale = quantize_rows(weight)
+    x8, x_scale = quantize_rows(x)
+    expected = (x8.float() * x_scale) @ (w8.float() * w_scale).t()
+    torch.testing.assert_close(fp8_linear(x, w8, w_scale, None), expected, rtol=1e-5, atol=1e-6)
+
+
+def _requests(n: int = 4, tokens: int = 12) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", [3 + (i * 5 + j) % 40 for j in range(4 + i)],
+                              SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=7 + i)) for i in range(n)]
+
+
+def _outputs(engine: EmbeddedEngine):
+    return [(o.output_ids, o.output_log_probs) for o in asyncio.run(engine.generate(_requests()))]
+
+
+def _engine(seed: int, fp8: bool) -> EmbeddedEngine:
+    return EmbeddedEngine(make_model(seed), make_tokenizer(), core=CoreSettings(mode="on", fp8=fp8))
+
+
+def _realistic_model(seed: int) -> Qwen3ForCausalLM:
+    """A model with the usual initialisation (std 0.02): the conftest's tiny engine model is initialised wide
+    (0.3) for peaked distributions, which makes every rounding error large."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def test_an_fp8_engine_scores_near_the_full_precision_one():
+    """Teacher-forced log-probs of the same sequences, FP8 engine against full precision: FP8's rounding of weights
+    and activations, not a wrong scale or layout (which would move them by whole nats)."""
+    exact = EmbeddedEngine(_realistic_model(0), make_tokenizer(), core=CoreSettings(mode="on"))
+    fp8 = EmbeddedEngine(_realistic_model(0), make_tokenizer(), core=CoreSettings(mode="on", fp8=True))
+    assert fp8.fp8 is not None and len(fp8.fp8.linears) == 4 * 7
+    sequences = [ScoreRequest([3 + (i * 7 + j * 3) % 60 for j in range(24)], response_length=16) for i in range(4)]
+    reference = [o.log_probs for o in asyncio.run(exact.score(sequences))]
+    approx = [o.log_probs for o in asyncio.run(fp8.score(sequences))]
+    deltas = torch.tensor(reference) - torch.tensor(approx)
+    assert 0 < deltas.abs().mean().item() < 0.05 and deltas.abs().max().item() < 0.2, deltas.abs().max()
+
+
+def test_a_weight_sync_requantises_in_place():
+    engine = _engine(0, fp8=True)
+    buffers = [linear.fp8_weight.data_ptr() for linear in engine.fp8.linears]
+    before = _outputs(engine)
+    new_weights = dict(make_model(seed=1).named_parameters())
+    asyncio.run(engine.update_weights(new_weights.items(), version=1))
+    assert [linear.fp8_weight.data_ptr() for linear in engine.fp8.linears] == buffers  # the same buffers
+    after = _outputs(engine)
+    assert after != before
+    assert after == _outputs(_engine(1, fp8=True))  # as an engine built from the new weights, exactly
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rollout-fp8", "--engine-core", "off"], "--rollout-fp8 runs on the paged engine core"),
+    (["--rollout-fp8", "--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:1"],
+     "--rollout-fp8 quantises the embedded engine"),
+])
+def test_rollout_fp8_is_refused_where_it_cannot_act(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--n-samples-per-prompt", "4", "--num-rollout", "2", *flags])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_on_cuda_is_close_to_bf16():
+    """On CUDA (cuBLASLt's FP8 GEMM, bf16 model): the first token's log-prob within 0.1 of the bf16 engine's."""
+    def engine(fp8: bool) -> EmbeddedEngine:
+        model = make_model(0).to("cuda", torch.bfloat16)
+        return EmbeddedEngine(model, make_tokenizer(), core=CoreSettings(mode="on", fp8=fp8))
+
+    reference, approx = _outputs(engine(False)), _outputs(engine(True))
+    for (ids, lp), (ids8, lp8) in zip(reference, approx):
+        if ids[0] == ids8[0]:
+            assert abs(lp[0] - lp8[0]) < 0.1
