@@ -1,9 +1,11 @@
-"""The agent gateway: an OpenAI-compatible ``/v1/chat/completions`` through which an external agent program
-drives the policy, while Relax records the session's trajectory token-in/token-out for training.
+"""The agent gateway: OpenAI's ``/v1/chat/completions`` and ``/v1/responses`` and Anthropic's ``/v1/messages``,
+through which an external agent program drives the policy, while Relax records the session's trajectory
+token-in/token-out for training. The Responses and Messages requests are translated into the chat form
+(`relax.rollout.agentic.responses_api`, `relax.rollout.agentic.messages_api`) and run as the same turns.
 
 One gateway serves many sessions. A session is opened per sample (`AgentGateway.open_session`); its id is an
 unguessable token that the agent sends as its API key (``Authorization: Bearer <session id>``). Unknown or closed
-sessions get 401; the token is never logged or echoed.
+sessions get 401; the token is never logged or echoed. Anthropic clients send it as ``x-api-key``, which is taken too.
 
 Token-in/token-out: every request replays the whole conversation. The gateway checks that the history is the
 recorded one (earlier assistant messages equal, as text and tool calls, to what the model generated) followed by
@@ -31,14 +33,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
+from relax.rollout.agentic.chat_request import (
+    AgentChatRequest,
+    AgentMessage,
+    GatewayError,
+    ToolCall,
+)
+from relax.rollout.agentic import messages_api, responses_api
 from relax.rollout.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
 from relax.utils.http_server import EmbeddedServer, HTTPLimits, client_gone, uvicorn_config
 
@@ -51,74 +59,18 @@ START_TIMEOUT_S = 30.0
 SSE_HEARTBEAT_S = 15.0  # a buffered stream sends SSE comments while the turn generates, as upstream
 
 
-class GatewayError(Exception):
-    """An HTTP error answered in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error_response(status: int, message: str, param: str | None = None, path: str = "") -> JSONResponse:
+    """An error in the shape of the protocol of ``path``: Anthropic's for /v1/messages, OpenAI's otherwise."""
+    if path.endswith("/v1/messages"):
+        return JSONResponse(messages_api.error_body(status, message), status_code=status)
     kind = {400: "invalid_request_error", 401: "authentication_error", 409: "conflict"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
 
 
-# ----------------------------------------------------------------------------- request bodies
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # agents send many OpenAI options that do not apply here
-
-
-class FunctionCall(_Body):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCall(_Body):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AgentMessage(_Body):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def text(self, index: int) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise GatewayError(400, f"messages[{index}].content: parts of type {part.get('type')!r} are not "
-                                        "supported (text only)", f"messages.{index}.content")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class AgentChatRequest(_Body):
-    """The fields of an OpenAI chat request that the gateway reads. Temperature and top-p are accepted and ignored:
-    the training config decides how the policy samples."""
-
-    messages: list[AgentMessage] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)  # one session records one trajectory
-    tools: list[dict[str, Any]] | None = None
-    logprobs: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+# What the routes document besides their 200 (the fuzz tests hold them to it).
+_ERRORS = {400: {"description": "a bad body, or a history that does not extend the session's"},
+           401: {"description": "unknown or closed session"}, 413: {"description": "body too large"}}
 
 
 # ----------------------------------------------------------------------------- chat template
@@ -266,6 +218,9 @@ class Session:
         self._lock = asyncio.Lock()  # one turn at a time: each turn extends the previous one
         self._in_flight: str | None = None
         self._last_output_ids: list[int] = []  # the previous model turn, to close its assistant message
+        # The messages after each of the last two turns, by the turn's completion id: a Responses client names the
+        # last one in previous_response_id, or the one before when it retries the last turn.
+        self._histories: dict[str, list[AgentMessage]] = {}
         self.closed = False
 
     async def run_turn(self, body: AgentChatRequest) -> dict[str, Any]:
@@ -277,11 +232,22 @@ class Session:
             turn = self._prepare(body, comparables)
             output = await self._generate(turn)
             content, tool_calls = self._gateway.split_tool_calls(output.text)
-            self._record(turn, output, content, tool_calls)
+            assistant = self._record(turn, output, content, tool_calls)
             response = _chat_completion(self._gateway.model_name, turn, output, content, tool_calls,
                                         body.logprobs, self._gateway.template.tokenizer)
             self._last_turn = (comparables, response)
+            if assistant is not None:
+                self._histories = {**{key: value for key, value in list(self._histories.items())[-1:]},
+                                   response["id"]: [*body.messages, assistant]}
             return response
+
+    def history_after(self, completion_id: str, param: str) -> list[AgentMessage]:
+        """The messages after the turn ``completion_id`` (one of the last two); 400 naming ``param`` otherwise."""
+        history = self._histories.get(completion_id)
+        if history is None:
+            raise GatewayError(400, f"{param}: not this session's last response (a session is one linear "
+                                    "trajectory: continue from its last response, or open a new session)", param)
+        return list(history)
 
     def _prepare(self, body: AgentChatRequest, comparables: list[tuple]) -> _PreparedTurn:
         template = self._gateway.template
@@ -336,10 +302,11 @@ class Session:
         return output
 
     def _record(self, turn: _PreparedTurn, output: GenerationOutput, content: str,
-                tool_calls: list[dict[str, Any]]) -> None:
+                tool_calls: list[dict[str, Any]]) -> AgentMessage | None:
+        """Append the turn to the trajectory; the model's message (None when the session was closed meanwhile)."""
         trajectory = self.trajectory
         if self.closed:
-            return  # the agent was stopped while this turn generated: the sample is already built
+            return None  # the agent was stopped while this turn generated: the sample is already built
         versions = list(output.output_weight_versions or [output.weight_version] * len(output.output_ids))
         if trajectory.turns == 0:
             trajectory.prompt_ids = list(turn.input_ids)
@@ -354,6 +321,7 @@ class Session:
         assistant = AgentMessage(role="assistant", content=content,
                                  tool_calls=[ToolCall.model_validate(call) for call in tool_calls] or None)
         self._messages = turn.comparables + [_comparable(assistant, len(turn.comparables))]
+        return assistant
 
     async def abort(self) -> None:
         self.closed = True
@@ -403,7 +371,8 @@ def openai_tool_calls(parser: ToolCallParser) -> Callable[[str], tuple[str, list
 
 
 class AgentGateway:
-    """Serves ``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1 (a free port) in the running event loop.
+    """Serves ``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages`` and ``/v1/models`` (and its OpenAPI
+    schema at ``/openapi.json``) on 127.0.0.1 (a free port) in the running event loop.
 
     ``tokenizer`` (with a chat template) encodes the messages; ``split_tool_calls(text) -> (content, tool_calls)``
     turns a model turn into an OpenAI message (default: Hermes/Qwen ``<tool_call>`` blocks, `openai_tool_calls`).
@@ -477,71 +446,106 @@ class AgentGateway:
     # ------------------------------------------------------------------------- HTTP
 
     def _session_of(self, request: Request) -> Session:
+        """The session whose id the request carries as its API key: ``Authorization: Bearer`` (OpenAI clients) or
+        ``x-api-key`` (Anthropic clients)."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        session = self.sessions.get(token.strip()) if scheme.lower() == "bearer" else None
+        key = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        session = self.sessions.get(key) if key else None
         if session is None:
-            raise GatewayError(401, "unknown or closed session: send Authorization: Bearer $RELAX_SESSION_ID")
+            raise GatewayError(401, "unknown or closed session: send Authorization: Bearer $RELAX_SESSION_ID (or "
+                                    "x-api-key: $RELAX_SESSION_ID)")
         return session
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="relax agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="relax agent gateway", docs_url=None, redoc_url=None)
 
         @app.exception_handler(RequestValidationError)
-        async def _invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
             problems = [(".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body",
                          str(item.get("msg", "")).removeprefix("Value error, ")) for item in error.errors()]
             message = "; ".join(f"{where}: {what}" for where, what in problems) or "invalid request body"
-            return _error_response(400, message, problems[0][0] if problems else None)
+            return _error_response(400, message, problems[0][0] if problems else None, request.url.path)
 
         @app.exception_handler(GatewayError)
-        async def _gateway_error(_: Request, error: GatewayError) -> JSONResponse:
-            return _error_response(error.status, error.message, error.param)
+        async def _gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+            return _error_response(error.status, error.message, error.param, request.url.path)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses=_ERRORS)
         async def models(request: Request) -> dict[str, Any]:
             self._session_of(request)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "relax"}]}
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", responses=_ERRORS)
         async def chat_completions(body: AgentChatRequest, request: Request) -> Any:
             session = self._session_of(request)
             if body.stream:
-                return await _buffered_stream(session, body)
-            # An agent that goes away mid-turn (killed, timed out) leaves no one to read the turn: it is aborted
-            # (recorded as it stands, finish "abort"), not decoded to its end.
-            turn = asyncio.ensure_future(session.run_turn(body))
-            gone = asyncio.ensure_future(client_gone(request.receive))
-            try:
-                await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not turn.done():
-                    await session.abort_turn()
-            if not turn.done():
-                await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
-                return Response(status_code=499)
-            return turn.result()
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return await _buffered_stream(session, body, lambda done: [
+                    f"data: {json.dumps(chunk)}\n\n" for chunk in _stream_chunks(done, include_usage)
+                ] + ["data: [DONE]\n\n"], _chat_stream_error)
+            return await _turn_unless_gone(session, body, request)
+
+        @app.post("/v1/responses", responses=_ERRORS)
+        async def responses(body: responses_api.ResponsesRequest, request: Request) -> Any:
+            session = self._session_of(request)
+            history = [] if body.previous_response_id is None else session.history_after(
+                "chatcmpl-" + body.previous_response_id.removeprefix("resp_"), "previous_response_id")
+            chat = body.to_chat(history)
+            if body.stream:
+                return await _buffered_stream(session, chat, lambda done: responses_api.stream_events(done, body),
+                                              responses_api.stream_error)
+            completion = await _turn_unless_gone(session, chat, request)
+            return completion if isinstance(completion, Response) else responses_api.response_object(completion, body)
+
+        @app.post("/v1/messages", responses=_ERRORS)
+        async def messages(body: messages_api.MessagesRequest, request: Request) -> Any:
+            session = self._session_of(request)
+            chat = body.to_chat()
+            if body.stream:
+                return await _buffered_stream(session, chat, messages_api.stream_events, messages_api.stream_error,
+                                              heartbeat=messages_api.PING)
+            completion = await _turn_unless_gone(session, chat, request)
+            return completion if isinstance(completion, Response) else messages_api.message_response(completion)
 
         return app
+
+
+async def _turn_unless_gone(session: Session, body: AgentChatRequest, request: Request) -> dict[str, Any] | Response:
+    """The turn's chat completion; an agent that goes away mid-turn (killed, timed out) leaves no one to read the
+    turn: it is aborted (recorded as it stands, finish "abort"), not decoded to its end, and answered 499."""
+    turn = asyncio.ensure_future(session.run_turn(body))
+    gone = asyncio.ensure_future(client_gone(request.receive))
+    try:
+        await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not turn.done():
+            await session.abort_turn()
+    if not turn.done():
+        await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
+        return Response(status_code=499)
+    return turn.result()
 
 
 _ABORTS: set[asyncio.Task] = set()  # aborts started from cancelled streams, kept until they end
 
 
-async def _buffered_stream(session: Session, body: AgentChatRequest) -> Any:
-    """``stream: true``: the whole turn as one SSE chunk, then ``[DONE]``; heartbeat comments while it generates.
-    Errors found before the first heartbeat (a bad history) are still plain HTTP errors."""
+async def _buffered_stream(session: Session, body: AgentChatRequest,
+                           events_of: Callable[[dict[str, Any]], list[str]],
+                           error_event: Callable[[GatewayError], str], heartbeat: str = ": keep-alive\n\n") -> Any:
+    """``stream: true``: the whole turn as the protocol's events (``events_of`` the turn's chat completion: SSE
+    text), ``heartbeat`` while it generates. Errors found before the first heartbeat (a bad history) are still plain
+    HTTP errors; later ones are ``error_event``."""
     turn = asyncio.ensure_future(session.run_turn(body))
     done, _ = await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
     if done and turn.exception() is not None:
         raise turn.exception()  # type: ignore[misc]
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def events() -> AsyncIterator[str]:
         try:
             while not turn.done():
-                yield ": keep-alive\n\n"
+                yield heartbeat
                 await asyncio.wait({turn}, timeout=SSE_HEARTBEAT_S)
         finally:  # the agent went away mid-turn (the response was cancelled): the turn is aborted
             if not turn.done():  # in a task of its own: an await here would be cancelled with the response
@@ -551,13 +555,16 @@ async def _buffered_stream(session: Session, body: AgentChatRequest) -> Any:
         try:
             response = turn.result()
         except GatewayError as error:
-            yield f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
+            yield error_event(error)
             return
-        for chunk in _stream_chunks(response, include_usage):
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        for event in events_of(response):
+            yield event
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _chat_stream_error(error: GatewayError) -> str:
+    return f"data: {json.dumps({'error': {'message': error.message, 'code': error.status}})}\n\n"
 
 
 def _stream_chunks(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ generate contract, and a vision-language episode whose observation adds an image
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -273,9 +272,8 @@ def test_the_first_turn_is_capped_by_the_context_budget(engine, tokenizer):
 @pytest.mark.parametrize("kind", ["raises", "hangs", "async_hangs", "build_raises"])
 def test_an_environment_that_raises_or_hangs_fails_its_sample(engine, tokenizer, kind):
     cfg = config(rollout_interaction_env_path=f"{HERE}:build_failing_env", env_step_timeout=0.3)
-    started = time.monotonic()
+    # (no clock: a hang cut by --env-step-timeout fails with that message, one waited out would not fail at all)
     samples = run(engine, tokenizer, prompt_samples(tokenizer, 2, env=kind), cfg, sampling(tokenizer))
-    assert time.monotonic() - started < 4
     expected_error = {"raises": "RuntimeError: the tool crashed", "hangs": "did not return within --env-step-timeout",
                       "async_hangs": "did not return within --env-step-timeout",
                       "build_raises": "ValueError: no such task"}[kind]
