@@ -128,9 +128,21 @@ class RolloutSettings(BaseModel):
         None,
         "The external agent program of `--custom-generate-function-path relax.rollout.agentic.agent_rollout:generate`"
         ", split like a shell would (no shell runs it), e.g. `python my_agent.py --tries 2`. It runs once per sample "
-        "and talks to the policy through the agent gateway's /v1/chat/completions (RELAX_BASE_URL, "
-        "RELAX_SESSION_ID); see docs/agentic.md.",
+        "and talks to the policy through the agent gateway's /v1/chat/completions, /v1/responses or /v1/messages "
+        "(RELAX_BASE_URL, RELAX_SESSION_ID); see docs/agentic.md.",
         "rollout",
+    )
+    agentic_session_lifecycle: bool = setting(
+        False,
+        "The embedded engine keeps each agent session's K/V (its prompt and answers) from one turn to the next, so a "
+        "turn prefills only its new messages, and lets go of it when the session ends (the agent program's or the "
+        "multi-turn episode's end), after --agentic-session-idle-timeout, on a weight update, or for room before any "
+        "running request would be preempted (upstream's flag; docs/agentic.md).",
+        "rollout",
+    )
+    agentic_session_idle_timeout: float = setting(
+        300.0, "Seconds without a turn after which a session's kept K/V is let go (--agentic-session-lifecycle).",
+        "rollout", gt=0,
     )
     agent_timeout: float = setting(
         600.0,

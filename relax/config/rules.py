@@ -208,6 +208,8 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine and the trainer on one device; "
                              f"with {flag('placement')} ray, {flag('rollout_external')} or {flag('rollout_api_port')} "
                              f"rollout runs elsewhere and overlaps already: use {flag('fully_async')}")
+        if self.changed("agentic_session_idle_timeout") and not self.agentic_session_lifecycle:
+            raise ValueError(f"{flag('agentic_session_idle_timeout')} needs {flag('agentic_session_lifecycle')}")
         if self.rollout_fp8 and self.engine_core == "off":
             raise ValueError(f"{flag('rollout_fp8')} runs on the paged engine core; {flag('engine_core')} off "
                              "serves the model's own forward")

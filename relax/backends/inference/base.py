@@ -85,6 +85,9 @@ class GenerationRequest:
     on_token: Callable[[int, float], None] | None = field(default=None, compare=False, repr=False)
     # Also return the experts each MoE layer chose for every token fed to the model (rollout routing replay).
     return_routed_experts: bool = False
+    # An agent session this request is a turn of: an in-process engine keeps the session's K/V (prompt and answer)
+    # for its next turn until `close_session` or an idle timeout (`engine_core.scheduler`); others ignore it.
+    session_id: str | None = None
 
 
 @dataclass

@@ -77,6 +77,12 @@ class RequestBatcher:
         return {"engine_calls": self.engine_calls, "batched_requests": self.batched_requests,
                 "queued_requests": len(self._pending_ids)}
 
+    async def close_session(self, session_id: str) -> None:
+        """The engine's `close_session`, where it has one (in-process engines keep a session's K/V)."""
+        close = getattr(self.engine, "close_session", None)
+        if close is not None:
+            await close(session_id)
+
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Outputs of ``requests`` in order, generated together with other concurrent jobs."""
         if self._queue is None:

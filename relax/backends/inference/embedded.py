@@ -81,6 +81,8 @@ class CoreSettings:
     65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
     most. ``page_size``: token slots per KV block. ``cuda_graphs``: decode in CUDA graphs up to
     ``max_graph_batch`` sequences. ``fp8``: the decoder's projections in FP8 (`engine_core.fp8`; paged runner only).
+    ``session_idle_s``: an agent session's pinned K/V is let go after this long without a turn (`engine_core.
+    scheduler`).
     """
 
     mode: str = "auto"
@@ -91,6 +93,7 @@ class CoreSettings:
     cuda_graphs: bool = True
     max_graph_batch: int = 256
     fp8: bool = False
+    session_idle_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
@@ -163,6 +166,7 @@ class EmbeddedEngine(InferenceEngine):
         self.max_recoveries = max_recoveries
         self.recoveries = 0  # in-place recoveries so far (`health`)
         self._core_settings = core or CoreSettings()
+        self._session_sweep: asyncio.TimerHandle | None = None
         self._released_weights: dict[torch.nn.Parameter, torch.Size] | None = None  # shapes while released
         self._unloaded_weights: set[torch.nn.Parameter] = set()  # resumed as zeros, not loaded since
         self._routing = RoutingRecorder(model) if moe_routers(model) else None  # return_routed_experts
@@ -198,7 +202,7 @@ class EmbeddedEngine(InferenceEngine):
         if reason is not None:
             runner = CacheRunner(self.model, self._pad_token_id, self._suppressed_ids, self._routing, running)
             return EngineCore(runner, None, CohortScheduler(running), self.tokenizer, self._eos_token_ids,
-                              self._pauses, lambda: self._weight_version)
+                              self._pauses, lambda: self._weight_version, max_positions=self.max_positions)
         max_positions = int(self.model.config.get_text_config().max_position_embeddings)
         decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device),
                               suppressed_ids=self._suppressed_ids)
@@ -215,9 +219,9 @@ class EmbeddedEngine(InferenceEngine):
                              cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch)
         blocks = BlockManager(num_blocks, page)
         scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
-                              reserve_tokens=page)
+                              reserve_tokens=page, session_idle_s=settings.session_idle_s)
         return EngineCore(runner, blocks, scheduler, self.tokenizer, self._eos_token_ids, self._pauses,
-                          lambda: self._weight_version, media=media)
+                          lambda: self._weight_version, media=media, max_positions=self.max_positions)
 
     def _default_pool_tokens(self, token_bytes: int, settings: CoreSettings) -> int:
         if self.device.type != "cuda":
@@ -241,7 +245,36 @@ class EmbeddedEngine(InferenceEngine):
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Decode every request; outputs in request order. The requests join the core's running batch."""
-        return await self.generate_streaming(requests, None)
+        try:
+            return await self.generate_streaming(requests, None)
+        finally:
+            if any(request.session_id is not None for request in requests):
+                self._sweep_sessions_later()
+
+    async def close_session(self, session_id: str) -> None:
+        """Let go of an agent session's K/V kept between its turns (``GenerationRequest.session_id``)."""
+        self.core.close_session(session_id)
+
+    @property
+    def pinned_sessions(self) -> int:
+        return len(getattr(self.core.scheduler, "pinned", ()))
+
+    def _sweep_sessions_later(self) -> None:
+        """Let go of idle sessions' K/V once they have been idle long enough, even if no request comes meanwhile
+        (the scheduler also does at every step)."""
+        if self._session_sweep is not None or not self.pinned_sessions:
+            return
+        loop = asyncio.get_running_loop()
+
+        def sweep() -> None:
+            self._session_sweep = None
+            if loop.is_closed():
+                return
+            self.core.release_idle_sessions()
+            if self.pinned_sessions:
+                self._session_sweep = loop.call_later(self._core_settings.session_idle_s / 2, sweep)
+
+        self._session_sweep = loop.call_later(self._core_settings.session_idle_s / 2, sweep)
 
     async def generate_streaming(self, requests: Sequence[GenerationRequest],
                                  on_output: OutputCallback | None) -> list[GenerationOutput]:
@@ -263,9 +296,19 @@ class EmbeddedEngine(InferenceEngine):
                 if self.recoveries == recoveries:  # the first of the calls this failure failed recovers for all
                     self._recover(error)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None if its config has none)."""
+        value = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return int(value) if value else None
+
     def check_requests(self, requests: Sequence[GenerationRequest]) -> None:
         for request in requests:
             _validate_request(request)
+            if self.max_positions is not None and len(request.input_ids) >= self.max_positions:
+                raise ValueError(f"request {request.request_id!r}: {len(request.input_ids)} prompt tokens leave no "
+                                 f"room for an answer within the model's {self.max_positions} positions "
+                                 "(max_position_embeddings)")
             if request.multimodal_inputs and not self._media_tokens.ids:
                 raise ValueError(f"request {request.request_id!r} has media, and {type(self.model).__name__} "
                                  "takes none")

@@ -101,7 +101,8 @@ async def shared_gateway(args: Any) -> AsyncIterator[AgentGateway]:
         parser_name = getattr(args, "tool_call_parser", None)
         splitter = openai_tool_calls(get_tool_call_parser(parser_name)) if parser_name else None
         gateway = AgentGateway(args.tokenizer, chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
-                               split_tool_calls=splitter)
+                               split_tool_calls=splitter,
+                               session_lifecycle=bool(getattr(args, "agentic_session_lifecycle", False)))
         shared = _SHARED[key] = _SharedGateway(gateway, asyncio.ensure_future(gateway.start()))
     shared.users += 1
     try:

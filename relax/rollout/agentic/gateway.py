@@ -208,6 +208,9 @@ class Session:
                  max_context_len: int | None, gateway: AgentGateway) -> None:
         self.session_id = session_id  # the bearer token: never logged
         self.name = name  # a public label for logs and request ids
+        # The key under which the engine keeps this session's K/V between turns (--agentic-session-lifecycle); not
+        # the bearer token, which must stay out of the engine's state and logs.
+        self.engine_session_id = f"agent-{uuid.uuid4().hex}" if gateway.session_lifecycle else None
         self.engine = engine
         self.sampling = sampling
         self.max_context_len = max_context_len
@@ -294,7 +297,8 @@ class Session:
         params = replace(self.sampling, max_new_tokens=turn.max_new_tokens)
         self._in_flight = request_id
         try:
-            [output] = await self.engine.generate([GenerationRequest(request_id, turn.input_ids, params)])
+            [output] = await self.engine.generate([GenerationRequest(request_id, turn.input_ids, params,
+                                                                     session_id=self.engine_session_id)])
         except (ValueError, TypeError) as error:  # the engine's request validation
             raise GatewayError(400, str(error)) from error
         finally:
@@ -381,8 +385,9 @@ class AgentGateway:
     def __init__(self, tokenizer: Any, *, model_name: str = "relax-policy",
                  chat_template_kwargs: dict[str, Any] | None = None,
                  split_tool_calls: Callable[[str], tuple[str, list[dict[str, Any]]]] | None = None,
-                 http_limits: HTTPLimits | None = None) -> None:
+                 http_limits: HTTPLimits | None = None, session_lifecycle: bool = False) -> None:
         self.template = ChatTemplate(tokenizer, chat_template_kwargs)
+        self.session_lifecycle = session_lifecycle  # the engine keeps each session's K/V until it closes
         self.http_limits = http_limits  # what one client may take (`relax.utils.http_server.HTTPLimits`)
         self.model_name = model_name
         self.split_tool_calls = split_tool_calls or openai_tool_calls(parse_hermes_tool_calls)
@@ -438,9 +443,13 @@ class AgentGateway:
         return session
 
     async def close_session(self, session: Session) -> Trajectory:
-        """Stop serving the session (its token gets 401 from now on) and return its trajectory."""
+        """Stop serving the session (its token gets 401 from now on), let the engine drop its K/V, and return its
+        trajectory."""
         self.sessions.pop(session.session_id, None)
         await session.abort()
+        close = getattr(session.engine, "close_session", None)
+        if session.engine_session_id is not None and close is not None:
+            await close(session.engine_session_id)
         return session.trajectory
 
     # ------------------------------------------------------------------------- HTTP

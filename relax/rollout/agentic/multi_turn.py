@@ -209,6 +209,18 @@ async def _play(args: Any, env: BaseInteractionEnv, encoder: ObservationEncoder,
     """Run the turns; returns the stop reason."""
     budget = context_budget(args, trajectory.prompt_length)
     request_prefix = f"mt-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
+    # --agentic-session-lifecycle: the engine keeps the episode's K/V between turns, let go at its end
+    session = f"{request_prefix}-session" if getattr(args, "agentic_session_lifecycle", False) else None
+    try:
+        return await _play_turns(args, env, encoder, trajectory, sampling, budget, request_prefix, session)
+    finally:
+        close = getattr(args.engine, "close_session", None)
+        if session is not None and close is not None:
+            await close(session)
+
+
+async def _play_turns(args: Any, env: BaseInteractionEnv, encoder: ObservationEncoder, trajectory: Trajectory,
+                      sampling: SamplingParams, budget: int, request_prefix: str, session: str | None) -> str:
     for turn in range(args.max_turns):
         room = budget - len(trajectory.tokens)
         if room <= 0:
@@ -218,7 +230,7 @@ async def _play(args: Any, env: BaseInteractionEnv, encoder: ObservationEncoder,
             request_id=f"{request_prefix}-t{turn}", input_ids=list(trajectory.tokens),
             sampling_params=replace(sampling, max_new_tokens=max_new_tokens, seed=turn_seed(sampling.seed, turn)),
             multimodal_inputs=trajectory.media_inputs(),
-            return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)),
+            return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)), session_id=session,
         )
         output = (await args.engine.generate([request]))[0]
         trajectory.add_model_tokens(output)

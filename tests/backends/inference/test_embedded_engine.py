@@ -441,3 +441,18 @@ def test_the_batcher_answers_each_job_when_its_own_requests_finish(tokenizer):
     calls, quick, late, answered_first = asyncio.run(run())
     assert calls == 1 and answered_first
     assert len(quick.output_ids) == 1 and len(late.output_ids) == 40
+
+
+@pytest.mark.parametrize("path", ENGINE_PATHS)
+def test_a_sequence_ends_at_the_models_last_position(tokenizer, path):
+    """A prompt that fills the model's positions is refused naming the limit; one that leaves room for a few tokens
+    ends there with finish reason "length", whatever max_new_tokens asked (instead of indexing past the rotary
+    tables)."""
+    model = make_model(seed=0)
+    model.config.max_position_embeddings = 64
+    engine = make_engine(model, tokenizer, path)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"64 prompt tokens leave no room .* \(max_position_embeddings\)"):
+        asyncio.run(engine.generate([GenerationRequest("full", [3] * 64, params)]))
+    [output] = asyncio.run(engine.generate([GenerationRequest("near", [3 + i % 40 for i in range(61)], params)]))
+    assert output.finish_reason == "length" and len(output.output_ids) == 3

@@ -197,6 +197,9 @@ def test_router_survives_a_killed_server(servers, model_dir):
         router = EngineRouter([doomed, SGLangHTTPEngine(survivor.url, timeout_s=30)], retry_down_after_s=60)
         requests = [request(f"g{g}-i{g * 2 + k}-{g * 2 + k}", [5 + g, 6], 120) for g in range(4) for k in range(2)]
         result: dict = {}
+        # Paused first, so that its requests are surely in flight when it dies (not finished in between, as they
+        # can be on a loaded machine)
+        assert httpx.post(f"{doomed_url}/pause_generation", timeout=10).status_code == 200
         thread = threading.Thread(target=lambda: result.update(out=asyncio.run(router.generate(requests))))
         thread.start()
 

@@ -253,3 +253,45 @@ def test_the_protocols_survive_fuzzing_from_the_published_schema(engine):
     finally:
         stop.set()
         thread.join(30)
+
+
+# ----------------------------------------------------------------------------- the session's K/V
+
+
+def test_a_gateway_session_keeps_its_kv_between_turns_and_lets_go_at_its_end(engine):
+    """--agentic-session-lifecycle: the engine holds the session's K/V from one turn to the next (the second turn
+    computes only the tokens the first did not leave in the pool), and closing the session (the episode's end)
+    returns the pool to its idle level."""
+    system = "You are a careful assistant. " * 3  # a prompt of several full blocks (the tiny model has 256 positions)
+
+    async def main():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        gateway = AgentGateway(engine.tokenizer, session_lifecycle=True)
+        await gateway.start()
+        core = engine.core
+        idle = core.blocks.num_free
+        session = gateway.open_session(batcher, SamplingParams(max_new_tokens=5, seed=7), max_context_len=400)
+        try:
+            client = client_of(gateway, session.session_id)
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": "1+2="}]
+            first = await client.chat.completions.create(model="policy", messages=messages)
+            pinned = engine.pinned_sessions
+            before = core.runner.prefill_tokens
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "and 2+2="}]
+            await client.chat.completions.create(model="policy", messages=messages)
+            second_prefill = core.runner.prefill_tokens - before
+            trajectory = session.trajectory
+            inserted = sum(1 for m in trajectory.loss_mask if not m)
+        finally:
+            await gateway.close_session(session)
+            await gateway.close()
+            await batcher.stop()
+        return pinned, second_prefill, inserted, len(trajectory.tokens), idle, core.blocks.num_free
+
+    pinned, second_prefill, inserted, total, idle, free_after = asyncio.run(main())
+    page = engine.core.blocks.block_size
+    assert pinned == 1 and engine.pinned_sessions == 0
+    assert second_prefill <= inserted + page + 1 < total // 2  # the new messages (and a partial block), not all
+    assert free_after == idle

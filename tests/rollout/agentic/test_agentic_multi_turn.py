@@ -117,6 +117,10 @@ class RecordingEngine:
     async def abort(self, request_ids):
         await self.engine.abort(request_ids)
 
+    async def close_session(self, session_id):
+        self.closed_sessions = [*getattr(self, "closed_sessions", []), session_id]
+        await self.engine.close_session(session_id)
+
     def turns(self, request_id_prefix):
         return [(r, o) for requests, outputs in self.calls for r, o in zip(requests, outputs)
                 if r.request_id.startswith(request_id_prefix)]
@@ -548,3 +552,19 @@ def test_a_vision_language_run_trains_on_episodes_with_observation_images(tmp_pa
     samples, _ = asyncio.run(roles.rollout.generate(1))
     two_images = [s for s in samples if len(s.multimodal_train_inputs["image_grid_thw"]) == 2]
     assert two_images and all(s.metadata["rollout_turns"] == 2 for s in two_images)
+
+
+def test_with_session_lifecycle_an_episodes_turns_share_a_session_let_go_at_its_end(engine, tokenizer):
+    """--agentic-session-lifecycle: every turn of an episode names one engine session (its K/V is kept between the
+    turns) and the episode's end closes it, so no K/V stays pinned after the rollout."""
+    recording = RecordingEngine(engine)
+    cfg = config(agentic_session_lifecycle=True)
+    samples = run(recording, tokenizer, prompt_samples(tokenizer, 2), cfg, sampling(tokenizer))
+    assert all(sample.metadata["rollout_turns"] >= 2 for sample in samples)
+    sessions = {}
+    for requests, _ in recording.calls:
+        for request in requests:
+            sessions.setdefault(request.request_id.rsplit("-t", 1)[0], set()).add(request.session_id)
+    assert len(sessions) == 2 and all(len(ids) == 1 and None not in ids for ids in sessions.values())
+    assert sorted(recording.closed_sessions) == sorted(next(iter(ids)) for ids in sessions.values())
+    assert engine.pinned_sessions == 0

@@ -14,7 +14,12 @@ until the block is handed out again, least recently freed first, so a prompt see
 Keyed sharing covers full prompt blocks before the block of a prompt's last token, which no one writes into.
 Sequences with the very same prompt in one prefill step share all its blocks instead (`fork`: the prompt is
 computed once and its logits serve every sample); the first write into a shared block copies it.
-`reset_prefix_cache` forgets every key (new weights make the cached K/V stale).
+`reset_prefix_cache` forgets every key (new weights make the cached K/V stale) and starts a new `generation`.
+
+Answers too. When a sequence finishes, the full blocks of its tokens whose K/V it wrote (prompt and answer) are keyed
+the same way (`key_prefix`), if that K/V is of the current generation: an agent's next turn, whose prompt is the
+last turn's tokens plus the new messages, takes them and prefills only what is new. Keys are of content only, so a
+block is shared only with a sequence whose tokens up to it are the same.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._key_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        self.generation = 0  # + 1 at each reset: K/V written in an older generation is never keyed
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -138,6 +144,21 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         self._key_of.clear()
         self._block_of.clear()
+        self.generation += 1
+
+    def key_prefix(self, block_table: Sequence[int], tokens: Sequence[int], num_cached: int) -> int:
+        """Key the full blocks of ``block_table`` holding the first ``num_cached`` of ``tokens`` (K/V written), so
+        that a later sequence starting with those tokens takes them; returns how many blocks got a new key. A
+        block already keyed, or whose content another block holds already, is left as it is."""
+        added, key = 0, None
+        for index in range(min(num_cached // self.block_size, len(block_table))):
+            key = block_key(key, tokens[index * self.block_size:(index + 1) * self.block_size])
+            block = block_table[index]
+            if block in self._key_of or key in self._block_of:
+                continue
+            self._key_block(block, key)
+            added += 1
+        return added
 
     # ---- internals -----------------------------------------------------------------------
     def _cached_blocks(self, tokens: Sequence[int], count: int) -> list[int]:

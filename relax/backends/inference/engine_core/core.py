@@ -49,8 +49,11 @@ PAUSE_POLL_S = 0.001
 class EngineCore:
     def __init__(self, runner: StepRunner, blocks: BlockManager | None, scheduler: Scheduler | CohortScheduler,
                  tokenizer, eos_token_ids: frozenset[int], pauses: PauseHolds, weight_version: Callable[[], int],
-                 media: MediaEncoder | None = None) -> None:
+                 media: MediaEncoder | None = None, max_positions: int | None = None) -> None:
         self.runner = runner
+        # The model's last position: a sequence that reaches it ends with finish reason "length" (the paged
+        # decoder's rotary tables end there; the engine refuses prompts that do not leave room for one token).
+        self.max_positions = max_positions
         self.media = media  # the paged runner's encoder of media prompts (the cache runner's forward takes them)
         self.blocks = blocks  # the paged runner's KV pool blocks (None on the cache runner)
         self.scheduler = scheduler
@@ -123,6 +126,14 @@ class EngineCore:
     def on_weights_updated(self) -> None:
         if self.blocks is not None:
             self.blocks.reset_prefix_cache()  # K/V cached under the old weights must not serve new prompts
+            self.scheduler.release_all_sessions()  # (nor a session's next turn)
+
+    def close_session(self, session_id: str) -> int:
+        """Let go of an agent session's K/V (`Scheduler.release_session`); how many blocks it held."""
+        return self.scheduler.release_session(session_id) if self.blocks is not None else 0
+
+    def release_idle_sessions(self) -> list[str]:
+        return self.scheduler.release_idle_sessions() if self.blocks is not None else []
 
     def release_memory(self) -> None:
         """Free the KV pool and the CUDA graphs; only between generations."""
@@ -223,7 +234,8 @@ class EngineCore:
             sequence.request.on_token(token, log_prob)
         if token in sequence.stop_token_ids:
             sequence.finish_reason = "stop"
-        elif sequence.num_outputs >= sequence.params.max_new_tokens:
+        elif sequence.num_outputs >= sequence.params.max_new_tokens or (
+                self.max_positions is not None and len(sequence.token_ids) >= self.max_positions):
             sequence.finish_reason = "length"
 
     def _finish_aborted(self) -> None:

@@ -15,11 +15,19 @@ A decode step needs one free slot per running sequence (lengths count a token sa
 host has not read yet, `Sequence.num_tokens`); when the pool runs out, the youngest running sequence
 is preempted: its blocks are freed and it goes back to the front of the waiting queue with every token it has
 (prompt and outputs), to be prefilled again (recomputed) when blocks free up. Its outputs so far are kept.
+
+Agent sessions. A finished sequence's blocks are keyed by their tokens (`BlockManager.key_prefix`), so a next turn
+that extends them prefills only its new tokens while the blocks are still in the pool. A request of a session
+(``GenerationRequest.session_id``) goes further: its finished blocks stay held for the session (pinned; the
+previous turn's are let go) until `release_session`, or until the session has been idle ``session_idle_s``
+(`release_idle_sessions`). When the pool runs short, pinned sessions are let go, least recently used first, before
+any running sequence is preempted: a pin keeps K/V that is likely to be used again, never blocks live work.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,9 +49,15 @@ class Step:
         return self.prefill or self.decode
 
 
+@dataclass
+class _Pin:
+    block_table: list[int]
+    last_used: float
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int,
-                 reserve_tokens: int = 0) -> None:
+                 reserve_tokens: int = 0, session_idle_s: float = 300.0) -> None:
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_running {max_running} and max_prefill_tokens {max_prefill_tokens} must be >= 1")
         self.blocks = blocks
@@ -53,6 +67,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.session_idle_s = session_idle_s
+        self.pinned: OrderedDict[str, _Pin] = OrderedDict()  # by session id, least recently used first
+        self.sessions_evicted = 0  # pins let go for room before their session ended
 
     def add(self, sequence: Sequence) -> None:
         longest = len(sequence) + sequence.params.max_new_tokens
@@ -67,6 +84,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
+        if self.pinned:
+            self.release_idle_sessions()
         step = Step(prefill=self._admit())
         if step.prefill:
             return step
@@ -74,14 +93,60 @@ class Scheduler:
         return step
 
     def finish(self, sequences: Iterable[Sequence]) -> None:
-        """Release the blocks of finished (or aborted) sequences, running or waiting."""
+        """Release the blocks of finished (or aborted) sequences, running or waiting: keyed for a next turn, and
+        held for the sequence's session if it has one."""
         done = {id(s) for s in sequences}
         for sequence in [s for s in self.running if id(s) in done]:
             self.running.remove(sequence)
+            if sequence.cache_generation == self.blocks.generation and sequence.block_table:
+                self.blocks.key_prefix(sequence.block_table, sequence.cache_tokens, sequence.num_cached)
+                session = sequence.request.session_id
+                if session is not None and sequence.finish_reason != "abort":
+                    self.release_session(session)
+                    self.pinned[session] = _Pin(sequence.block_table, time.monotonic())
+                    sequence.block_table, sequence.num_cached = [], 0
+                    continue
             self._release(sequence)
         self.waiting = deque(s for s in self.waiting if id(s) not in done)
         for sequence in sequences:
             sequence.status = SequenceStatus.FINISHED
+
+    # ---- sessions ------------------------------------------------------------------------
+    def release_session(self, session_id: str) -> int:
+        """Let go of the session's pinned blocks (its K/V stays keyed until the blocks are reused); how many."""
+        pin = self.pinned.pop(session_id, None)
+        if pin is None:
+            return 0
+        self.blocks.free(pin.block_table)
+        return len(pin.block_table)
+
+    def release_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Let go of the sessions idle for ``session_idle_s`` or more; their ids."""
+        now = time.monotonic() if now is None else now
+        idle = []
+        for session, pin in self.pinned.items():  # least recently used first: the idle ones lead
+            if now - pin.last_used < self.session_idle_s:
+                break
+            idle.append(session)
+        for session in idle:
+            self.release_session(session)
+        return idle
+
+    def release_all_sessions(self) -> None:
+        for session in list(self.pinned):
+            self.release_session(session)
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(len(pin.block_table) for pin in self.pinned.values())
+
+    def _evict_a_session(self) -> bool:
+        """Let go of the least recently used session's blocks to make room; False when none is pinned."""
+        if not self.pinned:
+            return False
+        self.release_session(next(iter(self.pinned)))
+        self.sessions_evicted += 1
+        return True
 
     # ---- internals -----------------------------------------------------------------------
     def _admit(self) -> list[Sequence]:
@@ -99,7 +164,11 @@ class Scheduler:
                 self.waiting.popleft()
                 sequence.block_table, sequence.num_cached = self.blocks.fork(leader.block_table), len(prompt)
                 sequence.prefill_twin_of = leader
+                sequence.cache_generation = self.blocks.generation
             else:
+                while (not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share)
+                       and self._evict_a_session()):
+                    pass
                 if not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share):
                     break
                 cached = self.blocks.cached_prefix_blocks(prompt) if share else 0
@@ -109,6 +178,7 @@ class Scheduler:
                 self.waiting.popleft()
                 sequence.block_table, sequence.num_cached = self.blocks.allocate(prompt, share=share)
                 sequence.prefill_twin_of = None
+                sequence.cache_generation = self.blocks.generation
                 budget -= to_compute
                 if share:
                     leaders[tuple(prompt)] = sequence
@@ -126,6 +196,8 @@ class Scheduler:
             if sequence.num_outputs + sequence.pending >= sequence.params.max_new_tokens:
                 continue  # its last token is on the way: it finishes when the host reads it
             while not self._has_slot(sequence):
+                if self._evict_a_session():
+                    continue
                 victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING and s is not sequence),
                              key=lambda s: s.arrival, default=None)
                 if victim is None:

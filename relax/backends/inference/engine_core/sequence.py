@@ -51,6 +51,7 @@ class Sequence:
     # [n, L, k] host tensors: the routed experts of the tokens fed so far, in order (when the request asks for them)
     routed_experts: list[torch.Tensor] = field(default_factory=list)
     cohort: Any = None  # the cache runner's batch that holds this sequence's cache row (`cache_runner.Cohort`)
+    cache_generation: int = -1  # the pool's prefix-cache generation when its K/V began (`BlockManager.generation`)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
