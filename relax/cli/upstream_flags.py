@@ -73,7 +73,7 @@ UPSTREAM_ONLY: dict[str, str] = {
     "--use-agentic-rollout": "--agent-command runs an external agent against the run's agent gateway "
                              "(docs/agentic.md)",
     **dict.fromkeys(("--agent-cwd", "--agent-env", "--agentic-concurrency", "--agentic-prelaunch",
-                     "--agentic-program-admission", "--agentic-reasoning-parser"),
+                     "--agentic-reasoning-parser"),
                     "the agent gateway's settings are --agent-command and --agent-timeout (docs/agentic.md)"),
     "--agentic-tool-call-parser": "use --tool-call-parser",
     **dict.fromkeys(("--buffer-filter-path", "--rollout-sample-filter-path"), "use --dynamic-sampling-filter-path"),

@@ -74,15 +74,29 @@ def weight_version_metrics(samples: list[Sample], prefix: str) -> dict[str, floa
 
 
 def episode_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
-    """Turns per episode and the share of each stop reason, for samples of the multi-turn loop."""
+    """Turns per episode and the share of each stop reason, for samples of the multi-turn loop; agent programs'
+    admission waits (--agentic-program-admission)."""
+    metrics = admission_metrics(samples, prefix)
     episodes = [s for s in samples if "rollout_stop_reason" in s.metadata]
     if not episodes:
-        return {}
+        return metrics
     reasons = [s.metadata["rollout_stop_reason"] for s in episodes]
     return {
+        **metrics,
         f"{prefix}/turns_mean": statistics.fmean(s.metadata["rollout_turns"] for s in episodes),
         **{f"{prefix}/stop_{reason}_ratio": reasons.count(reason) / len(episodes) for reason in STATUS_OF_STOP_REASON},
     }
+
+
+def admission_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """How many agent programs waited for admission, how long on average, and how many went in past the wait."""
+    admitted = [s for s in samples if "admission_wait_s" in s.metadata]
+    if not admitted:
+        return {}
+    waits = [s.metadata["admission_wait_s"] for s in admitted]
+    return {f"{prefix}/admission_waits": float(sum(wait > 0 for wait in waits)),
+            f"{prefix}/admission_wait_s_mean": statistics.fmean(waits),
+            f"{prefix}/admission_bypasses": float(sum(bool(s.metadata["admission_bypassed"]) for s in admitted))}
 
 
 def zero_std_group_ratio(samples: list[Sample]) -> float:

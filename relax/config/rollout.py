@@ -140,6 +140,26 @@ class RolloutSettings(BaseModel):
         "running request would be preempted (upstream's flag; docs/agentic.md).",
         "rollout",
     )
+    agentic_program_admission: bool = setting(
+        False,
+        "Start agent programs only when their context budget fits the embedded engine's KV pool: a FIFO ledger of "
+        "reservations within --agentic-admission-headroom of the pool, none admitted while the pool's use is above "
+        "--agentic-admission-pressure; a program that waited --agentic-admission-max-wait seconds starts anyway "
+        "(fails open). Upstream's flag and thresholds (docs/agentic.md).",
+        "rollout",
+    )
+    agentic_admission_headroom: float = setting(
+        0.90, "Share of the KV pool the admitted programs' reservations may take (--agentic-program-admission).",
+        "rollout", gt=0, le=1,
+    )
+    agentic_admission_pressure: float = setting(
+        0.92, "Share of the KV pool in use above which no program is admitted (--agentic-program-admission).",
+        "rollout", gt=0, le=1,
+    )
+    agentic_admission_max_wait: float = setting(
+        30.0, "Seconds a program waits for admission before it starts anyway, counted as a bypass "
+        "(--agentic-program-admission).", "rollout", gt=0,
+    )
     agentic_session_idle_timeout: float = setting(
         300.0, "Seconds without a turn after which a session's kept K/V is let go (--agentic-session-lifecycle).",
         "rollout", gt=0,

@@ -208,6 +208,9 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('colocate_async')} overlaps the embedded engine and the trainer on one device; "
                              f"with {flag('placement')} ray, {flag('rollout_external')} or {flag('rollout_api_port')} "
                              f"rollout runs elsewhere and overlaps already: use {flag('fully_async')}")
+        for name in ("agentic_admission_headroom", "agentic_admission_pressure", "agentic_admission_max_wait"):
+            if self.changed(name) and not self.agentic_program_admission:
+                raise ValueError(f"{flag(name)} needs {flag('agentic_program_admission')}")
         if self.changed("agentic_session_idle_timeout") and not self.agentic_session_lifecycle:
             raise ValueError(f"{flag('agentic_session_idle_timeout')} needs {flag('agentic_session_lifecycle')}")
         if self.rollout_fp8 and self.engine_core == "off":

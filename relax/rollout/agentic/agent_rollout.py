@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import numbers
 import os
@@ -43,8 +44,11 @@ from typing import Any
 
 from relax.backends.inference.base import SamplingParams
 from relax.data.sample import Sample, SampleStatus
+from relax.rollout.agentic.admission import ProgramAdmission, kv_capacity_of
 from relax.rollout.agentic.gateway import AgentGateway, Trajectory, openai_tool_calls
 from relax.rollout.agentic.tool_parser import get_tool_call_parser
+
+logger = logging.getLogger("relax")
 
 # The parent's variables an agent may see: enough to find programs and Python packages; no keys or tokens.
 PASSED_ENV_VARS = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
@@ -67,17 +71,23 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
     if not getattr(args, "agent_command", None):
         raise ValueError("relax.rollout.agentic.agent_rollout needs --agent-command (the agent program to run)")
     argv = shlex.split(args.agent_command)
-    async with shared_gateway(args) as gateway:
-        session = gateway.open_session(args.engine, sampling_params,
-                                       max_context_len=getattr(args, "rollout_max_context_len", None),
-                                       name=f"{sample.index}-{uuid.uuid4().hex[:6]}")
-        try:
-            with tempfile.TemporaryDirectory(prefix="relax-agent-") as io_dir:
-                env = agent_environment(gateway.base_url, session.session_id, Path(io_dir), sample)
-                outcome = await run_agent(argv, env, Path(io_dir), float(args.agent_timeout))
-        finally:
-            trajectory = await gateway.close_session(session)
-    return trajectory_to_sample(sample, trajectory, outcome, args.tokenizer)
+    async with shared_gateway(args) as (gateway, admission):
+        # --agentic-program-admission: the program starts once its context budget fits the engine's KV pool
+        reserve = getattr(args, "rollout_max_context_len", None) or len(sample.tokens) + args.rollout_max_response_len
+        async with admission.admit(reserve) as admitted:
+            session = gateway.open_session(args.engine, sampling_params,
+                                           max_context_len=getattr(args, "rollout_max_context_len", None),
+                                           name=f"{sample.index}-{uuid.uuid4().hex[:6]}")
+            try:
+                with tempfile.TemporaryDirectory(prefix="relax-agent-") as io_dir:
+                    env = agent_environment(gateway.base_url, session.session_id, Path(io_dir), sample)
+                    outcome = await run_agent(argv, env, Path(io_dir), float(args.agent_timeout))
+            finally:
+                trajectory = await gateway.close_session(session)
+    result = trajectory_to_sample(sample, trajectory, outcome, args.tokenizer)
+    if getattr(args, "agentic_program_admission", False):
+        result.metadata.update(admission_wait_s=admitted.wait_s, admission_bypassed=admitted.bypassed)
+    return result
 
 
 # ----------------------------------------------------------------------------- the shared gateway
@@ -89,12 +99,26 @@ _SHARED: dict[tuple[int, int], _SharedGateway] = {}
 class _SharedGateway:
     gateway: AgentGateway
     ready: asyncio.Future  # the server's start, awaited by every user
+    admission: ProgramAdmission  # the programs' FIFO ledger against the engine's KV pool
     users: int = 0
 
 
+def _admission(args: Any) -> ProgramAdmission:
+    """--agentic-program-admission's ledger over the rollout engine's pool; without the flag one that admits all."""
+    if not getattr(args, "agentic_program_admission", False):
+        return ProgramAdmission(None)
+    capacity = kv_capacity_of(args.engine)
+    if capacity is None:
+        logger.warning("--agentic-program-admission: the rollout engine's KV pool cannot be read from this process "
+                       "(engines in other processes); every agent program is admitted at once")
+    return ProgramAdmission(capacity, headroom=args.agentic_admission_headroom,
+                            pressure=args.agentic_admission_pressure, max_wait_s=args.agentic_admission_max_wait)
+
+
 @contextlib.asynccontextmanager
-async def shared_gateway(args: Any) -> AsyncIterator[AgentGateway]:
-    """The running loop's gateway for ``args.tokenizer``: started by its first user, closed after its last one."""
+async def shared_gateway(args: Any) -> AsyncIterator[tuple[AgentGateway, ProgramAdmission]]:
+    """The running loop's gateway for ``args.tokenizer`` and its programs' admission: started by its first user,
+    closed after its last one."""
     key = (id(asyncio.get_running_loop()), id(args.tokenizer))
     shared = _SHARED.get(key)
     if shared is None:
@@ -103,11 +127,11 @@ async def shared_gateway(args: Any) -> AsyncIterator[AgentGateway]:
         gateway = AgentGateway(args.tokenizer, chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
                                split_tool_calls=splitter,
                                session_lifecycle=bool(getattr(args, "agentic_session_lifecycle", False)))
-        shared = _SHARED[key] = _SharedGateway(gateway, asyncio.ensure_future(gateway.start()))
+        shared = _SHARED[key] = _SharedGateway(gateway, asyncio.ensure_future(gateway.start()), _admission(args))
     shared.users += 1
     try:
         await asyncio.shield(shared.ready)  # one user's cancellation must not stop the start the others wait on
-        yield shared.gateway
+        yield shared.gateway, shared.admission
     finally:
         shared.users -= 1
         if shared.users == 0:
