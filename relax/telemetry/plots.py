@@ -65,9 +65,11 @@ def _curves_matching(rows: list[dict[str, Any]], key_patterns: tuple[str, ...]) 
         step = row.get("step")
         if not _is_finite_number(step):
             continue
+        # An evaluation run beside training (--fully-async) is logged when it lands; it is drawn at its version.
+        eval_step = row.get("eval/weight_version", step)
         for key, value in row.items():
             if key != "step" and _is_finite_number(value) and any(fnmatchcase(key, p) for p in key_patterns):
-                curves.setdefault(key, []).append((step, value))
+                curves.setdefault(key, []).append((eval_step if key.startswith("eval/") else step, value))
     return curves
 
 

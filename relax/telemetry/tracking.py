@@ -114,12 +114,17 @@ class Tracker:
                 "W&B logging needs the wandb package: pip install relax-rl[wandb] (or turn W&B logging off)"
             ) from error
         # wandb.init reads WANDB_MODE itself, so WANDB_MODE=offline writes run_dir/wandb/offline-run-* without network.
-        return wandb.init(
+        run = wandb.init(
             dir=str(self.run_dir),
             project=project,
             name=run_name,
             config=redact_secrets(config) if config else None,
         )
+        # An evaluation beside fully-async training is logged when it lands, tagged with the version it ran on: W&B
+        # draws the eval curves against that version (the plots in the run directory do the same).
+        run.define_metric("eval/weight_version")
+        run.define_metric("eval/*", step_metric="eval/weight_version")
+        return run
 
     def _start_clearml(self, project: str, config: dict[str, Any] | None):
         try:

@@ -88,6 +88,7 @@ class AsyncController(SyncController):
         self._streamed_fields = tuple(role.gives for role in self.streaming)
         self._streaming_task: asyncio.Task | None = None
         self._streams_training = False  # whether the trainer trains each step as its groups arrive (set by _run)
+        self._evaluations: list[asyncio.Task] = []  # --fully-async: evaluations running beside training
 
     # ---- producer -------------------------------------------------------------------------
     async def _produce(self, start: int, total: int) -> None:
@@ -344,19 +345,48 @@ class AsyncController(SyncController):
             self._streaming_task = asyncio.create_task(run_roles(self.streaming, start, self.roles.total_steps))
         try:
             last = await self._train_steps(start, last)
-            if self.graceful_stop.stopped_after_step is None:  # stopped early: the finally cancels the producer
+            if self.graceful_stop.stopped_after_step is None:  # stopped early: the finally cancels both
                 await producer
+                await self._evaluations_landed()
         finally:
             await cancel_and_wait(producer)
             if self._streaming_task is not None:
                 await cancel_and_wait(self._streaming_task)
+            for evaluation in self._evaluations:
+                await cancel_and_wait(evaluation)
             await self.plane.close()
         await self.weights.finish()  # engines that follow the versions end on the run's last one
         return last
 
     async def _evaluate_between_steps(self, step: int) -> dict[str, float]:
+        """--hybrid: between two steps. --fully-async: beside training (the evaluation's metrics are logged when
+        they land, tagged ``eval/weight_version``; nothing for the step's own row), but the last one at the end."""
+        if self.cfg.fully_async and step < self.roles.total_steps:
+            self._evaluations.append(asyncio.create_task(self._evaluate_beside_training(step)))
+            return {}
+        # --hybrid, and the run's last evaluation (training is over: nothing to overlap), in the step's own row
+        await self._evaluations_landed()
         async with self._generating:  # the held-out score is of the trained weights, not mid-generation
             return await self.evaluate(step)
+
+    async def _evaluate_beside_training(self, step: int) -> dict[str, float]:
+        """One evaluation at one weight version while training goes on: it holds the engine's generation slot, so no
+        weight push lands during it (the next push waits for it; the trainer's compute does not), and it is tagged
+        with the version it ran on, the newest the trainer had published when it started."""
+        async with self._generating:
+            version = self.gate.trained_version
+            metrics = await self.evaluate(step)
+        metrics["eval/weight_version"] = float(version)
+        self.tracker.log(max(self.logged_step, step), metrics)
+        logger.info("evaluation at weight version %d (requested after step %d): eval accuracy %.3f", version, step,
+                    metrics.get("eval/accuracy", float("nan")))
+        return metrics
+
+    async def _evaluations_landed(self) -> None:
+        """Wait for the evaluations still running beside training."""
+        for evaluation in self._evaluations:
+            await evaluation
+        self._evaluations.clear()
 
     @property
     def progress_label(self) -> str:

@@ -46,6 +46,7 @@ class SyncController:
         self.memory = build_phase_memory(cfg, self.roles)  # --offload-train / --offload-rollout
         self.phases = PhaseClock(cfg.timeline_dump_dir, cfg.stall_warning_s)  # the entrypoint sets its notifier
         self.checkpointer = Checkpointer(cfg, self.roles, self.phases)
+        self.logged_step = 0  # the last step whose row is in the trackers
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
@@ -145,6 +146,7 @@ class SyncController:
         with self.phases.phase("eval", step, "the held-out generations and rewards"):
             metrics, _ = await self.roles.rollout.evaluate(step)
         metrics["perf/eval_s"] = time.perf_counter() - started
+        metrics["eval/weight_version"] = float(step)  # the engine holds the weights the step published
         return metrics
 
     # ---- the loop ------------------------------------------------------------------------
@@ -193,6 +195,7 @@ class SyncController:
             if self._due(step, cfg.eval_interval) and self.roles.rollout.eval_sets:
                 metrics.update(await self._evaluate_between_steps(step))
             self.tracker.log(step, metrics)
+            self.logged_step = step
             progress.set_postfix(self._postfix(metrics), refresh=False)
             logger.info("step %d: %s", step, self._postfix(metrics))
             if self._due(step, cfg.save_interval):

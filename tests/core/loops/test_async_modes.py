@@ -187,7 +187,8 @@ def test_fully_async_streams_the_reference_and_advantages_and_trains_as_hybrid(t
     first, first_hybrid = rows[0], hybrid_rows[0]
     # --fully-async trains each step in chunks as its groups arrive (--train-stream-chunks 4, one group each); the
     # rescaled update is hybrid's whole-step update
-    assert all(row["perf/train_chunks"] == 4 and row["train/optimizer_steps"] == 1 for row in rows), rows
+    assert all(row["perf/train_chunks"] == 4 and row["train/optimizer_steps"] == 1 for row in rows
+               if "train/loss" in row), rows
     assert all("perf/train_chunks" not in row for row in hybrid_rows)
     for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/advantage_abs_mean", "rollout/reward_mean"):
         assert math.isclose(first[key], first_hybrid[key], rel_tol=1e-4, abs_tol=1e-6), key
@@ -343,3 +344,53 @@ def test_a_step_waits_for_its_rollouts_reply_so_no_metric_or_cursor_is_lost(tiny
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all("rollout/reward_mean" in row and "perf/rollout_s" in row for row in rows), rows
     assert "the data cursor after its rollout is not recorded yet" not in caplog.text
+
+
+def test_fully_async_evaluates_beside_training_at_one_named_version(tiny_workspace, tmp_path, monkeypatch):
+    """--fully-async --eval-interval: an evaluation runs while the trainer goes on (it trains the next step's chunks
+    meanwhile; the next weight push waits for the evaluation, which keeps its version), it is logged when it lands
+    with ``eval/weight_version``, every held-out token came from that version, and the run's last evaluation is at
+    its final version, in the last step's row."""
+    import time
+
+    from relax.components.actor import Actor
+    from relax.components.rollout import Rollout
+    from relax.telemetry.tracking import Tracker as TrackerClass
+
+    evaluations: list[tuple[float, float]] = []
+    logged: list[tuple[float, int, dict]] = []
+    trained: list[float] = []
+    evaluate, log, train_chunk = Rollout.evaluate, TrackerClass.log, Actor.train_chunk
+
+    async def recorded_chunk(self, *args, **kwargs):
+        result = await train_chunk(self, *args, **kwargs)
+        trained.append(time.monotonic())
+        return result
+
+    async def slow_evaluate(self, step):
+        started = time.monotonic()
+        await asyncio.sleep(0.6)  # a long held-out set
+        result = await evaluate(self, step)
+        evaluations.append((started, time.monotonic()))
+        return result
+
+    def recorded_log(self, step, metrics):
+        logged.append((time.monotonic(), step, dict(metrics)))
+        return log(self, step, metrics)
+
+    monkeypatch.setattr(Rollout, "evaluate", slow_evaluate)
+    monkeypatch.setattr(TrackerClass, "log", recorded_log)
+    monkeypatch.setattr(Actor, "train_chunk", recorded_chunk)
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--fully-async", "--max-staleness", "1",
+                                       "--num-rollout", "6", "--eval-interval", "2", "--dump-samples", "0"))
+    _run(cfg)
+    eval_rows = [row for _, _, row in logged if "eval/accuracy" in row]
+    assert [row["eval/weight_version"] for row in eval_rows] == [0.0, 2.0, 4.0, 6.0]  # before, beside x2, last
+    for row in eval_rows:  # pinned: every held-out token of the evaluation came from the version it names
+        assert row["eval/held_out/weight_version_min"] == row["eval/held_out/weight_version_max"] \
+            == row["eval/weight_version"]
+    beside = evaluations[1:3]  # the evaluations after steps 2 and 4
+    assert any(start < moment < end for start, end in beside for moment in trained), \
+        "the trainer trained nothing while an evaluation ran"
+    last_row = next(row for _, step, row in reversed(logged) if step == 6 and "train/loss" in row)
+    assert last_row["eval/weight_version"] == 6.0  # the run's last evaluation is in its last step's row
