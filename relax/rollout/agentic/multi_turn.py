@@ -150,13 +150,17 @@ class ObservationEncoder:
             return end[1:]
         return list(end)
 
-    def encode(self, message: dict[str, Any]) -> tuple[list[int], dict[str, torch.Tensor] | None]:
-        """The message's tokens up to the next assistant generation prompt, and its images' tensors."""
-        text = self._render([*_DUMMY_MESSAGES, message], add_generation_prompt=True)
+    def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The messages' tokens up to the next assistant generation prompt (their text; images: `encode`)."""
+        text = self._render([*_DUMMY_MESSAGES, *messages], add_generation_prompt=True)
         if not text.startswith(self._base_text):
             raise ValueError("the chat template renders earlier messages differently once a message follows them; "
                              "observations cannot be encoded token-in/token-out with it")
-        ids = self._ids(text[len(self._base_text):])
+        return self._ids(text[len(self._base_text):])
+
+    def encode(self, message: dict[str, Any]) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+        """The message's tokens up to the next assistant generation prompt, and its images' tensors."""
+        ids = self.encode_messages([message])
         images = [item["image"] for item in _content_items(message) if item.get("type") == "image"]
         if not images:
             return ids, None
