@@ -178,6 +178,13 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
                           f"(a quarter of the largest the flags allow, {tokens}) ran out of memory beside the engine; "
                           f"lower {flag('max_tokens_per_gpu')} or the KV pool ({flag('mem_fraction_static')}), or "
                           f"use {flag('gradient_checkpointing')}") from None
+    except Exception as error:  # noqa: BLE001 - the plan guards the run; a probe it cannot make must not stop it
+        logger.warning("memory plan skipped: the trainer's probe failed (%s: %s); the run goes on unplanned",
+                       type(error).__name__, error)
+        for trainer in trainers:
+            if trainer.model is not None:
+                trainer.model.zero_grad(set_to_none=True)
+        return None
     finally:
         torch.cuda.empty_cache()  # the probe's blocks, cached for this thread's stream, go back to the device
     peaks = [p for p in peaks if p is not None]
