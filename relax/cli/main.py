@@ -108,7 +108,8 @@ def _version() -> str:
 
 
 def _run_command(command: str, argv: list[str]) -> int:
-    function = command_function(command)  # first: its environment is set before anything imports torch
+    with interrupts.deferred():  # a Ctrl-C inside torch's native import could abort the interpreter
+        function = command_function(command)  # first: its environment is set before anything imports torch
     from relax.config import ConfigError
     from relax.core.state.checkpoint import CheckpointError
     from relax.data.dataset import DatasetError

@@ -225,7 +225,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("delay_s", [0.3, 1.5, 3.0])
+@pytest.mark.parametrize("delay_s", [0.3, 0.8, 1.5, 2.2, 3.0])
 def test_ctrl_c_at_any_moment_of_start_up_ends_the_run_without_a_traceback(tiny_workspace, tmp_path, delay_s):
     """Ctrl-C while the interpreter starts, imports, loads the model or builds the roles: exit 130 (or the
     signal's own death, before Python's handler exists), never a traceback, never a run that trains on."""
@@ -243,6 +243,28 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_run_without_a_traceback(tiny_
     # If the training loop was reached, the Ctrl-C stopped it at its first step boundary, not at step 5000
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl") if (tmp_path / "run" / "metrics.jsonl").exists() else []
     assert len(rows) < 100, len(rows)
+
+
+def test_a_ctrl_c_during_a_deferred_import_is_acted_on_when_it_ends():
+    """`interrupts.deferred`: a SIGINT inside (where torch's native import could abort the interpreter) is only
+    recorded; the block runs to its end, then the interrupt is raised."""
+    script = (
+        "import os, signal\n"
+        "from relax.utils import interrupts\n"
+        "interrupts.install()\n"
+        "try:\n"
+        "    with interrupts.deferred():\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        import time; time.sleep(0.2)\n"
+        "        print('block finished', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after it', interrupts.received(), flush=True)\n"
+        "print('handler back', signal.getsignal(signal.SIGINT).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.stdout.split("\n")[:3] == ["block finished", "interrupted after it True",
+                                              "handler back _record_and_interrupt"], result.stdout + result.stderr
 
 
 def test_a_ctrl_c_that_a_library_swallowed_still_stops_the_command():
