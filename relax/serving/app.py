@@ -48,7 +48,7 @@ from relax.serving.protocol import (
 )
 from relax.serving.responses import json_log_probs, sglang_result, text_tokens, token_pieces, usage
 from relax.serving.weights import WeightPathError, update_weights_from_path
-from relax.utils.http_server import client_gone
+from relax.utils.http_server import wait_unless_client_gone
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 CLIENT_GONE = 499  # nginx's "client closed request": only the access log ever sees it
@@ -131,11 +131,9 @@ def create_app(
         """The outputs of ``requests``, or None when the client went away first: then they are aborted (cancelling
         the batcher's call aborts its requests, `RequestBatcher.generate`)."""
         generation = asyncio.ensure_future(batcher.generate(requests))
-        gone = asyncio.ensure_future(client_gone(http_request.receive))
         try:
-            await asyncio.wait({generation, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await wait_unless_client_gone(generation, http_request.receive)
         finally:
-            gone.cancel()
             abandoned = not generation.done()  # the client left, or a graceful stop cancelled this handler
             if abandoned:
                 generation.cancel()

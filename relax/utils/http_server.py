@@ -190,6 +190,16 @@ async def client_gone(receive: Any) -> None:
         pass
 
 
+async def wait_unless_client_gone(work: asyncio.Future, receive: Any) -> None:
+    """Wait for ``work`` or for its client to disconnect (`client_gone`), whichever comes first, or until this handler
+    is cancelled; ``work.done()`` then says which, and the caller stops the work nobody waits for any more."""
+    gone = asyncio.ensure_future(client_gone(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+
+
 class DropQueryString(logging.Filter):
     """Rewrites uvicorn's access record (client, method, path, HTTP version, status) to the path alone."""
 

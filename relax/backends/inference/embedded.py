@@ -203,7 +203,7 @@ class EmbeddedEngine(InferenceEngine):
             runner = CacheRunner(self.model, self._pad_token_id, self._suppressed_ids, self._routing, running)
             return EngineCore(runner, None, CohortScheduler(running), self.tokenizer, self._eos_token_ids,
                               self._pauses, lambda: self._weight_version, max_positions=self.max_positions)
-        max_positions = int(self.model.config.get_text_config().max_position_embeddings)
+        max_positions = self.max_positions
         decoder = TextDecoder(self.model, max_positions, fused=triton_available(self.device),
                               suppressed_ids=self._suppressed_ids)
         # before the runner captures its CUDA graphs, which then read the FP8 buffers that syncs refill in place

@@ -43,10 +43,6 @@ class ComputeThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-trainer-compute",
                                             initializer=_bind_device, initargs=(device, self._stream))
 
-    @property
-    def stream(self) -> torch.cuda.Stream | None:
-        return self._stream
-
     async def run(self, coroutine_function, *args, **kwargs) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(

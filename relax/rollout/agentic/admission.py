@@ -60,11 +60,6 @@ class AdmissionStats:
     bypassed: int = 0  # admitted past max_wait_s
     peak_reserved_tokens: int = 0
 
-    def metrics(self) -> dict[str, float]:
-        return {"agent/admitted": float(self.admitted), "agent/admission_waits": float(self.waited),
-                "agent/admission_wait_s": self.wait_s, "agent/admission_bypasses": float(self.bypassed),
-                "agent/admission_peak_reserved_tokens": float(self.peak_reserved_tokens)}
-
 
 class ProgramAdmission:
     """The FIFO token ledger of the module doc."""

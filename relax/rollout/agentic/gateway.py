@@ -48,7 +48,7 @@ from relax.rollout.agentic.chat_request import (
 )
 from relax.rollout.agentic import messages_api, responses_api
 from relax.rollout.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
-from relax.utils.http_server import EmbeddedServer, HTTPLimits, client_gone, uvicorn_config
+from relax.utils.http_server import EmbeddedServer, HTTPLimits, uvicorn_config, wait_unless_client_gone
 
 logger = logging.getLogger("relax.agent_gateway")
 
@@ -524,11 +524,9 @@ async def _turn_unless_gone(session: Session, body: AgentChatRequest, request: R
     """The turn's chat completion; an agent that goes away mid-turn (killed, timed out) leaves no one to read the
     turn: it is aborted (recorded as it stands, finish "abort"), not decoded to its end, and answered 499."""
     turn = asyncio.ensure_future(session.run_turn(body))
-    gone = asyncio.ensure_future(client_gone(request.receive))
     try:
-        await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await wait_unless_client_gone(turn, request.receive)
     finally:
-        gone.cancel()
         if not turn.done():
             await session.abort_turn()
     if not turn.done():

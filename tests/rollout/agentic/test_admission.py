@@ -17,6 +17,7 @@ from relax.cli.args import parse_config
 from relax.config import ConfigError
 from relax.rollout.agentic.admission import ProgramAdmission, kv_capacity_of
 from relax.rollout.agentic.agent_rollout import _admission
+from relax.rollout.generation.context import GenerateArgs
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
 
 PAGE = 16
@@ -116,13 +117,8 @@ def test_the_rollout_builds_admission_from_the_flags_and_refuses_thresholds_with
     cfg = parse_config(["--agentic-program-admission", "--agentic-admission-headroom", "0.5",
                         "--agentic-admission-max-wait", "7"])
 
-    class Args:  # what a per-sample generate function receives: config fields and the (batched) engine
-        def __getattr__(self, name):
-            return getattr(cfg, name)
-
-    args = Args()
-    args.engine = RequestBatcher(engine)
-    admission = _admission(args)
+    # what a per-sample generate function receives: the config's fields and the (batched) engine
+    admission = _admission(GenerateArgs(cfg, RequestBatcher(engine), engine.tokenizer))
     assert admission.capacity is not None and admission.headroom == 0.5 and admission.max_wait_s == 7
     assert admission.capacity.total() == (engine.core.blocks.num_blocks - 1) * PAGE
     with pytest.raises(ConfigError, match="--agentic-admission-pressure needs --agentic-program-admission"):

@@ -18,7 +18,6 @@ from openai import AsyncOpenAI
 
 from relax.backends.inference.base import SamplingParams, ScoreRequest
 from relax.backends.inference.batcher import RequestBatcher
-from relax.backends.inference.embedded import EmbeddedEngine
 from relax.config import RelaxConfig
 from relax.data.sample import Sample, SampleStatus
 from relax.rollout.agentic import agent_rollout
@@ -27,11 +26,6 @@ from relax.rollout.agentic.tool_parser import parse_hermes_tool_calls
 from relax.rollout.generation.context import PerSampleGeneration
 
 TOOL_MESSAGE = {"role": "tool", "content": "3", "tool_call_id": "call_1"}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_workspace) -> EmbeddedEngine:
-    return EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
 
 
 def run_with_gateway(engine, scenario, max_new_tokens: int = 5, max_context_len: int | None = 200):

@@ -24,18 +24,12 @@ from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.batcher import RequestBatcher
 from relax.rollout.agentic.gateway import AgentGateway, openai_tool_calls
 from relax.rollout.agentic.tool_parser import parse_hermes_tool_calls
-from relax.backends.inference.embedded import EmbeddedEngine
 from tests.rollout.agentic.test_agent_gateway import client_of, run_with_gateway
 
 ADD_CALL = openai_tool_calls(parse_hermes_tool_calls)(
     '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')[1][0]
 ADD_TOOL = {"name": "add", "description": "adds two numbers",
             "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_workspace) -> EmbeddedEngine:
-    return EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
 
 
 def anthropic_of(gateway: AgentGateway, key: str) -> AsyncAnthropic:

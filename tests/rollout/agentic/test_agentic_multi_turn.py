@@ -89,16 +89,6 @@ def build_failing_env(sample, args):
 # ----------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_workspace):
-    return AutoTokenizer.from_pretrained(tiny_workspace / "model")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_workspace):
-    return EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
-
-
 class RecordingEngine:
     """The real engine, with every engine call's requests and outputs kept."""
 

@@ -17,12 +17,10 @@ from relax.data.sample import SampleStatus
 from relax.rollout.agentic import multi_turn
 from relax.rollout.agentic.env_workers import EnvWorkerPool
 from relax.rollout.generation.context import PerSampleGeneration
-from tests.rollout.agentic import test_agentic_multi_turn as multi_turn_tests
 from tests.rollout.agentic.test_agentic_multi_turn import letter_ids, prompt_samples, sampling
 from tests.support.runs import ROOT
 
 ENV_PATH = "tests.support.e2e_envs:build_env"
-tokenizer, engine = multi_turn_tests.tokenizer, multi_turn_tests.engine  # the same module-scoped fixtures
 
 
 @pytest.fixture(autouse=True)

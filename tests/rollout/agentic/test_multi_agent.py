@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
-from relax.backends.inference.embedded import EmbeddedEngine
 from relax.config import RelaxConfig
 from relax.data.sample import Sample, SampleStatus
 from relax.rollout.agentic import multi_agent
@@ -58,16 +56,6 @@ class BrokenStep(ProposeVerifyRevise):
 def build_env(sample, args):
     return {"revise": ProposeVerifyRevise, "silent": SilentVerifier, "broken": BrokenStep}[sample.metadata["env"]](
         sample)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_workspace):
-    return AutoTokenizer.from_pretrained(tiny_workspace / "model")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_workspace):
-    return EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
 
 
 def _episodes(engine, tokenizer, kind: str, count: int = 2):

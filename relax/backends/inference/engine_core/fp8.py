@@ -84,10 +84,6 @@ class Fp8Linears:
                 linear.__dict__.pop(name, None)
         self.linears = []
 
-    @property
-    def nbytes(self) -> int:
-        return sum(linear.fp8_weight.nbytes + linear.fp8_scale.nbytes for linear in self.linears)
-
     @torch.no_grad()
     def requantize(self) -> None:
         """The FP8 copies from the current weights, in place (after a weight sync)."""
