@@ -401,6 +401,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "time_to_accuracy_gpu.json")
     parser.add_argument("--png", type=Path, default=CURVES / "time_to_accuracy_gpu.png")
     parser.add_argument("--resummarize", type=Path, help="recompute the headline and PNG of this result JSON")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep the data and each system's result here (default: a temporary folder), so a run "
+                             "cut short still leaves the systems that finished")
     # worker-only
     parser.add_argument("--worker", choices=["relax", "trl"])
     parser.add_argument("--model-dir")
@@ -420,7 +423,8 @@ def main() -> None:
     from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
 
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = Path(tmp_name) if args.work_dir is None else args.work_dir
+        tmp.mkdir(parents=True, exist_ok=True)
         model_dir = hf_folder_of_gguf(args.model) if is_gguf(args.model) else args.model
         if args.tiny or args.random_weights:
             model_dir = random_model(model_dir, tmp / "random", tiny=args.tiny)

@@ -28,25 +28,21 @@ Usage: python examples/agentic_calculator/build_task.py [--out DIR] [--watch-eve
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import random
 import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quickstart"))
-from build_quickstart import build_model, build_tokenizer, write_jsonl  # the shared tiny Qwen3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agentic_common"))
+import tool_warm_start as warm  # the chat tokenizer, the warm start and the episode evaluation shared with search_r1
+from build_quickstart import build_model, write_jsonl  # the shared tiny Qwen3
 from reward import final_answer  # graded as the RL reward grades
 
-from relax.data.sft_dataset import conversation_segments
-from relax.rollout.agentic.multi_turn import ObservationEncoder
-from relax.rollout.agentic.tool_env import ToolEnv
-from relax.rollout.agentic.tool_parser import format_tool_responses, get_tool_call_parser
+from relax.rollout.agentic.tool_parser import format_tool_responses
 from relax.rollout.agentic.tools import calculator_tool
 
 SEED = 4321
@@ -75,29 +71,14 @@ MEMORY_RULE = "even"
 # the tool there that sampled RL episodes can find (on 3x3 problems the chance that a warm model's first token opens
 # a call was 0.05% with no such trace, 8.5% with every third, 30% with every second).
 MEMORY_CALL_EVERY = 2
-SFT_BATCH_SIZE = 32
-SFT_LR = 1e-3
-SFT_WARMUP_STEPS = 10
 
 # The per-turn token budget of the builder's own greedy evaluation: config.yaml's --rollout-max-response-len.
 # A call takes about 62 tokens and an answer up to 26.
 TURN_MAX_TOKENS = 72
 
 CALCULATOR = calculator_tool()  # relax's built-in tool: the RL run executes exactly this one
-TOOL_MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOLS = {CALCULATOR.name: CALCULATOR}
 QUESTION = "What is {a}*{b}? Use the calculator, then answer <answer>N</answer>."
-TOOL_CALL_PARSER = "hermes"
-
-# ChatML without newlines between turns, so a turn is exactly what the model writes, ending at <|im_end|> (its eos),
-# and an observation appended by the multi-turn loop starts with <|im_start|>. The tools are listed by name only: a
-# character-level model pays one token per character, and the full JSON schema would triple the prompt. The template
-# leaves a tool message's content as it is: relax's tool environment already wraps results in <tool_response>.
-CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools: "
-    "{%- for tool in tools %} {{ tool.function.name }}{%- endfor %}<|im_end|>{%- endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 # ----------------------------------------------------------------------------------------------------------- data
 
@@ -124,16 +105,6 @@ def sample_disjoint_problems(rng: random.Random, sizes: list[int]) -> list[list[
     return groups
 
 
-def tool_call_text(expression: str) -> str:
-    """A Hermes tool call, as the model writes it (compact JSON: fewer characters to learn and to generate)."""
-    call = {"name": CALCULATOR.name, "arguments": {"expression": expression}}
-    return "<tool_call>" + json.dumps(call, separators=(",", ":")) + "</tool_call>"
-
-
-def answer_text(answer: str) -> str:
-    return f"<answer>{answer}</answer>"
-
-
 def prompt_row(pair: tuple[int, int]) -> dict:
     """An RL prompt row: the user turn, the tool offered (by name; relax expands it to the tool's spec), the exact
     product as the label."""
@@ -145,7 +116,7 @@ def prompt_row(pair: tuple[int, int]) -> dict:
 def direct_row(pair: tuple[int, int]) -> dict:
     """A trace that answers at once, without the calculator."""
     a, b = pair
-    return {"input": prompt_row(pair)["input"] + [{"role": "assistant", "content": answer_text(str(a * b))}],
+    return {"input": prompt_row(pair)["input"] + [{"role": "assistant", "content": warm.answer_text(str(a * b))}],
             "tools": [CALCULATOR.name]}
 
 
@@ -153,169 +124,31 @@ def trace_row(pair: tuple[int, int]) -> dict:
     """A successful tool-use trace for SFT: call the calculator, read its result, answer with it."""
     a, b = pair
     messages = prompt_row(pair)["input"] + [
-        {"role": "assistant", "content": tool_call_text(f"{a}*{b}")},
+        {"role": "assistant", "content": warm.tool_call_text(CALCULATOR, expression=f"{a}*{b}")},
         {"role": "tool", "content": format_tool_responses([str(a * b)])},  # as the tool environment writes it
-        {"role": "assistant", "content": answer_text(str(a * b))},
+        {"role": "assistant", "content": warm.answer_text(str(a * b))},
     ]
     return {"input": messages, "tools": [CALCULATOR.name]}
-
-
-# ------------------------------------------------------------------------------------------------ tokenizer, model
-
-
-def build_chat_tokenizer() -> PreTrainedTokenizerFast:
-    """The quickstart's character tokenizer plus the tool markup as single tokens (as in Qwen3's real vocabulary)
-    and the chat template above."""
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(TOOL_MARKUP_TOKENS)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def tool_specs(row: dict) -> list[dict]:
-    """The specs the chat template gets for a row's tool names, as relax's dataset loader passes them (every row of
-    this task offers the calculator alone)."""
-    return [CALCULATOR.spec() for _ in row["tools"]]
-
-
-# ---------------------------------------------------------------------------------------------------------- SFT
-
-
-def encode_trace(tokenizer: PreTrainedTokenizerFast, row: dict) -> tuple[list[int], list[int]]:
-    """Token ids of a trace and their labels (-100 outside the assistant turns), cut by relax's SFT code so the warm
-    start learns exactly what ``relax train --loss-type sft`` would."""
-    segments = conversation_segments(row["input"], tokenizer, {"tools": tool_specs(row)})
-    ids, labels = [], []
-    for text, learn in segments:
-        segment_ids = tokenizer.encode(text)
-        ids += segment_ids
-        labels += segment_ids if learn else [-100] * len(segment_ids)
-    return ids, labels
-
-
-def collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _ in encoded)
-    return {
-        "input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in encoded]),
-        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in encoded]),
-        "labels": torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in encoded]),
-    }
-
-
-def run_sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, traces: list[dict], rng: random.Random,
-            steps: int = SFT_STEPS, on_step=None) -> None:
-    """AdamW over the few traces, reshuffled each epoch; ``on_step(step)`` lets the caller watch progress. The
-    learning rate warms up, then stays constant, so the model after N steps does not depend on ``steps``."""
-    encoded = [encode_trace(tokenizer, row) for row in traces]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / SFT_WARMUP_STEPS))
-    order: list[int] = []
-    for step in range(steps):
-        if len(order) < SFT_BATCH_SIZE:
-            epoch = list(range(len(encoded)))
-            rng.shuffle(epoch)
-            order += epoch
-        batch, order = [encoded[i] for i in order[:SFT_BATCH_SIZE]], order[SFT_BATCH_SIZE:]
-        model.train()
-        loss = model(**collate(batch, tokenizer.pad_token_id)).loss
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"sft step {step:4d}  loss {loss.item():.4f}", flush=True)
-        if on_step is not None:
-            on_step(step + 1)
-    model.eval()
-
-
-# --------------------------------------------------------------------------------------------------- evaluation
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerFast, row: dict, suffix: str = "") -> list[int]:
-    text = tokenizer.apply_chat_template(row["input"], tools=tool_specs(row), add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer.encode(text + suffix)
-
-
-def tool_step(encoder: ObservationEncoder, turn_ids: list[int], turn_text: str) -> tuple[bool, list[int]]:
-    """Relax's tool environment on one model turn: (did the calculator run successfully, the observation tokens the
-    multi-turn loop appends; none when the turn made no call and so ends the episode)."""
-    env = ToolEnv([CALCULATOR], get_tool_call_parser(TOOL_CALL_PARSER), timeout_s=5.0, chat_template=CHAT_TEMPLATE)
-    observation, done, info = asyncio.run(env.step(turn_text))
-    succeeded = info["tool_stats"]["successful_calls"] > 0
-    if done:
-        return succeeded, []
-    ids, _ = encoder.encode(env.format_observation(observation))
-    return succeeded, encoder.close_turn(turn_ids) + ids
-
-
-@torch.no_grad()
-def greedy_turns(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, contexts: list[list[int]],
-                 max_new_tokens: int) -> list[list[int]]:
-    """One greedy model turn per context: the new ids up to and including eos (all of them when eos never came)."""
-    width = max(len(ids) for ids in contexts)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in contexts])
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in contexts])
-    generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                               max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
-    turns = []
-    for row in generated[:, width:].tolist():
-        turns.append(row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row)
-    return turns
-
-
-def evaluate_with_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> dict:
-    """Greedy two-turn episodes as the RL run plays them (``--max-turns 2``): held-out accuracy and the share of
-    episodes whose calculator call ran successfully."""
-    encoder = ObservationEncoder(tokenizer, {})
-    contexts = [prompt_ids(tokenizer, row) for row in rows]
-    call_turns = greedy_turns(model, tokenizer, contexts, TURN_MAX_TOKENS)
-    steps = [tool_step(encoder, turn, tokenizer.decode(turn, skip_special_tokens=True)) for turn in call_turns]
-    answers = [final_answer(tokenizer.decode(turn, skip_special_tokens=True)) for turn in call_turns]
-    continuing = [i for i, (_, observation) in enumerate(steps) if observation]
-    if continuing:
-        second = greedy_turns(model, tokenizer, [contexts[i] + call_turns[i] + steps[i][1] for i in continuing],
-                              TURN_MAX_TOKENS)
-        for i, turn in zip(continuing, second):
-            answers[i] = final_answer(tokenizer.decode(turn, skip_special_tokens=True))
-    correct = sum(answer == row["label"] for answer, row in zip(answers, rows))
-    return {"accuracy": correct / len(rows), "tool_call_success": sum(ok for ok, _ in steps) / len(rows),
-            "called_tool": len(continuing) / len(rows)}
-
-
-def evaluate_without_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> float:
-    """Accuracy when the model must answer by itself: its first turn is forced to open with ``<answer>``."""
-    turns = greedy_turns(model, tokenizer, [prompt_ids(tokenizer, row, "<answer>") for row in rows],
-                         TURN_MAX_TOKENS)
-    answers = [final_answer("<answer>" + tokenizer.decode(turn, skip_special_tokens=True)) for turn in turns]
-    return sum(answer == row["label"] for answer, row in zip(answers, rows)) / len(rows)
 
 
 # --------------------------------------------------------------------------------------------------------- main
 
 
-def make_deterministic() -> None:
-    """Same seed, one thread, deterministic kernels: re-running the script rewrites identical files."""
-    torch.manual_seed(SEED)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-
-
 def answered_from_memory(pairs: list[tuple[int, int]], rule: str, call_every: int) -> list[bool]:
     """Which traces answer without the calculator: those ``MEMORY_RULES[rule]`` picks, except every
     ``call_every``-th of them."""
-    picked = [MEMORY_RULES[rule](pair) for pair in pairs]
-    rank = [sum(picked[: i + 1]) - 1 for i in range(len(pairs))]
-    return [is_picked and rank[i] % call_every != 0 for i, is_picked in enumerate(picked)]
+    return warm.answered_from_memory([MEMORY_RULES[rule](pair) for pair in pairs], call_every)
+
+
+def evaluate_with_tool(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> dict:
+    return warm.evaluate_with_tool(model, tokenizer, rows, TOOLS, final_answer, TURN_MAX_TOKENS)
 
 
 def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_STEPS,
           sft_traces: int = NUM_SFT_TRACES, memory_rule: str = MEMORY_RULE,
           memory_call_every: int = MEMORY_CALL_EVERY) -> dict:
     """Write the data and the warm-started model under ``out_dir``; return the held-out measurements."""
-    make_deterministic()
+    warm.make_deterministic(SEED)
     rng = random.Random(SEED)
     train_pairs, test_pairs, sft_pairs = sample_disjoint_problems(rng, [NUM_TRAIN, NUM_TEST, sft_traces])
     # The split lets the reward log tell held-out episodes from training ones (see reward.py).
@@ -327,7 +160,7 @@ def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_ST
     write_jsonl(out_dir / "data" / "test.jsonl", test_rows)
     write_jsonl(out_dir / "data" / "sft.jsonl", traces)
 
-    tokenizer = build_chat_tokenizer()
+    tokenizer = warm.build_chat_tokenizer()
     model = build_model(tokenizer)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {len(tokenizer)}", flush=True)
 
@@ -335,14 +168,15 @@ def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_ST
         if watch_every and step % watch_every == 0:
             print(f"  step {step}: {evaluate_with_tool(model, tokenizer, test_rows)}", flush=True)
 
-    run_sft(model, tokenizer, traces, rng, steps=sft_steps, on_step=watch)
+    warm.run_sft(model, tokenizer, traces, TOOLS, rng, steps=sft_steps, on_step=watch)
 
     model_dir = out_dir / "model"
     shutil.rmtree(model_dir, ignore_errors=True)  # no stale files from an earlier configuration
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return {**evaluate_with_tool(model, tokenizer, test_rows),
-            "accuracy_without_tool": evaluate_without_tool(model, tokenizer, test_rows)}
+            "accuracy_without_tool": warm.evaluate_without_tool(model, tokenizer, test_rows, TOOLS, final_answer,
+                                                                TURN_MAX_TOKENS)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,7 +60,23 @@ def summarize_samples(samples: list[Sample], prefix: str) -> dict[str, float]:
         f"{prefix}/num_samples": float(len(samples)),
         **episode_metrics(samples, prefix),
         **weight_version_metrics(samples, prefix),
+        **agent_metrics(samples, prefix),
     }
+
+
+def agent_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """Reward and accuracy per agent for multi-agent episodes (``metadata["agent"]``, see
+    `relax.rollout.agentic.multi_agent`): the agents' rewards mean different things (a proposer's answer, a
+    verifier's verdict), so their mean over all samples alone hides which one learns."""
+    by_agent: dict[str, list[Sample]] = {}
+    for sample in samples:
+        if "agent" in sample.metadata:
+            by_agent.setdefault(str(sample.metadata["agent"]), []).append(sample)
+    metrics = {}
+    for agent, members in by_agent.items():
+        metrics[f"{prefix}/agent/{agent}/reward_mean"] = statistics.fmean(map(scalar_reward, members))
+        metrics[f"{prefix}/agent/{agent}/accuracy"] = sum(map(is_correct, members)) / len(members)
+    return metrics
 
 
 def weight_version_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:

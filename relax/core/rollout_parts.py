@@ -45,10 +45,14 @@ def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardCompute
             if cfg.rm_url is None:
                 raise ValueError(f"--rm-type {REMOTE_RM_TYPE} needs {flag('rm_url')}")
             rm_type = None
+        generate = load_generate_function(cfg)
+        sets_rewards = generate is not None and getattr(generate[0], "sets_rewards", False)
         return RewardComputer(rm_type, cfg.custom_rm_path, group_rm=cfg.group_rm, args=cfg,
                               timeout_s=cfg.reward_timeout, custom_workers=cfg.custom_rm_workers,
                               worker_memory_mb=cfg.reward_worker_memory_mb,
-                              remote=remote if remote is not None else remote_reward(cfg))
+                              remote=remote if remote is not None else remote_reward(cfg),
+                              rewards_set_by=f"{flag('custom_generate_function_path')} {generate[1]}"
+                              if sets_rewards else None)
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from None
 

@@ -16,7 +16,9 @@ members`: a group of n episodes becomes n samples per agent): its context's toke
 agent's own model turns (never another agent's, never an observation), its log-probs and weight versions, reward the
 agent's total, ``metadata["agent"]`` its name and ``metadata["agent_index"]`` its position. An agent that never spoke
 gives a FAILED sample (nothing to train on); an environment error fails every agent's sample, naming the call.
-``--max-turns`` bounds the model turns of the whole episode; ``--rollout-max-context-len`` (default: an agent's
+The environment's rewards are the samples' rewards, so such a run configures no reward function (one given is refused:
+it would never run); eval and rollout metrics are also reported per agent (``.../agent/<name>/reward_mean`` and
+``.../accuracy``). ``--max-turns`` bounds the model turns of the whole episode; ``--rollout-max-context-len`` (default: an agent's
 prompt + ``--rollout-max-response-len``) bounds each context.
 """
 
@@ -112,6 +114,9 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
     agents = tuple(contexts) or (getattr(env, "agents", None) or ("agent",))
     return [_agent_sample(sample, index, agent, contexts.get(agent), rewards.get(agent, 0.0), stop_reason, error,
                           args.tokenizer) for index, agent in enumerate(agents)]
+
+
+generate.sets_rewards = True  # every sample leaves with its agent's reward: no reward function runs (module doc)
 
 
 async def _play(args: Any, env: MultiAgentEnv, contexts: dict[str, _Context], rewards: dict[str, float],

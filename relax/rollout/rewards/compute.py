@@ -98,12 +98,19 @@ class RewardComputer:
         custom_workers: int = 0,
         worker_memory_mb: int | None = None,
         remote: Callable[[Any, Sample], Any] | None = None,
+        rewards_set_by: str | None = None,
     ) -> None:
         sources = [name for name, given in (("--rm-type", rm_type), ("--custom-rm-path", custom_rm_path),
                                             ("--rm-url / --genrm-model-path", remote)) if given is not None]
-        if not sources:
+        # ``rewards_set_by`` names a generate function that rewards every sample itself (a multi-agent
+        # environment's per-agent rewards): a configured reward would never run, so it is refused, not ignored.
+        if rewards_set_by is not None and sources:
+            raise ValueError(f"{rewards_set_by} sets every sample's reward itself; {' and '.join(sources)} would "
+                             "never run: leave it out (a setting of a --config file is cleared with --<flag> none)")
+        if not sources and rewards_set_by is None:
             raise ValueError("no reward configured: set --rm-type to a rule reward, --custom-rm-path to a function, "
                              "--rm-url to a reward server or --genrm-model-path to a judge model")
+        self._rewards_set_by = rewards_set_by
         if len(sources) > 1:
             raise ValueError(f"{' and '.join(sources)} both given; set one (a custom function can call "
                              "get_reward_fn itself; a setting of a --config file is cleared with --<flag> none, "
@@ -187,6 +194,8 @@ class RewardComputer:
 
     async def _score_sample(self, sample: Sample) -> None:
         try:
+            if self._rewards_set_by is not None:
+                raise ValueError(f"{self._rewards_set_by} returned a sample without a reward")
             if self._custom_fn is not None:
                 reward = await self._call_custom_fn(sample)
             else:

@@ -107,3 +107,42 @@ def test_a_silent_agent_and_a_broken_environment_fail_their_samples_naming_why(e
     broken, _ = _episodes(engine, tokenizer, "broken", count=1)
     assert all(s.status is SampleStatus.FAILED and "the judge crashed" in s.metadata["error"] for s in broken)
     assert all(not any(s.loss_mask) for s in broken)
+
+
+def test_metrics_are_reported_per_agent(engine, tokenizer):
+    from relax.components.rollout import summarize_samples
+
+    samples, _ = _episodes(engine, tokenizer, "revise", count=3)
+    samples += _episodes(engine, tokenizer, "silent", count=1)[0]
+    metrics = summarize_samples(samples, "eval/set")
+    assert metrics["eval/set/agent/proposer/reward_mean"] == 1.0  # 4 proposers, each rewarded 1.0
+    assert metrics["eval/set/agent/proposer/accuracy"] == 1.0
+    assert metrics["eval/set/agent/verifier/reward_mean"] == pytest.approx(0.75 * 3 / 4)  # the silent one: 0
+    assert metrics["eval/set/agent/verifier/accuracy"] == 0.75
+    assert metrics["eval/set/reward_mean"] == pytest.approx((4 * 1.0 + 3 * 0.75) / 8)
+    assert not any("/agent/" in key for key in summarize_samples(samples[:0] + [_plain()], "rollout"))
+
+
+def _plain() -> Sample:
+    sample = Sample(index=0, prompt="1+1=", tokens=[1, 2], response_length=1, reward=1.0)
+    return sample
+
+
+def test_the_environment_rewards_the_samples_so_no_reward_function_is_configured_or_accepted():
+    from relax.config import ConfigError
+    from relax.core.rollout_parts import build_reward_computer
+
+    base = dict(rollout_interaction_env_path=HERE, custom_generate_function_path=PATH, max_turns=4)
+    rewards = build_reward_computer(RelaxConfig(**base))  # no --rm-type, no --custom-rm-path: accepted
+    for extra, named in (({"rm_type": "exact_match"}, "--rm-type"),
+                         ({"custom_rm_path": "tests.rollout.agentic.test_multi_agent:build_env"}, "--custom-rm-path")):
+        with pytest.raises(ConfigError, match=f"sets every sample's reward itself; {named} would never run"):
+            build_reward_computer(RelaxConfig(**base, **extra))
+    # a sample that somehow arrives without a reward is not scored by accident: it fails, named
+    sample = Sample(index=0, prompt="1+1=", tokens=[1, 2], response_length=1)
+    asyncio.run(rewards.score([sample]))
+    assert sample.reward == 0.0 and rewards.pop_metrics()["reward/num_errors"] == 1
+    assert "returned a sample without a reward" in next(iter(rewards.error_counts))
+    # without the multi-agent generate function a reward is still required
+    with pytest.raises(ConfigError, match="no reward configured"):
+        build_reward_computer(RelaxConfig(max_turns=4))

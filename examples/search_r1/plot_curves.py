@@ -1,0 +1,47 @@
+"""Plot the search run's held-out accuracy and search figures, and print them as a table.
+
+The per-sample figures come from the reward log that ``reward.py`` writes into the run directory
+(``search_rewards.jsonl``); held-out rows are grouped by the weight version that produced them (the training step of
+the evaluation), training rollouts the same way.
+
+Usage: python examples/search_r1/plot_curves.py RUN_DIR [--out docs/curves]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reward import REWARD_LOG_NAME
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agentic_common"))
+from reward_log import plot_log, print_table, read_log  # noqa: E402  (shared with the calculator)
+
+FIGURES = {  # file stem -> (title, y label, curves: legend label -> (split, reward key))
+    "search_r1_accuracy": ("Held-out accuracy (200 unseen towns)", "exact-match accuracy", {
+        "held-out (greedy)": ("test", "correct"),
+        "training rollouts (T=1, mean of 5 steps)": ("train", "correct"),
+    }),
+    "search_r1_tool_calls": ("Searches", "share of episodes", {
+        "searched, held-out (greedy)": ("test", "called_tool"),
+        "search found the answer, held-out (greedy)": ("test", "found"),
+        "searched, training rollouts (T=1, mean of 5 steps)": ("train", "called_tool"),
+    }),
+}
+COLUMNS = {"correct": "held-out accuracy", "called_tool": "episodes with a search",
+           "tool_call_success": "tool-call success", "found": "searches that found the answer"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/curves"), help="folder of the PNG files")
+    args = parser.parse_args(argv)
+    rows = read_log(args.run_dir / REWARD_LOG_NAME)
+    plot_log(rows, FIGURES, args.out)
+    print_table(rows, COLUMNS, "called_tool", "search rate")
+
+
+if __name__ == "__main__":
+    main()
