@@ -44,7 +44,7 @@ case ",$extras," in
   *,test,*|*,ray,*) python -c "import ray, transfer_queue" >> "$log" 2>&1 || fail "import ray, transfer_queue (the ray extra)" ;;
 esac
 case ",$extras," in
-  *,test,*) python -c "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s" >> "$log" 2>&1 \
-              || fail "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s (the test extra)" ;;
+  *,test,*) python -c "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s, trl" >> "$log" 2>&1 \
+              || fail "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s, trl (the test extra)" ;;
 esac
 echo "setup: done ($(relax --version); pip's output in $log)" >&2

@@ -153,3 +153,36 @@ def build_sft_loss_fn(aggregation: LossAggregation, max_response_len: int | None
         return loss, metrics
 
     return loss_fn
+
+
+# The per-completion fields of a preference step (`relax.algorithms.preference.PreferenceStep`), each a scalar per
+# completion carried on every one of its tokens.
+PREFERENCE_FIELDS = ("preference_gradient", "preference_loss_half", "preference_reward", "preference_margin_half",
+                     "preference_accuracy_half", "preference_is_chosen")
+
+
+def build_preference_loss_fn() -> LossFn:
+    """DPO, IPO or SimPO on micro-batches that may hold any subset of the step's completions: the trained quantity is
+    ``Σ g·s`` (``g`` the loss's derivative with respect to the completion's sequence log-prob ``s``, computed for the
+    whole step beforehand; module doc of `relax.algorithms.preference`), divided by the step's pairs like every
+    loss's share. The metrics are the real loss and the implicit rewards, each micro-batch's share of their mean over
+    the step's pairs."""
+
+    def loss_fn(mb: MicroBatchTensors, log_probs: torch.Tensor, entropy: torch.Tensor | None):
+        pairs = max(mb.global_num_samples / 2, 1.0)
+        per_completion = {name: mb.fields[name][:, 0] for name in PREFERENCE_FIELDS}  # every completion has a token
+        sequence_log_probs = (log_probs * mb.mask.to(log_probs.dtype)).sum(dim=1)
+        loss = (per_completion["preference_gradient"] * sequence_log_probs).sum() / pairs
+        chosen = per_completion["preference_is_chosen"]
+        metrics = {
+            "loss": per_completion["preference_loss_half"].sum() / pairs,
+            "rewards_chosen": (per_completion["preference_reward"] * chosen).sum() / pairs,
+            "rewards_rejected": (per_completion["preference_reward"] * (1 - chosen)).sum() / pairs,
+            "rewards_margin": per_completion["preference_margin_half"].sum() / pairs,
+            "rewards_accuracy": per_completion["preference_accuracy_half"].sum() / pairs,
+            "logps_chosen": (sequence_log_probs.detach() * chosen).sum() / pairs,
+            "logps_rejected": (sequence_log_probs.detach() * (1 - chosen)).sum() / pairs,
+        }
+        return loss, metrics
+
+    return loss_fn

@@ -83,10 +83,17 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
 
     # Derived values ------------------------------------------------------------------------
     @property
+    def trains_on_dataset(self) -> bool:
+        """SFT and DPO train on the dataset's responses: no rollout phase (the engine only evaluates)."""
+        return self.loss_type in ("sft", "dpo")
+
+    @property
     def samples_per_step(self) -> int:
-        """Samples trained on per step: every response of the step's prompts, or one per SFT row."""
+        """Samples trained on per step: every response of the step's prompts, one per SFT row, two per DPO pair."""
         if self.loss_type == "sft":
             return self.rollout_batch_size
+        if self.loss_type == "dpo":
+            return 2 * self.rollout_batch_size
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     @property

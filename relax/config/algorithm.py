@@ -89,12 +89,24 @@ class AlgorithmSettings(BaseModel):
         "old_log_probs, advantages, mask) -> relax.algorithms.policy_loss.PolicyLossTerms, per token [B, T]; "
         "aggregation, TIS, the KL loss and the entropy bonus apply around it as for every loss.", "algorithm",
     )
-    loss_type: Literal["policy_loss", "sft"] = setting(
+    loss_type: Literal["policy_loss", "sft", "dpo"] = setting(
         "policy_loss",
         "policy_loss: RL with --advantage-estimator. sft: supervised fine-tuning (negative log-likelihood of "
-        "the dataset's responses, --label-key or the assistant turns of chat rows) on the same trainer.",
+        "the dataset's responses, --label-key or the assistant turns of chat rows) on the same trainer. dpo: "
+        "preference training on pairs (--chosen-key, --rejected-key) with --dpo-loss (docs/training_modes.md).",
         "algorithm",
     )
+    dpo_loss: Literal["sigmoid", "ipo", "simpo"] = setting(
+        "sigmoid", "The preference loss of --loss-type dpo: sigmoid (DPO), ipo, or simpo (reference-free, "
+        "length-normalised; no reference model is loaded).", "algorithm",
+    )
+    dpo_beta: float = setting(0.1, "β of the preference loss: the strength of the implicit KL to the reference "
+                              "(IPO's τ; SimPO's reward scale).", "algorithm", gt=0)
+    dpo_label_smoothing: float = setting(
+        0.0, "Conservative DPO: the assumed share of flipped preference labels (sigmoid and simpo).", "algorithm",
+        ge=0, lt=0.5,
+    )
+    simpo_gamma: float = setting(0.0, "SimPO's target reward margin γ (--dpo-loss simpo).", "algorithm", ge=0)
     critic_lr: float | None = setting(None, "Learning rate of the critic (default --lr).", "critic", gt=0)
     num_critic_only_steps: int = setting(
         0, "Rollout steps at the start that train only the critic (the policy waits for fitted values).",

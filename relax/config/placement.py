@@ -178,7 +178,8 @@ class PlacementSettings(BaseModel):
                     raise ValueError(f"{flag(name)} needs --placement ray")
             if self.weight_sync_transport is not None and not self.rollout_external:
                 raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray or --rollout-external")
-        elif self.loss_type == "sft" or self.use_opd:
-            raise ValueError(f"--placement ray does not support {'--loss-type sft' if self.loss_type == 'sft' else '--use-opd'} "
-                             "yet; use --placement in_process")
+        elif self.trains_on_dataset or self.use_opd:
+            raise ValueError(f"--placement ray does not support "
+                             f"{f'--loss-type {self.loss_type}' if self.trains_on_dataset else '--use-opd'} yet; use "
+                             "--placement in_process")
         return self

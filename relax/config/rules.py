@@ -65,7 +65,7 @@ class CrossSectionRules(BaseModel):
             raise ValueError(
                 f"{flag('tis_clip_low')} ({self.tis_clip_low}) is above {flag('tis_clip')} ({self.tis_clip})"
             )
-        if self.rm_type and self.loss_type != "sft" and not self.label_key:
+        if self.rm_type and not self.trains_on_dataset and not self.label_key:
             raise ValueError(f"{flag('rm_type')} {self.rm_type} compares every response with a label: set "
                              f"{flag('label_key')}")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
@@ -107,8 +107,9 @@ class CrossSectionRules(BaseModel):
         asked = [flag(n) for n in ("offload", "offload_train", "offload_rollout") if getattr(self, n)]
         if not asked:
             return
-        if self.loss_type == "sft":
-            raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} sft has no rollout phase to offload around")
+        if self.trains_on_dataset:
+            raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} {self.loss_type} has no rollout phase to "
+                             "offload around")
         if self.placement != "in_process":
             raise ValueError(f"{', '.join(asked)}: offloading between phases needs the in-process placement (the "
                              f"roles share the device in one process); drop them with {flag('placement')} ray")
@@ -167,16 +168,22 @@ class CrossSectionRules(BaseModel):
             if not self.apply_chat_template:
                 raise ValueError(f"{flag('multimodal_keys')} needs {flag('apply_chat_template')}: the chat template "
                                  "renders each media item as the model's placeholder tokens")
-            if self.loss_type == "sft":
-                raise ValueError(f"{flag('loss_type')} sft does not take {flag('multimodal_keys')} yet")
+            if self.trains_on_dataset:
+                raise ValueError(f"{flag('loss_type')} {self.loss_type} does not take {flag('multimodal_keys')} yet")
         if self.use_audio_in_video and "video" not in (self.multimodal_keys or {}):
             raise ValueError(f"{flag('use_audio_in_video')} gives each video its sound track: it needs video in "
                              f"{flag('multimodal_keys')}")
         if self.image_min_token_num > self.image_max_token_num:
             raise ValueError(f"{flag('image_min_token_num')} is above {flag('image_max_token_num')}")
         self._check_mode(spec)
-        if self.loss_type == "sft" and self.use_opd:
-            raise ValueError(f"{flag('loss_type')} sft trains on dataset responses; it cannot use {flag('use_opd')}")
+        if self.trains_on_dataset and self.use_opd:
+            raise ValueError(f"{flag('loss_type')} {self.loss_type} trains on dataset responses; it cannot use "
+                             f"{flag('use_opd')}")
+        if self.loss_type == "dpo" and self.train_batch_size != self.samples_per_step:
+            raise ValueError(f"{flag('loss_type')} dpo trains each step's pairs in one optimizer step (the loss's "
+                             f"per-completion gradients are taken at the step's parameters): {flag('global_batch_size')} "
+                             f"must be 2 x {flag('rollout_batch_size')} = {self.samples_per_step} or unset, got "
+                             f"{self.global_batch_size}")
 
     def _check_mode(self, spec) -> None:
         asynchronous = self.fully_async or self.hybrid
@@ -194,11 +201,11 @@ class CrossSectionRules(BaseModel):
         if asynchronous and spec.requires_on_policy_updates:
             raise ValueError(f"{flag('advantage_estimator')} {spec.name} is on-policy by construction; it cannot run "
                              f"with {flag('fully_async')} or {flag('hybrid')}")
-        if asynchronous and self.loss_type == "sft":
-            raise ValueError(f"{flag('loss_type')} sft has no rollout to run asynchronously")
-        if self.use_rollout_routing_replay and self.loss_type == "sft":
+        if asynchronous and self.trains_on_dataset:
+            raise ValueError(f"{flag('loss_type')} {self.loss_type} has no rollout to run asynchronously")
+        if self.use_rollout_routing_replay and self.trains_on_dataset:
             raise ValueError(f"{flag('use_rollout_routing_replay')} replays a rollout's routing; "
-                             f"{flag('loss_type')} sft has no rollout")
+                             f"{flag('loss_type')} {self.loss_type} has no rollout")
         if self.use_rollout_routing_replay and self.rollout_external and self.rollout_engine_protocol in (
                 "openai", "vllm"):
             raise ValueError(f"{flag('use_rollout_routing_replay')}: {self.rollout_engine_protocol} servers do not "

@@ -15,7 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from relax.algorithms.loss import build_policy_loss_fn, build_sft_loss_fn, build_value_loss_fn
+from relax.algorithms.loss import (
+    build_policy_loss_fn,
+    build_preference_loss_fn,
+    build_sft_loss_fn,
+    build_value_loss_fn,
+)
 from relax.algorithms.spec import AlgorithmSpec
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.data_parallel import DataParallelEngine
@@ -53,6 +58,7 @@ from relax.core.run_settings import (
     train_settings,
 )
 from relax.data.dataset import load_prompt_samples
+from relax.data.preference_dataset import load_preference_pairs
 from relax.data.sft_dataset import load_sft_samples
 from relax.distributed.process_group import world_size
 from relax.rollout.generation.data_source import PromptDataSource
@@ -98,6 +104,9 @@ class BuildContext:
 
 
 def load_training_samples(cfg: RelaxConfig, tokenizer) -> list:
+    if cfg.loss_type == "dpo":
+        return load_preference_pairs(cfg.prompt_data, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
+                                     cfg.max_tokens_per_gpu)
     load = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
     return load(cfg.prompt_data, tokenizer, prompt_format(cfg))
 
@@ -129,6 +138,8 @@ def build_actor(ctx: BuildContext) -> Actor:
     torch.manual_seed(cfg.seed)
     if cfg.loss_type == "sft":
         loss_fn = build_sft_loss_fn(cfg.loss_aggregation, cfg.rollout_max_response_len)
+    elif cfg.loss_type == "dpo":
+        loss_fn = build_preference_loss_fn()
     else:
         loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, ctx.spec), custom=custom_policy_loss(cfg))
     # The policy replays the rollout's routing (R3); the frozen reference routes by itself.
@@ -201,10 +212,12 @@ ROLE_BUILDERS: dict[str, Callable[[BuildContext], object]] = {
 
 
 def needs_critic(cfg: RelaxConfig, spec: AlgorithmSpec) -> bool:
-    return spec.needs_critic and cfg.loss_type != "sft"
+    return spec.needs_critic and not cfg.trains_on_dataset
 
 
 def needs_reference(cfg: RelaxConfig, advantages: Advantages) -> bool:
+    if cfg.loss_type == "dpo":  # the preference loss's baseline, except for the reference-free SimPO
+        return cfg.dpo_loss != "simpo"
     return cfg.use_kl_loss or advantages.needs_kl
 
 

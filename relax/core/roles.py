@@ -31,7 +31,8 @@ PLACEABLE_ROLES = ("actor", "rollout", "critic", "reference")
 
 
 def required_roles(spec: AlgorithmSpec, *, loss_type: str = "policy_loss", use_kl_loss: bool = False,
-                   kl_coef: float = 0.0, use_opd: bool = False, true_on_policy: bool = True) -> tuple[str, ...]:
+                   kl_coef: float = 0.0, use_opd: bool = False, true_on_policy: bool = True,
+                   dpo_loss: str = "sigmoid") -> tuple[str, ...]:
     """The roles a run needs, in `ROLE_NAMES` order.
 
     - ``critic`` only for estimators that need one (PPO) and not for SFT;
@@ -39,10 +40,13 @@ def required_roles(spec: AlgorithmSpec, *, loss_type: str = "policy_loss", use_k
       estimators that put the KL into the reward;
     - ``teacher`` only with on-policy distillation;
     - ``actor_fwd`` only when a rollout batch is trained in several optimizer steps;
-    - SFT needs the actor and the rollout (which evaluates) only.
+    - SFT needs the actor and the rollout (which evaluates) only; DPO the reference as well (its log-probs are
+      the loss's baseline), except the reference-free SimPO.
     """
-    if loss_type == "sft":
+    if loss_type == "sft" or (loss_type == "dpo" and dpo_loss == "simpo"):
         return ("actor", "rollout")
+    if loss_type == "dpo":
+        return tuple(name for name in ROLE_NAMES if name in {"actor", "rollout", "reference"})
     roles = {"actor", "rollout", "advantages"}
     if spec.needs_critic:
         roles.add("critic")
@@ -59,7 +63,7 @@ def roles_for_config(cfg: RelaxConfig) -> tuple[str, ...]:
     """`required_roles` for a resolved config."""
     return required_roles(get_algorithm(cfg.advantage_estimator), loss_type=cfg.loss_type,
                           use_kl_loss=cfg.use_kl_loss, kl_coef=cfg.kl_coef, use_opd=cfg.use_opd,
-                          true_on_policy=cfg.steps_per_rollout == 1)
+                          true_on_policy=cfg.steps_per_rollout == 1, dpo_loss=cfg.dpo_loss)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
         # A rule reward compares every response with the row's label: a row without one is refused at load.
-        required_label_for=cfg.rm_type if cfg.loss_type != "sft" and cfg.rm_type != REMOTE_RM_TYPE else None,
+        required_label_for=cfg.rm_type if not cfg.trains_on_dataset and cfg.rm_type != REMOTE_RM_TYPE else None,
         **prompt_tool_settings(cfg),
     )
 
@@ -118,7 +118,8 @@ def train_settings(cfg: RelaxConfig, device: torch.device, dtype: torch.dtype, p
     return TrainSettings(**{
         **same_name,
         "device": device, "compute_dtype": dtype, "pad_token_id": pad_token_id,
-        "temperature": cfg.rollout_temperature,  # log-probs of the distribution the engine samples from
+        # log-probs of the distribution the engine samples from; SFT and DPO score the dataset's own text
+        "temperature": 1.0 if cfg.trains_on_dataset else cfg.rollout_temperature,
         "total_optimizer_steps": total_steps * cfg.steps_per_rollout,
         "adam_betas": (cfg.adam_beta1, cfg.adam_beta2),
         "entropy_grad": cfg.entropy_coef > 0,  # only an entropy bonus needs the entropy's gradient

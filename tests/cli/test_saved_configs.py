@@ -21,9 +21,15 @@ SAVED = ROOT / "tests" / "support" / "saved_configs"
 CONFIGS = sorted(SAVED.glob("*.yaml"))
 
 
-def test_there_is_a_saved_config_of_every_example():
+# The examples with a config.yaml at commit 1c2c0fc; those added after the move (multi_agent_relay, search_r1, ...)
+# could not be saved before it, and their own tests load their configs (tests/examples/).
+EXAMPLES_BEFORE_THE_MOVE = {"agentic_calculator", "agentic_zoom", "quickstart", "shapes", "tones", "video"}
+
+
+def test_there_is_a_saved_config_of_every_example_from_before_the_move():
     examples = {path.parent.name for path in (ROOT / "examples").rglob("config.yaml")}
-    assert examples <= {path.stem for path in CONFIGS}, examples
+    assert EXAMPLES_BEFORE_THE_MOVE <= examples  # none of them was removed or renamed
+    assert EXAMPLES_BEFORE_THE_MOVE <= {path.stem for path in CONFIGS}
 
 
 @pytest.mark.parametrize("saved", CONFIGS, ids=lambda path: path.stem)

@@ -1,19 +1,21 @@
 """The training loops, one per mode, each naming its steps: colocated sync (`sync.SyncController`), supervised
-fine-tuning (`sync.SFTController`), fully async and hybrid (`asynchronous.AsyncController`). A loop is handed a
+fine-tuning (`sync.SFTController`), preference training (`sync.DPOController`), fully async and hybrid (`asynchronous.AsyncController`). A loop is handed a
 placement (`relax.core.placement`): the same loop runs in one process and under Ray."""
 
 from __future__ import annotations
 
 from relax.config import RelaxConfig
 from relax.core.loops.asynchronous import AsyncController
-from relax.core.loops.sync import SFTController, SyncController
+from relax.core.loops.sync import DPOController, SFTController, SyncController
 
 
 def loop_class(cfg: RelaxConfig) -> type[SyncController]:
     """The training loop of the configured mode."""
     if cfg.loss_type == "sft":
         return SFTController
+    if cfg.loss_type == "dpo":
+        return DPOController
     return AsyncController if cfg.fully_async or cfg.hybrid else SyncController
 
 
-__all__ = ["AsyncController", "SFTController", "SyncController", "loop_class"]
+__all__ = ["AsyncController", "DPOController", "SFTController", "SyncController", "loop_class"]

@@ -151,7 +151,7 @@ def build_phase_memory(cfg, roles) -> PhaseMemory:
     figures) in the modes that do not offload."""
     offload_train, offload_rollout = cfg.resolved_offload_train, cfg.resolved_offload_rollout
     asynchronous = cfg.fully_async or cfg.hybrid
-    if cfg.loss_type == "sft" or asynchronous or cfg.placement != "in_process":
+    if cfg.trains_on_dataset or asynchronous or cfg.placement != "in_process":
         offload_train = offload_rollout = False
     plan = plan_for_run(cfg, roles, can_release_kv=not asynchronous, engine_released=offload_rollout)
     release_kv = plan is not None and plan.release_kv_while_training
@@ -165,7 +165,7 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
     CPU, with engines or roles in other processes, for SFT). ``engine_released``: --offload-rollout frees the
     engine's weights and pool while training already."""
     engine = getattr(roles.rollout, "engine", None) if roles.rollout is not None else None
-    if roles.device.type != "cuda" or cfg.placement != "in_process" or cfg.loss_type == "sft" \
+    if roles.device.type != "cuda" or cfg.placement != "in_process" or cfg.trains_on_dataset \
             or not hasattr(engine, "kv_pool_bytes"):
         return None
     trainers = trainer_backends(roles)

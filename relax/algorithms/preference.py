@@ -1,0 +1,110 @@
+"""Preference losses on whole completions: DPO, IPO and SimPO (reference-free, length-normalised).
+
+Every loss is a function of four sequence log-probabilities per pair (the policy's and the reference's, of the chosen
+and the rejected completion, each the sum over the completion's tokens) and the completions' lengths:
+
+- ``sigmoid`` (DPO, Rafailov et al., 2023): ``-(1-ε)·logσ(βΔ) - ε·logσ(-βΔ)`` with ``Δ = (c - c_ref) - (r - r_ref)``;
+  ``ε`` is ``--dpo-label-smoothing`` (conservative DPO; 0 is plain DPO, TRL's ``sigmoid``);
+- ``ipo`` (Azar et al., 2023) as TRL computes it: ``(Δ_avg - 1/(2β))²`` where each log-ratio is divided by its
+  completion's length (the IPO authors' normalised form);
+- ``simpo`` (Meng et al., 2024): no reference model; ``-(1-ε)·logσ(β·(c/|c| - r/|r|) - γ) - ε·logσ(-(…))`` with
+  ``γ`` the target margin ``--simpo-gamma`` (γ = 0 is TRL's ``sigmoid_norm`` with the reference's log-probs at 0).
+
+The implicit rewards are ``β`` times the log-ratios (``β`` times the length-normalised log-probs for SimPO).
+
+Training with any split of the pairs into micro-batches (and ranks): the loss of a pair couples its two completions,
+which a packed or sharded micro-batch may separate. The trainer therefore takes the loss's derivative with respect to
+each completion's sequence log-prob, ``g = ∂L/∂s``, from a no-gradient pass at the step's parameters
+(`preference_gradients`), and trains on ``Σ g·s``, whose gradient equals the loss's exactly (one optimizer step per
+batch of pairs, so the parameters do not move in between).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
+PREFERENCE_LOSSES: tuple[str, ...] = get_args(PreferenceLoss)
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    loss: PreferenceLoss = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss != "simpo"
+
+
+@dataclass
+class PreferenceTerms:
+    """Per pair: the loss, and the implicit rewards of the chosen and the rejected completion."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def preference_losses(settings: PreferenceSettings, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor,
+                      ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
+                      chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor) -> PreferenceTerms:
+    """The per-pair loss of ``settings.loss`` (module doc); every argument is ``[P]`` (one entry per pair)."""
+    beta, smoothing = settings.beta, settings.label_smoothing
+    chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1.0)
+    rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1.0)
+    if settings.loss == "simpo":
+        chosen_scores, rejected_scores = chosen_logps / chosen_lengths, rejected_logps / rejected_lengths
+        logits = beta * (chosen_scores - rejected_scores) - settings.simpo_gamma
+        losses = -(1 - smoothing) * F.logsigmoid(logits) - smoothing * F.logsigmoid(-logits)
+        return PreferenceTerms(losses, beta * chosen_scores.detach(), beta * rejected_scores.detach())
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError(f"the {settings.loss} preference loss needs the reference model's log-probs")
+    chosen_scores, rejected_scores = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    if settings.loss == "sigmoid":
+        logits = beta * (chosen_scores - rejected_scores)
+        losses = -(1 - smoothing) * F.logsigmoid(logits) - smoothing * F.logsigmoid(-logits)
+    elif settings.loss == "ipo":
+        delta = chosen_scores / chosen_lengths - rejected_scores / rejected_lengths
+        losses = (delta - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown preference loss {settings.loss!r}; known: {list(PREFERENCE_LOSSES)}")
+    return PreferenceTerms(losses, beta * chosen_scores.detach(), beta * rejected_scores.detach())
+
+
+@dataclass
+class PreferenceStep:
+    """What a step's training needs per completion, pairs interleaved ``[chosen_0, rejected_0, chosen_1, ...]``:
+    ``gradients`` ``∂(Σ losses)/∂s`` of each completion's sequence log-prob ``s``; and, for the metrics, each
+    completion's half of its pair's loss, its reward, and its half of the pair's margin and accuracy."""
+
+    gradients: torch.Tensor
+    loss_halves: torch.Tensor
+    rewards: torch.Tensor
+    margin_halves: torch.Tensor
+    accuracy_halves: torch.Tensor
+
+
+def preference_gradients(settings: PreferenceSettings, logps: torch.Tensor, ref_logps: torch.Tensor | None,
+                         lengths: torch.Tensor) -> PreferenceStep:
+    """`PreferenceStep` of completions given interleaved (``[2P]``: chosen, rejected, chosen, ...): their sequence
+    log-probs under the policy (``logps``) and the reference (``ref_logps``, None for SimPO), and their lengths."""
+    if logps.numel() % 2:
+        raise ValueError(f"preference completions come in pairs; got {logps.numel()}")
+    sums = logps.detach().double().requires_grad_(True)
+    ref = ref_logps.detach().double() if ref_logps is not None else None
+    lengths = lengths.double()
+    terms = preference_losses(settings, sums[0::2], sums[1::2], ref[0::2] if ref is not None else None,
+                              ref[1::2] if ref is not None else None, lengths[0::2], lengths[1::2])
+    (gradients,) = torch.autograd.grad(terms.losses.sum(), sums)
+    rewards = torch.stack([terms.chosen_rewards, terms.rejected_rewards], dim=1).flatten()
+    margins = (terms.chosen_rewards - terms.rejected_rewards).repeat_interleave(2)
+    accuracy = (terms.chosen_rewards > terms.rejected_rewards).double().repeat_interleave(2)
+    return PreferenceStep(gradients.float(), (terms.losses.detach() / 2).repeat_interleave(2).float(),
+                          rewards.float(), (margins / 2).float(), (accuracy / 2).float())
