@@ -27,7 +27,6 @@ Usage: python examples/agentic_calculator/build_task.py [--out DIR] [--watch-eve
 
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import sys
@@ -180,18 +179,10 @@ def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_ST
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="output folder")
-    parser.add_argument("--watch-every", type=int, default=None,
-                        help="also print held-out figures every this many SFT steps (for tuning)")
-    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS,
-                        help=f"warm-start steps (default {SFT_STEPS}): the dial of how good the start model is")
-    parser.add_argument("--sft-traces", type=int, default=NUM_SFT_TRACES,
-                        help=f"warm-start traces (default {NUM_SFT_TRACES})")
+    parser = warm.warm_start_arguments(__doc__.split("\n\n")[0], Path(__file__).resolve().parent, SFT_STEPS,
+                                       NUM_SFT_TRACES, MEMORY_CALL_EVERY)
     parser.add_argument("--memory-rule", choices=sorted(MEMORY_RULES), default=MEMORY_RULE,
                         help=f"which traces answer without the tool (default {MEMORY_RULE}; see MEMORY_RULES)")
-    parser.add_argument("--memory-call-every", type=int, default=MEMORY_CALL_EVERY,
-                        help=f"...except every this-many-th of them (default {MEMORY_CALL_EVERY})")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     measured = build(args.out, args.watch_every, args.sft_steps, args.sft_traces, args.memory_rule,

@@ -10,14 +10,13 @@ Usage: python examples/agentic_calculator/plot_curves.py RUN_DIR [--out docs/cur
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from reward import REWARD_LOG_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agentic_common"))
-from reward_log import plot_log, print_table, read_log  # noqa: E402  (shared with search_r1)
+from reward_log import plot_main  # noqa: E402  (shared with search_r1)
 
 FIGURES = {  # file stem -> (title, y label, curves: legend label -> (split, reward key))
     "agentic_calculator_accuracy": ("Held-out accuracy (200 problems)", "exact-match accuracy", {
@@ -35,13 +34,7 @@ COLUMNS = {"correct": "held-out accuracy", "tool_call_success": "tool-call succe
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/curves"), help="folder of the PNG files")
-    args = parser.parse_args(argv)
-    rows = read_log(args.run_dir / REWARD_LOG_NAME)
-    plot_log(rows, FIGURES, args.out)
-    print_table(rows, COLUMNS, "tool_call_success", "tool-call success")
+    plot_main(argv, __doc__.split("\n\n")[0], REWARD_LOG_NAME, FIGURES, COLUMNS, "tool_call_success", "tool-call success")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ is the training step of an evaluation, and draws the curves.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -103,3 +104,17 @@ def print_table(rows: list[dict], columns: dict[str, str], train_key: str, train
         recent = [value for version, value in train_figure.items() if step - window < version <= step]
         figures = " | ".join(f"{held_out[key][step]:.3f}" for key in columns)
         print(f"| {step} | {figures} | {statistics.fmean(recent):.3f} |" if recent else f"| {step} | {figures} | - |")
+
+
+def plot_main(argv: list[str] | None, description: str, log_name: str,
+              figures: dict[str, tuple[str, str, dict[str, tuple[str, str]]]], columns: dict[str, str],
+              train_key: str, train_title: str) -> None:
+    """The command line of an example's ``plot_curves.py``: ``RUN_DIR [--out docs/curves]``; draws ``figures`` from
+    the run's reward log ``log_name`` and prints the table of ``columns``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/curves"), help="folder of the PNG files")
+    args = parser.parse_args(argv)
+    rows = read_log(args.run_dir / log_name)
+    plot_log(rows, figures, args.out)
+    print_table(rows, columns, train_key, train_title)

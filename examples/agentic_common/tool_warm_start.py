@@ -8,6 +8,7 @@ every function is handed the tools and the grading function.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -82,6 +83,22 @@ def answered_from_memory(picked: list[bool], call_every: int) -> list[bool]:
     ``call_every``-th of them (so the warm model keeps a chance of calling there that sampled RL episodes can find)."""
     rank = [sum(picked[: i + 1]) - 1 for i in range(len(picked))]
     return [is_picked and rank[i] % call_every != 0 for i, is_picked in enumerate(picked)]
+
+
+def warm_start_arguments(description: str, default_out: Path, sft_steps: int, sft_traces: int,
+                         memory_call_every: int) -> argparse.ArgumentParser:
+    """The command line the tool examples' builders share; each adds its own options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=default_out, help="output folder")
+    parser.add_argument("--watch-every", type=int, default=None,
+                        help="also print held-out figures every this many SFT steps (for tuning)")
+    parser.add_argument("--sft-steps", type=int, default=sft_steps,
+                        help=f"warm-start steps (default {sft_steps}): the dial of how good the start model is")
+    parser.add_argument("--sft-traces", type=int, default=sft_traces, help=f"warm-start traces (default {sft_traces})")
+    parser.add_argument("--memory-call-every", type=int, default=memory_call_every,
+                        help=f"the demonstrator still calls the tool on every this-many-th problem its rule answers "
+                             f"from memory (default {memory_call_every})")
+    return parser
 
 
 # ---------------------------------------------------------------------------------------------------------- SFT

@@ -34,7 +34,6 @@ Usage: python examples/search_r1/build_task.py [--out DIR] [--watch-every N] [--
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -187,17 +186,8 @@ def build(out_dir: Path, watch_every: int | None = None, sft_steps: int = SFT_ST
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE, help="output folder")
-    parser.add_argument("--watch-every", type=int, default=None,
-                        help="also print held-out figures every this many SFT steps (for tuning)")
-    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS,
-                        help=f"warm-start steps (default {SFT_STEPS}): the dial of how good the start model is")
-    parser.add_argument("--sft-traces", type=int, default=NUM_SFT_TRACES,
-                        help=f"warm-start traces (default {NUM_SFT_TRACES})")
-    parser.add_argument("--memory-call-every", type=int, default=MEMORY_CALL_EVERY,
-                        help=f"the demonstrator searches every this-many-th even-named town (default "
-                             f"{MEMORY_CALL_EVERY})")
+    parser = warm.warm_start_arguments(__doc__.split("\n\n")[0], HERE, SFT_STEPS, NUM_SFT_TRACES,
+                                       MEMORY_CALL_EVERY)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     measured = build(args.out, args.watch_every, args.sft_steps, args.sft_traces, args.memory_call_every)

@@ -9,14 +9,13 @@ Usage: python examples/search_r1/plot_curves.py RUN_DIR [--out docs/curves]
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from reward import REWARD_LOG_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agentic_common"))
-from reward_log import plot_log, print_table, read_log  # noqa: E402  (shared with the calculator)
+from reward_log import plot_main  # noqa: E402  (shared with the calculator)
 
 FIGURES = {  # file stem -> (title, y label, curves: legend label -> (split, reward key))
     "search_r1_accuracy": ("Held-out accuracy (200 unseen towns)", "exact-match accuracy", {
@@ -34,13 +33,7 @@ COLUMNS = {"correct": "held-out accuracy", "called_tool": "episodes with a searc
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/curves"), help="folder of the PNG files")
-    args = parser.parse_args(argv)
-    rows = read_log(args.run_dir / REWARD_LOG_NAME)
-    plot_log(rows, FIGURES, args.out)
-    print_table(rows, COLUMNS, "called_tool", "search rate")
+    plot_main(argv, __doc__.split("\n\n")[0], REWARD_LOG_NAME, FIGURES, COLUMNS, "called_tool", "search rate")
 
 
 if __name__ == "__main__":

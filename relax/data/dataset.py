@@ -44,6 +44,17 @@ def parse_data_spec(spec: str) -> tuple[Path, slice]:
     return Path(match["path"]), slice(to_int(match["start"]), to_int(match["stop"]))
 
 
+def read_spec_rows(spec: str) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
+    """The file of a data spec (`parse_data_spec`) and its selected rows with their 0-based row numbers; a slice
+    that selects nothing is refused."""
+    path, row_slice = parse_data_spec(spec)
+    rows = read_rows(path)
+    indexed = list(enumerate(rows))[row_slice]
+    if not indexed:
+        raise DatasetError(f"{spec}: the slice selects no rows (the file has {len(rows)})")
+    return path, indexed
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """All rows of a .jsonl or .parquet file, each a dict."""
     if not path.is_file():
@@ -106,11 +117,7 @@ class PromptFormat:
 def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
     """Prompt samples of a data spec. ``Sample.index`` is the row number in the file; prompts
     longer than ``fmt.max_prompt_len`` tokens are dropped (and the count is logged)."""
-    path, row_slice = parse_data_spec(spec)
-    rows = read_rows(path)
-    indexed = list(enumerate(rows))[row_slice]
-    if not indexed:
-        raise DatasetError(f"{spec}: the slice selects no rows (the file has {len(rows)})")
+    path, indexed = read_spec_rows(spec)
     if fmt.multimodal_keys:
         if fmt.tool_key or fmt.default_tools:  # media prompts are rendered later, without tools: fail, not drop them
             raise DatasetError(f"{spec}: --tool-key and --tools do not work with --multimodal-keys yet")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax.data.chat_template import render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, parse_data_spec, read_rows, row_label
+from relax.data.dataset import DatasetError, PromptFormat, read_spec_rows, row_label
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -59,10 +59,7 @@ def _completion_sample(prompt_text: str, prompt_tokens: list[int], text: str, en
 def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_key: str, rejected_key: str,
                           max_tokens: int | None = None) -> list[Sample]:
     """One `Sample` per pair (module doc); ``Sample.index`` is the row number in the file."""
-    path, row_slice = parse_data_spec(spec)
-    indexed = list(enumerate(read_rows(path)))[row_slice]
-    if not indexed:
-        raise DatasetError(f"{spec}: the slice selects no rows")
+    path, indexed = read_spec_rows(spec)
     if tokenizer.eos_token_id is None:
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the completions with")
     pairs = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax.data.chat_template import render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, parse_data_spec, read_rows, row_label
+from relax.data.dataset import DatasetError, PromptFormat, read_spec_rows, row_label
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -82,10 +82,7 @@ def _target_sample(row: dict[str, Any], tokenizer: Any, fmt: PromptFormat) -> Sa
 
 def load_sft_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sample]:
     """SFT samples of a data spec; ``Sample.index`` is the row number in the file."""
-    path, row_slice = parse_data_spec(spec)
-    indexed = list(enumerate(read_rows(path)))[row_slice]
-    if not indexed:
-        raise DatasetError(f"{spec}: the slice selects no rows")
+    path, indexed = read_spec_rows(spec)
     if tokenizer.eos_token_id is None:
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the SFT targets with")
     samples = []
