@@ -1,7 +1,8 @@
 """`relax train --loss-type dpo` (issue 34) end to end on the tiny model: the first step's loss is ln 2 with zero
 rewards (the policy is the reference), training raises the implicit reward accuracy, the update does not depend on how
 the completions are split into micro-batches (the per-completion gradient surrogate is exact), SimPO runs without a
-reference model, and the flags that cannot apply are refused naming them."""
+reference model, the trained policy exports as a Hugging Face model, and the flags that cannot apply are refused
+naming them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import math
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from relax.cli.args import parse_config
 from relax.config import ConfigError
@@ -53,6 +55,10 @@ def test_dpo_trains_and_its_update_does_not_depend_on_the_micro_batches(tiny_wor
     for a, b in zip(rows, _rows(split)):  # one completion per micro-batch: the same steps
         for key in ("train/loss", "train/rewards_margin", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    exported = tmp_path / "hf"
+    result = run_relax("export", str(whole), str(exported))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert type(AutoModelForCausalLM.from_pretrained(exported)).__name__ == "Qwen3ForCausalLM"
 
 
 def test_simpo_needs_no_reference_and_the_other_variants_do(tiny_workspace, tmp_path):
