@@ -262,7 +262,7 @@ def test_a_ctrl_c_during_a_deferred_import_is_acted_on_when_it_ends():
         "print('handler back', signal.getsignal(signal.SIGINT).__name__)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=_default_sigint)
     assert result.stdout.split("\n")[:3] == ["block finished", "interrupted after it True",
                                               "handler back _record_and_interrupt"], result.stdout + result.stderr
 
