@@ -16,6 +16,7 @@ from relax.algorithms.aggregation import LossAggregation, aggregate_loss
 from relax.algorithms.distillation import opd_token_kl
 from relax.algorithms.gae import compute_value_loss
 from relax.algorithms.kl import compute_approx_kl
+from relax.algorithms.preference import PREFERENCE_FIELDS
 from relax.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLoss,
@@ -153,12 +154,6 @@ def build_sft_loss_fn(aggregation: LossAggregation, max_response_len: int | None
         return loss, metrics
 
     return loss_fn
-
-
-# The per-completion fields of a preference step (`relax.algorithms.preference.PreferenceStep`), each a scalar per
-# completion carried on every one of its tokens.
-PREFERENCE_FIELDS = ("preference_gradient", "preference_loss_half", "preference_reward", "preference_margin_half",
-                     "preference_accuracy_half", "preference_is_chosen")
 
 
 def build_preference_loss_fn() -> LossFn:

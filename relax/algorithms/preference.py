@@ -91,6 +91,20 @@ class PreferenceStep:
     accuracy_halves: torch.Tensor
 
 
+# The per-completion fields of a preference step that the trainer's loss reads (`relax.algorithms.loss`), each a
+# scalar per completion carried on every one of its tokens.
+PREFERENCE_FIELDS = ("preference_gradient", "preference_loss_half", "preference_reward", "preference_margin_half",
+                     "preference_accuracy_half", "preference_is_chosen")
+
+
+def preference_fields(step: PreferenceStep) -> dict[str, torch.Tensor]:
+    """``step``'s per-completion values under their `PREFERENCE_FIELDS` names (completions interleaved, the chosen
+    first in each pair)."""
+    is_chosen = torch.tensor([1.0, 0.0]).repeat(len(step.gradients) // 2)
+    values = (step.gradients, step.loss_halves, step.rewards, step.margin_halves, step.accuracy_halves, is_chosen)
+    return dict(zip(PREFERENCE_FIELDS, values))
+
+
 def preference_gradients(settings: PreferenceSettings, logps: torch.Tensor, ref_logps: torch.Tensor | None,
                          lengths: torch.Tensor) -> PreferenceStep:
     """`PreferenceStep` of completions given interleaved (``[2P]``: chosen, rejected, chosen, ...): their sequence

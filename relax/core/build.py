@@ -44,7 +44,6 @@ from relax.core.rollout_parts import (
     build_overlong_penalty,
     build_reward_computer,
     load_eval_sets,
-    load_generate_function,
     remote_reward,
 )
 from relax.core.run_settings import (
@@ -223,10 +222,10 @@ def needs_reference(cfg: RelaxConfig, advantages: Advantages) -> bool:
 
 def build_roles(cfg: RelaxConfig) -> Roles:
     """Everything a colocated run needs, validated before any training work starts."""
-    # Reward and filter settings fail before the (slow) model loads.
+    # Reward, filter and generate-function settings fail before the (slow) model loads (the reward computer loads
+    # the generate function: whether it sets the rewards itself decides which reward settings are allowed).
     rewards = build_reward_computer(cfg)
     dynamic_sampling = build_dynamic_sampling(cfg)
-    load_generate_function(cfg)
     ctx = build_context(cfg)
     actor = build_actor(ctx)  # joins the default process group (torchrun: all ranks)
     check_data_parallel_rollout(cfg)

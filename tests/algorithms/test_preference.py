@@ -12,8 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax.algorithms.loss import PREFERENCE_FIELDS, MicroBatchTensors, build_preference_loss_fn
-from relax.algorithms.preference import PreferenceSettings, preference_gradients, preference_losses
+from relax.algorithms.loss import MicroBatchTensors, build_preference_loss_fn
+from relax.algorithms.preference import (
+    PREFERENCE_FIELDS,
+    PreferenceSettings,
+    preference_fields,
+    preference_gradients,
+    preference_losses,
+)
 
 import trl  # noqa: E402  (the bench extra, part of the test extra)
 
@@ -67,10 +73,7 @@ def _ours(settings: PreferenceSettings, completion_mask, token_logps, ref):
     mask = _interleave(completion_mask[:, 1:])
     step = preference_gradients(settings, logps.sum(1), _interleave(ref) if settings.needs_reference else None,
                                 lengths)
-    values = {"preference_gradient": step.gradients, "preference_loss_half": step.loss_halves,
-              "preference_reward": step.rewards, "preference_margin_half": step.margin_halves,
-              "preference_accuracy_half": step.accuracy_halves,
-              "preference_is_chosen": torch.tensor([1.0, 0.0]).repeat(len(logps) // 2)}
+    values = preference_fields(step)
     loss_fn = build_preference_loss_fn()
     log_probs = logps.clone().requires_grad_(True)
     totals: dict[str, float] = defaultdict(float)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 import torch
 
-from relax.algorithms.preference import PreferenceSettings, preference_gradients
+from relax.algorithms.preference import PreferenceSettings, preference_fields, preference_gradients
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.loops.graceful_stop import GracefulStop
 from relax.core.loops.phase_memory import build_phase_memory
@@ -309,14 +309,8 @@ class DPOController(SFTController):
         policy = await self.roles.actor.compute_log_probs(samples)
         sums = torch.stack([(log_probs.float() * mask).sum() for log_probs, mask in zip(policy.log_probs, masks)])
         step = preference_gradients(self.preference, sums, reference, torch.stack([mask.sum() for mask in masks]))
-        per_completion = {
-            "preference_gradient": step.gradients, "preference_loss_half": step.loss_halves,
-            "preference_reward": step.rewards, "preference_margin_half": step.margin_halves,
-            "preference_accuracy_half": step.accuracy_halves,
-            "preference_is_chosen": torch.tensor([float(s.metadata["preferred"]) for s in samples]),
-        }
         fields = {name: [values[i].expand(s.response_length).clone() for i, s in enumerate(samples)]
-                  for name, values in per_completion.items()}
+                  for name, values in preference_fields(step).items()}
         metrics = await self.roles.actor.train(samples, fields)
         self._trained_version = rollout_id + 1
         metrics["perf/train_s"] = metrics["perf/step_s"] = time.perf_counter() - started
