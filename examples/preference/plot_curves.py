@@ -1,4 +1,6 @@
-"""Plot a preference run's held-out accuracy and implicit-reward figures from its metrics.jsonl; print the table.
+"""Plot a run of examples/preference from its metrics.jsonl and print its held-out table: DPO (held-out greedy
+accuracy; the training pairs' reward accuracy and loss), the reward model (held-out pair accuracy; the same on the
+training pairs) or RL against it (held-out accuracy graded by the rule; the reward model's mean score).
 
 Usage: python examples/preference/plot_curves.py RUN_DIR [--out docs/curves] [--name preference_dpo]
 """
@@ -24,24 +26,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="preference_dpo", help="the PNG's file stem")
     args = parser.parse_args(argv)
     rows = read_metrics(args.run_dir / "metrics.jsonl")
+    reward_model = bool(series(rows, "eval/held_out/pair_accuracy"))
+    held_out_key = "eval/held_out/pair_accuracy" if reward_model else "eval/held_out/accuracy"
     figure = Figure(figsize=(9.6, 3.8))
     held_out, rewards = figure.subplots(1, 2)
-    held_out.plot(*zip(*series(rows, "eval/held_out/accuracy")), marker="o", markersize=3)
-    held_out.set(title="Held-out greedy accuracy", xlabel="step", ylabel="exact match", ylim=(0, 1))
-    for key, label in (("train/rewards_accuracy", "reward accuracy (chosen > rejected)"),
-                       ("train/loss", "preference loss")):
-        rewards.plot(*zip(*series(rows, key)), label=label)
-    rewards.set(title="Training pairs (each step's new pairs)", xlabel="step")
+    held_out.plot(*zip(*series(rows, held_out_key)), marker="o", markersize=3)
+    held_out.set(title="Held-out pair accuracy (chosen scores higher)" if reward_model else "Held-out greedy accuracy",
+                 xlabel="step", ylabel="share of pairs" if reward_model else "exact match", ylim=(0, 1))
+    if series(rows, "train/rewards_accuracy"):
+        for key, label in (("train/rewards_accuracy", "reward accuracy (chosen > rejected)"),
+                           ("train/loss", "Bradley-Terry loss" if reward_model else "preference loss")):
+            rewards.plot(*zip(*series(rows, key)), label=label)
+        rewards.set(title="Training pairs (each step's batch, before its update)", xlabel="step")
+    else:  # RL against the reward model
+        rewards.plot(*zip(*series(rows, "rollout/reward_mean")), label="reward model's mean score")
+        rewards.set(title="Rollout reward (the reward model's score)", xlabel="step")
     rewards.legend(fontsize="small")
     for axes in (held_out, rewards):
         axes.grid(alpha=0.3)
     figure.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.out / f"{args.name}.png", dpi=100)
-    print("| step | held-out accuracy |\n|---|---|")
-    for step, accuracy in series(rows, "eval/held_out/accuracy"):
+    name = "held-out pair accuracy" if reward_model else "held-out accuracy"
+    print(f"| step | {name} |\n|---|---|")
+    for step, accuracy in series(rows, held_out_key):
         print(f"| {step} | {accuracy:.3f} |")
-
 
 if __name__ == "__main__":
     main()

@@ -164,20 +164,40 @@ def build_preference_loss_fn() -> LossFn:
     the step's pairs."""
 
     def loss_fn(mb: MicroBatchTensors, log_probs: torch.Tensor, entropy: torch.Tensor | None):
-        pairs = max(mb.global_num_samples / 2, 1.0)
-        per_completion = {name: mb.fields[name][:, 0] for name in PREFERENCE_FIELDS}  # every completion has a token
         sequence_log_probs = (log_probs * mb.mask.to(log_probs.dtype)).sum(dim=1)
-        loss = (per_completion["preference_gradient"] * sequence_log_probs).sum() / pairs
-        chosen = per_completion["preference_is_chosen"]
-        metrics = {
-            "loss": per_completion["preference_loss_half"].sum() / pairs,
-            "rewards_chosen": (per_completion["preference_reward"] * chosen).sum() / pairs,
-            "rewards_rejected": (per_completion["preference_reward"] * (1 - chosen)).sum() / pairs,
-            "rewards_margin": per_completion["preference_margin_half"].sum() / pairs,
-            "rewards_accuracy": per_completion["preference_accuracy_half"].sum() / pairs,
-            "logps_chosen": (sequence_log_probs.detach() * chosen).sum() / pairs,
-            "logps_rejected": (sequence_log_probs.detach() * (1 - chosen)).sum() / pairs,
-        }
+        loss, metrics = _pairwise_surrogate(mb, sequence_log_probs)
+        chosen, pairs = mb.fields["preference_is_chosen"][:, 0], max(mb.global_num_samples / 2, 1.0)
+        metrics["logps_chosen"] = (sequence_log_probs.detach() * chosen).sum() / pairs
+        metrics["logps_rejected"] = (sequence_log_probs.detach() * (1 - chosen)).sum() / pairs
         return loss, metrics
 
     return loss_fn
+
+
+def build_reward_model_loss_fn() -> LossFn:
+    """A reward model's Bradley-Terry loss on micro-batches holding any subset of the step's completions (as
+    `build_preference_loss_fn`): a completion's score is its value at the token the ``score_position`` field marks
+    (the last one that is not padding, where a sequence-classification model pools), and the trained quantity is
+    ``Σ g·score``. Metrics: the loss, the scores (``rewards_*``) and the share of pairs ranked right."""
+
+    def loss_fn(mb: MicroBatchTensors, values: torch.Tensor, entropy: torch.Tensor | None):
+        return _pairwise_surrogate(mb, (values * mb.fields["score_position"].to(values.dtype)).sum(dim=1))
+
+    return loss_fn
+
+
+def _pairwise_surrogate(mb: MicroBatchTensors, per_completion_values: torch.Tensor):
+    """``Σ g·v / pairs`` over the micro-batch's completions and its share of the step's pair metrics
+    (`relax.algorithms.preference.PREFERENCE_FIELDS`)."""
+    pairs = max(mb.global_num_samples / 2, 1.0)
+    per_completion = {name: mb.fields[name][:, 0] for name in PREFERENCE_FIELDS}  # every completion has a token
+    loss = (per_completion["preference_gradient"] * per_completion_values).sum() / pairs
+    chosen = per_completion["preference_is_chosen"]
+    metrics = {
+        "loss": per_completion["preference_loss_half"].sum() / pairs,
+        "rewards_chosen": (per_completion["preference_reward"] * chosen).sum() / pairs,
+        "rewards_rejected": (per_completion["preference_reward"] * (1 - chosen)).sum() / pairs,
+        "rewards_margin": per_completion["preference_margin_half"].sum() / pairs,
+        "rewards_accuracy": per_completion["preference_accuracy_half"].sum() / pairs,
+    }
+    return loss, metrics

@@ -1,4 +1,5 @@
-"""Preference losses on whole completions: DPO, IPO and SimPO (reference-free, length-normalised).
+"""Preference losses on whole completions: DPO, IPO and SimPO (reference-free, length-normalised), and the
+Bradley-Terry loss of a reward model.
 
 Every loss is a function of four sequence log-probabilities per pair (the policy's and the reference's, of the chosen
 and the rejected completion, each the sum over the completion's tokens) and the completions' lengths:
@@ -12,9 +13,13 @@ and the rejected completion, each the sum over the completion's tokens) and the 
 
 The implicit rewards are ``β`` times the log-ratios (``β`` times the length-normalised log-probs for SimPO).
 
+A reward model (``--loss-type rm``) gives each completion a scalar score ``r``; its loss is Bradley-Terry's
+``-logσ(r_c - r_r - m)`` with ``m`` the pair's optional margin (``--margin-key``), plus ``λ·(r_c + r_r)²`` with ``λ``
+``--center-rewards-coefficient`` (Eisenstein et al., 2023: keeps the scores centred on 0), as TRL's RewardTrainer.
+
 Training with any split of the pairs into micro-batches (and ranks): the loss of a pair couples its two completions,
 which a packed or sharded micro-batch may separate. The trainer therefore takes the loss's derivative with respect to
-each completion's sequence log-prob, ``g = ∂L/∂s``, from a no-gradient pass at the step's parameters
+each completion's sequence log-prob (a reward model: its score), ``g = ∂L/∂s``, from a no-gradient pass at the step's parameters
 (`preference_gradients`), and trains on ``Σ g·s``, whose gradient equals the loss's exactly (one optimizer step per
 batch of pairs, so the parameters do not move in between).
 """
@@ -109,14 +114,41 @@ def preference_gradients(settings: PreferenceSettings, logps: torch.Tensor, ref_
                          lengths: torch.Tensor) -> PreferenceStep:
     """`PreferenceStep` of completions given interleaved (``[2P]``: chosen, rejected, chosen, ...): their sequence
     log-probs under the policy (``logps``) and the reference (``ref_logps``, None for SimPO), and their lengths."""
-    if logps.numel() % 2:
-        raise ValueError(f"preference completions come in pairs; got {logps.numel()}")
-    sums = logps.detach().double().requires_grad_(True)
     ref = ref_logps.detach().double() if ref_logps is not None else None
     lengths = lengths.double()
-    terms = preference_losses(settings, sums[0::2], sums[1::2], ref[0::2] if ref is not None else None,
-                              ref[1::2] if ref is not None else None, lengths[0::2], lengths[1::2])
-    (gradients,) = torch.autograd.grad(terms.losses.sum(), sums)
+    return _step_of(logps, lambda sums: preference_losses(
+        settings, sums[0::2], sums[1::2], ref[0::2] if ref is not None else None,
+        ref[1::2] if ref is not None else None, lengths[0::2], lengths[1::2]))
+
+
+def bradley_terry_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                         margins: torch.Tensor | None = None, center_coefficient: float = 0.0) -> PreferenceTerms:
+    """A reward model's per-pair loss (module doc); the rewards are the scores themselves."""
+    logits = chosen_scores - rejected_scores
+    if margins is not None:
+        logits = logits - margins.to(logits.dtype)
+    losses = -F.logsigmoid(logits)
+    if center_coefficient:
+        losses = losses + center_coefficient * (chosen_scores + rejected_scores) ** 2
+    return PreferenceTerms(losses, chosen_scores.detach(), rejected_scores.detach())
+
+
+def reward_model_gradients(scores: torch.Tensor, margins: torch.Tensor | None = None,
+                           center_coefficient: float = 0.0) -> PreferenceStep:
+    """`PreferenceStep` of a reward model's scores of completions given interleaved (``[2P]``), with the pairs'
+    margins ``[P]`` (None: no margin)."""
+    margins = margins.detach().double() if margins is not None else None
+    return _step_of(scores, lambda values: bradley_terry_losses(values[0::2], values[1::2], margins,
+                                                                center_coefficient))
+
+
+def _step_of(values: torch.Tensor, terms_of) -> PreferenceStep:
+    """`PreferenceStep` of the per-completion ``values`` (interleaved pairs) under the loss ``terms_of(values)``."""
+    if values.numel() % 2:
+        raise ValueError(f"preference completions come in pairs; got {values.numel()}")
+    leaves = values.detach().double().requires_grad_(True)
+    terms = terms_of(leaves)
+    (gradients,) = torch.autograd.grad(terms.losses.sum(), leaves)
     rewards = torch.stack([terms.chosen_rewards, terms.rejected_rewards], dim=1).flatten()
     margins = (terms.chosen_rewards - terms.rejected_rewards).repeat_interleave(2)
     accuracy = (terms.chosen_rewards > terms.rejected_rewards).double().repeat_interleave(2)

@@ -67,7 +67,8 @@ def report_end(run_dir: Path, last: dict[str, float], last_checkpoint: Path | No
     """The held-out accuracy before and after, what the run directory holds, the final checkpoint."""
     first = first_eval_accuracy(run_dir)
     if "eval/accuracy" in last and first is not None:
-        print(f"held-out accuracy: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
+        what = "pair accuracy" if any(key.endswith("/pair_accuracy") for key in last) else "accuracy"
+        print(f"held-out {what}: {first:.3f} before training -> {last['eval/accuracy']:.3f} after "
               f"({100 * (last['eval/accuracy'] - first):+.1f} points)")
     written = [name for name in ("metrics.jsonl", "plots/", "tensorboard/", "samples/")
                if (run_dir / name.rstrip("/")).exists()]

@@ -74,6 +74,10 @@ class Actor:
         return self.backend.compute_log_probs(to_train_batch(samples, gather_ids=gather_ids,
                                                              routed_experts=self.routing_replay))
 
+    async def compute_values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """A reward model's scores after each response token ``[T_i]`` per sample, without gradient."""
+        return self.backend.compute_values(to_train_batch(samples))
+
     async def train(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]],
                     gather_ids: list[torch.Tensor] | None = None) -> dict[str, float]:
         """Train on the rollout batch; returns ``train/*`` metrics averaged over optimizer steps."""

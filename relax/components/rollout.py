@@ -45,14 +45,14 @@ def is_correct(sample: Sample) -> bool:
     return scalar_reward(sample) > 0
 
 
-def summarize_samples(samples: list[Sample], prefix: str) -> dict[str, float]:
-    """Reward, accuracy (the share of samples the reward judged correct: `is_correct`), lengths and finish
-    reasons."""
+def summarize_samples(samples: list[Sample], prefix: str, verdicts: bool = True) -> dict[str, float]:
+    """Reward, accuracy (the share of samples the reward judged correct: `is_correct`; not with a reward that
+    gives scores, not verdicts, ``verdicts=False``: a trained reward model), lengths and finish reasons."""
     rewards = [scalar_reward(s) for s in samples]
     lengths = [s.response_length for s in samples]
     return {
         f"{prefix}/reward_mean": statistics.fmean(rewards),
-        f"{prefix}/accuracy": sum(map(is_correct, samples)) / len(samples),
+        **({f"{prefix}/accuracy": sum(map(is_correct, samples)) / len(samples)} if verdicts else {}),
         f"{prefix}/response_length_mean": statistics.fmean(lengths),
         f"{prefix}/response_length_max": float(max(lengths)),
         f"{prefix}/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
@@ -171,11 +171,15 @@ def split_groups(samples: list[Sample], group_size: int) -> list[list[Sample]]:
 
 
 class Rollout:
+    """Generates and scores each step's groups and the held-out sets. ``engine`` and ``rewards`` are None in a run
+    that generates nothing (``--loss-type rm``): the rollout is then its data stream and held-out sets only.
+    ``eval_rewards`` grades the held-out sets instead of ``rewards`` (``--eval-rm-type``)."""
+
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: InferenceEngine | None,
         data_source: PromptDataSource,
-        rewards: RewardComputer,
+        rewards: RewardComputer | None,
         sampling: SamplingParams,
         n_samples_per_prompt: int,
         seed: int,
@@ -187,10 +191,12 @@ class Rollout:
         multimodal: MultimodalPreparer | None = None,
         per_sample: PerSampleGeneration | None = None,
         routing_replay: bool = False,
+        eval_rewards: RewardComputer | None = None,
     ):
         self.engine = engine
         self.data_source = data_source
         self.rewards = rewards
+        self.eval_rewards = eval_rewards or rewards
         self.sampling = sampling
         self.n_samples_per_prompt = n_samples_per_prompt
         self.seed = seed
@@ -253,7 +259,7 @@ class Rollout:
             samples = await self._sample_round(rollout_id, 0, batch_size, on_group)
         else:
             samples, metrics = await self._generate_filtered(rollout_id, batch_size)
-        metrics.update(summarize_samples(samples, "rollout"))
+        metrics.update(summarize_samples(samples, "rollout", self.rewards.gives_verdicts))
         metrics["rollout/zero_std_group_ratio"] = zero_std_group_ratio(samples)
         metrics["rollout/epoch"] = float(epoch)
         if self.overlong is not None:
@@ -286,7 +292,7 @@ class Rollout:
             samples = await generate_samples(self.engine, samples, sampling, return_routed_experts=routed)
         else:
             samples = await self.per_sample.run(self.engine, samples, sampling, evaluation)
-        await self._score(samples)
+        await self._score(samples, self.eval_rewards if evaluation else self.rewards)
         if on_group is not None:
             self._finish_group(samples)
             await on_group(split_into_groups(samples))
@@ -327,10 +333,10 @@ class Rollout:
             await cancel_and_wait(handing)
         return samples
 
-    async def _score(self, samples: list[Sample]) -> None:
+    async def _score(self, samples: list[Sample], rewards: RewardComputer | None = None) -> None:
         failed = [s for s in samples if s.status is SampleStatus.FAILED]
         # A generate function may have scored its samples already (an agent's reward from its output file).
-        await self.rewards.score([s for s in samples if s.status is not SampleStatus.FAILED and s.reward is None])
+        await (rewards or self.rewards).score([s for s in samples if s.status is not SampleStatus.FAILED and s.reward is None])
         for sample in failed:
             sample.reward = 0.0
             sample.loss_mask = [0] * sample.response_length
@@ -395,11 +401,12 @@ class Rollout:
             samples = expand_groups(prompts, self.n_samples_per_eval_prompt)
             sampling = replace(self.eval_sampling, seed=self._step_seed(step, salt=1 + position))
             samples = await self._generate_and_score(samples, sampling, evaluation=True)
-            metrics.update(summarize_samples(samples, f"eval/{name}"))
+            metrics.update(summarize_samples(samples, f"eval/{name}", self.eval_rewards.gives_verdicts))
             results[name] = samples
         if results:
-            metrics["eval/accuracy"] = statistics.fmean(metrics[f"eval/{name}/accuracy"] for name in results)
-            metrics.update({f"eval/{k.removeprefix('reward/')}": v for k, v in self.rewards.pop_metrics().items()})
+            if self.eval_rewards.gives_verdicts:  # (a reward model's scores make no accuracy: --eval-rm-type does)
+                metrics["eval/accuracy"] = statistics.fmean(metrics[f"eval/{name}/accuracy"] for name in results)
+            metrics.update({f"eval/{k.removeprefix('reward/')}": v for k, v in self.eval_rewards.pop_metrics().items()})
         return metrics, results
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -84,15 +84,21 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
     # Derived values ------------------------------------------------------------------------
     @property
     def trains_on_dataset(self) -> bool:
-        """SFT and DPO train on the dataset's responses: no rollout phase (the engine only evaluates)."""
-        return self.loss_type in ("sft", "dpo")
+        """SFT, DPO and reward-model training train on the dataset's responses: no rollout phase (the engine only
+        evaluates; a reward model's run has no engine)."""
+        return self.loss_type in ("sft", "dpo", "rm")
+
+    @property
+    def trains_on_pairs(self) -> bool:
+        """DPO and reward-model training take preference pairs (--chosen-key, --rejected-key)."""
+        return self.loss_type in ("dpo", "rm")
 
     @property
     def samples_per_step(self) -> int:
-        """Samples trained on per step: every response of the step's prompts, one per SFT row, two per DPO pair."""
+        """Samples trained on per step: every response of the step's prompts, one per SFT row, two per pair."""
         if self.loss_type == "sft":
             return self.rollout_batch_size
-        if self.loss_type == "dpo":
+        if self.trains_on_pairs:
             return 2 * self.rollout_batch_size
         return self.rollout_batch_size * self.n_samples_per_prompt
 

@@ -89,13 +89,18 @@ class AlgorithmSettings(BaseModel):
         "old_log_probs, advantages, mask) -> relax.algorithms.policy_loss.PolicyLossTerms, per token [B, T]; "
         "aggregation, TIS, the KL loss and the entropy bonus apply around it as for every loss.", "algorithm",
     )
-    loss_type: Literal["policy_loss", "sft", "dpo"] = setting(
+    loss_type: Literal["policy_loss", "sft", "dpo", "rm"] = setting(
         "policy_loss",
         "policy_loss: RL with --advantage-estimator. sft: supervised fine-tuning (negative log-likelihood of "
         "the dataset's responses, --label-key or the assistant turns of chat rows) on the same trainer. dpo: "
-        "preference training on pairs (--chosen-key, --rejected-key) with --dpo-loss (docs/training_modes.md).",
+        "preference training on pairs (--chosen-key, --rejected-key) with --dpo-loss. rm: a reward model (a scalar "
+        "head on the model, Bradley-Terry loss) on the same pairs, evaluated by its held-out pair accuracy; "
+        "`relax export` writes it for AutoModelForSequenceClassification and --rm-path (docs/training_modes.md).",
         "algorithm",
     )
+    center_rewards_coefficient: float = setting(
+        0.0, "--loss-type rm: adds this times (r_chosen + r_rejected)^2 to each pair's loss, keeping the scores "
+        "centred on 0 (TRL's center_rewards_coefficient; 0: off).", "algorithm", ge=0)
     dpo_loss: Literal["sigmoid", "ipo", "simpo"] = setting(
         "sigmoid", "The preference loss of --loss-type dpo: sigmoid (DPO), ipo, or simpo (reference-free, "
         "length-normalised; no reference model is loaded).", "algorithm",

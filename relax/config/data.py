@@ -18,9 +18,14 @@ class DataSettings(BaseModel):
     )
     input_key: str = setting("input", "Row field holding the prompt (a string or a list of chat messages).", "data")
     label_key: str | None = setting("label", "Row field holding the reference answer given to the reward.", "data")
-    chosen_key: str = setting("chosen", "Row field holding the preferred completion of --loss-type dpo (a string or "
-                              "a list of assistant messages).", "data")
-    rejected_key: str = setting("rejected", "Row field holding the dispreferred completion of --loss-type dpo.", "data")
+    chosen_key: str = setting("chosen", "Row field holding the preferred completion of --loss-type dpo or rm (a "
+                              "string or a list of assistant messages).", "data")
+    rejected_key: str = setting("rejected", "Row field holding the dispreferred completion of --loss-type dpo or rm.",
+                                "data")
+    margin_key: str | None = setting(
+        None, "--loss-type rm: row field holding how much the chosen completion must outscore the rejected one (a "
+        "number; the Bradley-Terry loss becomes -log sigmoid(r_c - r_r - margin), as Llama 2's and TRL's). "
+        "Default: no margin.", "data")
     metadata_key: str = setting("metadata", "Row field holding a dict copied into `Sample.metadata`.", "data")
     apply_chat_template: bool = setting(
         False, "Render prompts with the tokenizer's chat template (a string prompt becomes one user message).", "data"

@@ -203,6 +203,12 @@ class RolloutSettings(BaseModel):
         "attempts) within --reward-timeout; retries are logged in reward/remote_retries. A secret (it may hold a "
         "token): logs show scheme, host and path only.", "reward", secret=True,
     )
+    rm_path: str | None = setting(
+        None, "A trained reward model folder (`relax export` of a --loss-type rm run, or any "
+        "AutoModelForSequenceClassification with one label): it scores each sample's prompt and response in the "
+        "scoring process (the rollout's), concurrent samples in one batched forward, each call bounded by "
+        "--reward-timeout; the score is the reward. Device and dtype: the run's.", "reward",
+    )
     genrm_model_path: str | None = setting(
         None, "A judge model (GenRM, LLM-as-judge) folder: an embedded engine in the scoring process generates a "
         "verdict per sample from --genrm-prompt-template; the number in its last \\boxed{}, after its last "
@@ -263,6 +269,11 @@ class RolloutSettings(BaseModel):
         None, "Maximum new tokens in evaluation (default --rollout-max-response-len).", "eval", ge=1
     )
     n_samples_per_eval_prompt: int = setting(1, "Responses per evaluation prompt.", "eval", ge=1)
+    eval_rm_type: str | None = setting(
+        None, "A rule reward (an --rm-type name) that grades the held-out sets instead of the training reward: "
+        "with a learned reward (--rm-path, --genrm-model-path, --rm-url) the held-out accuracy is then the real "
+        "one. Default: the training reward.", "eval",
+    )
     skip_eval_before_train: bool = setting(False, "Do not evaluate before the first training step.", "eval")
 
     @field_validator("eval_prompt_data", mode="before")

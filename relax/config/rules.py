@@ -179,15 +179,42 @@ class CrossSectionRules(BaseModel):
         if self.trains_on_dataset and self.use_opd:
             raise ValueError(f"{flag('loss_type')} {self.loss_type} trains on dataset responses; it cannot use "
                              f"{flag('use_opd')}")
-        if self.loss_type == "dpo" and self.context_parallel_size > 1:
-            raise ValueError(f"{flag('loss_type')} dpo with {flag('context_parallel_size')} > 1 is not built yet: a "
-                             "completion's tokens are split across ranks, and its per-completion loss terms would be "
-                             "counted on each")
-        if self.loss_type == "dpo" and self.train_batch_size != self.samples_per_step:
-            raise ValueError(f"{flag('loss_type')} dpo trains each step's pairs in one optimizer step (the loss's "
-                             f"per-completion gradients are taken at the step's parameters): {flag('global_batch_size')} "
-                             f"must be 2 x {flag('rollout_batch_size')} = {self.samples_per_step} or unset, got "
-                             f"{self.global_batch_size}")
+        if self.trains_on_pairs and self.context_parallel_size > 1:
+            raise ValueError(f"{flag('loss_type')} {self.loss_type} with {flag('context_parallel_size')} > 1 is not "
+                             "built yet: a completion's tokens are split across ranks, and its per-completion loss "
+                             "terms would be counted on each")
+        if self.trains_on_pairs and self.train_batch_size != self.samples_per_step:
+            raise ValueError(f"{flag('loss_type')} {self.loss_type} trains each step's pairs in one optimizer step (the "
+                             "loss's per-completion gradients are taken at the step's parameters): "
+                             f"{flag('global_batch_size')} must be 2 x {flag('rollout_batch_size')} = "
+                             f"{self.samples_per_step} or unset, got {self.global_batch_size}")
+        self._check_reward_model()
+
+    def _check_reward_model(self) -> None:
+        """The preference losses' settings only where they apply; --loss-type rm's layouts; the held-out grader."""
+        for loss_type, names in (("rm", ("margin_key", "center_rewards_coefficient")),
+                                 ("dpo", ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma"))):
+            given = [flag(name) for name in names if self.changed(name)]
+            if given and self.loss_type != loss_type:
+                raise ValueError(f"{', '.join(given)}: settings of {flag('loss_type')} {loss_type}, which this run "
+                                 f"is not ({flag('loss_type')} {self.loss_type})")
+        if self.loss_type == "rm":
+            layouts = {flag("lora_rank"): self.lora_rank, flag("tensor_model_parallel_size"):
+                       self.tensor_model_parallel_size > 1, flag("pipeline_model_parallel_size"):
+                       self.pipeline_model_parallel_size > 1}
+            refused = [name for name, given in layouts.items() if given]
+            if refused:
+                raise ValueError(f"{flag('loss_type')} rm with {', '.join(refused)} is not built yet (the score head "
+                                 "would be frozen or split); train the reward model with data parallelism")
+            asked = [flag(name) for name in ("rm_type", "custom_rm_path", "rm_url", "rm_path", "genrm_model_path",
+                                             "eval_rm_type") if getattr(self, name) is not None]
+            if asked:
+                raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} rm generates nothing to reward; its "
+                                 f"evaluation is the pair accuracy on {flag('eval_prompt_data')} (pairs). Drop them "
+                                 "(a setting of a --config file is cleared with --<flag> none)")
+        if self.eval_rm_type is not None and not self.eval_prompt_data:
+            raise ValueError(f"{flag('eval_rm_type')} grades the held-out sets of {flag('eval_prompt_data')}, and "
+                             "there are none")
 
     def _check_mode(self, spec) -> None:
         asynchronous = self.fully_async or self.hybrid

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from relax.algorithms.loss import (
     build_policy_loss_fn,
     build_preference_loss_fn,
+    build_reward_model_loss_fn,
     build_sft_loss_fn,
     build_value_loss_fn,
 )
@@ -40,6 +41,7 @@ from relax.core.preflight import check_model_path, check_teacher_path
 from relax.core.roles import Roles
 from relax.core.rollout_parts import (
     build_dynamic_sampling,
+    build_eval_reward_computer,
     build_generation,
     build_overlong_penalty,
     build_reward_computer,
@@ -103,9 +105,9 @@ class BuildContext:
 
 
 def load_training_samples(cfg: RelaxConfig, tokenizer) -> list:
-    if cfg.loss_type == "dpo":
+    if cfg.trains_on_pairs:
         return load_preference_pairs(cfg.prompt_data, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
-                                     cfg.max_tokens_per_gpu)
+                                     cfg.max_tokens_per_gpu, cfg.margin_key)
     load = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
     return load(cfg.prompt_data, tokenizer, prompt_format(cfg))
 
@@ -139,11 +141,14 @@ def build_actor(ctx: BuildContext) -> Actor:
         loss_fn = build_sft_loss_fn(cfg.loss_aggregation, cfg.rollout_max_response_len)
     elif cfg.loss_type == "dpo":
         loss_fn = build_preference_loss_fn()
+    elif cfg.loss_type == "rm":
+        loss_fn = build_reward_model_loss_fn()
     else:
         loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, ctx.spec), custom=custom_policy_loss(cfg))
     # The policy replays the rollout's routing (R3); the frozen reference routes by itself.
     settings = replace(ctx.settings, routing_replay=cfg.use_rollout_routing_replay)
-    return Actor(FSDPTrainBackend(ctx.model_path, settings), loss_fn, cfg.train_batch_size,
+    backend = FSDPTrainBackend(ctx.model_path, settings, score_head=cfg.loss_type == "rm")
+    return Actor(backend, loss_fn, cfg.train_batch_size,
                  routing_replay=cfg.use_rollout_routing_replay, loss_aggregation=cfg.loss_aggregation)
 
 
@@ -170,6 +175,10 @@ def build_reference(ctx: BuildContext) -> ActorFwd:
 def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
                   dynamic_sampling: DynamicSampling | None = None) -> Rollout:
     cfg, tokenizer = ctx.cfg, ctx.tokenizer
+    data_source = PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed)
+    if cfg.loss_type == "rm":  # a reward model generates nothing: no engine, no reward; pairs and held-out pairs
+        return Rollout(engine=None, data_source=data_source, rewards=None, sampling=SamplingParams(),
+                       n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer))
     rewards = rewards or build_reward_computer(cfg)
     if dynamic_sampling is None:
         dynamic_sampling = build_dynamic_sampling(cfg)
@@ -189,8 +198,7 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
             engine = DataParallelEngine(engine)
     return Rollout(
         engine=engine,
-        data_source=PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed),
-        rewards=rewards, sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
+        data_source=data_source, rewards=rewards, eval_rewards=build_eval_reward_computer(cfg), sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
@@ -224,7 +232,8 @@ def build_roles(cfg: RelaxConfig) -> Roles:
     """Everything a colocated run needs, validated before any training work starts."""
     # Reward, filter and generate-function settings fail before the (slow) model loads (the reward computer loads
     # the generate function: whether it sets the rewards itself decides which reward settings are allowed).
-    rewards = build_reward_computer(cfg)
+    rewards = build_reward_computer(cfg) if cfg.loss_type != "rm" else None
+    build_eval_reward_computer(cfg)
     dynamic_sampling = build_dynamic_sampling(cfg)
     ctx = build_context(cfg)
     actor = build_actor(ctx)  # joins the default process group (torchrun: all ranks)

@@ -15,7 +15,12 @@ from relax.backends.models.routing_replay import routing_shape
 from relax.backends.training.lora import inject
 from relax.backends.training.moe import moe_aux_loss
 from relax.config import ConfigError, RelaxConfig, flag
-from relax.core.rollout_parts import build_dynamic_sampling, build_reward_computer, load_generate_function
+from relax.core.rollout_parts import (
+    build_dynamic_sampling,
+    build_eval_reward_computer,
+    build_reward_computer,
+    load_generate_function,
+)
 from relax.core.run_settings import algorithm_spec, custom_policy_loss, lora_settings
 from relax.core.state import checkpoint
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
@@ -92,7 +97,7 @@ def check_context_length(cfg: RelaxConfig, config, model_path: Path) -> None:
     """The lengths asked for fit the model's positions (beyond them a forward fails deep inside, or quietly
     computes garbage with positions it was never trained on)."""
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if not limit:
+    if not limit or cfg.loss_type == "rm":  # (a reward model generates nothing; its pairs are checked at load)
         return
     for name in ("rollout_max_response_len", "eval_max_response_len", "rollout_max_context_len"):
         value = getattr(cfg, name)
@@ -127,7 +132,9 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
             checkpoint.resolve_checkpoint_root(cfg.load)
         except checkpoint.CheckpointError as error:
             raise ConfigError(f"{flag('load')} {error}") from None
-    build_reward_computer(cfg).close()
+    if cfg.loss_type != "rm":  # (a reward model's run rewards nothing)
+        build_reward_computer(cfg).close()
+    build_eval_reward_computer(cfg)
     build_dynamic_sampling(cfg)
     load_generate_function(cfg)
     algorithm_spec(cfg)  # the custom advantage and policy-loss functions import

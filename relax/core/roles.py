@@ -41,9 +41,10 @@ def required_roles(spec: AlgorithmSpec, *, loss_type: str = "policy_loss", use_k
     - ``teacher`` only with on-policy distillation;
     - ``actor_fwd`` only when a rollout batch is trained in several optimizer steps;
     - SFT needs the actor and the rollout (which evaluates) only; DPO the reference as well (its log-probs are
-      the loss's baseline), except the reference-free SimPO.
+      the loss's baseline), except the reference-free SimPO; a reward model the actor (the model with its score
+      head) and the rollout (its data stream and held-out pairs: no engine).
     """
-    if loss_type == "sft" or (loss_type == "dpo" and dpo_loss == "simpo"):
+    if loss_type in ("sft", "rm") or (loss_type == "dpo" and dpo_loss == "simpo"):
         return ("actor", "rollout")
     if loss_type == "dpo":
         return tuple(name for name in ROLE_NAMES if name in {"actor", "rollout", "reference"})

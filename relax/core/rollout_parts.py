@@ -12,6 +12,7 @@ from relax.components.rollout import DynamicSampling, OverlongPenalty
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.run_settings import prompt_format, resolve_device, resolve_dtype
 from relax.data.dataset import load_prompt_samples
+from relax.data.preference_dataset import load_preference_pairs
 from relax.data.multimodal import MultimodalSettings
 from relax.rollout.agentic import multi_turn
 from relax.rollout.agentic.env import load_env_builder
@@ -21,6 +22,7 @@ from relax.rollout.generation.multimodal import MultimodalPreparer
 from relax.rollout.rewards.compute import RewardComputer
 from relax.rollout.rewards.genrm import GenerativeReward, GenRMSettings
 from relax.rollout.rewards.remote import REMOTE_RM_TYPE, RemoteReward
+from relax.rollout.rewards.reward_model import RewardModelScorer
 from relax.utils.dotted_path import load_dotted_function
 
 
@@ -57,18 +59,37 @@ def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardCompute
         raise ConfigError(str(err)) from None
 
 
-def remote_reward(cfg: RelaxConfig) -> RemoteReward | GenerativeReward | None:
-    """The reward server (--rm-url) or the judge model (--genrm-model-path), if the run names one."""
-    if cfg.rm_url is not None and cfg.genrm_model_path is not None:
-        raise ValueError(f"{flag('rm_url')} and {flag('genrm_model_path')} both given; set one")
+def remote_reward(cfg: RelaxConfig, tokenizer: Any = None) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
+    """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model (--rm-path), if
+    the run names one. ``tokenizer``: the policy's (the reward model must share it; default: loaded from
+    --hf-checkpoint)."""
+    given = [name for name in ("rm_url", "genrm_model_path", "rm_path") if getattr(cfg, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(flag(name) for name in given)} both given; set one")
     if cfg.rm_url is not None:
         return RemoteReward(cfg.rm_url)
-    if cfg.genrm_model_path is None:
+    if not given:
         return None
     device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    if cfg.rm_path is not None:
+        from transformers import AutoTokenizer
+
+        return RewardModelScorer(cfg.rm_path, device, dtype,
+                                 tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
     return GenerativeReward(GenRMSettings.from_flags(
         cfg.genrm_model_path, cfg.genrm_prompt_template, cfg.genrm_sampling_config, cfg.genrm_engine_config,
-        str(device), str(resolve_dtype(cfg, device)).removeprefix("torch.")))
+        str(device), str(dtype).removeprefix("torch.")))
+
+
+def build_eval_reward_computer(cfg: RelaxConfig) -> RewardComputer | None:
+    """The held-out sets' grader when it is not the training reward (--eval-rm-type)."""
+    if cfg.eval_rm_type is None:
+        return None
+    try:
+        return RewardComputer(cfg.eval_rm_type, timeout_s=cfg.reward_timeout)
+    except ValueError as err:
+        raise ConfigError(f"{flag('eval_rm_type')}: {err}") from None
 
 
 def build_dynamic_sampling(cfg: RelaxConfig) -> DynamicSampling | None:
@@ -132,4 +153,9 @@ def build_overlong_penalty(cfg: RelaxConfig) -> OverlongPenalty | None:
 
 
 def load_eval_sets(cfg: RelaxConfig, tokenizer) -> dict:
+    """The held-out sets: prompts, or preference pairs for a reward model (its evaluation ranks them)."""
+    if cfg.loss_type == "rm":
+        return {name: load_preference_pairs(spec, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
+                                            cfg.max_tokens_per_gpu, cfg.margin_key)
+                for name, spec in cfg.eval_prompt_data.items()}
     return {name: load_prompt_samples(spec, tokenizer, prompt_format(cfg)) for name, spec in cfg.eval_prompt_data.items()}

@@ -1,5 +1,6 @@
-"""Preference pairs (``--loss-type dpo``): a prompt (``--input-key``) with a chosen and a rejected completion
-(``--chosen-key``, ``--rejected-key``).
+"""Preference pairs (``--loss-type dpo`` and ``rm``): a prompt (``--input-key``) with a chosen and a rejected
+completion (``--chosen-key``, ``--rejected-key``), and for a reward model an optional margin (``--margin-key``, a
+number: how much the chosen completion must outscore the rejected one).
 
 A completion is a string (the prompt is rendered as for RL, the completion follows it and ends with EOS) or a list of
 assistant messages (TRL's conversational form; needs ``--apply-chat-template``: the template renders the prompt and
@@ -9,11 +10,13 @@ The prompt and each completion are tokenized apart, so both completions of a pai
 Every pair becomes one `Sample` (the chosen completion) carrying its rejected twin in ``metadata["rejected"]``, so
 the data stream shuffles and counts pairs; the DPO loop lays them out as ``[chosen, rejected]``. Refused at load,
 naming the file, the row and the field: a missing or empty field, a chosen completion equal to its rejected one (no
-preference to learn), and a pair longer than ``--max-tokens-per-gpu`` (it could not fit a micro-batch).
+preference to learn), a pair longer than ``--max-tokens-per-gpu`` (it could not fit a micro-batch), and a margin that
+is not a finite number.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from relax.data.chat_template import render_prompt
@@ -57,15 +60,16 @@ def _completion_sample(prompt_text: str, prompt_tokens: list[int], text: str, en
 
 
 def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_key: str, rejected_key: str,
-                          max_tokens: int | None = None) -> list[Sample]:
-    """One `Sample` per pair (module doc); ``Sample.index`` is the row number in the file."""
+                          max_tokens: int | None = None, margin_key: str | None = None) -> list[Sample]:
+    """One `Sample` per pair (module doc); ``Sample.index`` is the row number in the file; the margin, when
+    ``margin_key`` is given, in the chosen sample's ``metadata["margin"]``."""
     path, indexed = read_spec_rows(spec)
     if tokenizer.eos_token_id is None:
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the completions with")
     pairs = []
     for row_index, row in indexed:
         where = row_label(path, row_index)
-        for key in (fmt.input_key, chosen_key, rejected_key):
+        for key in (fmt.input_key, chosen_key, rejected_key, *([margin_key] if margin_key else [])):
             if row.get(key) is None:
                 raise DatasetError(f"{where}: missing field {key!r}; row has {sorted(row)}")
         try:
@@ -98,10 +102,18 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
             completion.index = row_index
             completion.metadata = dict(metadata) if isinstance(metadata, dict) else {}
         chosen.metadata["rejected"] = rejected
+        if margin_key is not None:
+            chosen.metadata["margin"] = _margin(row[margin_key], where, margin_key)
         pairs.append(chosen)
     if not pairs:
         raise DatasetError(f"{spec}: no pair left after dropping prompts longer than --rollout-max-prompt-len")
     return pairs
+
+
+def _margin(value: Any, where: str, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DatasetError(f"{where}: field {key!r} must be a finite number (the pair's margin), got {value!r}")
+    return float(value)
 
 
 def pair_samples(pairs: list[Sample]) -> list[Sample]:

@@ -1,6 +1,7 @@
 """Preference losses (issue 34) against TRL 1.16's `DPOTrainer` loss code on the same batch, in float32: the loss, the
 implicit rewards and the gradient with respect to every token's log-prob, for DPO (sigmoid), IPO and the
-reference-free length-normalised variant; the gradient surrogate that lets any micro-batch split train exactly."""
+reference-free length-normalised variant; the gradient surrogate that lets any micro-batch split train exactly. The
+reward model's Bradley-Terry loss (with margins and the centring term) against TRL's `RewardTrainer.compute_loss`."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax.algorithms.loss import MicroBatchTensors, build_preference_loss_fn
+from relax.algorithms.loss import MicroBatchTensors, build_preference_loss_fn, build_reward_model_loss_fn
 from relax.algorithms.preference import (
     PREFERENCE_FIELDS,
     PreferenceSettings,
+    bradley_terry_losses,
     preference_fields,
     preference_gradients,
     preference_losses,
+    reward_model_gradients,
 )
 
 import trl  # noqa: E402  (the bench extra, part of the test extra)
@@ -128,3 +131,69 @@ def test_label_smoothing_and_the_simpo_margin_follow_their_formulas():
         preference_losses(PreferenceSettings("ipo"), c, r, None, None, lc, lr)
     with pytest.raises(ValueError, match="in pairs"):
         preference_gradients(PreferenceSettings(), torch.zeros(3), torch.zeros(3), torch.ones(3))
+
+
+def _trl_reward(scores: torch.Tensor, margins: torch.Tensor | None, center: float | None):
+    """TRL's RewardTrainer.compute_loss on a "model" whose logits are ``scores`` ([chosen..., rejected...])."""
+    trainer = object.__new__(trl.RewardTrainer)
+    identity = lambda tensor: tensor  # noqa: E731
+    trainer.__dict__.update(
+        model=SimpleNamespace(training=True), args=SimpleNamespace(center_rewards_coefficient=center),
+        accelerator=SimpleNamespace(device="cpu", gather=identity, gather_for_metrics=identity),
+        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    logits = scores.clone().unsqueeze(-1).requires_grad_(True)
+    inputs = {"attention_mask": torch.ones(len(scores), 3, dtype=torch.long)}
+    if margins is not None:
+        inputs["margin"] = margins
+    loss = trainer.compute_loss(lambda **kwargs: SimpleNamespace(logits=logits), inputs)
+    (gradient,) = torch.autograd.grad(loss, logits)
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    return loss.item(), gradient.squeeze(-1), metrics
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.integers(1, 8), seed=st.integers(0, 2**31), with_margin=st.booleans(),
+       center=st.sampled_from([None, 0.01, 0.5]), width=st.integers(1, 5))
+def test_reward_model_loss_and_gradients_equal_trl(pairs, seed, with_margin, center, width):
+    """Per completion, its score sits at a marked token of a row of ``width`` values; each micro-batch holds one
+    completion (a pair split as far as it can be); the summed surrogate's gradient is TRL's."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2 * pairs, generator=generator) * 3
+    margins = torch.rand(pairs, generator=generator) * 2 if with_margin else None
+    trl_loss, trl_gradient, trl_metrics = _trl_reward(scores, margins, center)
+
+    interleaved = _interleave(scores)
+    step = reward_model_gradients(interleaved, margins, center or 0.0)
+    values = preference_fields(step)
+    positions = torch.randint(0, width, (2 * pairs,), generator=generator)
+    rows = torch.randn(2 * pairs, width, generator=generator)
+    rows[torch.arange(2 * pairs), positions] = interleaved
+    rows.requires_grad_(True)
+    loss_fn = build_reward_model_loss_fn()
+    totals: dict[str, float] = defaultdict(float)
+    surrogate = 0.0
+    for row in range(2 * pairs):
+        fields = {name: values[name][row:row + 1, None].expand(1, width) for name in PREFERENCE_FIELDS}
+        fields["score_position"] = torch.nn.functional.one_hot(positions[row:row + 1], width).float()
+        mb = MicroBatchTensors(mask=torch.ones(1, width), fields=fields, global_num_samples=2 * pairs)
+        loss, metrics = loss_fn(mb, rows[row:row + 1], None)
+        surrogate = surrogate + loss
+        for name, value in metrics.items():
+            totals[name] += float(value)
+    (gradient,) = torch.autograd.grad(surrogate, rows)
+    at_scores = gradient[torch.arange(2 * pairs), positions]
+    torch.testing.assert_close(torch.cat([at_scores[0::2], at_scores[1::2]]), trl_gradient, rtol=1e-6, atol=1e-6)
+    assert gradient.abs().sum() == pytest.approx(at_scores.abs().sum(), rel=1e-6)  # only the scored tokens learn
+    assert totals["loss"] == pytest.approx(trl_loss, rel=1e-6, abs=1e-6)
+    assert totals["rewards_accuracy"] == pytest.approx(trl_metrics["accuracy"], rel=1e-6, abs=1e-6)
+    assert totals["rewards_margin"] == pytest.approx(trl_metrics["margin"], rel=1e-5, abs=1e-5)
+
+
+def test_bradley_terry_follows_its_formula():
+    chosen, rejected, margin = torch.tensor([2.0, -1.0]), torch.tensor([0.5, 1.0]), torch.tensor([1.0, 0.0])
+    terms = bradley_terry_losses(chosen, rejected, margin, center_coefficient=0.1)
+    expected = -torch.nn.functional.logsigmoid(chosen - rejected - margin) + 0.1 * (chosen + rejected) ** 2
+    torch.testing.assert_close(terms.losses, expected)
+    torch.testing.assert_close(terms.chosen_rewards, chosen)
+    with pytest.raises(ValueError, match="in pairs"):
+        reward_model_gradients(torch.zeros(5))

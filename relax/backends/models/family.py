@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 # The names the model families give the same input; the forward takes whichever its signature has.
 _INPUT_ALIASES = {
@@ -82,6 +82,26 @@ def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """The folder's model with its generation head, by the class its config names (`model_class`)."""
     cls = model_class(AutoConfig.from_pretrained(path)) or AutoModelForCausalLM
     return cls.from_pretrained(path, dtype=dtype)
+
+
+def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) -> PreTrainedModel:
+    """A reward model from the folder: its sequence-classification class with one label (a causal LM's body
+    and a new scalar ``score`` head, or a reward model's own head). The config names that class and the pad token
+    (where the model pools a sequence: its last token that is not padding), so the config saved beside a checkpoint
+    makes `model_from_config` build the same model and an export load with ``AutoModelForSequenceClassification``."""
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "num_labels", 1) != 1 and _is_score_model(config):
+        raise ValueError(f"{path}: a sequence classifier with {config.num_labels} labels, not a reward model (1)")
+    config.num_labels = 1
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _is_score_model(config) -> bool:
+    return any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or [])
 
 
 def model_from_config(config, dtype: torch.dtype) -> PreTrainedModel:

@@ -43,6 +43,7 @@ from relax.backends.models.family import (
     forward_inputs,
     freeze_towers,
     load_model,
+    load_score_model,
     rope_positions,
 )
 from relax.backends.models.registry import traits
@@ -79,6 +80,7 @@ from relax.backends.training.pipeline import PipelineRunner, PipelineStageModel,
 from relax.backends.training.response_model import (
     HeadRequest,
     ResponseLogitsModel,
+    ResponseScoreModel,
     ResponseValueModel,
     language_model,
     ties_embeddings,
@@ -105,18 +107,21 @@ class _OpenStep:
 
 
 class FSDPTrainBackend(TrainBackend):
-    """Policy (``trainable=True``), frozen reference or teacher (``trainable=False``), or PPO
-    critic (``value_head=True``)."""
+    """Policy (``trainable=True``), frozen reference or teacher (``trainable=False``), PPO
+    critic (``value_head=True``) or reward model (``score_head=True``: `ResponseScoreModel`). The critic and the
+    reward model give one value per response token (``compute_values``) instead of log-probs."""
 
     def __init__(self, model_path: str | Path, settings: TrainSettings, trainable: bool = True,
-                 value_head: bool = False):
+                 value_head: bool = False, score_head: bool = False):
         ensure_process_group(settings.device)
         self.settings = settings
         self.trainable = trainable
-        self.value_head = value_head
+        self.value_head = value_head or score_head
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
-        hf_model = load_model(model_path, settings.compute_dtype if not trainable and low_precision else torch.float32)
+        load_dtype = settings.compute_dtype if not trainable and low_precision else torch.float32
+        hf_model = load_score_model(model_path, load_dtype, settings.pad_token_id) if score_head else \
+            load_model(model_path, load_dtype)
         self.dims = ParallelDims(dist.get_world_size(), tp=settings.tensor_model_parallel_size,
                                  ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size,
                                  pp=settings.pipeline_model_parallel_size,
@@ -163,18 +168,21 @@ class FSDPTrainBackend(TrainBackend):
         media_ids = MediaTokens.of(hf_model.config).never_generated
         self._multimodal = bool(media_ids)
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
-        self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not value_head else None
+        self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not self.value_head \
+            else None
         self._routing = RoutingReplay(hf_model) if settings.routing_replay else None
         if self.dims.pp > 1:
             self.model = self._pipeline_stage(hf_model)
         else:
-            self.model = ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
+            self.model = ResponseScoreModel(hf_model) if score_head else \
+                ResponseValueModel(hf_model) if value_head else ResponseLogitsModel(hf_model)
         if self._moe_aux is not None:
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         if self.dims.cp > 1:
+            # (a score reads the hidden state of a response token itself, which a context slice may hold apart)
             self._refuse(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with",
-                         padded=True, replay=True, aux_loss=True)
+                         padded=True, replay=True, aux_loss=True, extra={"a reward model": score_head})
         if settings.sequence_parallel:
             self._refuse(f"{SP_FLAG}: not built with", padded=True, media=True,
                          extra={f"{TP_FLAG} 1 (nothing to split the tokens over)": self.dims.tp == 1,
@@ -241,7 +249,8 @@ class FSDPTrainBackend(TrainBackend):
     def _pipeline_stage(self, hf_model) -> PipelineStageModel:
         """This rank's stage of the model (`pipeline`), once what pipelining does not take yet is refused."""
         self._refuse(f"{PP_FLAG} {self.dims.pp}: not built yet with", padded=True, media=True, replay=True,
-                     aux_loss=True, extra={"a critic (value head)": self.value_head, "LoRA": self.lora is not None})
+                     aux_loss=True, extra={"a critic or reward model (value head)": self.value_head,
+                                           "LoRA": self.lora is not None})
         self._tied_embedding = ties_embeddings(hf_model)
         stage, stages = self.dims.pp_rank, self.dims.pp
         layers = stage_layers(hf_model.config.get_text_config().num_hidden_layers, stages,

@@ -1,7 +1,7 @@
 """The model a training backend runs: a Hugging Face model whose forward returns what the losses need at the
 positions that predict response tokens only: log-probs and entropies through the LM head chunk by chunk
-(`ResponseLogitsModel`, no full logits), or PPO's values (`ResponseValueModel`). Packed rows attend apart
-(`varlen_attention`)."""
+(`ResponseLogitsModel`, no full logits), PPO's values (`ResponseValueModel`), or a reward model's scores
+(`ResponseScoreModel`). Packed rows attend apart (`varlen_attention`)."""
 
 from __future__ import annotations
 
@@ -154,3 +154,25 @@ class ResponseValueModel(nn.Module):
         hidden, _ = _response_hidden(self.hf_model, self.hf_model, input_ids, attention_mask, position_ids,
                                      predict_index, packing, None)
         return self.value_head(hidden).squeeze(-1)
+
+
+class ResponseScoreModel(nn.Module):
+    """A reward model: a Hugging Face sequence-classification model with one label (``AutoModelForSequenceClassification``,
+    the causal LM's body with a scalar ``score`` head), returning the score ``[M]`` after each response token (the
+    hidden state *of* the token, where the model pools a sequence, not the one before it as the critic's values).
+
+    Its state dict is the Hugging Face model's under ``hf_model.``, so a checkpoint exports as a folder that
+    ``AutoModelForSequenceClassification.from_pretrained`` loads and scores as the trainer did."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model  # (its body is reached through it: a second attribute would save it twice)
+        use_packed_attention(hf_model.base_model)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
+        # ``predict_index`` holds the positions before each response token; the token itself is the next position,
+        # always in the same sequence (a response token is never a sequence's first).
+        hidden, _ = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask, position_ids,
+                                     predict_index + 1, packing, None)
+        return self.hf_model.score(hidden).squeeze(-1)

@@ -14,9 +14,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import torch
-
-from relax.algorithms.preference import PreferenceSettings, preference_fields, preference_gradients
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.loops.graceful_stop import GracefulStop
 from relax.core.loops.phase_memory import build_phase_memory
@@ -25,7 +22,6 @@ from relax.core.state.checkpointer import Checkpointer
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
 from relax.core.streaming.chunks import per_sample_fields
 from relax.core.streaming.roles import ADVANTAGES, streamed_field
-from relax.data.preference_dataset import pair_samples
 from relax.data.sample import Sample
 from relax.distributed.process_group import rank, world_size
 from relax.telemetry.phases import PhaseClock
@@ -287,41 +283,3 @@ class SFTController(SyncController):
     async def sync_weights(self, version: int) -> dict[str, float]:
         self._engine_version = self._trained_version = version
         return await super().sync_weights(version)
-
-
-class DPOController(SFTController):
-    """Preference training (``--loss-type dpo``): each step takes the next ``--rollout-batch-size`` pairs, lays them
-    out ``[chosen, rejected]``, computes the reference's sequence log-probs (once per pair for the whole run: the
-    reference is frozen; none for SimPO) and the policy's at the step's parameters, turns them into each
-    completion's loss gradient (`relax.algorithms.preference`) and trains one optimizer step on them."""
-
-    def __init__(self, cfg: RelaxConfig, placement: Placement, tracker: Tracker):
-        super().__init__(cfg, placement, tracker)
-        self.preference = PreferenceSettings(cfg.dpo_loss, cfg.dpo_beta, cfg.dpo_label_smoothing, cfg.simpo_gamma)
-        self._reference_sums: dict[tuple[int, bool], float] = {}  # (row, preferred) -> sequence log-prob
-
-    async def train_step(self, rollout_id: int) -> dict[str, float]:
-        started = time.perf_counter()
-        _, pairs = self.roles.rollout.data_source.take(self.cfg.rollout_batch_size)
-        samples = pair_samples(pairs)
-        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-        reference = await self._reference_log_prob_sums(samples, masks) if self.preference.needs_reference else None
-        policy = await self.roles.actor.compute_log_probs(samples)
-        sums = torch.stack([(log_probs.float() * mask).sum() for log_probs, mask in zip(policy.log_probs, masks)])
-        step = preference_gradients(self.preference, sums, reference, torch.stack([mask.sum() for mask in masks]))
-        fields = {name: [values[i].expand(s.response_length).clone() for i, s in enumerate(samples)]
-                  for name, values in preference_fields(step).items()}
-        metrics = await self.roles.actor.train(samples, fields)
-        self._trained_version = rollout_id + 1
-        metrics["perf/train_s"] = metrics["perf/step_s"] = time.perf_counter() - started
-        metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / metrics["perf/step_s"]
-        return metrics
-
-    async def _reference_log_prob_sums(self, samples: list[Sample], masks: list[torch.Tensor]) -> torch.Tensor:
-        keys = [(s.index, bool(s.metadata["preferred"])) for s in samples]
-        missing = [i for i, key in enumerate(keys) if key not in self._reference_sums]
-        if missing:
-            log_probs = await self.roles.reference.compute_log_probs([samples[i] for i in missing])
-            for i, values in zip(missing, log_probs):
-                self._reference_sums[keys[i]] = float((values.float() * masks[i]).sum())
-        return torch.tensor([self._reference_sums[key] for key in keys])

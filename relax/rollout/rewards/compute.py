@@ -101,7 +101,7 @@ class RewardComputer:
         rewards_set_by: str | None = None,
     ) -> None:
         sources = [name for name, given in (("--rm-type", rm_type), ("--custom-rm-path", custom_rm_path),
-                                            ("--rm-url / --genrm-model-path", remote)) if given is not None]
+                                            ("--rm-url / --genrm-model-path / --rm-path", remote)) if given is not None]
         # ``rewards_set_by`` names a generate function that rewards every sample itself (a multi-agent
         # environment's per-agent rewards): a configured reward would never run, so it is refused, not ignored.
         if rewards_set_by is not None and sources:
@@ -109,7 +109,8 @@ class RewardComputer:
                              "never run: leave it out (a setting of a --config file is cleared with --<flag> none)")
         if not sources and rewards_set_by is None:
             raise ValueError("no reward configured: set --rm-type to a rule reward, --custom-rm-path to a function, "
-                             "--rm-url to a reward server or --genrm-model-path to a judge model")
+                             "--rm-url to a reward server, --genrm-model-path to a judge model or --rm-path to a trained "
+                             "reward model")
         self._rewards_set_by = rewards_set_by
         if len(sources) > 1:
             raise ValueError(f"{' and '.join(sources)} both given; set one (a custom function can call "
@@ -127,6 +128,9 @@ class RewardComputer:
         self._custom_fn = load_custom_reward(custom_rm_path) if custom_rm_path is not None else remote
         self._custom_fn_is_async = remote is not None or inspect.iscoroutinefunction(self._custom_fn)
         self._remote = remote
+        # Whether a positive reward means "correct" (rules, judges, reward servers) or is a score (a trained reward
+        # model): only verdicts make an accuracy.
+        self.gives_verdicts = getattr(remote, "gives_verdicts", True)
         if custom_workers and (self._custom_fn is None or self._custom_fn_is_async):
             raise ValueError("--custom-rm-workers runs a synchronous --custom-rm-path function in worker processes; "
                              + ("there is none" if self._custom_fn is None else

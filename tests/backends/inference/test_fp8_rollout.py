@@ -130,13 +130,15 @@ def test_rollout_fp8_is_refused_where_it_cannot_act(flags, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fp8_on_cuda_is_close_to_bf16():
-    """On CUDA (cuBLASLt's FP8 GEMM, bf16 model): the first token's log-prob within 0.1 of the bf16 engine's."""
+def test_fp8_on_cuda_scores_near_bf16():
+    """On CUDA (the FP8 GEMM of `torch._scaled_mm`, a bf16 model): teacher-forced log-probs of the same sequences
+    within the CPU test's tolerance of the bf16 engine's (mean |delta| < 0.05 nats, none above 0.2)."""
     def engine(fp8: bool) -> EmbeddedEngine:
-        model = make_model(0).to("cuda", torch.bfloat16)
+        model = _realistic_model(0).to("cuda", torch.bfloat16)
         return EmbeddedEngine(model, make_tokenizer(), core=CoreSettings(mode="on", fp8=fp8))
 
-    reference, approx = _outputs(engine(False)), _outputs(engine(True))
-    for (ids, lp), (ids8, lp8) in zip(reference, approx):
-        if ids[0] == ids8[0]:
-            assert abs(lp[0] - lp8[0]) < 0.1
+    sequences = [ScoreRequest([3 + (i * 7 + j * 3) % 60 for j in range(24)], response_length=16) for i in range(4)]
+    reference = [o.log_probs for o in asyncio.run(engine(False).score(sequences))]
+    approx = [o.log_probs for o in asyncio.run(engine(True).score(sequences))]
+    deltas = torch.tensor(reference) - torch.tensor(approx)
+    assert 0 < deltas.abs().mean().item() < 0.05 and deltas.abs().max().item() < 0.2, deltas.abs().max()
