@@ -94,6 +94,8 @@ def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
             end_responses_early(model, eos_id=1, mean_response_len=mean_response_len, prompt_len=prompt_len)
         model.save_pretrained(model_dir)
         del model
+    if device == "cuda":  # the runs are processes of their own: the cache must not keep the model's memory here
+        torch.cuda.empty_cache()
     word_tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
     generator = torch.Generator().manual_seed(1)
     with data.open("w") as handle:

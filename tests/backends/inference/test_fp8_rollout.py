@@ -1,7 +1,9 @@
 """FP8 rollout (`relax.backends.inference.engine_core.fp8`, ``--rollout-fp8``): row-wise quantisation within e4m3's
 rounding, FP8 linears close to the full-precision ones, an FP8 engine whose log-probs stay near the full-precision
 engine's, and weight syncs that requantise in place (an updated FP8 engine samples exactly as one built from the new
-weights). torch's ``_scaled_mm`` runs on CPU, so these run everywhere; the GPU test compares with bf16 on CUDA."""
+weights); projections that read the same input share its quantisation, in any call order. torch's ``_scaled_mm`` runs
+on CPU, so these run everywhere; the GPU tests compare with bf16 on CUDA and the Triton quantisation kernel with the
+torch one, bit for bit."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams, ScoreRequest
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
-from relax.backends.inference.engine_core.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
+from relax.backends.inference.engine_core import fp8 as fp8_module
+from relax.backends.inference.engine_core.fp8 import FP8, FP8_MAX, Fp8Linears, fp8_linear, quantize_rows
 from relax.cli.args import parse_config
 from relax.config import ConfigError
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
@@ -142,3 +145,43 @@ def test_fp8_on_cuda_scores_near_bf16():
     approx = [o.log_probs for o in asyncio.run(engine(True).score(sequences))]
     deltas = torch.tensor(reference) - torch.tensor(approx)
     assert 0 < deltas.abs().mean().item() < 0.05 and deltas.abs().max().item() < 0.2, deltas.abs().max()
+
+
+def test_projections_that_read_one_input_share_its_quantisation(monkeypatch):
+    """A layer quantises 4 activations (q/k/v's input, o's, gate/up's, down's), not 7; the outputs equal those of
+    quantising for each projection, also when a model calls the group out of order (it quantises again)."""
+    model = _realistic_model(0)
+    layer = model.model.layers[0]
+    x = torch.randn(5, model.config.hidden_size)
+    expected = {name: fp8_linear(x, *quantize_rows(getattr(layer.self_attn, name).weight), None)
+                for name in ("q_proj", "k_proj", "v_proj")}
+    Fp8Linears(model.model.layers)
+    calls = []
+    original = fp8_module.quantize_activations
+    monkeypatch.setattr(fp8_module, "quantize_activations", lambda rows: calls.append(rows.shape) or original(rows))
+    for order in (("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj", "q_proj"), ("q_proj", "k_proj", "v_proj")):
+        calls.clear()
+        step_input = x.clone()  # a new activation, as each forward's
+        for name in order:
+            torch.testing.assert_close(getattr(layer.self_attn, name)(step_input), expected[name], rtol=0, atol=0)
+        assert len(calls) == (1 if order[-1] == "v_proj" else 2)  # q, k, v in order: one quantisation
+    calls.clear()
+    with torch.no_grad():
+        model(torch.tensor([[3, 4, 5, 6]]))
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    assert all(layer.self_attn.q_proj.fp8_shared[0].source is None for layer in model.model.layers)  # let go
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("columns", [1, 64, 1000, 2560, 9728])
+def test_the_triton_quantisation_equals_the_torch_one_bit_for_bit(columns):
+    from relax.backends.inference.engine_core.triton_ops import quantize_rows_fp8
+
+    torch.manual_seed(columns)
+    x = (torch.randn(37, columns, device="cuda") * torch.logspace(-6, 4, 37, device="cuda")[:, None]).bfloat16()
+    x[3] = 0  # a zero row keeps the floor scale
+    quantized, scales = quantize_rows_fp8(x, FP8_MAX, torch.finfo(torch.float32).tiny)
+    expected, expected_scales = quantize_rows(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(quantized.view(torch.uint8), expected.view(torch.uint8))

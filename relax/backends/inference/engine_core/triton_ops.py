@@ -7,7 +7,9 @@ whatever its size: at batch 256 that was most of a step. These kernels do each s
 - `add_rms_norm`: ``residual += x`` (optional) then RMSNorm with the weight, rows of ``[T, H]``;
 - `qk_norm_rope_store`: per head RMSNorm of q and k (Qwen3), rotary positions, and the store of k and v into
   the KV pool at the tokens' slots, for all heads of all tokens;
-- `silu_mul`: ``silu(gate) * up``.
+- `silu_mul`: ``silu(gate) * up``;
+- `quantize_rows_fp8`: each row of ``[T, H]`` as FP8 e4m3 with one float32 scale (``--rollout-fp8``'s activations;
+  the same arithmetic as `engine_core.fp8.quantize_rows`, which it equals exactly).
 
 Each rounds to the model's dtype where the Hugging Face code does (the normalised value before the weight, each
 rotary product and the sum, the SiLU before the product), so the engine's log-probs stay those of the training
@@ -148,3 +150,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.numel()
     _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
     return out
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COLUMNS: tl.constexpr,
+                              BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                              MIN_SCALE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < COLUMNS
+    value = tl.load(x_ptr + row * stride + offsets, mask=mask, other=0.0).to(tl.float32)
+    # torch's arithmetic, for its results bit for bit: a division by a number is a product with its float32
+    # reciprocal, one by a tensor an IEEE-rounded division (Triton's `/` on float32 is an approximate one)
+    scale = tl.maximum(tl.max(tl.abs(value), axis=0) * INV_FP8_MAX, MIN_SCALE)
+    quantized = tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + row * out_stride + offsets, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` (rows contiguous) as e4m3 ``[T, H]`` and float32 scales ``[T, 1]``, one kernel."""
+    rows, columns = x.shape
+    out = torch.empty((rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(columns)
+        _quantize_rows_fp8_kernel[(rows,)](x, out, scales, x.stride(0), out.stride(0), COLUMNS=columns, BLOCK=block,
+                                           FP8_MAX=fp8_max, INV_FP8_MAX=1.0 / fp8_max, MIN_SCALE=min_scale,
+                                           num_warps=8 if block >= 4096 else 4)
+    return out, scales
