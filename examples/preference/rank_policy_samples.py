@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
                 if answers[i] and not answers[j]:
                     compared += 1
                     right += scores[i] > scores[j]
-    print(f"policy samples correct: {correct / sampled:.3f}; correct ranked above wrong: {right / max(compared, 1):.3f} "
-          f"of {compared} pairs")
+    print(f"policy samples correct: {correct / sampled:.3f}; correct ranked above wrong: "
+          f"{right / max(compared, 1):.3f} of {compared} pairs")
 
 
 if __name__ == "__main__":

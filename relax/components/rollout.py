@@ -336,7 +336,8 @@ class Rollout:
     async def _score(self, samples: list[Sample], rewards: RewardComputer | None = None) -> None:
         failed = [s for s in samples if s.status is SampleStatus.FAILED]
         # A generate function may have scored its samples already (an agent's reward from its output file).
-        await (rewards or self.rewards).score([s for s in samples if s.status is not SampleStatus.FAILED and s.reward is None])
+        await (rewards or self.rewards).score([s for s in samples
+                                               if s.status is not SampleStatus.FAILED and s.reward is None])
         for sample in failed:
             sample.reward = 0.0
             sample.loss_mask = [0] * sample.response_length

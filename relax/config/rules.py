@@ -184,8 +184,8 @@ class CrossSectionRules(BaseModel):
                              "built yet: a completion's tokens are split across ranks, and its per-completion loss "
                              "terms would be counted on each")
         if self.trains_on_pairs and self.train_batch_size != self.samples_per_step:
-            raise ValueError(f"{flag('loss_type')} {self.loss_type} trains each step's pairs in one optimizer step (the "
-                             "loss's per-completion gradients are taken at the step's parameters): "
+            raise ValueError(f"{flag('loss_type')} {self.loss_type} trains each step's pairs in one optimizer step "
+                             "(the loss's per-completion gradients are taken at the step's parameters): "
                              f"{flag('global_batch_size')} must be 2 x {flag('rollout_batch_size')} = "
                              f"{self.samples_per_step} or unset, got {self.global_batch_size}")
         self._check_reward_model()

@@ -59,7 +59,8 @@ def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardCompute
         raise ConfigError(str(err)) from None
 
 
-def remote_reward(cfg: RelaxConfig, tokenizer: Any = None) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
+def remote_reward(cfg: RelaxConfig,
+                  tokenizer: Any = None) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
     """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model (--rm-path), if
     the run names one. ``tokenizer``: the policy's (the reward model must share it; default: loaded from
     --hf-checkpoint)."""

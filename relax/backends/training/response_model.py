@@ -157,9 +157,10 @@ class ResponseValueModel(nn.Module):
 
 
 class ResponseScoreModel(nn.Module):
-    """A reward model: a Hugging Face sequence-classification model with one label (``AutoModelForSequenceClassification``,
-    the causal LM's body with a scalar ``score`` head), returning the score ``[M]`` after each response token (the
-    hidden state *of* the token, where the model pools a sequence, not the one before it as the critic's values).
+    """A reward model: a Hugging Face sequence-classification model with one label
+    (``AutoModelForSequenceClassification``, the causal LM's body with a scalar ``score`` head), returning the score
+    ``[M]`` after each response token (the hidden state *of* the token, where the model pools a sequence, not the one
+    before it as the critic's values).
 
     Its state dict is the Hugging Face model's under ``hf_model.``, so a checkpoint exports as a folder that
     ``AutoModelForSequenceClassification.from_pretrained`` loads and scores as the trainer did."""

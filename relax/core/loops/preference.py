@@ -85,7 +85,8 @@ class RewardModelController(PairController):
 
     def __init__(self, cfg: RelaxConfig, placement: Placement, tracker: Tracker):
         super().__init__(cfg, placement, tracker)
-        self.pad_token_id = self.roles.actor.backend.settings.pad_token_id
+        # where the model pools a sequence (its config names the pad token: `load_score_model`)
+        self.pad_token_id = self.roles.actor.backend.hf_config.pad_token_id
 
     async def step_fields(self, samples: list[Sample]) -> dict[str, list[torch.Tensor]]:
         positions = [score_position(s, self.pad_token_id) for s in samples]
@@ -112,7 +113,8 @@ class RewardModelController(PairController):
             margins = _margins(samples)
             terms = bradley_terry_losses(scores[0::2].double(), scores[1::2].double(),
                                          margins.double() if margins is not None else None)
-            metrics[f"eval/{name}/pair_accuracy"] = float((terms.chosen_rewards > terms.rejected_rewards).double().mean())
+            ranked_right = (terms.chosen_rewards > terms.rejected_rewards).double()
+            metrics[f"eval/{name}/pair_accuracy"] = float(ranked_right.mean())
             metrics[f"eval/{name}/loss"] = float(terms.losses.mean())
             metrics[f"eval/{name}/margin"] = float((terms.chosen_rewards - terms.rejected_rewards).mean())
             metrics[f"eval/{name}/score_mean"] = float(scores.mean())

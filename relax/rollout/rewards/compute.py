@@ -109,8 +109,8 @@ class RewardComputer:
                              "never run: leave it out (a setting of a --config file is cleared with --<flag> none)")
         if not sources and rewards_set_by is None:
             raise ValueError("no reward configured: set --rm-type to a rule reward, --custom-rm-path to a function, "
-                             "--rm-url to a reward server, --genrm-model-path to a judge model or --rm-path to a trained "
-                             "reward model")
+                             "--rm-url to a reward server, --genrm-model-path to a judge model or --rm-path to a "
+                             "trained reward model")
         self._rewards_set_by = rewards_set_by
         if len(sources) > 1:
             raise ValueError(f"{' and '.join(sources)} both given; set one (a custom function can call "

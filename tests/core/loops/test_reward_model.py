@@ -78,8 +78,8 @@ def test_reward_model_trains_ranks_held_out_pairs_and_exports_for_sequence_class
     out = tmp_path / "rl"
     result = run_relax("train", "--hf-checkpoint", str(tiny_workspace / "model"), "--prompt-data",
                        str(tiny_workspace / "train.jsonl"), "--rm-path", str(exported), "--eval-rm-type", "exact_match",
-                       "--eval-prompt-data", "held_out", str(tiny_workspace / "test.jsonl"), "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--num-rollout", "2",
+                       "--eval-prompt-data", "held_out", str(tiny_workspace / "test.jsonl"),
+                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--num-rollout", "2",
                        "--output-dir", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     metrics = read_metrics(out / "metrics.jsonl")
