@@ -11,7 +11,10 @@ problems it never saw. Two kinds of wrong answer, drawn with fixed seeds:
   one of the model's wrong answers per held-out problem. A reward model that RL will query must rank the policy's own
   mistakes below the right answer (docs/training_modes.md says what a weaker one does to RL).
 
-Usage: python examples/preference/build_pairs.py [--out examples/preference/data]
+``--policy FOLDER`` samples the wrong answers from another model, e.g. a policy trained against the reward model:
+its mistakes are where that reward model was wrong (a second round of reward-model training, iterated RLHF).
+
+Usage: python examples/preference/build_pairs.py [--out examples/preference/data] [--policy FOLDER]
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ def near_miss(answer: str, rng: random.Random) -> str:
     return answer[:position] + rng.choice(choices) + answer[position + 1:]
 
 
-def model_mistakes(rows: list[dict], seed: int) -> list[list[str]]:
-    """Per row, the distinct well-formed wrong answers among the quickstart model's ``SAMPLES`` samples, in order."""
+def model_mistakes(rows: list[dict], seed: int, policy: Path = QUICKSTART / "model") -> list[list[str]]:
+    """Per row, the distinct well-formed wrong answers among ``SAMPLES`` samples of ``policy``, in order."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART / "model")
-    model = AutoModelForCausalLM.from_pretrained(QUICKSTART / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
     mistakes: list[list[str]] = []
     for start in range(0, len(rows), BATCH):
         batch = rows[start:start + BATCH]
@@ -66,7 +69,7 @@ def write_pairs(path: Path, rows: list[dict], rejected: list[str]) -> None:
             out.write(json.dumps({"input": row["input"], "chosen": row["label"], "rejected": wrong}) + "\n")
 
 
-def build(out_dir: Path, with_model: bool = True) -> int:
+def build(out_dir: Path, with_model: bool = True, policy: Path = QUICKSTART / "model") -> int:
     rng = random.Random(SEED)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = {name: [json.loads(line) for line in (QUICKSTART / "data" / f"{name}.jsonl").read_text().splitlines()
@@ -75,7 +78,7 @@ def build(out_dir: Path, with_model: bool = True) -> int:
     write_pairs(out_dir / "pairs.jsonl", splits["train"], near["train"])
     write_pairs(out_dir / "held_out_pairs.jsonl", splits["test"], near["test"])
     if with_model:
-        train, test = model_mistakes(splits["train"], SEED), model_mistakes(splits["test"], SEED + 1)
+        train, test = model_mistakes(splits["train"], SEED, policy), model_mistakes(splits["test"], SEED + 1, policy)
         rows, rejected = [], []
         for row, wrong in zip(splits["train"], train):
             for answer in (wrong + [near_miss(row["label"], rng) for _ in range(2)])[:2]:
@@ -95,8 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "data")
     parser.add_argument("--near-misses-only", action="store_true",
                         help="only pairs.jsonl and held_out_pairs.jsonl (no sampling from the model)")
+    parser.add_argument("--policy", type=Path, default=QUICKSTART / "model",
+                        help="the model whose wrong answers are sampled (default: the warm-started quickstart model)")
     args = parser.parse_args(argv)
-    count = build(args.out, with_model=not args.near_misses_only)
+    count = build(args.out, with_model=not args.near_misses_only, policy=args.policy)
     print(f"wrote the pairs of {count} training problems and of the held-out problems to {args.out}")
 
 
