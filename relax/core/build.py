@@ -46,6 +46,7 @@ from relax.core.rollout_parts import (
     build_overlong_penalty,
     build_reward_computer,
     load_eval_sets,
+    load_pairs,
     remote_reward,
 )
 from relax.core.run_settings import (
@@ -59,7 +60,6 @@ from relax.core.run_settings import (
     train_settings,
 )
 from relax.data.dataset import load_prompt_samples
-from relax.data.preference_dataset import load_preference_pairs
 from relax.data.sft_dataset import load_sft_samples
 from relax.distributed.process_group import world_size
 from relax.rollout.generation.data_source import PromptDataSource
@@ -106,8 +106,7 @@ class BuildContext:
 
 def load_training_samples(cfg: RelaxConfig, tokenizer) -> list:
     if cfg.trains_on_pairs:
-        return load_preference_pairs(cfg.prompt_data, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
-                                     cfg.max_tokens_per_gpu, cfg.margin_key)
+        return load_pairs(cfg, cfg.prompt_data, tokenizer)
     load = load_sft_samples if cfg.loss_type == "sft" else load_prompt_samples
     return load(cfg.prompt_data, tokenizer, prompt_format(cfg))
 
@@ -173,7 +172,8 @@ def build_reference(ctx: BuildContext) -> ActorFwd:
 
 
 def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
-                  dynamic_sampling: DynamicSampling | None = None) -> Rollout:
+                  dynamic_sampling: DynamicSampling | None = None,
+                  eval_rewards: RewardComputer | None = None) -> Rollout:
     cfg, tokenizer = ctx.cfg, ctx.tokenizer
     data_source = PromptDataSource(ctx.prompts, cfg.rollout_batch_size, cfg.rollout_shuffle, cfg.rollout_seed)
     if cfg.loss_type == "rm":  # a reward model generates nothing: no engine, no reward; pairs and held-out pairs
@@ -198,7 +198,8 @@ def build_rollout(ctx: BuildContext, rewards: RewardComputer | None = None,
             engine = DataParallelEngine(engine)
     return Rollout(
         engine=engine,
-        data_source=data_source, rewards=rewards, eval_rewards=build_eval_reward_computer(cfg), sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
+        data_source=data_source, rewards=rewards, eval_rewards=eval_rewards or build_eval_reward_computer(cfg),
+        sampling=sampling, n_samples_per_prompt=cfg.n_samples_per_prompt, seed=cfg.rollout_seed,
         eval_sets=load_eval_sets(cfg, tokenizer), eval_sampling=eval_sampling(cfg),
         n_samples_per_eval_prompt=cfg.n_samples_per_eval_prompt,
         dynamic_sampling=dynamic_sampling, overlong=build_overlong_penalty(cfg),
@@ -233,7 +234,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
     # Reward, filter and generate-function settings fail before the (slow) model loads (the reward computer loads
     # the generate function: whether it sets the rewards itself decides which reward settings are allowed).
     rewards = build_reward_computer(cfg) if cfg.loss_type != "rm" else None
-    build_eval_reward_computer(cfg)
+    eval_rewards = build_eval_reward_computer(cfg)
     dynamic_sampling = build_dynamic_sampling(cfg)
     ctx = build_context(cfg)
     actor = build_actor(ctx)  # joins the default process group (torchrun: all ranks)
@@ -242,7 +243,7 @@ def build_roles(cfg: RelaxConfig) -> Roles:
     critic = build_critic(ctx) if needs_critic(cfg, ctx.spec) else None
     distillation = build_distillation(cfg, ctx.tokenizer, ctx.settings, ctx.device, ctx.dtype) if cfg.use_opd else None
     reference = build_reference(ctx) if needs_reference(cfg, advantages) else None
-    rollout = build_rollout(ctx, rewards, dynamic_sampling)
+    rollout = build_rollout(ctx, rewards, dynamic_sampling, eval_rewards)
     logger.info("%d training prompts, %d rollout steps, device %s, dtype %s", len(ctx.prompts), ctx.total_steps,
                 ctx.device, ctx.dtype)
     return Roles(ctx.tokenizer, rollout, actor, advantages, reference, ctx.total_steps, ctx.device, ctx.dtype, critic,

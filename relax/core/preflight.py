@@ -134,7 +134,9 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
             raise ConfigError(f"{flag('load')} {error}") from None
     if cfg.loss_type != "rm":  # (a reward model's run rewards nothing)
         build_reward_computer(cfg).close()
-    build_eval_reward_computer(cfg)
+    eval_rewards = build_eval_reward_computer(cfg)
+    if eval_rewards is not None:
+        eval_rewards.close()
     build_dynamic_sampling(cfg)
     load_generate_function(cfg)
     algorithm_spec(cfg)  # the custom advantage and policy-loss functions import

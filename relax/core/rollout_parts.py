@@ -59,11 +59,9 @@ def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardCompute
         raise ConfigError(str(err)) from None
 
 
-def remote_reward(cfg: RelaxConfig,
-                  tokenizer: Any = None) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
-    """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model (--rm-path), if
-    the run names one. ``tokenizer``: the policy's (the reward model must share it; default: loaded from
-    --hf-checkpoint)."""
+def remote_reward(cfg: RelaxConfig) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
+    """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model (--rm-path, checked
+    against the policy's tokenizer), if the run names one."""
     given = [name for name in ("rm_url", "genrm_model_path", "rm_path") if getattr(cfg, name) is not None]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(flag(name) for name in given)} both given; set one")
@@ -76,8 +74,7 @@ def remote_reward(cfg: RelaxConfig,
     if cfg.rm_path is not None:
         from transformers import AutoTokenizer
 
-        return RewardModelScorer(cfg.rm_path, device, dtype,
-                                 tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
+        return RewardModelScorer(cfg.rm_path, device, dtype, AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
     return GenerativeReward(GenRMSettings.from_flags(
         cfg.genrm_model_path, cfg.genrm_prompt_template, cfg.genrm_sampling_config, cfg.genrm_engine_config,
         str(device), str(dtype).removeprefix("torch.")))
@@ -153,10 +150,14 @@ def build_overlong_penalty(cfg: RelaxConfig) -> OverlongPenalty | None:
     return OverlongPenalty(cfg.rollout_max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
 
 
+def load_pairs(cfg: RelaxConfig, spec: str, tokenizer) -> list:
+    """The preference pairs of ``spec`` with the run's keys and token budget (`load_preference_pairs`)."""
+    return load_preference_pairs(spec, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
+                                 cfg.max_tokens_per_gpu, cfg.margin_key)
+
+
 def load_eval_sets(cfg: RelaxConfig, tokenizer) -> dict:
     """The held-out sets: prompts, or preference pairs for a reward model (its evaluation ranks them)."""
     if cfg.loss_type == "rm":
-        return {name: load_preference_pairs(spec, tokenizer, prompt_format(cfg), cfg.chosen_key, cfg.rejected_key,
-                                            cfg.max_tokens_per_gpu, cfg.margin_key)
-                for name, spec in cfg.eval_prompt_data.items()}
+        return {name: load_pairs(cfg, spec, tokenizer) for name, spec in cfg.eval_prompt_data.items()}
     return {name: load_prompt_samples(spec, tokenizer, prompt_format(cfg)) for name, spec in cfg.eval_prompt_data.items()}

@@ -102,8 +102,7 @@ class RewardModelController(PairController):
         return torch.stack([v[p].float() for v, p in zip(values, positions)])
 
     async def sync_weights(self, version: int) -> dict[str, float]:
-        self._engine_version = self._trained_version = version
-        return {}
+        return {}  # no engine to sync
 
     async def evaluate(self, step: int) -> dict[str, float]:
         metrics: dict[str, float] = {}

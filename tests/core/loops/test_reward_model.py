@@ -92,6 +92,17 @@ def test_reward_model_trains_ranks_held_out_pairs_and_exports_for_sequence_class
     assert all(abs(r["eval/accuracy"] * 16 - round(r["eval/accuracy"] * 16)) < 1e-9
                for r in metrics if "eval/accuracy" in r)
 
+    # `relax eval` grades with --eval-rm-type too, shows no accuracy for a reward model's scores, and refuses a
+    # reward model's own run (its evaluation is the pair accuracy in its metrics)
+    base = ["eval", "--hf-checkpoint", str(tiny_workspace / "model"), "--rm-path", str(exported),
+            "--eval-prompt-data", "held_out", str(tiny_workspace / "test.jsonl"), "--rollout-max-response-len", "4"]
+    graded = run_relax(*base, "--eval-rm-type", "exact_match")
+    assert graded.returncode == 0 and "held_out: accuracy " in graded.stdout, graded.stderr[-2000:]
+    scored = run_relax(*base)
+    assert scored.returncode == 0 and "held_out: reward " in scored.stdout, scored.stderr[-2000:]
+    refused = run_relax("eval", "--load", str(whole))
+    assert refused.returncode != 0 and "held-out pair accuracy, is in its metrics.jsonl" in refused.stderr
+
 
 def test_score_position_is_the_last_token_that_is_not_padding():
     from relax.data.sample import Sample
