@@ -13,9 +13,11 @@ step and peak GPU memory, and prints the ratio of the engine's rollout throughpu
 
 ``--compare-overlap`` runs instead, on RL-like response lengths (each sample's length drawn from a log-normal
 with mean ``--mean-response-len``, capped at ``--new-tokens``; fixed seeds, so both runs see the same lengths),
-``relax train`` twice in processes of their own on the same workspace: the synchronous loop (``--colocate`` with
-``--colocate``) and the overlapped ``--colocate-async``, ``--steps`` steps each, and writes seconds per step, their
-ratio and the peak memory per phase to ``benchmarks/results/grpo_step_overlap_gpu.json``:
+``relax train`` three times in processes of their own on the same workspace: the synchronous loop (``--colocate``
+with ``--colocate``), the overlapped ``--colocate-async``, and the overlapped mode with partial rollout across steps
+(``--partial-rollout --over-sampling-batch-size`` ``--over-sampling`` x the prompts, ``--max-staleness`` 2: each step
+takes the first groups to finish, the stragglers go on into the next), ``--steps`` steps each, and writes seconds
+per step, the ratios to sync and the peak memory per phase to ``benchmarks/results/grpo_step_overlap_gpu.json``:
 
     python -m benchmarks.grpo_step_gpu --compare-overlap --steps 20 --mean-response-len 256 --new-tokens 2048
 """
@@ -161,7 +163,11 @@ def compare_overlap(args) -> None:
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     warmup = 2 if args.steps > 4 else 1
-    modes = {"sync": ["--colocate"] if args.colocate else [], "overlapped": ["--colocate-async"]}
+    carry = ["--colocate-async", "--partial-rollout", "--max-staleness", str(args.carry_max_staleness),
+             "--over-sampling-batch-size",
+             str(math.ceil(args.over_sampling * args.prompts))]
+    modes = {"sync": ["--colocate"] if args.colocate else [], "overlapped": ["--colocate-async"], "carry_over": carry}
+    modes = {mode: flags for mode, flags in modes.items() if mode in args.modes}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -191,20 +197,25 @@ def compare_overlap(args) -> None:
                                                                if "rollout/response_length_mean" in r)
             summary["response_length_max"] = max(r["rollout/response_length_max"] for r in rows
                                                  if "rollout/response_length_max" in r)
+            # What partial rollout across steps carried and what the staleness bound dropped (all steps).
+            summary["carried_groups"] = sum(r.get("rollout/carried_groups", 0) for r in rows)
+            summary["dropped_stale_groups"] = sum(r.get("data/dropped_stale_groups", 0) for r in rows)
+            summary["trained_groups"] = sum(r.get("data/consumed_groups", 0) for r in rows)
             results[mode] = summary
             print(mode, json.dumps(summary), flush=True)
     report = {
         "benchmark": "grpo_step_gpu --compare-overlap",
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "model": f"Qwen3-{args.shape.upper()} shape, random init" if not args.tiny else "tiny Qwen3",
-        "sync_s_per_step": round(results["sync"]["s_per_step"], 3),
-        "overlapped_s_per_step": round(results["overlapped"]["s_per_step"], 3),
-        "overlap_speedup": round(results["sync"]["s_per_step"] / results["overlapped"]["s_per_step"], 3),
+        **{f"{mode}_s_per_step": round(result["s_per_step"], 3) for mode, result in results.items()},
+        **{f"{mode}_speedup": round(results["sync"]["s_per_step"] / result["s_per_step"], 3)
+           for mode, result in results.items() if mode != "sync" and "sync" in results},
         "details": results,
         "config": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                    "prompt_len": args.prompt_len, "mean_response_len": args.mean_response_len,
                    "max_response_len": args.new_tokens, "length_sigma": LENGTH_SIGMA, "steps": args.steps,
-                   "warmup_steps": warmup, "sync": " ".join(modes["sync"]) or "sync, both resident",
+                   "warmup_steps": warmup, "modes": {mode: " ".join(flags) or "sync, both resident"
+                                                     for mode, flags in modes.items()},
                    "max_tokens_per_gpu": args.max_tokens_per_gpu,
                    "gradient_checkpointing": args.gradient_checkpointing},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -214,8 +225,10 @@ def compare_overlap(args) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    print(f"sync {report['sync_s_per_step']} s/step, overlapped {report['overlapped_s_per_step']} s/step -> "
-          f"{report['overlap_speedup']}x")
+    for mode in results:
+        if mode != "sync" and "sync" in results:
+            print(f"{mode}: {report[f'{mode}_s_per_step']} s/step against sync {report['sync_s_per_step']} -> "
+                  f"{report[f'{mode}_speedup']}x")
 
 
 def active_params(shape: dict) -> int:
@@ -287,6 +300,12 @@ def main() -> None:
                         help="sync against --colocate-async on RL-like lengths (module doc)")
     parser.add_argument("--mean-response-len", type=int, default=256,
                         help="--compare-overlap: the mean of the drawn response lengths (capped at --new-tokens)")
+    parser.add_argument("--modes", nargs="+", default=["sync", "overlapped", "carry_over"],
+                        choices=["sync", "overlapped", "carry_over"], help="--compare-overlap: the runs to compare")
+    parser.add_argument("--over-sampling", type=float, default=1.5,
+                        help="--compare-overlap, carry_over: --over-sampling-batch-size as a multiple of --prompts")
+    parser.add_argument("--carry-max-staleness", type=int, default=2,
+                        help="--compare-overlap, carry_over: its --max-staleness (how long a straggler may decode)")
     args = parser.parse_args()
     if args.compare_overlap:
         return compare_overlap(args)

@@ -259,7 +259,12 @@ class Rollout:
             samples = await self._sample_round(rollout_id, 0, batch_size, on_group)
         else:
             samples, metrics = await self._generate_filtered(rollout_id, batch_size)
-        metrics.update(summarize_samples(samples, "rollout", self.rewards.gives_verdicts))
+        metrics.update(self.step_metrics(samples, epoch))
+        return samples, metrics
+
+    def step_metrics(self, samples: list[Sample], epoch: int) -> dict[str, float]:
+        """The ``rollout/*`` metrics of a step's samples (and the reward's since the last step)."""
+        metrics = summarize_samples(samples, "rollout", self.rewards.gives_verdicts)
         metrics["rollout/zero_std_group_ratio"] = zero_std_group_ratio(samples)
         metrics["rollout/epoch"] = float(epoch)
         if self.overlong is not None:
@@ -270,7 +275,21 @@ class Rollout:
         if self.multimodal is not None:
             metrics["rollout/skipped_bad_samples"] = float(self._skipped_bad_samples)
             self._skipped_bad_samples = 0
-        return samples, metrics
+        return metrics
+
+    async def generate_group(self, rollout_id: int, position: int, prompt: Sample) -> list[Sample] | None:
+        """One prompt's group, generated, scored and finished: the unit `relax.core.streaming.carry_over` keeps in
+        flight across steps. ``position``: the prompt's stream position (its ``group_index``); its sampling seed is
+        the launching step's, mixed with the position, so the group samples the same whichever step takes it.
+        None when the prompt's media cannot be read (counted in ``rollout/skipped_bad_samples``)."""
+        prompts = await self._prepare_media([prompt])
+        if not prompts:
+            return None
+        samples = expand_groups(prompts, self.n_samples_per_prompt, position)
+        sampling = replace(self.sampling, seed=(self._step_seed(rollout_id) + position * 104_729) % (2**63))
+        samples = await self._generate_and_score(samples, sampling)
+        self._finish_group(samples)
+        return samples
 
     async def _generate_and_score(self, samples: list[Sample], sampling: SamplingParams,
                                   evaluation: bool = False, on_group: GroupSink | None = None) -> list[Sample]:

@@ -115,6 +115,11 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
         return "token-mean" if self.calculate_per_token_loss else "seq-mean-token-mean"
 
     @property
+    def carries_groups_over(self) -> bool:
+        """Whether groups still decoding at the end of a step go on into the next (--over-sampling-batch-size)."""
+        return (self.over_sampling_batch_size or 0) > self.rollout_batch_size
+
+    @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps taken on each rollout batch."""
         return self.samples_per_step // self.train_batch_size

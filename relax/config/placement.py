@@ -79,6 +79,16 @@ class PlacementSettings(BaseModel):
         "mode",
         ge=1,
     )
+    over_sampling_batch_size: int | None = setting(
+        None,
+        "Prompt groups kept outstanding across steps (upstream's flag; default --rollout-batch-size: each step's "
+        "rollout is one generation that ends with its slowest group). Above --rollout-batch-size B, with "
+        "--fully-async (or --colocate-async) and --partial-rollout: each step takes the first B groups to finish, "
+        "and the groups still decoding go on into the next steps under --max-staleness instead of holding the step "
+        "(docs/modes.md, 'Partial rollout across steps').",
+        "mode",
+        ge=1,
+    )
     mask_offpolicy_in_partial_rollout: bool = setting(
         False, "With --partial-rollout, keep only the tokens of the newest weight version in the loss.", "mode"
     )

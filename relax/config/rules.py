@@ -216,6 +216,34 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('eval_rm_type')} grades the held-out sets of {flag('eval_prompt_data')}, and "
                              "there are none")
 
+    def _check_over_sampling(self) -> None:
+        """--over-sampling-batch-size above --rollout-batch-size carries decoding groups into the next steps
+        (`relax.core.streaming.carry_over`); upstream only warns that a surplus is discarded where it has no use."""
+        given = self.over_sampling_batch_size
+        if given is None or given == self.rollout_batch_size:
+            return
+        name = f"{flag('over_sampling_batch_size')} {given}"
+        if given < self.rollout_batch_size:
+            raise ValueError(f"{name} must be >= {flag('rollout_batch_size')} ({self.rollout_batch_size})")
+        needs = [flag(missing) for missing, on in (("fully_async", self.fully_async),
+                                                   ("partial_rollout", self.partial_rollout)) if not on]
+        if needs:
+            raise ValueError(f"{name} carries the groups still decoding into the next steps: it needs "
+                             f"{' and '.join(needs)} (without them a step's rollout ends with its last group, and "
+                             "a surplus would only be discarded)")
+        if self.max_staleness < 2:
+            raise ValueError(f"{name} needs {flag('max_staleness')} >= 2, got {self.max_staleness}: a group taken a "
+                             "step after the one that launched it is one weight version older, so the producer runs "
+                             "ahead by --max-staleness - 1 steps and keeps one for the groups it carries")
+        refusals = {flag("placement") + " ray": self.placement == "ray",
+                    flag("dynamic_sampling_filter_path"): bool(self.dynamic_sampling_filter_path),
+                    flag("use_rollout_routing_replay"): self.use_rollout_routing_replay}
+        refused = [what for what, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"{name} with {', '.join(refused)} is not built (carry-over runs in the in-process "
+                             "placement, on groups kept whole as they finish, without a routing replay across "
+                             "weight versions)")
+
     def _check_mode(self, spec) -> None:
         asynchronous = self.fully_async or self.hybrid
         if self.fully_async and self.hybrid:
@@ -227,6 +255,7 @@ class CrossSectionRules(BaseModel):
             raise ValueError(f"{flag('max_staleness')} needs {flag('fully_async')} or {flag('hybrid')}")
         if self.partial_rollout and not self.fully_async:
             raise ValueError(f"{flag('partial_rollout')} needs {flag('fully_async')}")
+        self._check_over_sampling()
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise ValueError(f"{flag('mask_offpolicy_in_partial_rollout')} needs {flag('partial_rollout')}")
         if asynchronous and spec.requires_on_policy_updates:

@@ -95,8 +95,9 @@ class AsyncController(SyncController):
         step = start
         try:
             for step in range(start, total):
-                await self._bounded(self.gate.wait_for_slot(step), f"a staleness slot for rollout step {step + 1} "
-                                    f"(--max-staleness {self.gate.max_staleness})")
+                # A feed that carries groups into later steps keeps slots free for them (`RolloutFeed.carry_steps`).
+                await self._bounded(self.gate.wait_for_slot(step + self.feed.carry_steps), f"a staleness slot for "
+                                    f"rollout step {step + 1} (--max-staleness {self.gate.max_staleness})")
                 started = time.perf_counter()
                 async with self._generating:
                     metrics, cursor = await self._generate_into_plane(step)
@@ -354,6 +355,7 @@ class AsyncController(SyncController):
                 await cancel_and_wait(self._streaming_task)
             for evaluation in self._evaluations:
                 await cancel_and_wait(evaluation)
+            await self.feed.close()
             await self.plane.close()
         await self.weights.finish()  # engines that follow the versions end on the run's last one
         return last

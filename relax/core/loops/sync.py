@@ -244,10 +244,12 @@ class SyncController:
             return 0
         restored = self.checkpointer.restore()
         step = restored.step
-        # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor.
-        self.roles.rollout.data_source.load_state_dict(
-            {"consumed_prompts": restored.trainer_state.get("consumed_prompts", step * self.cfg.rollout_batch_size)}
-        )
+        # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor
+        # (with the positions taken and not trained, under --over-sampling-batch-size).
+        cursor = {"consumed_prompts": restored.trainer_state.get("consumed_prompts", step * self.cfg.rollout_batch_size)}
+        if "pending_prompts" in restored.trainer_state:
+            cursor["pending_prompts"] = restored.trainer_state["pending_prompts"]
+        self.roles.rollout.data_source.load_state_dict(cursor)
         await self.sync_weights(version=step)
         self.tracker.truncate_after(step)
         logger.info("resumed from %s at step %d", restored.directory, step)

@@ -18,9 +18,10 @@ from typing import Any
 from relax.config import RelaxConfig
 from relax.core.build import build_roles
 from relax.core.placement.compute_thread import ComputeThread, OffLoopRole
-from relax.core.placement.feeds import InProcessFeed
+from relax.core.placement.feeds import InProcessFeed, RolloutFeed
 from relax.core.placement.weights import InProcessWeights
 from relax.core.roles import Roles
+from relax.core.streaming.carry_over import CarryOverFeed
 from relax.data_plane import StalenessGate
 
 logger = logging.getLogger("relax")
@@ -28,6 +29,7 @@ logger = logging.getLogger("relax")
 
 class InProcessPlacement:
     def __init__(self, cfg: RelaxConfig, roles: Roles, compute_thread: ComputeThread | None = None) -> None:
+        self.cfg = cfg
         self.roles = roles
         self.weights = InProcessWeights(cfg, roles)
         self._compute_thread = compute_thread
@@ -44,7 +46,9 @@ class InProcessPlacement:
                 for name in ("actor", "reference", "critic") if getattr(roles, name) is not None})
         return cls(cfg, roles, compute_thread)
 
-    def feed(self, gate: StalenessGate) -> InProcessFeed:
+    def feed(self, gate: StalenessGate) -> RolloutFeed:
+        if self.cfg.carries_groups_over:
+            return CarryOverFeed(self.roles, gate, self.cfg.over_sampling_batch_size, self.roles.total_steps)
         return InProcessFeed(self.roles, gate)
 
     def beating_roles(self) -> list[str]:

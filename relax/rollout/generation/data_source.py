@@ -5,6 +5,10 @@ permutation of the prompts per epoch. A cursor (``consumed``) marks how many pro
 stream were taken. Without dynamic sampling, step ``s`` takes positions ``[s·B, (s+1)·B)``;
 dynamic sampling takes further positions to refill filtered groups. The cursor is saved with
 each checkpoint, so a resumed run continues exactly where the interrupted one stopped.
+
+Positions taken but not trained when a checkpoint is written (groups still decoding or finished for a later step
+under ``--over-sampling-batch-size``, `relax.core.streaming.carry_over`) are saved beside the cursor as
+``pending_prompts``; a resumed run takes them again first, so no prompt is lost or trained twice.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class PromptDataSource:
         self.seed = seed
         self._order_cache: dict[int, list[int]] = {}
         self.consumed = 0  # prompts of the stream taken so far (the cursor)
+        self.pending: list[int] = []  # positions below the cursor to take again first (restored from a checkpoint)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -61,8 +66,25 @@ class PromptDataSource:
         self.consumed += count
         return start, self.prompts_at(start, count)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_prompts": self.consumed}
+    def take_positions(self, count: int) -> list[tuple[int, Sample]]:
+        """The next ``count`` prompts with their stream positions: the pending ones first, then those at the cursor
+        (which advances)."""
+        positions = self.pending[:count]
+        del self.pending[:count]
+        fresh = count - len(positions)
+        positions += range(self.consumed, self.consumed + fresh)
+        self.consumed += fresh
+        return [(position, self.prompts_at(position, 1)[0]) for position in positions]
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = int(state["consumed_prompts"])
+    def state_dict(self) -> dict:
+        state: dict = {"consumed_prompts": self.consumed}
+        if self.pending:
+            state["pending_prompts"] = list(self.pending)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        consumed = int(state["consumed_prompts"])
+        pending = sorted({int(position) for position in state.get("pending_prompts", ())})
+        if any(not 0 <= position < consumed for position in pending):
+            raise ValueError(f"pending_prompts {pending} must lie below consumed_prompts {consumed}")
+        self.consumed, self.pending = consumed, pending

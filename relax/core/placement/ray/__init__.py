@@ -70,6 +70,7 @@ class RayFeed:
     process) and writes the end marker itself, also when the generation fails."""
 
     failure_grace_s = PRODUCER_ERROR_GRACE_S
+    carry_steps = 0
 
     def __init__(self, roles: RayRoles, gate: StalenessGate) -> None:
         self.roles = roles
@@ -80,6 +81,9 @@ class RayFeed:
 
     async def end_failed_step(self, step: int) -> None:
         return None  # the rollout's process wrote the end marker
+
+    async def close(self) -> None:
+        return None  # each step's generation ended with the step
 
 
 class RayPlacement:
