@@ -30,6 +30,7 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -167,7 +168,7 @@ def compare_overlap(args) -> None:
              "--over-sampling-batch-size",
              str(math.ceil(args.over_sampling * args.prompts))]
     modes = {"sync": ["--colocate"] if args.colocate else [], "overlapped": ["--colocate-async"], "carry_over": carry}
-    modes = {mode: flags for mode, flags in modes.items() if mode in args.modes}
+    modes = {mode: modes[mode] for mode in args.modes}  # in the order asked
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -188,9 +189,17 @@ def compare_overlap(args) -> None:
                        "--skip-eval-before-train", "--output-dir", str(out), *flags,
                        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
                        *(["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else [])]
-            run(command, env, mode, timeout=3600)
+            try:
+                run(command, env, mode, timeout=args.mode_timeout)
+            except subprocess.TimeoutExpired:  # keep what it measured: the steps it finished
+                print(f"{mode}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+                if (out / "metrics.jsonl").is_file() else []
+            if len([row for row in rows if "perf/step_s" in row]) <= warmup:
+                results[mode] = {"s_per_step": float("nan"), "unfinished": True, "rows": rows[-3:]}
+                print(mode, "finished no measured step", json.dumps(rows[-3:])[-3000:], flush=True)
+                continue
             summary = summarize(out, warmup)
-            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             summary["peak_gib"] = {key.removeprefix("perf/gpu_peak_gib_"): max(r[key] for r in rows if key in r)
                                    for key in sorted({k for r in rows for k in r if k.startswith("perf/gpu_peak")})}
             summary["response_length_mean"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows
@@ -201,6 +210,10 @@ def compare_overlap(args) -> None:
             summary["carried_groups"] = sum(r.get("rollout/carried_groups", 0) for r in rows)
             summary["dropped_stale_groups"] = sum(r.get("data/dropped_stale_groups", 0) for r in rows)
             summary["trained_groups"] = sum(r.get("data/consumed_groups", 0) for r in rows)
+            # Steps per second flatter a mode that drops groups (stale stragglers): the work trained per second too.
+            measured = [r for r in rows if "perf/step_s" in r][warmup:]
+            summary["trained_groups_per_s"] = sum(r.get("data/consumed_groups", args.prompts) for r in measured) \
+                / sum(r["perf/step_s"] for r in measured)
             results[mode] = summary
             print(mode, json.dumps(summary), flush=True)
     report = {
@@ -210,6 +223,10 @@ def compare_overlap(args) -> None:
         **{f"{mode}_s_per_step": round(result["s_per_step"], 3) for mode, result in results.items()},
         **{f"{mode}_speedup": round(results["sync"]["s_per_step"] / result["s_per_step"], 3)
            for mode, result in results.items() if mode != "sync" and "sync" in results},
+        **{f"{mode}_trained_groups_speedup": round(result["trained_groups_per_s"]
+                                                   / results["sync"]["trained_groups_per_s"], 3)
+           for mode, result in results.items()
+           if mode != "sync" and "trained_groups_per_s" in result and "trained_groups_per_s" in results.get("sync", {})},
         "details": results,
         "config": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples_per_prompt,
                    "prompt_len": args.prompt_len, "mean_response_len": args.mean_response_len,
@@ -304,6 +321,8 @@ def main() -> None:
                         choices=["sync", "overlapped", "carry_over"], help="--compare-overlap: the runs to compare")
     parser.add_argument("--over-sampling", type=float, default=1.5,
                         help="--compare-overlap, carry_over: --over-sampling-batch-size as a multiple of --prompts")
+    parser.add_argument("--mode-timeout", type=float, default=3600.0,
+                        help="--compare-overlap: seconds each run may take; a run stopped keeps its finished steps")
     parser.add_argument("--carry-max-staleness", type=int, default=2,
                         help="--compare-overlap, carry_over: its --max-staleness (how long a straggler may decode)")
     args = parser.parse_args()

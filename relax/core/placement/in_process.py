@@ -48,7 +48,7 @@ class InProcessPlacement:
 
     def feed(self, gate: StalenessGate) -> RolloutFeed:
         if self.cfg.carries_groups_over:
-            return CarryOverFeed(self.roles, gate, self.cfg.over_sampling_batch_size, self.roles.total_steps)
+            return CarryOverFeed(self.roles, gate, self.cfg.over_sampling_batch_size)
         return InProcessFeed(self.roles, gate)
 
     def beating_roles(self) -> list[str]:

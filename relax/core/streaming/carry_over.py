@@ -11,8 +11,11 @@ not wait for its stragglers:
   ``train_{s}`` as it lands, and is complete once it has B;
 - the groups still decoding go on: weight pushes land between their decode steps (``--partial-rollout``, each
   token recording its version) and they are taken by step s+1 or later (``rollout/carried_groups``);
-- at step s the feed launches new groups to bring the outstanding ones back to N, and never more than the run
-  still needs, so its last steps leave nothing decoding for nobody.
+- at step s the feed launches new groups to bring the outstanding ones back to N, up to the run's last step: had
+  the last steps launched only what they still need, the last one would have to wait for every straggler left,
+  the very tail this mode hides. The N - B groups still outstanding when the run ends are cancelled; their
+  positions stay pending in the last checkpoint (a longer run continued from it takes them first), as upstream
+  puts its over-sampling surplus back in the buffer.
 
 The staleness bound holds as in ``--fully-async``: a group holding a token older than ``--max-staleness`` versions
 behind the trained weights when the trainer reads it is dropped as ``stale`` and counted (``data/dropped_stale_
@@ -45,12 +48,11 @@ class CarryOverFeed:
     failure_grace_s = 0.0
     carry_steps = 1
 
-    def __init__(self, roles: Roles, gate: StalenessGate, over_sampling_batch_size: int, total_steps: int) -> None:
+    def __init__(self, roles: Roles, gate: StalenessGate, over_sampling_batch_size: int) -> None:
         self.rollout = roles.rollout
         self.plane = InProcessDataPlane(gate)
         self.batch_size = self.rollout.data_source.rollout_batch_size
         self.over_sampling_batch_size = over_sampling_batch_size
-        self.total_steps = total_steps
         self._decoding: set[asyncio.Task] = set()
         self._finished: list[tuple[int, list[Sample]]] = []  # (launching step, group), in the order they finished
         self._untaken: set[int] = set()  # stream positions launched and not taken by a completed step
@@ -91,10 +93,9 @@ class CarryOverFeed:
         return metrics, self._cursor()
 
     def _launch(self, step: int) -> int:
-        """Start groups until min(N, what steps ``step``.. still need) are outstanding; how many started."""
+        """Start groups until N are outstanding; how many started."""
         outstanding = len(self._decoding) + len(self._finished)
-        needed = min(self.over_sampling_batch_size, (self.total_steps - step) * self.batch_size)
-        prompts = self.rollout.data_source.take_positions(max(needed - outstanding, 0))
+        prompts = self.rollout.data_source.take_positions(max(self.over_sampling_batch_size - outstanding, 0))
         for position, prompt in prompts:
             self._untaken.add(position)
             task = asyncio.create_task(self._decode(step, position, prompt), name=f"rollout group {position}")
@@ -114,6 +115,9 @@ class CarryOverFeed:
                 self._untaken.discard(position)
             else:
                 self._finished.append((step, group))
+        # Out of the decoding set now, not at the task's done callback (a loop turn later): a group is counted once,
+        # as decoding or as finished, by whichever step looks next.
+        self._decoding.discard(asyncio.current_task())
         self._landed.set()
 
     def _cursor(self) -> dict:

@@ -44,12 +44,16 @@ def test_each_step_takes_finished_groups_and_every_position_is_trained_once(tiny
     trained = [position for step in steps for position in _positions(controller.trained_samples[step][1])]
     rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "rollout/launched_groups" in row]
     dropped = sum(row.get("data/dropped_stale_groups", 0) + row.get("data/dropped_failed_groups", 0) for row in rows)
-    # Six steps of four groups: 24 positions launched, never more (the last steps launch only what is still needed),
-    # each trained once or dropped with a reason.
-    assert sum(row["rollout/launched_groups"] for row in rows) == 24
+    # Eight groups outstanding at every step, the last included (it takes the first four of eight): 8 + 5 x 4 = 28
+    # positions launched; six steps of four trained once each or dropped with a reason, and the four left when the
+    # run ended are pending in its last checkpoint (a longer run continued from it would take them first).
+    assert [row["rollout/outstanding_groups"] for row in rows] == [4] * 6
+    assert sum(row["rollout/launched_groups"] for row in rows) == 28
     assert len(trained) == len(set(trained)) and len(trained) + dropped == 24
-    assert set(trained) <= set(range(24))
-    assert rows[0]["rollout/launched_groups"] == 8 and rows[-1]["rollout/outstanding_groups"] == 0
+    state = json.loads(next((tmp_path / "checkpoints" / "iter_0000006").glob("trainer_state.json")).read_text())
+    assert state["consumed_prompts"] == 28 and len(state["pending_prompts"]) == 4
+    assert not set(trained) & set(state["pending_prompts"]) and set(trained) <= set(range(28))
+    assert rows[0]["rollout/launched_groups"] == 8
     assert sum(row["rollout/carried_groups"] for row in rows) > 0  # groups of one step's launch trained in a later one
     for step, (trained_version, samples) in controller.trained_samples.items():
         assert len(_positions(samples)) <= 4
@@ -120,15 +124,15 @@ class _ScriptedRollout:
         return {}
 
 
-def _feed(batch_size: int, over_sampling: int, steps: int):
+def _feed(batch_size: int, over_sampling: int):
     rollout = _ScriptedRollout(batch_size)
     roles = type("Roles", (), {"rollout": rollout})()
-    return rollout, CarryOverFeed(roles, StalenessGate(5), over_sampling, steps)
+    return rollout, CarryOverFeed(roles, StalenessGate(5), over_sampling)
 
 
 def test_a_step_completes_with_the_first_groups_to_finish_and_stragglers_land_later():
     async def scenario():
-        rollout, feed = _feed(batch_size=2, over_sampling=4, steps=3)
+        rollout, feed = _feed(batch_size=2, over_sampling=4)
         step0 = asyncio.create_task(feed.generate(0))
         await asyncio.sleep(0)
         for position in (3, 1):  # finish out of order
@@ -145,7 +149,7 @@ def test_a_step_completes_with_the_first_groups_to_finish_and_stragglers_land_la
         metrics, cursor = await step1
         assert metrics["rollout/launched_groups"] == 2 and metrics["rollout/carried_groups"] == 1
         assert cursor == {"consumed_prompts": 6, "pending_prompts": [2, 4]}
-        # The last step launches nothing: the four outstanding groups cover it.
+        # Every step tops the outstanding groups up to four (the run's last one too: it takes the first two).
         step2 = asyncio.create_task(feed.generate(2))
         await asyncio.sleep(0)
         rollout.failing.add(4)
@@ -154,7 +158,38 @@ def test_a_step_completes_with_the_first_groups_to_finish_and_stragglers_land_la
         with pytest.raises(RuntimeError, match="rollout step 3 failed|a group of rollout step 3") as failure:
             await step2
         assert "group 4 broke" in str(failure.value.__cause__)
-        await feed.close()  # position 4's group is cancelled with the run
+        assert rollout.data_source.consumed == 8  # positions 6 and 7 launched by step 2
+        await feed.close()  # their groups are cancelled with the run
+        assert not feed._decoding
+
+    asyncio.run(scenario())
+
+
+@given(st.integers(1, 4), st.integers(0, 4), st.integers(1, 5), st.randoms(use_true_random=False))
+@settings(max_examples=60, deadline=None)
+def test_whatever_order_groups_finish_in_each_step_takes_b_and_n_stay_outstanding(batch, extra, steps, rng):
+    """Groups finish in any order (several per loop turn, some during a step, some between steps): every step takes
+    B groups no other step took, N stay outstanding after it, and its cursor lists exactly the positions launched
+    and not taken."""
+    over_sampling = batch + extra
+
+    async def scenario():
+        rollout, feed = _feed(batch, over_sampling)
+        taken_before: set[int] = set()
+        for step in range(steps):
+            stepping = asyncio.create_task(feed.generate(step))
+            while not stepping.done():
+                await asyncio.sleep(0)
+                waiting = [p for p in feed._untaken if not rollout.release.setdefault(p, asyncio.Event()).is_set()]
+                for position in rng.sample(waiting, min(len(waiting), rng.randint(1, 3))):
+                    rollout.release[position].set()
+            metrics, cursor = await stepping
+            taken = set(_positions([s async for batch in feed.plane.stream(step, 100) for s in batch]))
+            assert len(taken) == batch and not taken & taken_before
+            taken_before |= taken
+            assert metrics["rollout/outstanding_groups"] == over_sampling - batch
+            assert set(cursor.get("pending_prompts", [])) == set(range(cursor["consumed_prompts"])) - taken_before
+        await feed.close()
 
     asyncio.run(scenario())
 
