@@ -203,11 +203,22 @@ class RolloutSettings(BaseModel):
         "attempts) within --reward-timeout; retries are logged in reward/remote_retries. A secret (it may hold a "
         "token): logs show scheme, host and path only.", "reward", secret=True,
     )
-    rm_path: str | None = setting(
+    rm_path: list[str] | None = setting(
         None, "A trained reward model folder (`relax export` of a --loss-type rm run, or any "
         "AutoModelForSequenceClassification with one label): it scores each sample's prompt and response in the "
         "scoring process (the rollout's), concurrent samples in one batched forward, each call bounded by "
-        "--reward-timeout; the score is the reward. Device and dtype: the run's.", "reward",
+        "--reward-timeout; the score is the reward. Device and dtype: the run's. Several folders make an ensemble: "
+        "each member's score is standardised by its running mean and standard deviation over the run's scores, and "
+        "--rm-ensemble-reduce combines them.", "reward",
+    )
+    rm_ensemble_reduce: Literal["mean", "min", "mean_minus_std"] = setting(
+        "mean", "How the standardised scores of several --rm-path models make the reward: their mean, their minimum "
+        "(the most pessimistic member), or their mean minus --rm-ensemble-std-coef times their standard deviation "
+        "(a penalty where the members disagree, which is where a policy exploits a reward model's errors).",
+        "reward",
+    )
+    rm_ensemble_std_coef: float = setting(
+        1.0, "--rm-ensemble-reduce mean_minus_std: the weight of the members' disagreement.", "reward", ge=0,
     )
     genrm_model_path: str | None = setting(
         None, "A judge model (GenRM, LLM-as-judge) folder: an embedded engine in the scoring process generates a "
@@ -285,6 +296,14 @@ class RolloutSettings(BaseModel):
                 raise ValueError("expects `name path` pairs, got an odd number of values")
             return {value[i]: value[i + 1] for i in range(0, len(value), 2)}
         return value
+
+    @field_validator("rm_path", mode="before")
+    @classmethod
+    def _one_or_more_folders(cls, value: Any) -> Any:
+        """One folder (a string, as in a --config file) or several; none given is unset."""
+        if isinstance(value, str):
+            return [value]
+        return value or None
 
     @field_validator("agent_command")
     @classmethod

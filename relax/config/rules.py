@@ -212,6 +212,14 @@ class CrossSectionRules(BaseModel):
                 raise ValueError(f"{', '.join(asked)}: {flag('loss_type')} rm generates nothing to reward; its "
                                  f"evaluation is the pair accuracy on {flag('eval_prompt_data')} (pairs). Drop them "
                                  "(a setting of a --config file is cleared with --<flag> none)")
+        members = len(self.rm_path or ())
+        ensemble = [flag(name) for name in ("rm_ensemble_reduce", "rm_ensemble_std_coef") if self.changed(name)]
+        if ensemble and members < 2:
+            raise ValueError(f"{', '.join(ensemble)}: settings of an ensemble of reward models, and "
+                             f"{flag('rm_path')} names {members}")
+        if self.changed("rm_ensemble_std_coef") and self.rm_ensemble_reduce != "mean_minus_std":
+            raise ValueError(f"{flag('rm_ensemble_std_coef')} weighs the disagreement of {flag('rm_ensemble_reduce')} "
+                             f"mean_minus_std, not {self.rm_ensemble_reduce}")
         if self.eval_rm_type is not None and not self.eval_prompt_data:
             raise ValueError(f"{flag('eval_rm_type')} grades the held-out sets of {flag('eval_prompt_data')}, and "
                              "there are none")

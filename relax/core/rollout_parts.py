@@ -22,7 +22,7 @@ from relax.rollout.generation.multimodal import MultimodalPreparer
 from relax.rollout.rewards.compute import RewardComputer
 from relax.rollout.rewards.genrm import GenerativeReward, GenRMSettings
 from relax.rollout.rewards.remote import REMOTE_RM_TYPE, RemoteReward
-from relax.rollout.rewards.reward_model import RewardModelScorer
+from relax.rollout.rewards.reward_model import RewardModelEnsemble, RewardModelScorer
 from relax.utils.dotted_path import load_dotted_function
 
 
@@ -59,9 +59,10 @@ def build_reward_computer(cfg: RelaxConfig, remote: Any = None) -> RewardCompute
         raise ConfigError(str(err)) from None
 
 
-def remote_reward(cfg: RelaxConfig) -> RemoteReward | GenerativeReward | RewardModelScorer | None:
-    """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model (--rm-path, checked
-    against the policy's tokenizer), if the run names one."""
+def remote_reward(
+        cfg: RelaxConfig) -> RemoteReward | GenerativeReward | RewardModelScorer | RewardModelEnsemble | None:
+    """The reward server (--rm-url), the judge model (--genrm-model-path) or the trained reward model(s) (--rm-path,
+    checked against the policy's tokenizer; several: an ensemble), if the run names one."""
     given = [name for name in ("rm_url", "genrm_model_path", "rm_path") if getattr(cfg, name) is not None]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(flag(name) for name in given)} both given; set one")
@@ -74,7 +75,11 @@ def remote_reward(cfg: RelaxConfig) -> RemoteReward | GenerativeReward | RewardM
     if cfg.rm_path is not None:
         from transformers import AutoTokenizer
 
-        return RewardModelScorer(cfg.rm_path, device, dtype, AutoTokenizer.from_pretrained(cfg.hf_checkpoint))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+        members = [RewardModelScorer(path, device, dtype, tokenizer) for path in cfg.rm_path]
+        if len(members) == 1:
+            return members[0]
+        return RewardModelEnsemble(members, cfg.rm_ensemble_reduce, cfg.rm_ensemble_std_coef)
     return GenerativeReward(GenRMSettings.from_flags(
         cfg.genrm_model_path, cfg.genrm_prompt_template, cfg.genrm_sampling_config, cfg.genrm_engine_config,
         str(device), str(dtype).removeprefix("torch.")))

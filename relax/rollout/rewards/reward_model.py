@@ -13,11 +13,21 @@ most `MAX_BATCH_TOKENS` padded tokens), so a step's samples cost a few forwards,
 by ``--reward-timeout`` like every reward (`RewardComputer`); a sequence longer than the model's positions, or a
 forward that fails on one sample, fails that sample's reward alone (0, counted in ``reward/num_errors``; a failed
 batch is scored again sample by sample). ``reward/rm_scores`` counts the scores given.
+
+Several folders make an ensemble (`RewardModelEnsemble`): a Bradley-Terry model's scores are defined up to a shift
+(and, trained apart, differ in scale), so each member's score is standardised by the running mean and standard
+deviation of that member's scores so far in the run (as OpenRLHF's ``--normalize_reward`` does for one model), and
+the standardised scores are reduced: their mean, their minimum, or their mean minus a multiple of their standard
+deviation, the uncertainty penalty of reward-model ensembles against over-optimisation (Coste et al., 2023, "Reward
+Model Ensembles Help Mitigate Overoptimization"). ``reward/rm_disagreement`` is the mean standard deviation of the
+members' standardised scores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -146,3 +156,64 @@ class RewardModelScorer:
         with self._forward_lock:
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
         return logits[:, 0].float().cpu().tolist()
+
+
+class RunningMoments:
+    """Mean and standard deviation of the values seen so far (Welford's update)."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self._squares = 0, 0.0, 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        delta = value - self.mean
+        self.mean += delta / self.count
+        self._squares += delta * (value - self.mean)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self._squares / (self.count - 1)) if self.count > 1 else 0.0
+
+    def standardise(self, value: float) -> float:
+        """``value`` centred on the mean, and scaled by the standard deviation once there is one."""
+        return (value - self.mean) / self.std if self.std > 0 else value - self.mean
+
+
+class RewardModelEnsemble:
+    """``await ensemble(args, sample) -> float``: several reward models' scores, each standardised by its running
+    moments, reduced to one (module doc). A member that cannot score the sample fails the sample's reward."""
+
+    gives_verdicts = False
+
+    def __init__(self, members: list[RewardModelScorer], reduce: str, std_coef: float = 1.0) -> None:
+        if len(members) < 2:
+            raise ValueError(f"an ensemble needs two reward models or more, got {len(members)}")
+        if reduce not in ("mean", "min", "mean_minus_std"):
+            raise ValueError(f"--rm-ensemble-reduce {reduce}: one of mean, min, mean_minus_std")
+        self.members = members
+        self.reduce = reduce
+        self.std_coef = std_coef
+        self.moments = [RunningMoments() for _ in members]
+        self._disagreement: list[float] = []
+
+    async def __call__(self, args: Any, sample: Any) -> float:
+        scores = await asyncio.gather(*(member(args, sample) for member in self.members))
+        standardised = []
+        for moments, score in zip(self.moments, scores):
+            moments.add(score)
+            standardised.append(moments.standardise(score))
+        spread = statistics.pstdev(standardised)
+        self._disagreement.append(spread)
+        if self.reduce == "min":
+            return min(standardised)
+        mean = statistics.fmean(standardised)
+        return mean - self.std_coef * spread if self.reduce == "mean_minus_std" else mean
+
+    def pop_metrics(self) -> dict[str, float]:
+        for member in self.members:
+            member.pop_metrics()  # each scored every sample the ensemble did
+        metrics: dict[str, float] = {"reward/rm_scores": len(self._disagreement)}
+        if self._disagreement:
+            metrics["reward/rm_disagreement"] = statistics.fmean(self._disagreement)
+            self._disagreement = []
+        return metrics

@@ -105,3 +105,84 @@ def test_what_is_not_a_reward_model_of_the_policy_is_refused(reward_model_dir, t
     other.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match="--rm-path .*not the policy's"):
         RewardModelScorer(reward_model_dir / "rm", "cpu", torch.float32, other)
+
+
+@pytest.fixture(scope="module")
+def second_reward_model_dir(reward_model_dir):
+    """Another head on the same body: a member that ranks samples differently, on another scale and offset."""
+    torch.manual_seed(2)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir / "rm")
+    with torch.no_grad():
+        model.score.weight.normal_(0, 3.0)
+    model.save_pretrained(reward_model_dir / "rm_b")
+    AutoTokenizer.from_pretrained(reward_model_dir / "policy").save_pretrained(reward_model_dir / "rm_b")
+    return reward_model_dir / "rm_b"
+
+
+@pytest.mark.parametrize("reduce", ["mean", "min", "mean_minus_std"])
+def test_an_ensemble_reduces_its_members_standardised_scores(reward_model_dir, second_reward_model_dir, reduce):
+    """Scored one after the other, each sample's reward is the reduction of the members' scores standardised by the
+    moments of everything that member scored so far (itself included), whatever the members' shifts and scales."""
+    paths = [reward_model_dir / "rm", second_reward_model_dir]
+    members = [RewardModelScorer(path, "cpu", torch.float32) for path in paths]
+    ensemble = reward_model.RewardModelEnsemble(members, reduce, std_coef=0.5)
+    samples = _samples(10, seed=5, vocab=members[0].vocab_size)
+    models = [AutoModelForSequenceClassification.from_pretrained(path).eval() for path in paths]
+    with torch.no_grad():
+        raw = [[model(input_ids=torch.tensor([s.tokens])).logits.item() for s in samples] for model in models]
+
+    async def one_by_one():
+        return [await ensemble(None, sample) for sample in samples]
+
+    rewards = asyncio.run(one_by_one())
+    for position, reward in enumerate(rewards):
+        standardised = []
+        for scores in raw:
+            seen = torch.tensor(scores[:position + 1], dtype=torch.float64)
+            std = seen.std().item() if position else 0.0
+            standardised.append((scores[position] - seen.mean().item()) / (std if std > 0 else 1.0))
+        mean = sum(standardised) / 2
+        spread = abs(standardised[0] - standardised[1]) / 2
+        expected = {"mean": mean, "min": min(standardised), "mean_minus_std": mean - 0.5 * spread}[reduce]
+        assert reward == pytest.approx(expected, rel=1e-4, abs=1e-5), position
+    metrics = ensemble.pop_metrics()
+    assert metrics["reward/rm_scores"] == 10 and metrics["reward/rm_disagreement"] > 0
+    # Shifting and scaling a member's scores leaves its standardised scores, so the rewards, unchanged.
+    shifted = reward_model.RunningMoments(), reward_model.RunningMoments()
+    for value in raw[1]:
+        shifted[0].add(value)
+        shifted[1].add(7.0 + 3.0 * value)
+    assert shifted[0].standardise(raw[1][-1]) == pytest.approx(shifted[1].standardise(7.0 + 3.0 * raw[1][-1]))
+
+
+def test_an_ensemble_member_that_cannot_score_fails_the_sample_alone(reward_model_dir, second_reward_model_dir):
+    paths = (reward_model_dir / "rm", second_reward_model_dir)
+    members = [RewardModelScorer(path, "cpu", torch.float32) for path in paths]
+    computer = RewardComputer(remote=reward_model.RewardModelEnsemble(members, "mean"), timeout_s=60)
+    samples = _samples(6, seed=6, vocab=members[0].vocab_size)
+    samples[2].tokens = [members[0].vocab_size + 1, 4]
+    asyncio.run(computer.score(samples))
+    assert samples[2].reward == 0.0 and all(s.reward is not None for s in samples)
+    assert computer.pop_metrics()["reward/num_errors"] == 1
+    computer.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rm-path", "a", "--rm-ensemble-reduce", "min"], "--rm-ensemble-reduce: settings of an ensemble .* names 1"),
+    (["--rm-path", "a", "b", "--rm-ensemble-std-coef", "2"], "weighs the disagreement of --rm-ensemble-reduce"),
+])
+def test_ensemble_settings_without_an_ensemble_are_refused(flags, message):
+    from relax.cli.args import parse_config
+    from relax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--num-rollout", "1", *flags])
+
+
+def test_one_folder_is_a_string_or_a_list():
+    from relax.cli.args import parse_config
+    from relax.config import RelaxConfig
+
+    assert parse_config(["--num-rollout", "1", "--rm-path", "a"]).rm_path == ["a"]
+    assert parse_config(["--num-rollout", "1", "--rm-path", "a", "b"]).rm_path == ["a", "b"]
+    assert RelaxConfig(num_rollout=1, rm_path="a").rm_path == ["a"]
