@@ -1,5 +1,5 @@
-"""examples/preference: the three stages' configs (DPO, the reward model, RL against it) parse into the runs the docs
-describe, and the near misses of the pair builder are always wrong, well-formed answers."""
+"""examples/preference: the three stages' configs (DPO, the reward model, RL against it or an ensemble) parse into the
+runs the docs describe, and the near misses of the pair builder are always wrong, well-formed answers."""
 
 from __future__ import annotations
 
@@ -23,9 +23,13 @@ def test_the_three_stages_configs_parse_into_their_runs():
     assert rm.loss_type == "rm" and roles_for_config(rm) == ("actor", "rollout")
     assert rm.samples_per_step == 2 * rm.rollout_batch_size == rm.train_batch_size
     rl = parse_config(["--config", str(EXAMPLE / "rl_rm.yaml")])
-    assert rl.loss_type == "policy_loss" and rl.rm_path == "runs/preference_rm/reward_model"
+    assert rl.loss_type == "policy_loss" and rl.rm_path == ["runs/preference_rm/reward_model"]
     assert rl.rm_type is None and rl.eval_rm_type == "exact_match" and rl.use_kl_loss
     assert "reference" in roles_for_config(rl)  # the KL loss's
+    ensemble = parse_config(["--config", str(EXAMPLE / "rl_rm_ensemble.yaml")])
+    assert len(ensemble.rm_path) == 3 and ensemble.rm_ensemble_reduce == "min"
+    assert ensemble.model_dump(exclude={"rm_path", "rm_ensemble_reduce", "output_dir"}) == rl.model_dump(
+        exclude={"rm_path", "rm_ensemble_reduce", "output_dir"})  # rl_rm.yaml with the ensemble as its reward
 
 
 @settings(max_examples=300, deadline=None)

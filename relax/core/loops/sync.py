@@ -247,8 +247,13 @@ class SyncController:
         # Dynamic sampling may take more prompts than rollout_batch_size per step: continue at the saved cursor
         # (with the positions taken and not trained, under --over-sampling-batch-size).
         cursor = {"consumed_prompts": restored.trainer_state.get("consumed_prompts", step * self.cfg.rollout_batch_size)}
-        if "pending_prompts" in restored.trainer_state:
-            cursor["pending_prompts"] = restored.trainer_state["pending_prompts"]
+        pending = restored.trainer_state.get("pending_prompts")
+        if pending and self.cfg.carries_groups_over:
+            cursor["pending_prompts"] = pending
+        elif pending:  # only the carry-over feed takes positions out of order
+            logger.warning("%d prompts were launched and not trained when %s was saved (--over-sampling-batch-size); "
+                           "this run does not carry groups over, so it continues at the cursor without them",
+                           len(pending), restored.directory)
         self.roles.rollout.data_source.load_state_dict(cursor)
         await self.sync_weights(version=step)
         self.tracker.truncate_after(step)
