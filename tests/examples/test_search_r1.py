@@ -9,10 +9,11 @@ import asyncio
 import importlib.util
 import json
 import random
+import re
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from relax.cli.args import parse_config
@@ -42,14 +43,17 @@ reward_log = _load("agentic_reward_log", ROOT / "examples" / "agentic_common" / 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), count=st.integers(2, 60))
+@example(seed=275048, count=26)  # towns "Diqui" and "Diquive": a name inside another one
 def test_a_search_for_a_town_returns_its_passage_first_and_only_passages_naming_it(seed, count):
     towns = build_task.build_towns(random.Random(seed), count)
     index = search_tool.CorpusIndex([build_task.passage(name, town) for name, town in towns.items()], list(towns))
     for name, town in towns.items():
         results = index.search(name)
         assert results[0] == build_task.passage(name, town)  # the title ranks the subject's own passage first
-        assert all(name in text for text in results)
-        naming = sum(name in build_task.passage(other, t) for other, t in towns.items())
+        # A passage names the town as a word: a town "Diqui" is not named by "Twin town: Diquive." (BM25 matches words)
+        word = re.compile(rf"\b{re.escape(name)}\b")
+        assert all(word.search(text) for text in results)
+        naming = sum(bool(word.search(build_task.passage(other, t))) for other, t in towns.items())
         assert len(results) == min(naming, search_tool.TOP_K)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +79,18 @@ def model_files_problem(path: str | Path, needs_tokenizer: bool = True) -> str |
     return None
 
 
+# Held while transformers builds a model. Its loading patches process-wide state (parameters are created on the meta
+# device, then filled), so two threads building models at once interleave the patches: one model keeps meta
+# parameters, and a patch can outlive both, so that every later model of the process is built on meta. The reward
+# model scorer loads in a worker thread beside the trainer's and the engine's loads: every construction takes this.
+MODEL_CONSTRUCTION_LOCK = threading.RLock()
+
+
 def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """The folder's model with its generation head, by the class its config names (`model_class`)."""
     cls = model_class(AutoConfig.from_pretrained(path)) or AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=dtype)
+    with MODEL_CONSTRUCTION_LOCK:
+        return cls.from_pretrained(path, dtype=dtype)
 
 
 def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) -> PreTrainedModel:
@@ -95,7 +104,8 @@ def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) ->
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = pad_token_id
-    model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+    with MODEL_CONSTRUCTION_LOCK:
+        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
     model.config.architectures = [type(model).__name__]
     return model
 
@@ -107,8 +117,9 @@ def _is_score_model(config) -> bool:
 def model_from_config(config, dtype: torch.dtype) -> PreTrainedModel:
     """A randomly initialised model of the config's generation class (`model_class`), weights to be loaded."""
     cls = model_class(config)
-    return cls._from_config(config, dtype=dtype) if cls is not None else \
-        AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with MODEL_CONSTRUCTION_LOCK:
+        return cls._from_config(config, dtype=dtype) if cls is not None else \
+            AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _config_value(config, *names: str) -> int | None:

@@ -58,6 +58,8 @@ def hf_folder_of_gguf(path: str | Path, root: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK
+
     path = Path(path).expanduser().resolve()
     _check_readable(path)
     digest = _content_hash(path)
@@ -69,7 +71,8 @@ def hf_folder_of_gguf(path: str | Path, root: Path | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=root))
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            with MODEL_CONSTRUCTION_LOCK:
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception as err:  # transformers' reader and converters raise many kinds for one bad file
             raise ValueError(f"{path}: transformers cannot load this GGUF file as a causal language model "

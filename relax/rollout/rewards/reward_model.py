@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK
+
 # Padded tokens of one scoring forward (rows x longest row): bounds its activation memory.
 MAX_BATCH_TOKENS = 16384
 
@@ -138,7 +140,8 @@ class RewardModelScorer:
     def _load(self) -> None:
         with self._load_lock:
             if self.model is None:
-                model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
+                with MODEL_CONSTRUCTION_LOCK:  # loads in a worker thread, beside other loads (the lock's comment)
+                    model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
                 self.model = model.to(self.device).eval()
 
     @torch.no_grad()
