@@ -209,11 +209,12 @@ def compare_overlap(args) -> None:
             # What partial rollout across steps carried and what the staleness bound dropped (all steps).
             summary["carried_groups"] = sum(r.get("rollout/carried_groups", 0) for r in rows)
             summary["dropped_stale_groups"] = sum(r.get("data/dropped_stale_groups", 0) for r in rows)
-            summary["trained_groups"] = sum(r.get("data/consumed_groups", 0) for r in rows)
             # Steps per second flatter a mode that drops groups (stale stragglers): the work trained per second too.
-            measured = [r for r in rows if "perf/step_s" in r][warmup:]
-            summary["trained_groups_per_s"] = sum(r.get("data/consumed_groups", args.prompts) for r in measured) \
-                / sum(r["perf/step_s"] for r in measured)
+            # (The sync loop has no data plane to count them: it trains every prompt of its step.)
+            steps = [r for r in rows if "perf/step_s" in r]
+            summary["trained_groups"] = sum(r.get("data/consumed_groups", args.prompts) for r in steps)
+            summary["trained_groups_per_s"] = sum(r.get("data/consumed_groups", args.prompts)
+                                                  for r in steps[warmup:]) / sum(r["perf/step_s"] for r in steps[warmup:])
             results[mode] = summary
             print(mode, json.dumps(summary), flush=True)
     report = {

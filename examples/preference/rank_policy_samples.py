@@ -2,7 +2,8 @@
 samples 8 answers at temperature 1 (as GRPO does), the reward model scores them, and every correct answer is
 compared with every wrong one of its problem. Prints the share ranked right (a pairwise AUC) and the sample accuracy.
 Several reward models: each one's share, and the ensemble's as `--rm-path` with several folders makes it (each
-member's scores standardised, here by their moments over all the samples, then reduced by --reduce).
+member's scores standardised, here by their moments over all the samples, then reduced by --reduce, the
+reduction `--rm-ensemble-reduce` applies).
 
 Usage: python examples/preference/rank_policy_samples.py runs/preference_rm/reward_model [MORE ...] [--problems FILE]
        [--reduce mean|min|mean_minus_std] [--std-coef 1.0]
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from relax.rollout.rewards.reward_model import ENSEMBLE_REDUCTIONS, reduce_scores
+
 HERE = Path(__file__).resolve().parent
 QUICKSTART = HERE.parent / "quickstart"
 SAMPLES = 8
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("reward_models", type=Path, nargs="+")
     parser.add_argument("--problems", type=Path, default=QUICKSTART / "data" / "test.jsonl")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reduce", default="mean", choices=["mean", "min", "mean_minus_std"])
+    parser.add_argument("--reduce", default="mean", choices=ENSEMBLE_REDUCTIONS)
     parser.add_argument("--std-coef", type=float, default=1.0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -62,18 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         reduced = []
         for answers, scores in problems:
             standardised = [[(score - mean) / std for score in own] for own, (mean, std) in zip(scores, moments)]
-            reduced.append((answers, [reduce(list(column), args.reduce, args.std_coef)
+            reduced.append((answers, [reduce_scores(list(column), args.reduce, args.std_coef)
                                       for column in zip(*standardised)]))
         right, compared = ranked_right(reduced)
         print(f"ensemble ({args.reduce}): correct ranked above wrong: {right / max(compared, 1):.3f} of {compared} "
               "pairs")
-
-
-def reduce(values: list[float], how: str, std_coef: float) -> float:
-    if how == "min":
-        return min(values)
-    mean = statistics.fmean(values)
-    return mean - std_coef * statistics.pstdev(values) if how == "mean_minus_std" else mean
 
 
 def ranked_right(problems: list[tuple[list[bool], list[float]]]) -> tuple[int, int]:

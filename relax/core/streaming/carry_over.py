@@ -78,7 +78,7 @@ class CarryOverFeed:
                 groups += 1
                 carried += launched_at < step
                 continue
-            if not self._decoding:  # everything launched is taken: the run's last groups were short of B
+            if not self._decoding:  # nothing left to wait for (prompts whose media could not be read): short of B
                 break
             self._landed.clear()
             await self._landed.wait()

@@ -182,6 +182,18 @@ class RunningMoments:
         return (value - self.mean) / self.std if self.std > 0 else value - self.mean
 
 
+ENSEMBLE_REDUCTIONS = ("mean", "min", "mean_minus_std")
+
+
+def reduce_scores(scores: list[float], how: str, std_coef: float = 1.0) -> float:
+    """The ensemble's reward from its members' standardised scores (``--rm-ensemble-reduce``): their mean, their
+    minimum, or their mean less ``std_coef`` times their (population) standard deviation."""
+    if how == "min":
+        return min(scores)
+    mean = statistics.fmean(scores)
+    return mean - std_coef * statistics.pstdev(scores) if how == "mean_minus_std" else mean
+
+
 class RewardModelEnsemble:
     """``await ensemble(args, sample) -> float``: several reward models' scores, each standardised by its running
     moments, reduced to one (module doc). A member that cannot score the sample fails the sample's reward."""
@@ -191,8 +203,8 @@ class RewardModelEnsemble:
     def __init__(self, members: list[RewardModelScorer], reduce: str, std_coef: float = 1.0) -> None:
         if len(members) < 2:
             raise ValueError(f"an ensemble needs two reward models or more, got {len(members)}")
-        if reduce not in ("mean", "min", "mean_minus_std"):
-            raise ValueError(f"--rm-ensemble-reduce {reduce}: one of mean, min, mean_minus_std")
+        if reduce not in ENSEMBLE_REDUCTIONS:
+            raise ValueError(f"--rm-ensemble-reduce {reduce}: one of {', '.join(ENSEMBLE_REDUCTIONS)}")
         self.members = members
         self.reduce = reduce
         self.std_coef = std_coef
@@ -205,12 +217,8 @@ class RewardModelEnsemble:
         for moments, score in zip(self.moments, scores):
             moments.add(score)
             standardised.append(moments.standardise(score))
-        spread = statistics.pstdev(standardised)
-        self._disagreement.append(spread)
-        if self.reduce == "min":
-            return min(standardised)
-        mean = statistics.fmean(standardised)
-        return mean - self.std_coef * spread if self.reduce == "mean_minus_std" else mean
+        self._disagreement.append(statistics.pstdev(standardised))
+        return reduce_scores(standardised, self.reduce, self.std_coef)
 
     def pop_metrics(self) -> dict[str, float]:
         for member in self.members:
