@@ -159,15 +159,15 @@ async def rl_lengths_generate(args, sample, sampling_params):
 def compare_overlap(args) -> None:
     """Sync against ``--colocate-async`` on the RL-like lengths (module doc), each in a `relax train` process."""
     from benchmarks.modes_gpu import environment, run, summarize
+    from benchmarks.modes_learning_gpu import mode_flags
 
     shape = dict(TINY if args.tiny else SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     warmup = 2 if args.steps > 4 else 1
-    carry = ["--colocate-async", "--partial-rollout", "--max-staleness", str(args.carry_max_staleness),
-             "--over-sampling-batch-size",
-             str(math.ceil(args.over_sampling * args.prompts))]
-    modes = {"sync": ["--colocate"] if args.colocate else [], "overlapped": ["--colocate-async"], "carry_over": carry}
+    modes = mode_flags(args.prompts, args.over_sampling, args.carry_max_staleness)
+    if args.colocate:  # sync with the trainer and the engine taking turns on the GPU (the 4B shape's memory)
+        modes["sync"] = ["--colocate"]
     modes = {mode: modes[mode] for mode in args.modes}  # in the order asked
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,6 +198,7 @@ def compare_overlap(args) -> None:
             if len([row for row in rows if "perf/step_s" in row]) <= warmup:
                 results[mode] = {"s_per_step": float("nan"), "unfinished": True, "rows": rows[-3:]}
                 print(mode, "finished no measured step", json.dumps(rows[-3:])[-3000:], flush=True)
+                report = overlap_report(args, results, modes, warmup)
                 continue
             summary = summarize(out, warmup)
             summary["peak_gib"] = {key.removeprefix("perf/gpu_peak_gib_"): max(r[key] for r in rows if key in r)
@@ -217,6 +218,15 @@ def compare_overlap(args) -> None:
                                                   for r in steps[warmup:]) / sum(r["perf/step_s"] for r in steps[warmup:])
             results[mode] = summary
             print(mode, json.dumps(summary), flush=True)
+            report = overlap_report(args, results, modes, warmup)  # after each mode: a call cut short keeps it
+    for mode in results:
+        if mode != "sync" and "sync" in results:
+            print(f"{mode}: {report[f'{mode}_s_per_step']} s/step against sync {report['sync_s_per_step']} -> "
+                  f"{report[f'{mode}_speedup']}x")
+
+
+def overlap_report(args, results: dict, modes: dict[str, list[str]], warmup: int) -> dict:
+    """The comparison's JSON from the modes measured so far, written to ``--output``."""
     report = {
         "benchmark": "grpo_step_gpu --compare-overlap",
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
@@ -242,11 +252,8 @@ def compare_overlap(args) -> None:
     output = args.output if args.output != RESULTS / "grpo_step_gpu.json" else RESULTS / "grpo_step_overlap_gpu.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    for mode in results:
-        if mode != "sync" and "sync" in results:
-            print(f"{mode}: {report[f'{mode}_s_per_step']} s/step against sync {report['sync_s_per_step']} -> "
-                  f"{report[f'{mode}_speedup']}x")
+    print(json.dumps({key: value for key, value in report.items() if key != "details"}, indent=2), flush=True)
+    return report
 
 
 def active_params(shape: dict) -> int:

@@ -88,14 +88,16 @@ class DataPlane(abc.ABC):
 
     # ---- reader side -------------------------------------------------------------------
     async def stream(self, step: int, batch_size: int, max_groups: int | None = None,
-                     needs: tuple[str, ...] = ()) -> AsyncIterator[list[Sample]]:
+                     needs: tuple[str, ...] = (), all_ready: bool = False) -> AsyncIterator[list[Sample]]:
         """Yield batches of whole groups of ``step`` as soon as ``batch_size`` samples are ready.
 
         ``needs``: stage fields (`write_fields`) a group must carry before the trainer reads it.
 
         A batch is the shortest run of groups holding at least ``batch_size`` samples (exactly
-        ``batch_size`` when the group size divides it); the tail is flushed when the partition is
-        complete and drained. Groups carried over from earlier steps come first. With
+        ``batch_size`` when the group size divides it); with ``all_ready``, every group ready when it
+        is handed over (at least ``batch_size`` samples): a reader that trains on each batch takes in
+        one batch what landed while it trained, instead of several small ones. The tail is flushed when
+        the partition is complete and drained. Groups carried over from earlier steps come first. With
         ``max_groups``, groups beyond that many go to the carry-over buffer for the next stream.
         Stale and failed groups are dropped and counted. Groups not yet yielded when the caller
         stops early return to the carry-over buffer, so nothing is lost.
@@ -124,8 +126,8 @@ class DataPlane(abc.ABC):
             admit(origin, group)
         try:
             while True:
-                while count_samples(g for _, g in admitted) >= batch_size:
-                    yield self._hand_over(admitted, batch_size)
+                while (ready := count_samples(g for _, g in admitted)) >= batch_size:
+                    yield self._hand_over(admitted, ready if all_ready else batch_size)
                 new_groups = await self._read_groups(step, TRAIN_TASK, needs, ())
                 if new_groups is None:
                     break

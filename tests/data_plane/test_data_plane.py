@@ -118,6 +118,65 @@ def test_groups_are_never_split_across_batches(plane_factory):
     assert seen == Counter(dict.fromkeys(sizes, 1))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_all_ready_hands_over_every_group_that_landed_while_the_reader_worked(plane_factory, seed):
+    """``all_ready`` (the trainer's chunked reading): each batch is every group ready when it is handed over, at
+    least ``batch_size`` samples (only the tail less); groups arrive whole, in order, each once, for any arrival
+    schedule and any reader speed."""
+    import random
+
+    rng = random.Random(seed)
+    plane = plane_factory()
+    num_groups, batch_size = 12, 8
+    arrivals = [rng.randint(1, 3) for _ in range(num_groups)]  # groups per put, clipped below
+    landed: list[int] = []  # groups written so far, for the reader's check
+
+    async def produce() -> None:
+        group = 0
+        while group < num_groups:
+            chunk = list(range(group, min(group + arrivals[group], num_groups)))
+            await plane.put(0, [s for g in chunk for s in make_group(g)])
+            landed.extend(chunk)
+            group = chunk[-1] + 1
+            await asyncio.sleep(rng.choice([0.0, 0.002, 0.01]))
+        await plane.mark_complete(0)
+
+    async def consume() -> list[list[Sample]]:
+        batches = []
+        async for batch in plane.stream(0, batch_size, all_ready=True):
+            handed = sorted(groups_of(batch))
+            read_so_far = [g for b in batches for g in groups_of(b)]
+            if isinstance(plane, InProcessDataPlane):  # (TransferQueue's reader polls: it sees a put a poll later)
+                # every group written and not yet read is in this batch: nothing ready is left behind
+                assert set(landed) - set(read_so_far) <= set(handed), (landed, read_so_far, handed)
+            batches.append(batch)
+            await asyncio.sleep(rng.choice([0.0, 0.005, 0.02]))  # the reader trains on it
+        return batches
+
+    async def scenario() -> list[list[Sample]]:
+        consumer = asyncio.create_task(consume())
+        await asyncio.wait_for(produce(), WAIT_S)
+        return await asyncio.wait_for(consumer, WAIT_S)
+
+    batches = asyncio.run(scenario())
+    read = [g for batch in batches for g in sorted(groups_of(batch))]
+    assert sorted(read) == list(range(num_groups))  # each group once
+    assert all(count == 4 for batch in batches for count in groups_of(batch).values())  # never split
+    assert all(len(batch) >= batch_size for batch in batches[:-1])
+
+
+def test_all_ready_takes_a_step_already_in_as_one_batch(plane_factory):
+    plane = plane_factory()
+
+    async def scenario() -> list[list[Sample]]:
+        await plane.put(0, [s for g in range(6) for s in make_group(g)])
+        await plane.mark_complete(0)
+        return await collect(plane, 0, batch_size=8, all_ready=True)
+
+    batches = asyncio.run(scenario())
+    assert [sorted(groups_of(batch)) for batch in batches] == [list(range(6))]  # one batch, not three of 8
+
+
 def test_exactly_once_under_concurrent_producer_and_consumer(plane_factory):
     plane = plane_factory()
     num_groups = 24

@@ -42,6 +42,24 @@ def tiny_train_args(workspace: Path, output_dir: Path, *extra: str) -> list[str]
     ]
 
 
+def run_torchrun(nproc: int, *relax_args: str, attempts: int = 3) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc relax ...`` on the loopback, with the gloo settings of the suite. The master
+    port is picked free and bound later by torchrun's agent, so another process can take it in between (seen in CI:
+    EADDRINUSE at the rendezvous, before any rank started): that run is started again on a new port, up to
+    ``attempts`` times; any other failure is returned as it is."""
+    from relax.distributed.process_group import free_loopback_port
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for _ in range(attempts):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                   "127.0.0.1", "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", *relax_args]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=SUBPROCESS_TIMEOUT_S)
+        if result.returncode == 0 or "EADDRINUSE" not in result.stderr:
+            return result
+    return result
+
+
 def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, str] | None = None,
               **popen_kwargs) -> subprocess.CompletedProcess:
     """`relax ...` in a process of its own, from the repository root (so `tests.*` reward paths import); ``env``

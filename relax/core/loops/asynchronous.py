@@ -128,9 +128,11 @@ class AsyncController(SyncController):
     def _step_samples(self) -> int:
         return self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
 
-    def _read(self, step: int, batch_size: int):
-        """The trainer's stream of ``step``'s groups, in batches of ``batch_size`` samples."""
-        return self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size, needs=self._streamed_fields)
+    def _read(self, step: int, batch_size: int, all_ready: bool = False):
+        """The trainer's stream of ``step``'s groups, in batches of ``batch_size`` samples (with ``all_ready``: at
+        least that many, every group ready)."""
+        return self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size, needs=self._streamed_fields,
+                                 all_ready=all_ready)
 
     async def _collect(self, step: int) -> list[Sample]:
         samples: list[Sample] = []
@@ -204,7 +206,10 @@ class AsyncController(SyncController):
         chunk_size = max(self.cfg.n_samples_per_prompt, math.ceil(expected / self.cfg.train_stream_chunks))
         report = ChunkReport()
         metrics = {"perf/train_s": 0.0, "perf/train_chunks": 0.0}
-        chunks = self._read(rollout_id, chunk_size)
+        # A chunk is all that landed while the last one trained (at least chunk_size): a step already in when the
+        # trainer gets to it trains as one chunk. Fixed chunks cost a forward and backward each, which on small
+        # models is launch-bound time (the SmolLM2-135M run of benchmarks/modes_learning_gpu.py).
+        chunks = self._read(rollout_id, chunk_size, all_ready=True)
         try:
             while True:
                 batch = await self._bounded(self._unless_a_streaming_role_fails(anext(chunks, None)),
@@ -379,6 +384,7 @@ class AsyncController(SyncController):
             version = self.gate.trained_version
             metrics = await self.evaluate(step)
         metrics["eval/weight_version"] = float(version)
+        metrics["perf/elapsed_s"] = time.perf_counter() - self.training_began
         self.tracker.log(max(self.logged_step, step), metrics)
         logger.info("evaluation at weight version %d (requested after step %d): eval accuracy %.3f", version, step,
                     metrics.get("eval/accuracy", float("nan")))

@@ -47,6 +47,7 @@ class SyncController:
         self.phases = PhaseClock(cfg.timeline_dump_dir, cfg.stall_warning_s)  # the entrypoint sets its notifier
         self.checkpointer = Checkpointer(cfg, self.roles, self.phases)
         self.logged_step = 0  # the last step whose row is in the trackers
+        self.training_began = time.perf_counter()  # reset when the steps begin: perf/elapsed_s counts from there
 
     # ---- one step ------------------------------------------------------------------------
     async def train_step(self, rollout_id: int) -> dict[str, float]:
@@ -189,11 +190,15 @@ class SyncController:
         cfg, total = self.cfg, self.roles.total_steps
         progress = tqdm(range(start, total), initial=start, total=total, desc=self.progress_label, unit="step",
                         disable=rank() != 0, dynamic_ncols=True)
+        self.training_began = time.perf_counter()
         for rollout_id in progress:
             step = rollout_id + 1
             metrics = await self.train_step(rollout_id)
             if self._due(step, cfg.eval_interval) and self.roles.rollout.eval_sets:
                 metrics.update(await self._evaluate_between_steps(step))
+            # The wall-clock of this process's training so far (evaluations and saves included; their own times are
+            # perf/eval_s and the checkpointer's): what a curve against time is drawn on, in every mode alike.
+            metrics["perf/elapsed_s"] = time.perf_counter() - self.training_began
             self.tracker.log(step, metrics)
             self.logged_step = step
             progress.set_postfix(self._postfix(metrics), refresh=False)

@@ -120,17 +120,12 @@ def test_torchrun_colocated_run_splits_the_rollout_across_ranks(tiny_workspace, 
     """`torchrun --nproc-per-node 2 relax train`: both ranks train one FSDP model and each generates half of the
     prompt groups on its own engine; every step trains on all groups, and rank 0 alone writes the run directory."""
     import json
-    import subprocess
-    import sys
 
-    from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S, tiny_train_args
+    from tests.support.runs import run_torchrun, tiny_train_args
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", "train",
-               *tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "2", "--save-interval", "2")]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    result = run_torchrun(2, "train", *tiny_train_args(tiny_workspace, run_dir, "--num-rollout", "2",
+                                                       "--save-interval", "2"))
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]

@@ -325,10 +325,8 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
     engine; three steps give the one-process run's metrics, and `relax export` of the sharded run's checkpoint
     gives the one-process run's Hugging Face folder."""
     import json
-    import subprocess
-    import sys
 
-    from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S, run_relax, tiny_train_args
+    from tests.support.runs import run_relax, run_torchrun, tiny_train_args
 
     def train_metrics(run_dir: Path) -> list[dict]:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -338,11 +336,8 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
     args = ("--num-rollout", "3", "--clip-grad", "1.0", "--save-interval", "3")
     single = run_relax("train", *tiny_train_args(workspace, tmp_path / "one", *args))
     assert single.returncode == 0, single.stderr[-3000:]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_loopback_port()), "-m", "relax.cli.main", "train",
-               *tiny_train_args(workspace, tmp_path / "two", *args, f"--{layout}-model-parallel-size", "2")]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    result = run_torchrun(2, "train", *tiny_train_args(workspace, tmp_path / "two", *args,
+                                                       f"--{layout}-model-parallel-size", "2"))
     assert result.returncode == 0, result.stderr[-4000:]
     expected, got = train_metrics(tmp_path / "one"), train_metrics(tmp_path / "two")
     assert len(got) == len(expected) == 3

