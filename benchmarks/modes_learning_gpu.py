@@ -107,7 +107,8 @@ def report(results: dict, args: argparse.Namespace, device: str, flags: dict[str
     return {"benchmark": "modes_learning_gpu", "device": device,
             "model": args.model_label,
             **headline,
-            "modes": {mode: " ".join(f) or "sync (the config as it is)" for mode, f in flags.items() if mode in results},
+            "modes": {mode: " ".join(f) or "sync (the config as it is)"
+                      for mode, f in flags.items() if mode in results},
             "runs": results,
             "settings": {"config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT)
                          else str(args.config), "steps": args.steps, "eval_interval": args.eval_interval,

@@ -74,9 +74,9 @@ class PlacementSettings(BaseModel):
         4,
         "--fully-async: the trainer reads a step's groups as they land and trains on them in up to this many chunks "
         "(each every group that landed while the last one trained, at least 1/N of the step; a step already in is "
-        "one chunk) before the last group arrives (one optimizer step; the loss's global denominators are rescaled at the end, "
-        "so the update equals training on the whole step). 1 waits for the whole step. Steps that need the whole "
-        "batch first (old-policy log-probs, a critic, whitened or KL-shaped advantages) always wait.",
+        "one chunk) before the last group arrives (one optimizer step; the loss's global denominators are rescaled "
+        "at the end, so the update equals training on the whole step). 1 waits for the whole step. Steps that need "
+        "the whole batch first (old-policy log-probs, a critic, whitened or KL-shaped advantages) always wait.",
         "mode",
         ge=1,
     )

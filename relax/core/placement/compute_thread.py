@@ -25,7 +25,7 @@ CPU two threads of torch compute in one process compete for the cores (measured 
 While the thread exists, the interpreter's GIL switch interval is 1 ms instead of Python's 5 ms. Two threads that
 share the GIL, one launching the trainer's kernels and one driving the engine's decode steps (or the rollout's
 HTTP), form a convoy: each time the decode thread lets go of the GIL (to wait for the GPU, a socket), taking it
-back waits for the trainer's thread to be forced off, up to a whole interval, so a 2 ms decode step took up to 7 ms.
+back waits for the trainer's thread to be forced off, up to a whole interval (5 ms beside a decode step of 2).
 Measured on CPU with a tiny model, `--colocate-async` (benchmarks/modes_learning_gpu.py --tiny): 0.099 s a step at
 5 ms, 0.063 at 1 ms, 0.060 at 0.2 ms. The previous interval comes back on `close`.
 """
