@@ -189,8 +189,10 @@ class PlacementSettings(BaseModel):
                     raise ValueError(f"{flag(name)} needs --placement ray")
             if self.weight_sync_transport is not None and not self.rollout_external:
                 raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray or --rollout-external")
-        elif self.trains_on_dataset or self.use_opd:
+        elif self.loss_type == "rm" or self.use_opd:
+            # (a reward model's evaluation ranks the held-out pairs in the controller, which under Ray placement
+            # holds neither them nor the score model)
             raise ValueError(f"--placement ray does not support "
-                             f"{f'--loss-type {self.loss_type}' if self.trains_on_dataset else '--use-opd'} yet; use "
+                             f"{'--loss-type rm' if self.loss_type == 'rm' else '--use-opd'} yet; use "
                              "--placement in_process")
         return self

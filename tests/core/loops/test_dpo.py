@@ -98,7 +98,6 @@ def test_simpo_needs_no_reference_and_the_other_variants_do(tiny_workspace, tmp_
 
 @pytest.mark.parametrize("extra, named", [
     (["--global-batch-size", "8"], "--global-batch-size must be 2 x --rollout-batch-size = 16"),
-    (["--placement", "ray"], "--placement ray does not support --loss-type dpo"),
     (["--offload"], "--loss-type dpo has no rollout phase"),
     (["--fully-async"], "--loss-type dpo has no rollout to run asynchronously"),
     (["--dpo-label-smoothing", "0.5"], "--dpo-label-smoothing"),

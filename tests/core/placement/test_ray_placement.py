@@ -3,6 +3,7 @@ actor, rollout (and reference) in their own Ray processes on a real local Ray bo
 
 import asyncio
 import importlib.util
+import json
 import math
 import os
 import re
@@ -52,7 +53,7 @@ def test_placement_flags_are_validated_naming_the_flag(tiny_workspace, tmp_path)
         (["--placement", "ray", "--resource", '{"judge": [1, 1]}'], "unknown role 'judge'"),
         (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "one rollout process"),
         (["--placement", "ray", "--resource", '{"actor": [1, -1]}'], "gpus_per_replica >= 0"),
-        (["--placement", "ray", "--loss-type", "sft"], "--placement ray does not support --loss-type sft"),
+        (["--placement", "ray", "--loss-type", "rm"], "--placement ray does not support --loss-type rm"),
     ]
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -183,6 +184,42 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
     # through TransferQueue, equal the actor's exactly (a sample given another's field would show a KL). Later steps
     # have moved away from the reference.
     assert abs(rows[0]["train/kl_loss"]) < 1e-6 and all(abs(row["train/kl_loss"]) > 1e-5 for row in rows[1:])
+
+
+@needs_ray
+def test_dpo_and_sft_in_ray_processes_take_the_in_process_steps(tiny_workspace, tmp_path, ray_guard):
+    """`--loss-type dpo` and `--loss-type sft` under `--placement ray`: the controller takes each step's rows from
+    the rollout's process (the data source's cursor lives there), the policy (and DPO's reference) compute in
+    theirs, and the steps' losses, implicit rewards and gradient norms are the in-process run's; the held-out
+    evaluations run on the rollout's engine after the weights were pushed to it; the checkpoint keeps the cursor."""
+    from relax.core.build import build_roles
+    from relax.core.loops import loop_class
+    from relax.core.placement.in_process import InProcessPlacement
+    from tests.core.loops.test_dpo import _dpo_args, _pairs
+
+    pairs = _pairs(tiny_workspace, tmp_path)
+    runs = {
+        "dpo": lambda out, *extra: _dpo_args(tiny_workspace, pairs, out, "--num-rollout", "2", "--eval-interval",
+                                             "2", *extra)[1:],
+        "sft": lambda out, *extra: tiny_train_args(tiny_workspace, out, "--loss-type", "sft", "--num-rollout", "2",
+                                                   "--eval-interval", "2", *extra),
+    }
+    for name, args in runs.items():
+        _run_with_ray(parse_config(args(tmp_path / f"{name}_ray", "--placement", "ray")))
+        one = parse_config(args(tmp_path / f"{name}_one"))
+        with Tracker(one.output_dir, use_tensorboard=False) as tracker:
+            asyncio.run(loop_class(one)(one, InProcessPlacement(one, build_roles(one)), tracker).run())
+        got, expected = (read_metrics(tmp_path / f"{name}_{where}" / "metrics.jsonl") for where in ("ray", "one"))
+        trained = [key for key in expected[-1] if key.startswith("train/") and key != "train/lr"]
+        assert "train/loss" in trained and len(got) == len(expected)
+        for a, b in zip(expected, got):
+            assert a["step"] == b["step"]
+            for key in trained + ["eval/accuracy"]:
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+        state = json.loads((tmp_path / f"{name}_ray" / "checkpoints" / "iter_0000002" / "trainer_state.json")
+                           .read_text())
+        assert state["consumed_prompts"] == 2 * (8 if name == "dpo" else 4), state  # two steps' rows
 
 
 @needs_ray

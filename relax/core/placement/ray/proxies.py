@@ -197,10 +197,14 @@ class RemoteCritic(RemoteRole):
 
 
 class RemoteDataSource:
-    """The rollout's prompt cursor, read and set through the rollout worker."""
+    """The rollout's prompt cursor, read, set and (for the loops that train on the dataset: SFT, DPO) advanced
+    through the rollout worker."""
 
     def __init__(self, rollout: RemoteRole) -> None:
         self.rollout = rollout
+
+    def take(self, count: int) -> tuple[int, list]:
+        return self.rollout._wait("take_data", count)
 
     def state_dict(self) -> dict:
         return self.rollout._wait("data_source_state")

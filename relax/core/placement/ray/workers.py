@@ -217,6 +217,11 @@ class RoleWorker:
     async def data_source_state(self) -> dict:
         return self.role.data_source.state_dict()
 
+    async def take_data(self, count: int) -> tuple[int, list]:
+        """The next ``count`` rows at the cursor (SFT samples, preference pairs): the loops that train on the
+        dataset take them from the process that holds the data source."""
+        return self.role.data_source.take(count)
+
     async def load_data_source_state(self, state: dict) -> None:
         self.role.data_source.load_state_dict(state)
 
