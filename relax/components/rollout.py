@@ -411,6 +411,11 @@ class Rollout:
                                "the kept groups", rollout_id + 1, len(kept), batch_size, rounds, reasons)
         return [sample for group in kept for sample in group], metrics
 
+    async def eval_set(self, name: str) -> list:
+        """The rows of held-out set ``name`` (a reward model's loop ranks its pairs itself); a proxy of this role in
+        another process fetches them the same way."""
+        return self.eval_sets[name]
+
     async def evaluate(self, step: int) -> tuple[dict[str, float], dict[str, list[Sample]]]:
         """Metrics ``eval/<set>/...`` per held-out set, plus ``eval/accuracy`` (mean over sets)."""
         metrics: dict[str, float] = {}

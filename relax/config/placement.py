@@ -189,10 +189,6 @@ class PlacementSettings(BaseModel):
                     raise ValueError(f"{flag(name)} needs --placement ray")
             if self.weight_sync_transport is not None and not self.rollout_external:
                 raise ValueError(f"{flag('weight_sync_transport')} needs --placement ray or --rollout-external")
-        elif self.loss_type == "rm" or self.use_opd:
-            # (a reward model's evaluation ranks the held-out pairs in the controller, which under Ray placement
-            # holds neither them nor the score model)
-            raise ValueError(f"--placement ray does not support "
-                             f"{'--loss-type rm' if self.loss_type == 'rm' else '--use-opd'} yet; use "
-                             "--placement in_process")
+        elif self.use_opd:
+            raise ValueError("--placement ray does not support --use-opd yet; use --placement in_process")
         return self

@@ -106,7 +106,8 @@ class RewardModelController(PairController):
 
     async def evaluate(self, step: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        for name, pairs in self.roles.rollout.eval_sets.items():
+        for name in self.roles.rollout.eval_sets:
+            pairs = await self.roles.rollout.eval_set(name)  # (from the rollout's process under Ray placement)
             samples = pair_samples(copy.deepcopy(pairs))  # (laying out takes each rejected twin out of its pair)
             scores = await self._scores(samples, [score_position(s, self.pad_token_id) for s in samples])
             margins = _margins(samples)

@@ -131,7 +131,6 @@ def test_a_margin_field_is_read_and_checked(tiny_workspace, tmp_path):
 
 @pytest.mark.parametrize("extra, named", [
     (["--global-batch-size", "8"], "--global-batch-size must be 2 x --rollout-batch-size = 16"),
-    (["--placement", "ray"], "--placement ray does not support --loss-type rm"),
     (["--fully-async"], "--loss-type rm has no rollout to run asynchronously"),
     (["--rm-type", "exact_match"], "--rm-type: --loss-type rm generates nothing to reward"),
     (["--eval-rm-type", "exact_match"], "--eval-rm-type: --loss-type rm generates nothing to reward"),

@@ -53,7 +53,8 @@ def test_placement_flags_are_validated_naming_the_flag(tiny_workspace, tmp_path)
         (["--placement", "ray", "--resource", '{"judge": [1, 1]}'], "unknown role 'judge'"),
         (["--placement", "ray", "--resource", '{"rollout": [2, 1]}'], "one rollout process"),
         (["--placement", "ray", "--resource", '{"actor": [1, -1]}'], "gpus_per_replica >= 0"),
-        (["--placement", "ray", "--loss-type", "rm"], "--placement ray does not support --loss-type rm"),
+        (["--placement", "ray", "--use-opd", "--teacher-hf-checkpoint", str(tiny_workspace / "model")],
+         "--placement ray does not support --use-opd"),
     ]
     for extra, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -187,15 +188,18 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
 
 
 @needs_ray
-def test_dpo_and_sft_in_ray_processes_take_the_in_process_steps(tiny_workspace, tmp_path, ray_guard):
-    """`--loss-type dpo` and `--loss-type sft` under `--placement ray`: the controller takes each step's rows from
-    the rollout's process (the data source's cursor lives there), the policy (and DPO's reference) compute in
-    theirs, and the steps' losses, implicit rewards and gradient norms are the in-process run's; the held-out
-    evaluations run on the rollout's engine after the weights were pushed to it; the checkpoint keeps the cursor."""
+def test_dpo_sft_and_reward_models_in_ray_processes_take_the_in_process_steps(tiny_workspace, tmp_path, ray_guard):
+    """`--loss-type dpo`, `sft` and `rm` under `--placement ray`: the controller takes each step's rows from the
+    rollout's process (the data source's cursor lives there), the policy (DPO's reference, the score model) compute
+    in theirs, and the steps' losses, implicit rewards and gradient norms are the in-process run's; the held-out
+    evaluations run on the rollout's engine after the weights were pushed to it (a reward model's: its held-out
+    pairs, fetched from the rollout's process, ranked by the score model's process); the checkpoint keeps the
+    cursor."""
     from relax.core.build import build_roles
     from relax.core.loops import loop_class
     from relax.core.placement.in_process import InProcessPlacement
     from tests.core.loops.test_dpo import _dpo_args, _pairs
+    from tests.core.loops.test_reward_model import _rm_args
 
     pairs = _pairs(tiny_workspace, tmp_path)
     runs = {
@@ -203,6 +207,8 @@ def test_dpo_and_sft_in_ray_processes_take_the_in_process_steps(tiny_workspace, 
                                              "2", *extra)[1:],
         "sft": lambda out, *extra: tiny_train_args(tiny_workspace, out, "--loss-type", "sft", "--num-rollout", "2",
                                                    "--eval-interval", "2", *extra),
+        "rm": lambda out, *extra: _rm_args(tiny_workspace, tmp_path, out, "--num-rollout", "2", "--eval-interval",
+                                           "2", *extra)[1:],
     }
     for name, args in runs.items():
         _run_with_ray(parse_config(args(tmp_path / f"{name}_ray", "--placement", "ray")))
@@ -219,7 +225,7 @@ def test_dpo_and_sft_in_ray_processes_take_the_in_process_steps(tiny_workspace, 
                     assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
         state = json.loads((tmp_path / f"{name}_ray" / "checkpoints" / "iter_0000002" / "trainer_state.json")
                            .read_text())
-        assert state["consumed_prompts"] == 2 * (8 if name == "dpo" else 4), state  # two steps' rows
+        assert state["consumed_prompts"] == 2 * (4 if name == "sft" else 8), state  # two steps' rows
 
 
 @needs_ray

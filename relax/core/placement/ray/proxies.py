@@ -99,6 +99,10 @@ class RemoteActor(RemoteRole):
     async def compute_log_probs(self, samples, gather_ids=None):
         return await self._call("compute_log_probs", samples, gather_ids)
 
+    async def compute_values(self, samples):
+        """A reward model's per-token scores (``--loss-type rm``: the actor is the score model)."""
+        return await self._call("compute_values", samples)
+
     async def train(self, samples, fields, gather_ids=None) -> dict[str, float]:
         return await self._call("train", samples, fields, gather_ids)
 
@@ -227,6 +231,9 @@ class RemoteRollout(RemoteRole):
 
     async def evaluate(self, step: int):
         return await self._call("evaluate", step)
+
+    async def eval_set(self, name: str) -> list:
+        return await self._call("eval_set", name)
 
     async def generate_into_plane(self, rollout_id: int) -> tuple[dict, dict]:
         return await self._call("generate_into_plane", rollout_id)

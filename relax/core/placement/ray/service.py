@@ -135,7 +135,7 @@ class RayService:
             self._start_workers(roles)
             if self.async_mode:
                 self._start_transfer_queue()
-            if cfg.resolved_weight_sync_transport == "broadcast":
+            if cfg.resolved_weight_sync_transport == "broadcast" and cfg.loss_type != "rm":  # (rm: no engine)
                 self._join_weight_sync_group()
             if cfg.rollout_api_port is not None:  # the engines live in the rollout's process: it serves the API
                 self._wait(self.workers["rollout"].start_scaling_api.remote())

@@ -113,7 +113,8 @@ class RoleWorker:
         report = {"role": self.name, "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                   "torch_threads": torch.get_num_threads()}
         if self.name == "rollout":
-            report["weight_version"] = self.role.engine.weight_version
+            # (a reward model's run has no engine)
+            report["weight_version"] = self.role.engine.weight_version if self.role.engine is not None else None
             report["eval_sets"] = {name: len(samples) for name, samples in self.role.eval_sets.items()}
         return report
 
@@ -213,6 +214,9 @@ class RoleWorker:
         operations run on this process's event loop, beside the generations."""
         manager = rollout_process_scale_manager(self.cfg, self.role, *self._engine_settings, asyncio.get_running_loop())
         self._scaling_server = await start_scaling_server(self.cfg, manager)
+
+    async def eval_set(self, name: str) -> list:
+        return await self.role.eval_set(name)
 
     async def data_source_state(self) -> dict:
         return self.role.data_source.state_dict()
