@@ -179,10 +179,6 @@ class CrossSectionRules(BaseModel):
         if self.trains_on_dataset and self.use_opd:
             raise ValueError(f"{flag('loss_type')} {self.loss_type} trains on dataset responses; it cannot use "
                              f"{flag('use_opd')}")
-        if self.loss_type == "rm" and self.context_parallel_size > 1:
-            raise ValueError(f"{flag('loss_type')} rm with {flag('context_parallel_size')} > 1 is not built yet: a "
-                             "completion's score is the hidden state at its last token, which one context slice "
-                             "holds and the others do not")
         if self.trains_on_pairs and self.train_batch_size != self.samples_per_step:
             raise ValueError(f"{flag('loss_type')} {self.loss_type} trains each step's pairs in one optimizer step "
                              "(the loss's per-completion gradients are taken at the step's parameters): "

@@ -117,6 +117,7 @@ class FSDPTrainBackend(TrainBackend):
         self.settings = settings
         self.trainable = trainable
         self.value_head = value_head or score_head
+        self.score_head = score_head
         low_precision = settings.compute_dtype != torch.float32
         # A frozen model has no master weights to keep: it loads in the compute dtype (half the memory, no casts).
         load_dtype = settings.compute_dtype if not trainable and low_precision else torch.float32
@@ -180,9 +181,8 @@ class FSDPTrainBackend(TrainBackend):
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         if self.dims.cp > 1:
-            # (a score reads the hidden state of a response token itself, which a context slice may hold apart)
             self._refuse(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with",
-                         padded=True, replay=True, aux_loss=True, extra={"a reward model": score_head})
+                         padded=True, replay=True, aux_loss=True)
         if settings.sequence_parallel:
             self._refuse(f"{SP_FLAG}: not built with", padded=True, media=True,
                          extra={f"{TP_FLAG} 1 (nothing to split the tokens over)": self.dims.tp == 1,
@@ -325,18 +325,26 @@ class FSDPTrainBackend(TrainBackend):
         """The model's keyword arguments for micro-batch ``mb`` (packed or padded) and the next-token
         ``targets`` ``[M]`` of its response positions, samples in order; ``row_length``: a packed row padded to it."""
         device = self.settings.device
+        tokens = mb.tokens
+        if self.score_head:
+            # A reward model scores each response token at the token itself, not at the position before it: one
+            # padding token after each sequence makes the positions that "predict" the response its own tokens
+            # (causal attention: the appended token changes no earlier hidden state), so the score is read where
+            # every other output is, and a context slice holds the positions it reads.
+            appended = self.settings.pad_token_id or 0  # (any token: nothing before it attends to it)
+            tokens = [list(t) + [appended] for t in mb.tokens]
         raw_media = concat_inputs(mb.multimodal) if mb.multimodal and any(mb.multimodal) else None
         if raw_media is not None and self.value_head:
             raise NotImplementedError("a critic on multimodal samples is not supported yet")
         if self.settings.sequence_packing:
-            packed = pack_sequences(mb.tokens, mb.response_lengths)
+            packed = pack_sequences(tokens, mb.response_lengths)
             length = row_length or packed.num_tokens
             if self.settings.sequence_parallel:  # each tensor-parallel rank holds an equal slice of the tokens
                 length = -(-length // self.dims.tp) * self.dims.tp
             packed = pad_packed(packed, length)
             position_ids = to_device(packed.position_ids, device)
             if raw_media is not None:  # multimodal rope: 3-D positions of each sequence, concatenated
-                input_ids, attention_mask, _, _ = pad_sequences(mb.tokens, mb.response_lengths,
+                input_ids, attention_mask, _, _ = pad_sequences(tokens, mb.response_lengths,
                                                                 self.settings.pad_token_id)
                 mask = to_device(attention_mask, device)
                 positions = rope_positions(self.model.hf_model, to_device(input_ids, device), mask, raw_media)
@@ -353,7 +361,7 @@ class FSDPTrainBackend(TrainBackend):
                       "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device, context)}
             targets = packed.targets
         else:
-            input_ids, attention_mask, predict_index, targets = pad_sequences(mb.tokens, mb.response_lengths,
+            input_ids, attention_mask, predict_index, targets = pad_sequences(tokens, mb.response_lengths,
                                                                               self.settings.pad_token_id)
             inputs = {"input_ids": to_device(input_ids, device), "attention_mask": to_device(attention_mask, device),
                       "position_ids": None, "predict_index": to_device(predict_index, device)}

@@ -160,7 +160,8 @@ class ResponseScoreModel(nn.Module):
     """A reward model: a Hugging Face sequence-classification model with one label
     (``AutoModelForSequenceClassification``, the causal LM's body with a scalar ``score`` head), returning the score
     ``[M]`` after each response token (the hidden state *of* the token, where the model pools a sequence, not the one
-    before it as the critic's values).
+    before it as the critic's values). The trainer appends one token to each sequence
+    (`FSDPTrainBackend._model_inputs`), so ``predict_index`` holds the response tokens' own positions.
 
     Its state dict is the Hugging Face model's under ``hf_model.``, so a checkpoint exports as a folder that
     ``AutoModelForSequenceClassification.from_pretrained`` loads and scores as the trainer did."""
@@ -172,8 +173,7 @@ class ResponseScoreModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                 predict_index: torch.Tensor, packing: PackedAttention | None = None) -> torch.Tensor:
-        # ``predict_index`` holds the positions before each response token; the token itself is the next position,
-        # always in the same sequence (a response token is never a sequence's first).
+        # (``predict_index``: the response tokens' own positions, each sequence having one token appended)
         hidden, _ = _response_hidden(self.hf_model, self.hf_model.base_model, input_ids, attention_mask, position_ids,
-                                     predict_index + 1, packing, None)
+                                     predict_index, packing, None)
         return self.hf_model.score(hidden).squeeze(-1)

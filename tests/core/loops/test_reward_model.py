@@ -129,13 +129,36 @@ def test_a_margin_field_is_read_and_checked(tiny_workspace, tmp_path):
                                   "rejected", margin_key="margin")
 
 
+def test_reward_model_with_context_parallel_ranks_takes_the_single_process_steps(tiny_workspace, tmp_path):
+    """`torchrun --nproc-per-node 2 relax train --loss-type rm --context-parallel-size 2`: each rank holds half of
+    every packed row's tokens; a completion's score is read at its last token on whichever rank holds it (the trainer
+    scores each response token at its own position) and gathered; three steps give the one-process run's losses,
+    scores and held-out pair accuracy."""
+    from tests.support.runs import run_torchrun
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    steps = ("--num-rollout", "3", "--clip-grad", "1.0", "--eval-interval", "3")
+    result = run_relax(*_rm_args(tiny_workspace, tmp_path, one, *steps))
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_torchrun(2, *_rm_args(tiny_workspace, tmp_path, two, *steps, "--context-parallel-size", "2"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected, got = _rows(one), _rows(two)
+    assert len(got) == len(expected) == 3
+    for a, b in zip(expected, got):
+        for key in ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_accuracy",
+                    "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    evals = [[row["eval/accuracy"] for row in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in row]
+             for out in (one, two)]
+    assert evals[0] == pytest.approx(evals[1]) and len(evals[0]) == 2  # before training and after step 3
+
+
 @pytest.mark.parametrize("extra, named", [
     (["--global-batch-size", "8"], "--global-batch-size must be 2 x --rollout-batch-size = 16"),
     (["--fully-async"], "--loss-type rm has no rollout to run asynchronously"),
     (["--rm-type", "exact_match"], "--rm-type: --loss-type rm generates nothing to reward"),
     (["--eval-rm-type", "exact_match"], "--eval-rm-type: --loss-type rm generates nothing to reward"),
     (["--lora-rank", "4"], "--loss-type rm with --lora-rank is not built yet"),
-    (["--context-parallel-size", "2"], "--loss-type rm with --context-parallel-size > 1 is not built yet"),
 ])
 def test_reward_model_flags_that_cannot_apply_are_refused_naming_them(tiny_workspace, tmp_path, extra, named):
     args = _rm_args(tiny_workspace, tmp_path, tmp_path / "x")[1:]
