@@ -166,11 +166,12 @@ def test_fully_async_streams_the_reference_in_its_own_process(tiny_workspace, tm
     is scored, the reference's process reads it there and writes its log-probs back, advantages stream in the
     controller, and the trainer reads groups carrying both; every group once, every sample with its fields."""
     out = tmp_path / "streaming"
-    # the paced reward (30 ms a sample) spaces the groups' arrivals: the trainer, waiting from the run's start, gets
-    # step 1 in several chunks (a chunk is all that landed while the last one trained)
+    # the serial reward (100 ms a sample, one at a time) spaces the groups' arrivals 0.4 s apart, far more than the
+    # reader's poll: the trainer, waiting from the run's start, gets step 1 in several chunks (a chunk is all that
+    # landed while the last one trained; a faster reward let all four land before the first read now and then)
     cfg = parse_config(tiny_train_args(tiny_workspace, out, "--placement", "ray", "--fully-async", "--max-staleness",
                                        "1", "--use-kl-loss", "--kl-loss-coef", "0.1", "--rollout-max-batch-size", "4",
-                                       "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_paced", *RUN))
+                                       "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_serial", *RUN))
     _run_with_ray(cfg)
     rows = _assert_finite_losses(out)
     assert rows[0]["perf/train_chunks"] > 1, rows[0]
@@ -407,11 +408,11 @@ def test_two_actor_ranks_train_each_step_as_it_arrives_from_keys_as_one_process_
     from relax.core.loops import loop_class
     from relax.core.placement.in_process import InProcessPlacement
 
-    # (--adam-eps: see the sync test above; a group per engine batch and the paced reward space the groups'
-    # arrivals, so the trainer takes the step in several chunks)
+    # (--adam-eps: see the sync test above; a group per engine batch and the serial reward space the groups'
+    # arrivals 0.4 s apart, so the trainer takes the step in several chunks)
     one_step = ("--fully-async", "--max-staleness", "0", "--num-rollout", "1", "--skip-eval-before-train",
                 "--dump-samples", "0", "--no-use-tensorboard", "--adam-eps", "1.0", "--rollout-max-batch-size", "4",
-                "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_paced")
+                "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction_serial")
     cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path / "two", "--placement", "ray", "--resource",
                                        '{"actor": [2, 1], "rollout": [1, 1]}', "--tensor-model-parallel-size", "2",
                                        *one_step))
