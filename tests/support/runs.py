@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 # A subprocess's limit: far above any run's expected time (a few minutes at most), so that a loaded machine (the
 # suite beside other work, at many times the cores' load) slows a test down and never fails it; a hung run still ends.
@@ -58,6 +60,26 @@ def run_torchrun(nproc: int, *relax_args: str, attempts: int = 3) -> subprocess.
         if result.returncode == 0 or "EADDRINUSE" not in result.stderr:
             return result
     return result
+
+
+def assert_torchrun_takes_the_one_process_steps(args_of, root: Path, keys: tuple[str, ...], steps: int,
+                                                *torchrun_flags: str, nproc: int = 2) -> tuple[Path, Path]:
+    """``relax <args_of(out)>`` once in one process (``root/one``) and once under ``torchrun --nproc-per-node nproc``
+    with ``torchrun_flags`` added (``root/two``); both succeed, log ``steps`` training rows, and every step's ``keys``
+    agree to 1e-5. Returns the two run directories."""
+    from relax.telemetry.metrics_file import read_metrics
+
+    one, two = root / "one", root / "two"
+    result = run_relax(*args_of(one))
+    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_torchrun(nproc, *args_of(two, *torchrun_flags))
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected, got = ([row for row in read_metrics(out / "metrics.jsonl") if "train/loss" in row] for out in (one, two))
+    assert len(got) == len(expected) == steps
+    for a, b in zip(expected, got):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    return one, two
 
 
 def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, str] | None = None,

@@ -65,21 +65,13 @@ def test_dpo_with_context_parallel_ranks_takes_the_single_process_steps(tiny_wor
     """`torchrun --nproc-per-node 2 relax train --loss-type dpo --context-parallel-size 2`: each rank holds half of
     every packed row's tokens (the policy's and the reference's forwards alike), the sequence log-probs are sums over
     both halves, and three steps give the one-process run's losses, implicit rewards and gradient norms."""
-    from tests.support.runs import run_torchrun
+    from tests.support.runs import assert_torchrun_takes_the_one_process_steps
 
     pairs = _pairs(tiny_workspace, tmp_path)
-    one, two = tmp_path / "one", tmp_path / "two"
-    steps = ("--num-rollout", "3", "--clip-grad", "1.0")
-    result = run_relax(*_dpo_args(tiny_workspace, pairs, one, *steps))
-    assert result.returncode == 0, result.stderr[-2000:]
-    result = run_torchrun(2, *_dpo_args(tiny_workspace, pairs, two, *steps, "--context-parallel-size", "2"))
-    assert result.returncode == 0, result.stderr[-4000:]
-    expected, got = _rows(one), _rows(two)
-    assert len(got) == len(expected) == 3
-    for a, b in zip(expected, got):
-        for key in ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_margin",
-                    "train/logps_chosen", "train/grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert_torchrun_takes_the_one_process_steps(
+        lambda out, *extra: _dpo_args(tiny_workspace, pairs, out, "--num-rollout", "3", "--clip-grad", "1.0", *extra),
+        tmp_path, ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_margin",
+                   "train/logps_chosen", "train/grad_norm"), 3, "--context-parallel-size", "2")
 
 
 def test_simpo_needs_no_reference_and_the_other_variants_do(tiny_workspace, tmp_path):

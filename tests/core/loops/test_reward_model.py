@@ -134,20 +134,13 @@ def test_reward_model_with_context_parallel_ranks_takes_the_single_process_steps
     every packed row's tokens; a completion's score is read at its last token on whichever rank holds it (the trainer
     scores each response token at its own position) and gathered; three steps give the one-process run's losses,
     scores and held-out pair accuracy."""
-    from tests.support.runs import run_torchrun
+    from tests.support.runs import assert_torchrun_takes_the_one_process_steps
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    steps = ("--num-rollout", "3", "--clip-grad", "1.0", "--eval-interval", "3")
-    result = run_relax(*_rm_args(tiny_workspace, tmp_path, one, *steps))
-    assert result.returncode == 0, result.stderr[-2000:]
-    result = run_torchrun(2, *_rm_args(tiny_workspace, tmp_path, two, *steps, "--context-parallel-size", "2"))
-    assert result.returncode == 0, result.stderr[-4000:]
-    expected, got = _rows(one), _rows(two)
-    assert len(got) == len(expected) == 3
-    for a, b in zip(expected, got):
-        for key in ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_accuracy",
-                    "train/grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    one, two = assert_torchrun_takes_the_one_process_steps(
+        lambda out, *extra: _rm_args(tiny_workspace, tmp_path, out, "--num-rollout", "3", "--clip-grad", "1.0",
+                                     "--eval-interval", "3", *extra),
+        tmp_path, ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_accuracy",
+                   "train/grad_norm"), 3, "--context-parallel-size", "2")
     evals = [[row["eval/accuracy"] for row in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in row]
              for out in (one, two)]
     assert evals[0] == pytest.approx(evals[1]) and len(evals[0]) == 2  # before training and after step 3
