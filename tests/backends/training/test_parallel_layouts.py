@@ -324,29 +324,13 @@ def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(
     is its embedding): each rank generates half of the groups, seeded per sample, so the same samples as one
     engine; three steps give the one-process run's metrics, and `relax export` of the sharded run's checkpoint
     gives the one-process run's Hugging Face folder."""
-    import json
-
-    from tests.support.runs import run_relax, run_torchrun, tiny_train_args
-
-    def train_metrics(run_dir: Path) -> list[dict]:
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if k.startswith("train/")} for row in rows if "train/loss" in row]
+    from tests.support.runs import assert_torchrun_takes_the_one_process_steps, run_relax, tiny_train_args
 
     workspace = moe_workspace if layout == "expert" else tiny_workspace
     args = ("--num-rollout", "3", "--clip-grad", "1.0", "--save-interval", "3")
-    single = run_relax("train", *tiny_train_args(workspace, tmp_path / "one", *args))
-    assert single.returncode == 0, single.stderr[-3000:]
-    result = run_torchrun(2, "train", *tiny_train_args(workspace, tmp_path / "two", *args,
-                                                       f"--{layout}-model-parallel-size", "2"))
-    assert result.returncode == 0, result.stderr[-4000:]
-    expected, got = train_metrics(tmp_path / "one"), train_metrics(tmp_path / "two")
-    assert len(got) == len(expected) == 3
-    for step, (row, reference) in enumerate(zip(got, expected)):
-        assert row.keys() == reference.keys()
-        for key, value in reference.items():
-            if key.endswith("_s") or "time" in key:
-                continue
-            assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+    assert_torchrun_takes_the_one_process_steps(lambda out, *extra: ["train", *tiny_train_args(workspace, out, *args,
+                                                                                                 *extra)],
+                                                tmp_path, 3, f"--{layout}-model-parallel-size", "2")
     from safetensors.torch import load_file
 
     exported = {}

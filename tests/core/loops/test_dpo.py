@@ -70,8 +70,7 @@ def test_dpo_with_context_parallel_ranks_takes_the_single_process_steps(tiny_wor
     pairs = _pairs(tiny_workspace, tmp_path)
     assert_torchrun_takes_the_one_process_steps(
         lambda out, *extra: _dpo_args(tiny_workspace, pairs, out, "--num-rollout", "3", "--clip-grad", "1.0", *extra),
-        tmp_path, ("train/loss", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_margin",
-                   "train/logps_chosen", "train/grad_norm"), 3, "--context-parallel-size", "2")
+        tmp_path, 3, "--context-parallel-size", "2", abs_tol=1e-6)
 
 
 def test_simpo_needs_no_reference_and_the_other_variants_do(tiny_workspace, tmp_path):
