@@ -78,6 +78,17 @@ def first_reach(curve: list[dict], target: float) -> float | None:
     return next((point["seconds"] for point in curve[1:] if point["accuracy"] >= target - 1e-9), None)
 
 
+def held_out_problems(config: dict, base: Path) -> int:
+    """How many problems the config's held-out sets hold (``--eval-prompt-data``, row slices applied)."""
+    from relax.data.dataset import parse_data_spec
+
+    total = 0
+    for spec in config["eval_prompt_data"].values():
+        path, rows = parse_data_spec(str(base / spec))
+        total += len([line for line in path.read_text().splitlines() if line.strip()][rows])
+    return total
+
+
 def standard_error(accuracy: float, problems: int) -> float:
     return math.sqrt(max(accuracy * (1 - accuracy), 1e-12) / problems)
 
@@ -176,7 +187,6 @@ def main() -> None:
                         choices=["sync", "overlapped", "carry_over"])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-interval", type=int, default=25)
-    parser.add_argument("--eval-size", type=int, default=400, help="held-out problems (the config's set)")
     parser.add_argument("--over-sampling", type=float, default=1.5, help="carry_over: N = this x the batch size")
     parser.add_argument("--carry-max-staleness", type=int, default=2)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -197,8 +207,6 @@ def main() -> None:
     config = yaml.safe_load(args.config.read_text())
     # what the curves are of: the config's model folder, or its GGUF file
     args.model_label = "tiny random Qwen3" if args.tiny else config.get("gguf_file") or config["hf_checkpoint"]
-    if args.tiny:
-        args.eval_size = 16
     flags = mode_flags(4 if args.tiny else config["rollout_batch_size"], args.over_sampling, args.carry_max_staleness)
     if args.device == "cuda":
         import torch
@@ -210,6 +218,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.run_root or Path(tmp)
         config_path = tiny_config(config, root) if args.tiny else args.config
+        # the binomial standard errors' denominator, read from the sets the runs evaluate
+        args.eval_size = held_out_problems(yaml.safe_load(config_path.read_text()), ROOT)
         for mode in args.modes:
             out = root / mode
             command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(config_path),

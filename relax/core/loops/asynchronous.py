@@ -128,11 +128,11 @@ class AsyncController(SyncController):
     def _step_samples(self) -> int:
         return self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt
 
-    def _read(self, step: int, batch_size: int, all_ready: bool = False):
-        """The trainer's stream of ``step``'s groups, in batches of ``batch_size`` samples (with ``all_ready``: at
-        least that many, every group ready)."""
+    def _read(self, step: int, batch_size: int):
+        """The trainer's stream of ``step``'s groups, in batches of every group ready, at least ``batch_size``
+        samples (only the step's tail less)."""
         return self.plane.stream(step, batch_size, max_groups=self.cfg.rollout_batch_size, needs=self._streamed_fields,
-                                 all_ready=all_ready)
+                                 all_ready=True)
 
     async def _collect(self, step: int) -> list[Sample]:
         samples: list[Sample] = []
@@ -209,7 +209,7 @@ class AsyncController(SyncController):
         # A chunk is all that landed while the last one trained (at least chunk_size): a step already in when the
         # trainer gets to it trains as one chunk. Fixed chunks cost a forward and backward each, which on small
         # models is launch-bound time (the SmolLM2-135M run of benchmarks/modes_learning_gpu.py).
-        chunks = self._read(rollout_id, chunk_size, all_ready=True)
+        chunks = self._read(rollout_id, chunk_size)
         try:
             while True:
                 batch = await self._bounded(self._unless_a_streaming_role_fails(anext(chunks, None)),

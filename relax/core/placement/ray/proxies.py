@@ -201,7 +201,7 @@ class RemoteCritic(RemoteRole):
 
 
 class RemoteDataSource:
-    """The rollout's prompt cursor, read, set and (for the loops that train on the dataset: SFT, DPO) advanced
+    """The rollout's prompt cursor, read, set and (for the loops that train on the dataset: SFT, DPO, rm) advanced
     through the rollout worker."""
 
     def __init__(self, rollout: RemoteRole) -> None:
