@@ -73,12 +73,16 @@ def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30) -
 
     torch.cuda.synchronize()
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         backend.train_step(batch, LOSS)
         torch.cuda.synchronize()
     wall = time.perf_counter() - started
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), flush=True)
+    # the same operators by input shape: which tensors the copies and elementwise passes are made of
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=rows,
+                                                             max_name_column_width=40, max_shapes_column_width=90),
+          flush=True)
     kernel_s = sum(e.self_device_time_total for e in events) / 1e6
     return {"profiled_wall_s": round(wall, 3), "kernel_s": round(kernel_s, 3),
             "gpu_busy": round(kernel_s / wall, 3)}
@@ -162,6 +166,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                       gradient_checkpointing=base.gradient_checkpointing and not args.no_checkpointing,
                                       liger_kernel=cuda and not args.no_liger, fsdp_single_process=args.fsdp),
     }
+    # the packed trainer before the compiled RMSNorms and the grouped-query attention without repeated keys/values
+    variants["packed_kernels_before"] = dataclasses.replace(variants["packed"], rms_norm_kernel="liger",
+                                                            attention_repeat_kv=True,
+                                                            activations_in_compute_dtype=False)
     results = {}
     for variant, settings in variants.items():
         if variant not in args.variants.split(","):
@@ -176,7 +184,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "liger_kernel": settings.liger_kernel,
                                          "gradient_accumulation_fusion": settings.gradient_accumulation_fusion,
                                          "bf16_parameters_fsdp": settings.fsdp_single_process and cuda,
-                                         "moe_grouped_gemm": settings.moe_grouped_gemm},
+                                         "moe_grouped_gemm": settings.moe_grouped_gemm,
+                                         "rms_norm_kernel": settings.rms_norm_kernel,
+                                         "attention_repeat_kv": settings.attention_repeat_kv,
+                                         "activations_in_compute_dtype": settings.activations_in_compute_dtype},
                             **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile)}
         print(name, variant, json.dumps(results[variant]), flush=True)
     lengths = batch.response_lengths
@@ -184,7 +195,8 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                                 "response_len_min": min(lengths), "response_len_max": max(lengths),
                                                 "response_len_mean": sum(lengths) / len(lengths)},
             **results, **{f"speedup_over_{base}": round(results[base]["s_per_step"] / results["packed"]["s_per_step"], 2)
-                          for base in ("previous", "hf_experts") if base in results and "packed" in results}}
+                          for base in ("previous", "hf_experts", "packed_kernels_before")
+                          if base in results and "packed" in results}}
 
 
 def main() -> None:
@@ -205,7 +217,9 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="packed path without checkpointing on 4b")
     parser.add_argument("--variants", default="previous,packed",
                         help="comma-separated: previous, hf_experts (MoE: the packed trainer with transformers' own "
-                             "experts, the path before grouped_experts), packed")
+                             "experts, the path before grouped_experts), packed_kernels_before (packed with "
+                             "liger's RMSNorm, keys/values repeated for grouped-query attention and a float32 "
+                             "residual stream), packed")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
     parser.add_argument("--log-probs-chunk-size", type=int, default=4096, help="packed path's LM-head chunk")
     parser.add_argument("--fsdp", action="store_true",
@@ -224,6 +238,7 @@ def main() -> None:
     headline = {f"{name}_{key}": value for name, result in per_shape.items()
                 for key, value in (("speedup", result.get("speedup_over_previous")),
                                    ("speedup_over_hf_experts", result.get("speedup_over_hf_experts")),
+                                   ("speedup_over_kernels_before", result.get("speedup_over_packed_kernels_before")),
                                    ("mfu_989", result.get("packed", {}).get("mfu_989")),
                                    ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {

@@ -118,6 +118,41 @@ def test_flash_varlen_attention_matches_per_sequence_sdpa_on_cuda():
     (reference * upstream).sum().backward()
     for fast, exact in zip(flash_inputs, reference_inputs):
         torch.testing.assert_close(fast.grad.float(), exact.grad, atol=5e-2, rtol=5e-2)
+    # the keys and values repeated to the query heads first (the path before) give the same outputs and gradients
+    repeated_inputs = [t.clone().requires_grad_() for t in inputs]
+    repeated, _ = varlen_attention.packed_attention_forward(
+        torch.nn.Module().eval(), *repeated_inputs, None,
+        relax_packed=varlen_attention.PackedAttention.of(cu, max(lengths), torch.device("cuda"), repeat_kv=True))
+    torch.testing.assert_close(repeated, flash, atol=1e-2, rtol=1e-2)
+    (repeated.float() * upstream).sum().backward()
+    for grouped, previous in zip(flash_inputs, repeated_inputs):
+        torch.testing.assert_close(grouped.grad, previous.grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows, width", [(4099, 1024), (40000, 128), (1, 64)])
+def test_the_compiled_rms_norm_matches_the_float32_reference_on_cuda(rows, width):
+    """`compiled_norm.compiled_rms_norm` (Inductor), forward and backward, against the same math in float32, on the
+    trainer's input dtype (bf16 rows, a float32 weight), and liger's kernel it replaced within the same bounds."""
+    from liger_kernel.transformers.functional import liger_rms_norm
+
+    from relax.backends.training.compiled_norm import compiled_rms_norm, rms_norm_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(1, rows, width, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(width, device="cuda")
+    dy = torch.randn_like(x)
+    xr, wr = x.float().requires_grad_(), w.clone().requires_grad_()
+    reference = rms_norm_reference(xr, wr, 1e-6)
+    reference.backward(dy.float())
+    for name, fn in (("compiled", compiled_rms_norm),
+                     ("liger", lambda a, b, eps: liger_rms_norm(a, b, eps, 0.0, "llama", False))):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, 1e-6)
+        y.backward(dy)
+        assert y.dtype == torch.bfloat16 and wi.grad.dtype == torch.float32, name
+        torch.testing.assert_close(y.float(), reference, atol=3e-2, rtol=1e-2, msg=name)
+        torch.testing.assert_close(xi.grad.float(), xr.grad, atol=5e-2, rtol=2e-2, msg=name)
+        torch.testing.assert_close(wi.grad, wr.grad, atol=1e-1, rtol=2e-2, msg=name)
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
@@ -199,14 +234,20 @@ def test_liger_kernels_fusion_and_bf16_parameters_agree_with_the_autocast_path(t
     if liger_unavailable_reason(device):
         pytest.skip(liger_unavailable_reason(device))
     base = replace(make_backend(tiny_workspace / "model").settings, device=device, compute_dtype=torch.bfloat16,
-                   max_tokens_per_gpu=64, liger_kernel=False, gradient_accumulation_fusion=False)
+                   max_tokens_per_gpu=64, liger_kernel=False, gradient_accumulation_fusion=False,
+                   activations_in_compute_dtype=False, attention_repeat_kv=True)
     results = {}
     fused = replace(base, gradient_accumulation_fusion=True)
-    for name, settings in (("previous", base), ("fusion", fused), ("liger", replace(fused, liger_kernel=True)),
-                           ("fsdp-liger", replace(fused, liger_kernel=True, fsdp_single_process=True))):
+    # "liger": liger's RMSNorm too (the kernels before); "kernels": today's defaults (compiled RMSNorms, grouped
+    # keys/values read by the attention kernel, the residual stream in bf16)
+    kernels = replace(fused, liger_kernel=True, rms_norm_kernel="compiled", attention_repeat_kv=False,
+                      activations_in_compute_dtype=True)
+    for name, settings in (("previous", base), ("fusion", fused),
+                           ("liger", replace(fused, liger_kernel=True, rms_norm_kernel="liger")),
+                           ("kernels", kernels), ("fsdp-liger", replace(fused, liger_kernel=True, fsdp_single_process=True))):
         backend = FSDPTrainBackend(tiny_workspace / "model", settings)
         assert backend.fsdp == name.startswith("fsdp")
-        assert (backend._weight_casts is not None) == (name in ("fusion", "liger"))
+        assert (backend._weight_casts is not None) == (name in ("fusion", "liger", "kernels"))
         log_probs = backend.compute_log_probs(make_batch()).log_probs
         metrics = backend.train_step(make_batch(), LOSS)
         results[name] = (log_probs, metrics)

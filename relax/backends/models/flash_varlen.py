@@ -37,6 +37,24 @@ def causal_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if takes_gqa:
         extra["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _flash_gqa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale)
     return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale=scale, **extra)
+
+
+def _flash_gqa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Grouped-query attention where `varlen_attn` takes no ``enable_gqa`` (PyTorch 2.11): the FlashAttention-2
+    kernel underneath reads each KV head for its group of query heads by itself (and sums their key and value
+    gradients in its backward), so the keys and values are passed as they are. Repeating them to the query heads
+    first, as before, cost two copies in the forward and two reductions in the backward per layer (the 0.6B
+    trainer's H200 profile; `benchmarks/train_kernels_gpu.py` times both)."""
+    out, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, 0.0, True,
+                                                       False, scale=scale)
+    return out
+
+
+def repeat_kv_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """The path before `_flash_gqa`: the keys and values repeated to the query heads (the benchmark's baseline)."""
+    varlen_attn, causal, _ = _varlen_kernel()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale=scale, **causal)

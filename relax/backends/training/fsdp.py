@@ -50,6 +50,7 @@ from relax.backends.models.registry import traits
 from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.checkpoint_state import load_state, save_state
+from relax.backends.training.compiled_norm import use_compiled_rms_norms
 from relax.backends.training.context_parallel import ContextSlice, gather_response_outputs, split_packed
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
@@ -58,11 +59,11 @@ from relax.backends.training.liger import (
     liger_unavailable_reason,
     rope_scope,
 )
-from relax.backends.training.lora import inject, is_adapter, merged_named_weights
-from relax.backends.training.master_weights import MasterWeightCasts, use_master_weight_linears
-from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.log_probs import TokenLogProbs
+from relax.backends.training.lora import inject, is_adapter, merged_named_weights
+from relax.backends.training.master_weights import MasterWeightCasts, embed_in_compute_dtype, use_master_weight_linears
 from relax.backends.training.mesh import CP_FLAG, PP_FLAG, SP_FLAG, TP_FLAG, ParallelDims
+from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
     balanced_partition,
@@ -160,9 +161,13 @@ class FSDPTrainBackend(TrainBackend):
             if reason:
                 raise RuntimeError(f"liger kernels asked for, but {reason}")
             counts = apply_liger_kernels(language_model(hf_model))
+            if settings.rms_norm_kernel == "compiled":
+                use_compiled_rms_norms(language_model(hf_model))
+            elif settings.rms_norm_kernel != "liger":
+                raise ValueError(f"rms_norm_kernel must be 'compiled' or 'liger', not {settings.rms_norm_kernel!r}")
             self._liger = bool(counts["rope"])
-            logger.info("liger-kernel: %d RMSNorms, %d SwiGLU MLPs%s", counts["rms_norm"], counts["swiglu"],
-                        ", RoPE" if counts["rope"] else "")
+            logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s)", counts["swiglu"],
+                        ", RoPE" if counts["rope"] else "", counts["rms_norm"], settings.rms_norm_kernel)
         self._warned_oversized = False
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []
@@ -211,6 +216,8 @@ class FSDPTrainBackend(TrainBackend):
             use_master_weight_linears(self.model, self._weight_casts)
             if settings.moe_grouped_gemm:
                 set_master_weight_casts(self.model, self._weight_casts)
+        if trainable and low_precision and not self.fsdp and settings.activations_in_compute_dtype:
+            embed_in_compute_dtype(hf_model, settings.compute_dtype)
         self.model.train(trainable)
         if self.lora is not None:
             for name, parameter in self.model.named_parameters():
@@ -358,7 +365,8 @@ class FSDPTrainBackend(TrainBackend):
                 position_ids = to_device(packed.position_ids, device)
             inputs = {"input_ids": to_device(packed.input_ids, device), "attention_mask": None,
                       "position_ids": position_ids, "predict_index": to_device(packed.predict_index, device),
-                      "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device, context)}
+                      "packing": PackedAttention.of(packed.cu_seqlens, packed.max_seqlen, device, context,
+                                                    self.settings.attention_repeat_kv)}
             targets = packed.targets
         else:
             input_ids, attention_mask, predict_index, targets = pad_sequences(tokens, mb.response_lengths,

@@ -114,3 +114,20 @@ def use_master_weight_linears(model: nn.Module, casts: MasterWeightCasts) -> int
             module.forward = types.MethodType(_linear_forward, module)
             count += 1
     return count
+
+
+def embed_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Cast the token embedding's output to ``dtype``, so the residual stream and every activation after it are in
+    the compute dtype, as under FSDP's mixed precision. A float32 embedding otherwise keeps the residual stream in
+    float32 under autocast, and every linear casts its input down in the forward and its input gradient back up in
+    the backward: on the H200 profile of the Qwen3-0.6B shape's step, a dozen copies of the hidden states per layer
+    and micro-batch (`benchmarks/train_gpu.py --profile`). Returns whether the model has an input embedding."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        return False
+
+    def cast(module, inputs, output):
+        return output.to(dtype) if torch.is_floating_point(output) else output
+
+    embedding.register_forward_hook(cast)
+    return True

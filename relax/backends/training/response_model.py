@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
 from torch.distributed.tensor import DTensor, Shard
 
 from relax.backends.training.log_probs import TokenLogProbs, token_log_probs

@@ -52,6 +52,16 @@ class TrainSettings:
     balance_data: bool = False  # give ranks equal token counts instead of a strided share of samples
     fused_optimizer: bool = True  # fused AdamW kernels on CUDA (foreach elsewhere)
     liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)
+    # With liger_kernel: the RMSNorms from torch.compile ("compiled", `compiled_norm`: faster on the H200) or from
+    # liger-kernel ("liger", the path before, kept as `benchmarks/train_gpu.py`'s baseline).
+    rms_norm_kernel: str = "compiled"
+    # Grouped-query attention with the keys and values repeated to the query heads before the packed attention
+    # kernel (the path before; `benchmarks/train_gpu.py`'s baseline). False: the kernel reads them per group.
+    attention_repeat_kv: bool = False
+    # Outside FSDP in low precision: the embedding's output cast to compute_dtype, so the residual stream and the
+    # activations are in it (as under FSDP's mixed precision; `master_weights.embed_in_compute_dtype`). False: the
+    # float32 embedding keeps them in float32 under autocast (the path before; `benchmarks/train_gpu.py`'s baseline).
+    activations_in_compute_dtype: bool = True
     # One process on CUDA through FSDP2 too, for its mixed precision (bf16 parameters in the forward and backward,
     # float32 master weights and gradients) instead of float32 parameters under autocast. Off: on the H200 it
     # measured 0.83x the autocast path's tokens/s on the Qwen3-0.6B shape (FSDP's per-layer gathers and hooks

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from relax.backends.models import flash_varlen
-from relax.backends.models.flash_varlen import causal_varlen_attention
+from relax.backends.models.flash_varlen import causal_varlen_attention, repeat_kv_attention
 from relax.backends.training.context_parallel import ContextSlice, ulysses_attention
 from relax.backends.training.packing import to_device
 
@@ -38,12 +38,13 @@ class PackedAttention:
     max_seqlen: int
     boundaries: tuple[int, ...]  # cu_seqlens on the host, for the per-sequence fallback
     context: ContextSlice | None = None  # context parallel: this rank holds a slice of the row's tokens
+    repeat_kv: bool = False  # keys and values repeated to the query heads first (the path before; a benchmark's)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device,
-           context: ContextSlice | None = None) -> PackedAttention:
+           context: ContextSlice | None = None, repeat_kv: bool = False) -> PackedAttention:
         host = cu_seqlens.to(dtype=torch.int32)
-        return cls(to_device(host, device), int(max_seqlen), tuple(host.tolist()), context)
+        return cls(to_device(host, device), int(max_seqlen), tuple(host.tolist()), context, repeat_kv)
 
 
 def _half_dtype(value: torch.Tensor) -> torch.dtype | None:
@@ -63,8 +64,8 @@ def _flash_attend(q, k, v, packing: PackedAttention, scale: float, dtype: torch.
         v = F.pad(v, (0, head - value_head))
     elif value_head > head:
         q, k = F.pad(q, (0, value_head - head)), F.pad(k, (0, value_head - head))
-    out = causal_varlen_attention(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen,
-                                  packing.max_seqlen, scale)
+    attention = repeat_kv_attention if packing.repeat_kv and k.shape[1] != q.shape[1] else causal_varlen_attention
+    out = attention(q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_seqlen, packing.max_seqlen, scale)
     return out[..., :value_head]
 
 

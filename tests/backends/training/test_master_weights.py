@@ -130,3 +130,32 @@ def test_backend_step_with_fusion_matches_autocast_and_casts_once(tiny_workspace
     # a frozen model loads in bf16: nothing to cast, nothing patched
     frozen = FSDPTrainBackend(model_dir, _settings(compute_dtype=BF16), trainable=False)
     assert frozen._weight_casts is None
+
+
+def test_the_residual_stream_is_in_the_compute_dtype_and_learns_as_the_float32_one(tiny_workspace):
+    """`embed_in_compute_dtype`: with the embedding's output cast, every decoder layer takes (and the residual stream
+    carries) bf16 hidden states; without it they are float32 under autocast (the path before). The step's loss and
+    every float32 master gradient, the embedding's included, agree up to bf16 rounding."""
+    model_dir = tiny_workspace / "model"
+    batch = _rl_batch()
+    results = {}
+    for cast in (False, True):
+        settings = dataclasses.replace(_settings(compute_dtype=BF16, max_tokens_per_gpu=24),
+                                       activations_in_compute_dtype=cast)
+        backend = FSDPTrainBackend(model_dir, settings)
+        seen = set()
+        layers = [m for m in backend.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        assert layers
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda module, args, kwargs, seen=seen: seen.add(
+                args[0].dtype if args else kwargs["hidden_states"].dtype), with_kwargs=True)
+        metrics = backend.train_step(batch, LOSS)
+        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+        results[cast] = (seen, metrics, grads)
+    assert results[True][0] == {BF16} and results[False][0] == {torch.float32}
+    (_, m_before, g_before), (_, m_cast, g_cast) = results[False], results[True]
+    assert g_before.keys() == g_cast.keys() and any("embed" in name for name in g_cast)
+    for name in g_before:
+        assert g_cast[name].dtype == torch.float32
+        torch.testing.assert_close(g_cast[name], g_before[name], atol=1e-2, rtol=1e-1, msg=name)
+    assert abs(m_cast["loss"] - m_before["loss"]) < 2e-2

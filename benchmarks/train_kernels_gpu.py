@@ -1,0 +1,145 @@
+"""The trainer's elementwise and attention kernels, each beside the one it replaced, on the shapes of a packed
+Qwen3-0.6B micro-batch (32,768 tokens; 16 query and 8 KV heads of 128; hidden 1,024).
+
+- RMSNorm forward + backward: liger-kernel's (the path before) against `compiled_norm` (Inductor) and the
+  eager reference, for the layer norms' rows of 1,024 and the per-head query/key norms' rows of 128; time, the
+  bandwidth it reaches (bytes: read x, write y; read x and dy, write dx), and the largest error of y, dx and dw
+  against the reference computed in float32;
+- packed causal attention forward + backward with grouped-query heads: keys and values repeated to the query
+  heads (the path before) against the FlashAttention kernel reading them per group (`flash_varlen._flash_gqa`).
+
+Every variant runs in this one process on one card; times are medians of CUDA-event timings after warm-up.
+Writes ``benchmarks/results/train_kernels_gpu.json`` (headline speedups at the top level).
+
+    python -m benchmarks.train_kernels_gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from relax.backends.models.flash_varlen import causal_varlen_attention, repeat_kv_attention
+from relax.backends.training.compiled_norm import compiled_rms_norm, rms_norm_reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BANDWIDTH = 4.3e12  # bytes/s the H200 copies at
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """The card's time for ``fn``'s kernels: the stream is held by a sleep kernel while the host queues them, so
+    the launches' host cost (which a training step's deep queue hides) is not what is timed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # ~10 ms at the H200's clock: longer than queueing any variant here
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def liger_rms_norm(hidden, weight, eps):
+    from liger_kernel.transformers.functional import liger_rms_norm as liger
+
+    return liger(hidden, weight, eps, 0.0, "llama", False)
+
+
+def bench_norm(rows: int, cols: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(cols, device="cuda")).requires_grad_()
+    dy = torch.randn_like(x)
+    eps = 1e-6
+    xr = x.float().requires_grad_()
+    wr = w.detach().clone().requires_grad_()
+    ref = rms_norm_reference(xr, wr, eps)  # float32 throughout: the yardstick of every variant's error
+    ref.backward(dy.float())
+    out = {"rows": rows, "cols": cols}
+    for name, fn in (("liger", liger_rms_norm), ("compiled", compiled_rms_norm), ("eager", rms_norm_reference)):
+        xi = x.detach().clone().requires_grad_()
+        wi = w.detach().clone().requires_grad_()
+
+        def step(fn=fn, xi=xi, wi=wi):
+            xi.grad = wi.grad = None
+            fn(xi, wi, eps).backward(dy)
+
+        ms = median_ms(step)
+        y = fn(xi, wi, eps)
+        xi.grad = wi.grad = None
+        y.backward(dy)
+        moved = 5 * x.numel() * x.element_size()
+        out[name] = {"ms": round(ms, 4), "bandwidth_fraction": round(moved / (ms / 1e3) / BANDWIDTH, 3),
+                     "max_err_y": (y.float() - ref.detach()).abs().max().item(),
+                     "max_err_dx": (xi.grad.float() - xr.grad).abs().max().item(),
+                     "max_rel_err_dw": ((wi.grad - wr.grad).abs().max() / wr.grad.abs().max()).item()}
+    out["speedup_compiled_vs_liger"] = round(out["liger"]["ms"] / out["compiled"]["ms"], 2)
+    return out
+
+
+def bench_gqa(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> dict:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    lengths, total = [], 0
+    while total < tokens:  # RL-shaped: 256-token prompts and responses of 32-1024 tokens
+        length = min(256 + int(torch.randint(32, 1025, (1,), generator=generator)), tokens - total)
+        lengths.append(length)
+        total += length
+    cu = torch.tensor([0] + lengths, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    scale = dim ** -0.5
+    results: dict = {"tokens": tokens, "sequences": len(lengths), "heads": heads, "kv_heads": kv_heads}
+    grads = {}
+    for name, fn in (("repeat_kv", repeat_kv_attention), ("grouped", causal_varlen_attention)):
+        qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def step(fn=fn, qi=qi, ki=ki, vi=vi):
+            qi.grad = ki.grad = vi.grad = None
+            fn(qi, ki, vi, cu, cu, max(lengths), max(lengths), scale).backward(dout)
+
+        ms = median_ms(step)
+        step()
+        grads[name] = (fn(qi, ki, vi, cu, cu, max(lengths), max(lengths), scale).detach(), qi.grad, ki.grad, vi.grad)
+        results[name] = {"ms": round(ms, 4)}
+    a, b = grads["repeat_kv"], grads["grouped"]
+    results["max_abs_diff"] = {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(("out", "dq", "dk", "dv"),
+                                                                                                 a, b)}
+    results["speedup_grouped_vs_repeat_kv"] = round(results["repeat_kv"]["ms"] / results["grouped"]["ms"], 2)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=RESULTS / "train_kernels_gpu.json")
+    args = parser.parse_args()
+    norms = {f"{rows}x{cols}": bench_norm(rows, cols) for rows, cols in ((32768, 1024), (32768 * 16, 128),
+                                                                          (32768 * 8, 128))}
+    for key, row in norms.items():
+        print(f"rmsnorm {key}: liger {row['liger']['ms']:.3f} ms ({row['liger']['bandwidth_fraction']:.0%} of HBM), "
+              f"compiled {row['compiled']['ms']:.3f} ms ({row['compiled']['bandwidth_fraction']:.0%}), eager "
+              f"{row['eager']['ms']:.3f} ms: {row['speedup_compiled_vs_liger']}x", flush=True)
+    gqa = bench_gqa()
+    print(f"gqa attention: repeat_kv {gqa['repeat_kv']['ms']:.3f} ms, grouped {gqa['grouped']['ms']:.3f} ms: "
+          f"{gqa['speedup_grouped_vs_repeat_kv']}x; max diffs {gqa['max_abs_diff']}", flush=True)
+    out = {"benchmark": "train_kernels_gpu",
+           **{f"rmsnorm_{key}_speedup_compiled_vs_liger": row["speedup_compiled_vs_liger"] for key, row in norms.items()},
+           "gqa_speedup_grouped_vs_repeat_kv": gqa["speedup_grouped_vs_repeat_kv"],
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rmsnorm": norms, "gqa_attention": gqa}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
