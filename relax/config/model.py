@@ -42,8 +42,9 @@ class ModelSettings(BaseModel):
         "model",
     )
     liger_kernel: Literal["auto", "on", "off"] = setting(
-        "auto", "liger-kernel's fused RMSNorm, SwiGLU and RoPE kernels in the trainer's language model (Qwen2/3, "
-        "Llama, Mistral families): `auto` uses them on CUDA when liger-kernel is installed, `on` requires them.",
+        "auto", "Fused kernels in the trainer's language model (Qwen2/3, Llama, Mistral families): liger-kernel's "
+        "SwiGLU and RoPE, and RMSNorms compiled by torch.compile. `auto` uses them on CUDA when liger-kernel is "
+        "installed, `on` requires them.",
         "model",
     )
 

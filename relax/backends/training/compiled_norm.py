@@ -32,7 +32,9 @@ def rms_norm_reference(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -
 
 @lru_cache(maxsize=1)
 def _compiled():
-    return torch.compile(rms_norm_reference, fullgraph=True)
+    # Not fullgraph: past dynamo's recompile limit (8 row widths and dtypes in one process; a model has two or
+    # three) a call runs the same function eagerly instead of failing.
+    return torch.compile(rms_norm_reference)
 
 
 def compiled_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
