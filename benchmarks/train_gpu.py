@@ -67,16 +67,27 @@ def rl_batch(num_samples: int, prompt_len: int, min_response: int, max_response:
     return TrainBatch(tokens, lengths, [[1] * n for n in lengths], fields)
 
 
-def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30) -> dict:
-    """One step under the torch profiler: the kernels by total CUDA time, and how busy the GPU was."""
+def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30, stacks: bool = False) -> dict:
+    """One step under the torch profiler: the kernels by total CUDA time, and how busy the GPU was (``stacks``: also
+    the copies by the Python lines that made them)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    # verbose: the operators get their Python stacks (PyTorch 2.11+ records none without it)
+    config = torch._C._profiler._ExperimentalConfig(verbose=True) if stacks else None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=stacks,
+                 experimental_config=config) as prof:
         backend.train_step(batch, LOSS)
         torch.cuda.synchronize()
     wall = time.perf_counter() - started
+    if stacks:
+        copies = [e for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8) if e.key in ("aten::copy_", "aten::clone",
+                                                                               "aten::contiguous", "aten::to")]
+        for event in sorted(copies, key=lambda e: -e.device_time_total)[:12]:
+            print(f"{event.key} {event.device_time_total / 1e3:.1f} ms, {event.count} calls, shapes "
+                  f"{event.input_shapes}", flush=True)
+            print("    " + "\n    ".join(event.stack[:8]), flush=True)
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), flush=True)
     # the same operators by input shape: which tensors the copies and elementwise passes are made of
@@ -112,11 +123,11 @@ def release(backend: FSDPTrainBackend, cuda: bool) -> None:
 
 
 def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int,
-                profile: bool = False) -> dict:
+                profile: str | None = None) -> dict:
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
     backend.train_step(batch, LOSS)  # warm-up: allocator, kernels' autotuning
-    profiled = profile_step(backend, batch) if profile and cuda else {}
+    profiled = profile_step(backend, batch, stacks=profile == "stacks") if profile and cuda else {}
     seconds = seconds_per_step(backend, batch, steps, cuda)
     tokens = sum(len(t) for t in batch.tokens)
     flops = 6 * num_params * tokens / seconds
@@ -225,7 +236,9 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true",
                         help="packed path with FSDP2's bf16 parameters at one process instead of float32 ones under "
                              "autocast (TrainSettings.fsdp_single_process)")
-    parser.add_argument("--profile", action="store_true", help="print a torch-profiler table of one step per variant")
+    parser.add_argument("--profile", nargs="?", const="tables", choices=["tables", "stacks"], default=None,
+                        help="print torch-profiler tables of one step per variant (stacks: also the copies by the "
+                             "Python lines that made them)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_gpu.json")
     args = parser.parse_args()
