@@ -134,11 +134,12 @@ def test_the_compiled_rms_norm_matches_the_float32_reference_on_cuda(rows, width
     """`compiled_norm.compiled_rms_norm` (Inductor), forward and backward, against the same math in float32, on the
     trainer's input dtype (bf16 rows, a float32 weight); liger's kernel it replaced within the same bounds for the
     output and the input gradient (its weight gradient sums bf16-rounded products and misses the float32 sum by
-    more than the compiled one, which is held to 2%)."""
+    more than the compiled one, which is held to 1% of the largest entry)."""
     from liger_kernel.transformers.functional import liger_rms_norm
 
     from relax.backends.training.compiled_norm import compiled_rms_norm, rms_norm_reference
 
+    torch._dynamo.reset()  # past dynamo's recompile limit (the suite's other models' widths) the call runs eagerly
     torch.manual_seed(0)
     x = torch.randn(1, rows, width, device="cuda", dtype=torch.bfloat16)
     w = 1 + 0.1 * torch.randn(width, device="cuda")
@@ -154,8 +155,8 @@ def test_the_compiled_rms_norm_matches_the_float32_reference_on_cuda(rows, width
         assert y.dtype == torch.bfloat16 and wi.grad.dtype == torch.float32, name
         torch.testing.assert_close(y.float(), reference, atol=3e-2, rtol=1e-2, msg=name)
         torch.testing.assert_close(xi.grad.float(), xr.grad, atol=5e-2, rtol=2e-2, msg=name)
-        if name == "compiled":
-            torch.testing.assert_close(wi.grad, wr.grad, atol=1e-1, rtol=2e-2, msg=name)
+        if name == "compiled":  # a sum over the rows: its error grows with them, measured against the largest entry
+            assert (wi.grad - wr.grad).abs().max() <= 1e-2 * wr.grad.abs().max(), name
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp2"])
