@@ -28,8 +28,10 @@ def test_the_three_stages_configs_parse_into_their_runs():
     assert "reference" in roles_for_config(rl)  # the KL loss's
     ensemble = parse_config(["--config", str(EXAMPLE / "rl_rm_ensemble.yaml")])
     assert len(ensemble.rm_path) == 3 and ensemble.rm_ensemble_reduce == "min"
-    assert ensemble.model_dump(exclude={"rm_path", "rm_ensemble_reduce", "output_dir"}) == rl.model_dump(
-        exclude={"rm_path", "rm_ensemble_reduce", "output_dir"})  # rl_rm.yaml with the ensemble as its reward
+    # rl_rm.yaml with the ensemble as its reward, at the learning rate its figures were measured with (1e-5)
+    kept_apart = {"rm_path", "rm_ensemble_reduce", "output_dir", "lr"}
+    assert ensemble.model_dump(exclude=kept_apart) == rl.model_dump(exclude=kept_apart)
+    assert ensemble.lr == 2 * rl.lr == 1e-5
 
 
 @settings(max_examples=300, deadline=None)
