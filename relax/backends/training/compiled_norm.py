@@ -14,13 +14,9 @@ width for any number of rows: packed micro-batches change their token count at e
 
 from __future__ import annotations
 
-import types
 from functools import lru_cache
 
 import torch
-from torch import nn
-
-from relax.backends.training.liger import RMS_NORM_CLASSES
 
 
 def rms_norm_reference(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,16 +44,7 @@ def compiled_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return _compiled()(rows, weight, eps).view(shape)
 
 
-def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward through `compiled_rms_norm` (`liger.apply_liger_kernels` puts it on the
+    instances it patches)."""
     return compiled_rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def use_compiled_rms_norms(language_model: nn.Module) -> int:
-    """Put `compiled_rms_norm` on this model's RMSNorm instances (the classes liger's RMSNorm covers); how many."""
-    count = 0
-    for module in language_model.modules():
-        if type(module).__name__ in RMS_NORM_CLASSES and getattr(module, "weight", None) is not None \
-                and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_forward, module)
-            count += 1
-    return count

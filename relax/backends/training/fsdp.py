@@ -50,7 +50,7 @@ from relax.backends.models.registry import traits
 from relax.backends.models.routing_replay import RoutingReplay, token_routes
 from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend, TrainBatch
 from relax.backends.training.checkpoint_state import load_state, save_state
-from relax.backends.training.compiled_norm import use_compiled_rms_norms
+from relax.backends.training.compiled_norm import rms_norm_forward
 from relax.backends.training.context_parallel import ContextSlice, gather_response_outputs, split_packed
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
@@ -160,11 +160,10 @@ class FSDPTrainBackend(TrainBackend):
             reason = liger_unavailable_reason(settings.device)
             if reason:
                 raise RuntimeError(f"liger kernels asked for, but {reason}")
-            counts = apply_liger_kernels(language_model(hf_model))
-            if settings.rms_norm_kernel == "compiled":
-                use_compiled_rms_norms(language_model(hf_model))
-            elif settings.rms_norm_kernel != "liger":
+            if settings.rms_norm_kernel not in ("compiled", "liger"):
                 raise ValueError(f"rms_norm_kernel must be 'compiled' or 'liger', not {settings.rms_norm_kernel!r}")
+            counts = apply_liger_kernels(language_model(hf_model),
+                                         rms_norm_forward if settings.rms_norm_kernel == "compiled" else None)
             self._liger = bool(counts["rope"])
             logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s)", counts["swiglu"],
                         ", RoPE" if counts["rope"] else "", counts["rms_norm"], settings.rms_norm_kernel)

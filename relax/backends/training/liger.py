@@ -90,14 +90,15 @@ def _install_rope_dispatcher(model: nn.Module) -> bool:
     return True
 
 
-def apply_liger_kernels(language_model: nn.Module) -> dict[str, int]:
-    """Put the kernels on this model's norms and MLPs; how many of each (and whether RoPE dispatches)."""
+def apply_liger_kernels(language_model: nn.Module, rms_norm_forward=None) -> dict[str, int]:
+    """Put the kernels on this model's norms and MLPs; how many of each (and whether RoPE dispatches).
+    ``rms_norm_forward``: the norms' forward instead of liger's (`compiled_norm.rms_norm_forward`)."""
     counts = {"rms_norm": 0, "swiglu": 0, "rope": 0}
     for module in language_model.modules():
         name = type(module).__name__
         if name in RMS_NORM_CLASSES and getattr(module, "weight", None) is not None \
                 and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            module.forward = types.MethodType(rms_norm_forward or _rms_norm_forward, module)
             counts["rms_norm"] += 1
         elif name in GATED_MLP_CLASSES and _silu_gated(module):
             module.forward = types.MethodType(_gated_mlp_forward, module)

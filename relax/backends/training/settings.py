@@ -4,6 +4,7 @@ micro-batching, and the model options (LoRA, packing, kernels, MoE losses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -54,7 +55,7 @@ class TrainSettings:
     liger_kernel: bool = False  # liger-kernel's RMSNorm, SwiGLU and RoPE on the language model (CUDA)
     # With liger_kernel: the RMSNorms from torch.compile ("compiled", `compiled_norm`: faster on the H200) or from
     # liger-kernel ("liger", the path before, kept as `benchmarks/train_gpu.py`'s baseline).
-    rms_norm_kernel: str = "compiled"
+    rms_norm_kernel: Literal["compiled", "liger"] = "compiled"
     # Grouped-query attention with the keys and values repeated to the query heads before the packed attention
     # kernel (the path before; `benchmarks/train_gpu.py`'s baseline). False: the kernel reads them per group.
     attention_repeat_kv: bool = False

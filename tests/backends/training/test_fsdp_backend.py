@@ -215,3 +215,20 @@ def test_the_trainer_checkpoints_blocks_with_that_context(tiny_workspace):
     metrics = checkpointed.train_step(make_batch(), build_policy_loss_fn(
         PolicyLossSettings("ppo_clip", 0.2, 0.2, None, "token-mean")))
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_the_kernels_put_the_chosen_rms_norm_forward_on_every_norm_instance_only(tiny_workspace):
+    """`apply_liger_kernels` with `compiled_norm.rms_norm_forward` (the trainer's default on CUDA) patches each
+    RMSNorm instance of the language model, and none with liger's; Hugging Face's class keeps its forward."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from relax.backends.training import liger
+    from relax.backends.training.compiled_norm import rms_norm_forward
+
+    for chosen in (rms_norm_forward, None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_workspace / "model")
+        norms = [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+        counts = liger.apply_liger_kernels(model.model, chosen)
+        assert counts["rms_norm"] == len(norms) > 0
+        assert {m.forward.__func__ for m in norms} == {chosen or liger._rms_norm_forward}
+    assert modeling_qwen3.Qwen3RMSNorm.forward.__module__ == modeling_qwen3.__name__
