@@ -11,7 +11,8 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   mismatch of its samples against the bf16 model (k1 KL and mean |delta log-prob| per token, teacher-forced on the
   first 32 sequences): the figure ``--use-tis`` reports in training.
 
-Each is timed after a warm-up call (kernels compiled, graphs captured). Tokens/s counts new tokens over the
+Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
+``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
 wall time of the call (prefill included). The HBM bound of a setting is the decode-only time of reading, at
 every step, the weights once and every sequence's K/V so far, at ``--bandwidth`` bytes/s (4.3 TB/s measured
 copy bandwidth on the H200); the JSON gives each engine's fraction of it.
@@ -76,25 +77,37 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+def time_engine(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, device: str,
+                repeats: int = 1) -> dict:
+    """The median of ``repeats`` timed calls (each on its own prompts, so no call reuses another's cached
+    prefix; the first is ``prompts``), with the host's time per decode step of the median call."""
     asyncio.run(engine.generate(requests_for(prompts[:8], 8, "warmup")))
     synchronize(device)
-    steps_before = engine.core.steps if engine.core else None
-    if engine.core:
-        engine.core.host_seconds.clear()
-        engine.core.decode_steps = 0
-    started = time.perf_counter()
-    outputs = asyncio.run(engine.generate(requests_for(prompts, new_tokens, "timed")))
-    synchronize(device)
-    seconds = time.perf_counter() - started
-    produced = sum(len(o.output_ids) for o in outputs)
-    result = {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
-    if steps_before is not None:
-        result["engine_steps"] = engine.core.steps - steps_before
-        decode_steps = max(engine.core.decode_steps, 1)
-        result["host_ms_per_decode_step"] = {phase: 1000 * seconds / decode_steps
-                                             for phase, seconds in engine.core.host_seconds.items()}
-    return result
+    calls = []
+    for repeat in range(repeats):
+        batch_prompts = prompts if repeat == 0 else torch.randint(
+            2, engine.model.config.vocab_size, (len(prompts), len(prompts[0])),
+            generator=torch.Generator().manual_seed(10_000 + repeat)).tolist()
+        steps_before = engine.core.steps if engine.core else None
+        if engine.core:
+            engine.core.host_seconds.clear()
+            engine.core.decode_steps = 0
+        started = time.perf_counter()
+        outputs = asyncio.run(engine.generate(requests_for(batch_prompts, new_tokens, f"timed{repeat}")))
+        synchronize(device)
+        seconds = time.perf_counter() - started
+        produced = sum(len(o.output_ids) for o in outputs)
+        result = {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
+        if steps_before is not None:
+            result["engine_steps"] = engine.core.steps - steps_before
+            decode_steps = max(engine.core.decode_steps, 1)
+            result["host_ms_per_decode_step"] = {phase: 1000 * seconds / decode_steps
+                                                 for phase, seconds in engine.core.host_seconds.items()}
+        calls.append(result)
+    median = sorted(calls, key=lambda call: call["seconds"])[len(calls) // 2]
+    if repeats > 1:
+        median = {**median, "repeat_seconds": [round(call["seconds"], 3) for call in calls]}
+    return median
 
 
 def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
@@ -119,7 +132,7 @@ def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) 
     pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
                             core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512, fp8=True))
-    timing = time_engine(engine, prompts, args.new_tokens, args.device)
+    timing = time_engine(engine, prompts, args.new_tokens, args.device, args.repeats)
     outputs = asyncio.run(engine.generate(requests_for(prompts[:32], args.new_tokens, "mismatch")))
     engine.fp8.remove()
     del engine
@@ -157,7 +170,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
             engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
                                     core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
-            timing = time_engine(engine, prompts, args.new_tokens, device)
+            timing = time_engine(engine, prompts, args.new_tokens, device, args.repeats if name == "core" else 1)
             del engine
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -206,6 +219,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s: the card's measured copy rate")
     parser.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed calls of the core engines (their median is reported; the baselines run once)")
     parser.add_argument("--profile", default=None, help="write a torch-profiler table of core decode steps here")
     args = parser.parse_args()
     if args.tiny:

@@ -117,18 +117,18 @@ SAMPLE_BLOCK = 4096
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                  tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
+                  tokens: torch.Tensor, log_probs: torch.Tensor, block: int = SAMPLE_BLOCK, num_warps: int = 8) -> None:
     """Draw one token per row of ``logits [B, V]`` into ``tokens [B]`` (int64) and ``log_probs [B]`` (float32):
     ``temperature [B]`` (0: greedy), noise keyed by ``seeds [B]`` and ``counters [B]`` (int64). No top-k/top-p:
     rows that filter take `relax.backends.inference.sampling.sample_next_tokens`. Two launches (chunks of the
     vocabulary in parallel, then a per-row combine); capturable in a CUDA graph."""
     rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, SAMPLE_BLOCK)
+    chunks = triton.cdiv(vocab, block)
     partial = torch.empty((4, rows, chunks), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(rows, chunks)](logits, logits.stride(0), temperature, seeds, counters, partial[0],
                                            partial[1], partial[2], index, vocab=vocab, CHUNKS=chunks,
-                                           BLOCK=SAMPLE_BLOCK, num_warps=8)
+                                           BLOCK=block, num_warps=num_warps)
     _sample_combine_kernel[(rows,)](logits, logits.stride(0), temperature, partial[0], partial[1], partial[2], index,
                                     tokens, log_probs, vocab=vocab, CHUNKS=chunks,
                                     BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)

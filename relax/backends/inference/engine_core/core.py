@@ -212,31 +212,35 @@ class EngineCore:
         return None
 
     def _process(self, output: StepOutput) -> None:
-        """Hand each sequence of a finished step its token; finish those that stopped."""
+        """Hand each sequence of a finished step its token; finish those that stopped. The loop runs once per
+        sequence and step, on the host's critical path: it reads each fact once and calls nothing it can avoid."""
         tokens, log_probs = output.result()
+        version = output.version
         stepped = []
+        finished = SequenceStatus.FINISHED
+        running = SequenceStatus.RUNNING
         for sequence, token, log_prob in zip(output.sequences, tokens, log_probs):
-            sequence.pending = max(sequence.pending - 1, 0)
-            if sequence.status is SequenceStatus.FINISHED or sequence.finish_reason is not None:
+            if sequence.pending:
+                sequence.pending -= 1
+            status = sequence.status
+            if status is finished or sequence.finish_reason is not None:
                 continue  # finished at the previous step: this token was computed past its end
-            if sequence.status is SequenceStatus.RUNNING:  # a preempted one has nothing in the pool
-                sequence.num_cached = len(sequence)  # every token but the new one has its K/V in the pool
-            self._append(sequence, int(token), log_prob, output.version)
+            token_ids = sequence.token_ids
+            if status is running:  # a preempted one has nothing in the pool
+                sequence.num_cached = len(token_ids)  # every token but the new one has its K/V in the pool
+            token_ids.append(token)
+            sequence.output_log_probs.append(log_prob)
+            sequence.output_weight_versions.append(version)
+            on_token = sequence.request.on_token
+            if on_token is not None:
+                on_token(token, log_prob)
+            if token in sequence.stop_token_ids:
+                sequence.finish_reason = "stop"
+            elif len(token_ids) >= sequence.length_limit:
+                sequence.finish_reason = "length"
             stepped.append(sequence)
         finish_on_stop_strings(stepped, self.tokenizer)
         self._complete([s for s in stepped if s.finish_reason is not None])
-
-    def _append(self, sequence: Sequence, token: int, log_prob: float, version: int) -> None:
-        sequence.token_ids.append(token)
-        sequence.output_log_probs.append(log_prob)
-        sequence.output_weight_versions.append(version)
-        if sequence.request.on_token is not None:
-            sequence.request.on_token(token, log_prob)
-        if token in sequence.stop_token_ids:
-            sequence.finish_reason = "stop"
-        elif sequence.num_outputs >= sequence.params.max_new_tokens or (
-                self.max_positions is not None and len(sequence.token_ids) >= self.max_positions):
-            sequence.finish_reason = "length"
 
     def _finish_aborted(self) -> None:
         if not self._aborted:
@@ -277,9 +281,12 @@ class EngineCore:
 
     def _new_sequence(self, request: GenerationRequest, seed: int, loop: asyncio.AbstractEventLoop) -> Sequence:
         params = request.sampling_params
-        return Sequence(request=request, seed=seed, stop_token_ids=stop_token_ids(params, self.eos_token_ids),
-                        stop_window_tokens=stop_window_tokens(params), arrival=next(self._arrivals),
-                        future=loop.create_future())
+        sequence = Sequence(request=request, seed=seed, stop_token_ids=stop_token_ids(params, self.eos_token_ids),
+                            stop_window_tokens=stop_window_tokens(params), arrival=next(self._arrivals),
+                            future=loop.create_future())
+        if self.max_positions is not None:  # the model's last position ends it with "length" too
+            sequence.length_limit = min(sequence.length_limit, self.max_positions)
+        return sequence
 
     def _output(self, sequence: Sequence) -> GenerationOutput:
         versions = sequence.output_weight_versions

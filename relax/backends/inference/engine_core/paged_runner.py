@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from relax.backends.inference.engine_core.attention import StepMetadata, decode_metadata, prefill_metadata
@@ -28,6 +29,7 @@ from relax.backends.inference.engine_core.decoder import TextDecoder
 from relax.backends.inference.engine_core.media import merge_media
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.engine_core.step_runner import StepKeys, StepOutput, StepRunner
+from relax.backends.inference.engine_core.table_rows import BlockTableRows
 from relax.backends.models import flash_varlen
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class PagedRunner(StepRunner):
         if device.type == "cuda":
             self._staging = [torch.zeros((rows, 6 + max_blocks_per_sequence), dtype=torch.int64).pin_memory()
                              for _ in range(2)]
+        self._staging_arrays = [buffer.numpy() for buffer in self._staging]  # the same memory, written by numpy
+        self._table_rows = BlockTableRows(2 * rows, max_blocks_per_sequence)
         if self._graphs_wanted:
             self._capture_graphs()
 
@@ -86,6 +90,7 @@ class PagedRunner(StepRunner):
         step until `restore`."""
         self.graphs.clear()
         self._buffers = {}
+        self.decoder.release_projections()
         self.kv = None
         self.key_pools = self.value_pools = []
 
@@ -94,6 +99,7 @@ class PagedRunner(StepRunner):
         later in-place weight update keeps them valid)."""
         if not self.released:
             return
+        self.decoder.merge_projections()  # the weights may have storage of their own again (released and resumed)
         self._allocate_pool()
         if self._graphs_wanted:
             self._capture_graphs()
@@ -141,7 +147,7 @@ class PagedRunner(StepRunner):
         whose newest token the host has not read yet (``pending``) takes it from ``previous``."""
         batch = len(sequences)
         bucket = next((size for size in self.graph_sizes if size >= batch), None) if self.graphs else None
-        filtering = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in sequences)
+        filtering = any(s.filters for s in sequences)
         if bucket is None:
             keys = self._step_keys(sequences, previous, decode=True)
             lens = [s.num_tokens for s in sequences]
@@ -156,7 +162,8 @@ class PagedRunner(StepRunner):
         buffers = self._buffers
         if filtering:  # the graph sampled without top-k/top-p: sample those batches again from its logits
             keys = StepKeys(buffers["seeds"][:batch], buffers["counters"][:batch], buffers["temperature"][:batch])
-            return self._finish(sequences, *self._sample(buffers["logits"][:batch], sequences, keys), version)
+            logits = buffers["logits"][:batch].float()
+            return self._finish(sequences, *self._sample(logits, sequences, keys), version)
         return self._finish(sequences, buffers["tokens"][:batch], buffers["log_probs"][:batch], version)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -170,32 +177,37 @@ class PagedRunner(StepRunner):
 
     # ---- decode inputs -------------------------------------------------------------------
     def _fill_graph_inputs(self, sequences: list[Sequence], previous: StepOutput | None, bucket: int) -> None:
-        """Stage the step's inputs in a pinned buffer and copy them to the graph's buffers in one transfer. Table
-        entries past a sequence's length are never read, so only the columns in use are written; padding rows
-        read entry 0, the reserved block."""
-        batch, buffers = len(sequences), self._buffers
-        host_tokens, sources = self._token_sources(sequences, previous)
-        tables = [s.block_table for s in sequences]
-        columns = max(len(table) for table in tables)
-        rows = torch.tensor([table + [RESERVED_BLOCK] * (columns - len(table)) for table in tables], dtype=torch.int64)
-        lens = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64)
+        """Stage the step's inputs in a pinned buffer and copy them to the graph's buffers in one transfer. The
+        block tables come from `table_rows` (rewritten only where a table changed); entries past a sequence's
+        length are never read, so only the columns in use are written; padding rows read entry 0, the reserved
+        block."""
+        batch, buffers, page = len(sequences), self._buffers, self.block_size
+        steady = self._follows(sequences, previous)
+        host_tokens, sources = ([0] * batch, range(batch)) if steady else self._token_sources(sequences, previous)
+        rows = self._table_rows.rows(sequences)
+        columns = self._table_rows.longest(rows)
+        tables = self._table_rows.array[rows, :columns]
+        lens = np.fromiter((s.num_tokens for s in sequences), dtype=np.int64, count=batch)
         last = lens - 1
-        staging = self._staging[self._turn]  # the other buffer's copy may still be in flight
-        staging[:batch, 0] = torch.tensor(host_tokens, dtype=torch.int64)
-        staging[:batch, 1] = last + torch.tensor([s.rope_delta for s in sequences], dtype=torch.int64)
-        staging[:batch, 2] = rows.gather(1, (last // self.block_size)[:, None]).squeeze(1) * self.block_size \
-            + last % self.block_size
+        staging = self._staging_arrays[self._turn]  # the other buffer's copy may still be in flight
+        staging[:batch, 0] = host_tokens
+        staging[:batch, 1] = last
+        if any(s.media is not None for s in sequences):
+            staging[:batch, 1] += np.fromiter((s.rope_delta for s in sequences), dtype=np.int64, count=batch)
+        staging[:batch, 2] = tables[np.arange(batch), last // page] * page + last % page
         staging[:batch, 3] = lens
-        staging[:batch, 4] = torch.tensor(sources, dtype=torch.int64)
-        staging[:batch, 5] = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
-        staging[:batch, 6:6 + columns] = rows
-        staging[batch:bucket, :6] = torch.tensor([0, 0, RESERVED_BLOCK * self.block_size, 1, -1, 0])
+        staging[:batch, 4] = sources
+        staging[:batch, 5] = np.fromiter((s.seed for s in sequences), dtype=np.int64, count=batch)
+        staging[:batch, 6:6 + columns] = tables
+        staging[batch:bucket, :6] = (0, 0, RESERVED_BLOCK * page, 1, -1, 0)
         staging[batch:bucket, 6] = RESERVED_BLOCK
         device = buffers["staging"]
-        device[:bucket, :6 + columns].copy_(staging[:bucket, :6 + columns], non_blocking=True)
+        device[:bucket, :6 + columns].copy_(self._staging[self._turn][:bucket, :6 + columns], non_blocking=True)
         _, temperature = self._stage([], [s.params.temperature for s in sequences])
         buffers["temperature"][:batch].copy_(temperature, non_blocking=True)
-        if previous is not None and any(source >= 0 for source in sources):
+        if steady:  # padding rows keep the tokens they had: any token id is a valid input
+            buffers["input_ids"][:batch].copy_(previous.tokens)
+        elif previous is not None and any(source >= 0 for source in sources):
             source = device[:bucket, 4]
             gathered = previous.tokens[source.clamp(min=0, max=previous.tokens.shape[0] - 1)]
             buffers["input_ids"][:bucket].copy_(torch.where(source >= 0, gathered, device[:bucket, 0]))
@@ -209,25 +221,32 @@ class PagedRunner(StepRunner):
         buffers["tables"][:bucket, :columns].copy_(device[:bucket, 6:6 + columns])
 
     # ---- CUDA graphs ---------------------------------------------------------------------
+    def _graph_buffers(self, rows: int, width: int, vocab: int,
+                       logits_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The static tensors the decode graphs read and write, for up to ``rows`` sequences of ``width`` blocks
+        (the logits in the LM head's dtype: `TextDecoder.logits_into`)."""
+        device = self.device
+        return {
+            "staging": torch.zeros((rows, 6 + width), dtype=torch.int64, device=device),
+            "input_ids": torch.zeros(rows, dtype=torch.long, device=device),
+            "positions": torch.zeros(rows, dtype=torch.long, device=device),
+            "slots": torch.full((rows,), RESERVED_BLOCK * self.block_size, dtype=torch.long, device=device),
+            "lens": torch.ones(rows, dtype=torch.int32, device=device),
+            "tables": torch.zeros((rows, width), dtype=torch.int32, device=device),
+            "temperature": torch.ones(rows, dtype=torch.float32, device=device),
+            "seeds": torch.zeros(rows, dtype=torch.int64, device=device),
+            "counters": torch.ones(rows, dtype=torch.int64, device=device),
+            "logits": torch.zeros((rows, vocab), dtype=logits_dtype, device=device),
+            "tokens": torch.zeros(rows, dtype=torch.int64, device=device),
+            "log_probs": torch.zeros(rows, dtype=torch.float32, device=device),
+        }
+
     def _capture_graphs(self) -> None:
         from relax.backends.inference.triton_sampling import sample_tokens
 
-        largest, width = self.graph_sizes[-1], self.max_blocks_per_sequence
-        device = self.device
-        self._buffers = buffers = {
-            "staging": torch.zeros((largest, 6 + width), dtype=torch.int64, device=device),
-            "input_ids": torch.zeros(largest, dtype=torch.long, device=device),
-            "positions": torch.zeros(largest, dtype=torch.long, device=device),
-            "slots": torch.full((largest,), RESERVED_BLOCK * self.block_size, dtype=torch.long, device=device),
-            "lens": torch.ones(largest, dtype=torch.int32, device=device),
-            "tables": torch.zeros((largest, width), dtype=torch.int32, device=device),
-            "temperature": torch.ones(largest, dtype=torch.float32, device=device),
-            "seeds": torch.zeros(largest, dtype=torch.int64, device=device),
-            "counters": torch.ones(largest, dtype=torch.int64, device=device),
-            "logits": torch.zeros((largest, self.decoder.lm_head.out_features), dtype=torch.float32, device=device),
-            "tokens": torch.zeros(largest, dtype=torch.int64, device=device),
-            "log_probs": torch.zeros(largest, dtype=torch.float32, device=device),
-        }
+        largest, width, device = self.graph_sizes[-1], self.max_blocks_per_sequence, self.device
+        head = self.decoder.lm_head
+        self._buffers = buffers = self._graph_buffers(largest, width, head.out_features, head.weight.dtype)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for size in reversed(self.graph_sizes):  # largest first: the smaller ones reuse its memory
@@ -238,7 +257,7 @@ class PagedRunner(StepRunner):
                 def step(size=size, metadata=metadata) -> None:
                     hidden = self.decoder.forward(buffers["input_ids"][:size], buffers["positions"][:size],
                                                   self.key_pools, self.value_pools, metadata)
-                    buffers["logits"][:size] = self.decoder.logits(hidden)
+                    self.decoder.logits_into(hidden, buffers["logits"][:size])
                     # The key of a token's noise is its index, the sequence's length (as on the eager path);
                     # "positions" are rope positions, shifted for multimodal prompts.
                     sample_tokens(buffers["logits"][:size], buffers["temperature"][:size], buffers["seeds"][:size],

@@ -26,6 +26,7 @@ any running sequence is preempted: a pin keeps K/V that is likely to be used aga
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 
 from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.sequence import Sequence, SequenceStatus
+
+_arrival = operator.attrgetter("arrival")
 
 
 @dataclass
@@ -190,16 +193,22 @@ class Scheduler:
     def _decode_set(self) -> tuple[list[Sequence], list[Sequence], list[tuple[int, int]]]:
         preempted: list[Sequence] = []
         copies: list[tuple[int, int]] = []
-        for sequence in sorted(self.running, key=lambda s: s.arrival):
+        page, refcount = self.blocks.block_size, self.blocks.refcount
+        self.running.sort(key=_arrival)  # in place: already in order but after a preempted sequence's return
+        for sequence in self.running:
             if sequence.status is not SequenceStatus.RUNNING:
                 continue  # preempted below to make room for an older one
-            if sequence.num_outputs + sequence.pending >= sequence.params.max_new_tokens:
+            num_tokens = len(sequence.token_ids) + sequence.pending
+            if num_tokens >= sequence.num_prompt_tokens + sequence.params.max_new_tokens:
                 continue  # its last token is on the way: it finishes when the host reads it
+            table, index = sequence.block_table, (num_tokens - 1) // page
+            if index < len(table) and refcount[table[index]] == 1:
+                continue  # the newest token's slot is in a block of its own already (most steps)
             while not self._has_slot(sequence):
                 if self._evict_a_session():
                     continue
                 victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING and s is not sequence),
-                             key=lambda s: s.arrival, default=None)
+                             key=_arrival, default=None)
                 if victim is None:
                     raise RuntimeError(f"the KV pool cannot hold request {sequence.request_id!r} alone")
                 self._preempt(victim)
@@ -208,8 +217,9 @@ class Scheduler:
             if copy is not None:
                 copies.append(copy)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        decoding = [s for s in self.running if s.num_outputs + s.pending < s.params.max_new_tokens]
-        return sorted(decoding, key=lambda s: s.arrival), preempted, copies
+        decoding = [s for s in self.running
+                    if len(s.token_ids) + s.pending < s.num_prompt_tokens + s.params.max_new_tokens]
+        return decoding, preempted, copies
 
     def _has_slot(self, sequence: Sequence) -> bool:
         """A free block is needed when the newest token opens a block, or lands in a block held with others."""

@@ -52,11 +52,19 @@ class Sequence:
     routed_experts: list[torch.Tensor] = field(default_factory=list)
     cohort: Any = None  # the cache runner's batch that holds this sequence's cache row (`cache_runner.Cohort`)
     cache_generation: int = -1  # the pool's prefix-cache generation when its K/V began (`BlockManager.generation`)
+    # Facts of the request read at every step, computed once (`__post_init__`): the token count at which it ends
+    # with "length" (the engine lowers it to the model's last position), and whether its sampling filters the
+    # distribution (top-k/top-p), which the decode graph's sampler does not.
+    length_limit: int = 0
+    filters: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.input_ids)
             self.num_prompt_tokens = len(self.token_ids)
+        params = self.params
+        self.length_limit = self.num_prompt_tokens + params.max_new_tokens
+        self.filters = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
 
     @property
     def request_id(self) -> str:

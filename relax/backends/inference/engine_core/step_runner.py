@@ -130,9 +130,18 @@ class StepRunner:
         return torch.where(source >= 0, previous.tokens[source.clamp(min=0)], host)
 
     @staticmethod
-    def _token_sources(sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
+    def _follows(sequences: list[Sequence], previous: StepOutput | None) -> bool:
+        """Whether this step's sequences are ``previous``'s, in its order, each waiting for its token from it (a
+        decode's steady state: every input token is the previous step's output row of the same index)."""
+        return (previous is not None and len(previous.sequences) == len(sequences)
+                and all(a is b and a.pending for a, b in zip(sequences, previous.sequences)))
+
+    @classmethod
+    def _token_sources(cls, sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
         """Each sequence's last token as the host knows it (0 when pending) and its row in ``previous`` (-1 when
         the host has its token)."""
+        if cls._follows(sequences, previous):
+            return [0] * len(sequences), list(range(len(sequences)))
         row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
         host_tokens, sources = [], []
         for sequence in sequences:

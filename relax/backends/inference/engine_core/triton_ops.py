@@ -135,20 +135,25 @@ def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, gate_stride, up_stride, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+    rows, columns = offsets // width, offsets % width
+    gate = tl.load(gate_ptr + rows * gate_stride + columns, mask=mask, other=0.0)
+    up = tl.load(up_ptr + rows * up_stride + columns, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     tl.store(out_ptr + offsets, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(gate)
+    """``silu(gate) * up`` for ``[T, I]`` operands whose rows may be strided (the two halves of one merged
+    gate/up product, `merged_projections`); a contiguous ``[T, I]`` result."""
+    gate, up = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
+                                              BLOCK=1024, num_warps=4)
     return out
 
 

@@ -1,0 +1,189 @@
+"""A decode step's inputs as the paged runner stages them for its CUDA graphs (block tables kept as rows from step
+to step, token sources, slots, positions), checked on the CPU against the same values built from the sequences'
+lists, over random batches that grow, copy blocks on write, get preempted, join and leave; and the engine core's
+host loop end to end with the device work taken out (`benchmarks.engine_host_cpu`)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.engine_host_cpu import HostOnlyRunner
+from benchmarks.engine_host_cpu import run as run_host_only
+from relax.backends.inference.base import GenerationRequest, SamplingParams
+from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
+from relax.backends.inference.engine_core.sequence import Sequence
+from relax.backends.inference.engine_core.step_runner import StepOutput
+from relax.backends.inference.engine_core.table_rows import BlockTableRows
+
+PAGE, WIDTH = 4, 12
+
+
+def _sequence(index: int, prompt_len: int) -> Sequence:
+    request = GenerationRequest(f"r{index}", list(range(2, 2 + prompt_len)),
+                                SamplingParams(max_new_tokens=40, temperature=0.5 + index % 3, seed=index))
+    return Sequence(request, seed=1000 + index, stop_token_ids=frozenset(), stop_window_tokens=0, arrival=index)
+
+
+class _World:
+    """Sequences whose block tables change the ways the scheduler changes them, with fresh block ids."""
+
+    def __init__(self, rng: random.Random, count: int) -> None:
+        self.rng, self.next_block = rng, 1
+        self.sequences = [_sequence(i, rng.randint(1, 10)) for i in range(count)]
+        for sequence in self.sequences:
+            sequence.block_table = [self._block() for _ in range(-(-sequence.num_tokens // PAGE))]
+
+    def _block(self) -> int:
+        self.next_block += 1
+        return self.next_block
+
+    def step(self, members: list[Sequence]) -> None:
+        for sequence in members:
+            change = self.rng.random()
+            if change < 0.3 and len(sequence.token_ids) < PAGE * WIDTH - 1:  # grow a token, maybe opening a block
+                sequence.token_ids.append(self.rng.randint(2, 50))
+            elif change < 0.4:  # copy-on-write: the last block replaced in place
+                sequence.block_table[-1] = self._block()
+            elif change < 0.45:  # preempted and admitted again: a new list
+                sequence.block_table = [self._block() for _ in sequence.block_table]
+        for sequence in members:  # room for the newest token (a pending one included), as `append_slot` makes
+            while len(sequence.block_table) < -(-sequence.num_tokens // PAGE):
+                sequence.block_table.append(self._block())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), steps=st.integers(1, 25))
+def test_the_kept_rows_always_hold_each_sequences_current_table(seed, steps):
+    rng = random.Random(seed)
+    world = _World(rng, 10)
+    rows = BlockTableRows(capacity=2 * 10, width=WIDTH)
+    for _ in range(steps):
+        members = sorted(rng.sample(world.sequences, rng.randint(1, 10)), key=lambda s: s.arrival)
+        world.step(members)
+        indices = rows.rows(members)
+        assert len(set(indices.tolist())) == len(members)  # no two sequences share a row
+        for sequence, row in zip(members, indices):
+            table = sequence.block_table
+            assert rows.array[row, :len(table)].tolist() == table
+            assert (rows.array[row, len(table):] == RESERVED_BLOCK).all()
+        assert rows.longest(indices) == max(len(s.block_table) for s in members)
+
+
+def _reference_inputs(sequences: list[Sequence], previous: StepOutput | None) -> dict[str, list]:
+    """The step's inputs from the sequences' lists, as the runner staged them before it kept rows."""
+    row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
+    inputs, slots, tables = [], [], []
+    for sequence in sequences:
+        inputs.append(int(previous.tokens[row_of[id(sequence)]]) if sequence.pending else sequence.token_ids[-1])
+        last = sequence.num_tokens - 1
+        slots.append(sequence.block_table[last // PAGE] * PAGE + last % PAGE)
+        tables.append(sequence.block_table)
+    return {"input_ids": inputs, "slots": slots, "tables": tables,
+            "positions": [s.num_tokens - 1 for s in sequences], "lens": [s.num_tokens for s in sequences],
+            "seeds": [s.seed for s in sequences], "temperature": [s.params.temperature for s in sequences]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_the_staged_graph_inputs_equal_the_ones_built_from_the_sequences(seed):
+    rng = random.Random(seed)
+    world = _World(rng, 12)
+    runner = HostOnlyRunner(batch=16, num_blocks=4096, block_size=PAGE, max_blocks_per_sequence=WIDTH)
+    previous = None
+    for _ in range(12):
+        if previous is not None and rng.random() < 0.7:  # the steady state: the same batch, every token pending
+            members = previous.sequences
+            for sequence in members:
+                sequence.pending = 1
+        else:
+            members = sorted(rng.sample(world.sequences, rng.randint(1, 12)), key=lambda s: s.arrival)
+            for sequence in members:  # some wait for the previous step's token, the others have theirs
+                in_previous = previous is not None and any(s is sequence for s in previous.sequences)
+                sequence.pending = int(in_previous and rng.random() < 0.5)
+        world.step(members)
+        bucket = next(size for size in runner.graph_sizes if size >= len(members))
+        expected = _reference_inputs(members, previous)
+        runner._fill_graph_inputs(members, previous, bucket)
+        buffers, batch = runner._buffers, len(members)
+        for name in ("input_ids", "slots", "positions", "lens", "seeds"):
+            assert buffers[name][:batch].tolist() == expected[name], name
+        assert buffers["counters"][:batch].tolist() == expected["lens"]
+        assert buffers["temperature"][:batch].tolist() == expected["temperature"]
+        for row, table in enumerate(expected["tables"]):
+            assert buffers["tables"][row, :len(table)].tolist() == table
+        # padding rows: one token at the reserved block's first slot
+        assert (buffers["lens"][batch:bucket] == 1).all() and (buffers["tables"][batch:bucket, 0] == RESERVED_BLOCK).all()
+        assert (buffers["slots"][batch:bucket] == RESERVED_BLOCK * PAGE).all()
+        tokens = torch.tensor([rng.randint(2, 99) for _ in members])
+        previous = runner._finish(members, tokens, torch.zeros(batch), version=0)  # turns the staging buffers
+
+
+def test_the_host_loop_decodes_every_token_of_every_sequence_and_times_its_phases():
+    result = run_host_only(batch=32, prompt_len=20, new_tokens=24)
+    assert result["new_tokens_produced"] == 32 * 24
+    assert result["decode_steps"] == 23  # the prefill samples the first token, a decode step each of the others
+    assert set(result["phases_ms_per_decode_step"]) >= {"schedule", "launch", "process"}
+    assert np.isfinite(result["host_ms_per_decode_step"])
+
+
+# ---- merged projections ------------------------------------------------------------------------------------------
+def _linears(bias: bool) -> list[torch.nn.Linear]:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(8, width, bias=bias) for width in (6, 4, 4)]
+
+
+def test_merged_projections_compute_each_linear_and_hold_no_second_copy():
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    for bias in (False, True):
+        linears = _linears(bias)
+        x = torch.randn(5, 8)
+        expected = [linear(x) for linear in linears]
+        group = MergedLinears(linears)
+        for out, want in zip(group(x), expected):
+            torch.testing.assert_close(out, want)
+        storage = group.weight.untyped_storage().data_ptr()
+        assert all(linear.weight.untyped_storage().data_ptr() == storage for linear in linears)
+        with torch.no_grad():  # a weight update through a parameter (an in-place copy) reaches the product
+            linears[1].weight.copy_(torch.randn(4, 8))
+        torch.testing.assert_close(group(x)[1], linears[1](x))
+
+
+def test_merged_projections_stack_again_after_the_weights_were_released_and_loaded():
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    linears = _linears(bias=True)
+    group = MergedLinears(linears)
+    loaded = [(linear.weight.detach().clone() * 2, linear.bias.detach().clone() - 1) for linear in linears]
+    group.release()  # as `release_memory_occupation` does: the parameters' storage replaced, then zeros back
+    for linear in linears:
+        for parameter in (linear.weight, linear.bias):
+            shape = parameter.shape
+            parameter.data = parameter.data.new_empty(0)
+            parameter.data = parameter.data.new_zeros(shape)
+    group.merge()
+    with torch.no_grad():
+        for linear, (weight, bias) in zip(linears, loaded):
+            linear.weight.copy_(weight)
+            linear.bias.copy_(bias)
+    x = torch.randn(3, 8)
+    for out, (weight, bias) in zip(group(x), loaded):
+        torch.testing.assert_close(out, x @ weight.T + bias)
+
+
+def test_a_linear_with_its_own_forward_keeps_it():
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    linears = _linears(bias=False)
+    group = MergedLinears(linears)
+    linears[0].forward = lambda x: torch.zeros(x.shape[0], 6)  # as FP8 rollout patches a projection
+    x = torch.randn(2, 8)
+    assert not group.merged
+    outs = group(x)
+    assert (outs[0] == 0).all()
+    torch.testing.assert_close(outs[2], linears[2](x))
