@@ -67,8 +67,8 @@ def sampling_variants(batch: int, vocab: int) -> dict:
     timings, reference = {}, None
     for block in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
-            microseconds = 1000 * cuda_ms(lambda: sample_tokens(logits, temperature, seeds, counters, tokens, log_probs,
-                                                                block=block, num_warps=warps), 20)
+            microseconds = 1000 * cuda_ms(lambda block=block, warps=warps: sample_tokens(
+                logits, temperature, seeds, counters, tokens, log_probs, block=block, num_warps=warps), 20)
             reference = tokens.clone() if reference is None else reference
             timings[f"block{block}_warps{warps}"] = (round(microseconds, 1), bool((tokens == reference).all()))
     return timings

@@ -20,6 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
 from relax.backends.inference import triton_sampling
 from relax.backends.inference.engine_core import triton_attention, triton_ops
+from relax.backends.inference.engine_core.kv_cache import LayerKV
 
 
 def median_ms(fn, warmup: int = 10, repeat: int = 50) -> float:
@@ -89,7 +90,7 @@ def main() -> None:
     cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
     slots = torch.randperm(keys.shape[0] - 1, device=device)[:batch] + 1
     out_q = triton_ops.qk_norm_rope_store(q, k, v, q_norm.weight, k_norm.weight, 1e-6, cos, sin, positions, slots,
-                                          keys, values)
+                                          LayerKV(keys, values))
 
     def modules():
         qq, kk = q_norm(q.view(batch, heads, dim)), k_norm(k.view(batch, kv_heads, dim))
@@ -102,7 +103,7 @@ def main() -> None:
     ref_q, ref_k = modules()
     report["qk_rope_error"] = relative_error(out_q, ref_q)
     report["qk_rope_us"] = {"fused": 1000 * median_ms(lambda: triton_ops.qk_norm_rope_store(
-        q, k, v, q_norm.weight, k_norm.weight, 1e-6, cos, sin, positions, slots, keys, values)),
+        q, k, v, q_norm.weight, k_norm.weight, 1e-6, cos, sin, positions, slots, LayerKV(keys, values))),
         "modules": 1000 * median_ms(modules)}
     gate, up = torch.randn(batch, 3072, device=device, dtype=dtype), torch.randn(batch, 3072, device=device, dtype=dtype)
     report["silu_mul_error"] = relative_error(triton_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)

@@ -7,7 +7,8 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
 - ``previous``: `EmbeddedEngine` on the core's runner over the model's own forward and cache (``CoreSettings(mode=
   "off")``; until 2026-12-03 a decode loop of its own, which results from before that date measured);
 - ``generate``: ``model.generate`` (sampling, static batch), the plain baseline;
-- ``core_fp8`` (when named in ``--only``): the engine core with ``--rollout-fp8`` (`engine_core.fp8`), with the
+- ``core_fp8`` (when named in ``--only``): the engine core with ``--rollout-fp8`` (`engine_core.fp8`; with
+  ``--kv-cache-dtype fp8_e4m3`` its KV pool in FP8 too, `engine_core.kv_cache`), with the
   mismatch of its samples against the bf16 model (k1 KL and mean |delta log-prob| per token, teacher-forced on the
   first 32 sequences): the figure ``--use-tis`` reports in training.
 
@@ -131,7 +132,8 @@ def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) 
 
     pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                            core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512, fp8=True))
+                            core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512, fp8=True,
+                                              kv_cache_dtype=args.kv_cache_dtype))
     timing = time_engine(engine, prompts, args.new_tokens, args.device, args.repeats)
     outputs = asyncio.run(engine.generate(requests_for(prompts[:32], args.new_tokens, "mismatch")))
     engine.fp8.remove()
@@ -219,6 +221,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s: the card's measured copy rate")
     parser.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the KV pool of the core_fp8 engine (fp8_e4m3: FP8 rollout with an FP8 KV cache)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls of the core engines (their median is reported; the baselines run once)")
     parser.add_argument("--profile", default=None, help="write a torch-profiler table of core decode steps here")

@@ -25,6 +25,7 @@ import torch
 from relax.backends.inference.base import GenerationRequest, PauseHolds, SamplingParams
 from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.core import EngineCore
+from relax.backends.inference.engine_core.kv_cache import KVPool
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
 from relax.backends.inference.engine_core.scheduler import Scheduler
 from relax.backends.inference.engine_core.table_rows import BlockTableRows
@@ -51,7 +52,7 @@ class HostOnlyRunner(PagedRunner):
         self.graph_sizes = [size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if size <= max(batch, 1)]
         self.graphs = {size: _NoGraph() for size in self.graph_sizes}
         self.prefill_tokens = 0
-        self.kv = torch.zeros(0)
+        self.pool, self.caches = KVPool(1, 1, 1, 1, torch.float32, "auto", self.device), []  # never read
         self._staging = [torch.zeros((batch, 6 + max_blocks_per_sequence), dtype=torch.int64) for _ in range(2)]
         self._staging_arrays = [buffer.numpy() for buffer in self._staging]
         self._table_rows = BlockTableRows(2 * batch, max_blocks_per_sequence)

@@ -40,6 +40,15 @@ class RolloutSettings(BaseModel):
         "(docs/engines.md).",
         "rollout",
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = setting(
+        "auto",
+        "The embedded engine core's KV pool: `auto` in the model's dtype; `fp8_e4m3` (SGLang's and vLLM's name) one "
+        "byte per entry with a float32 scale per head vector computed as it is written (no calibration), so decode "
+        "reads half the K/V bytes and the pool holds nearly twice the tokens. Ada/Hopper or newer on CUDA. The "
+        "rollout then differs from the trainer by more than rounding: use --use-tis, which corrects and reports it "
+        "(train/tis_mismatch_kl). Paged engine core only (docs/engines.md).",
+        "rollout",
+    )
     mem_fraction_static: float = setting(
         0.4,
         "On CUDA, the share of the device memory free when the engine starts (after its weights, a colocated "

@@ -57,6 +57,7 @@ from relax.backends.inference.engine_core.decoder import TextDecoder, unsupporte
 from relax.backends.inference.engine_core.fp8 import Fp8Linears
 from relax.backends.inference.engine_core.media import MediaEncoder
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
+from relax.backends.inference.engine_core.kv_cache import KV_CACHE_DTYPES, kv_bytes_per_token
 from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
 from relax.backends.inference.engine_core.step_runner import triton_available
 from relax.backends.models.family import MediaTokens, load_model
@@ -81,6 +82,7 @@ class CoreSettings:
     65,536 tokens, at most 256 MiB). ``max_prefill_tokens``: the prompt tokens one prefill step computes at
     most. ``page_size``: token slots per KV block. ``cuda_graphs``: decode in CUDA graphs up to
     ``max_graph_batch`` sequences. ``fp8``: the decoder's projections in FP8 (`engine_core.fp8`; paged runner only).
+    ``kv_cache_dtype``: ``auto`` (the model's dtype) or ``fp8_e4m3`` (`engine_core.kv_cache`; paged runner only).
     ``session_idle_s``: an agent session's pinned K/V is let go after this long without a turn (`engine_core.
     scheduler`).
     """
@@ -94,10 +96,14 @@ class CoreSettings:
     max_graph_batch: int = 256
     fp8: bool = False
     session_idle_s: float = 300.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
             raise ValueError(f"engine core mode must be auto, on or off, got {self.mode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
@@ -199,6 +205,13 @@ class EmbeddedEngine(InferenceEngine):
         if reason is not None and settings.fp8:
             raise ValueError(f"--rollout-fp8 runs on the paged engine core, which cannot run "
                              f"{type(self.model).__name__}: {reason}")
+        if reason is not None and settings.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {settings.kv_cache_dtype} is the paged engine core's pool, and the "
+                             f"core cannot run {type(self.model).__name__}: {reason}")
+        if (settings.kv_cache_dtype != "auto" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"--kv-cache-dtype {settings.kv_cache_dtype}: FP8 needs a GPU of compute capability 8.9 "
+                             f"or newer (Ada, Hopper), this one is {torch.cuda.get_device_name(self.device)}")
         if reason is not None:
             runner = CacheRunner(self.model, self._pad_token_id, self._suppressed_ids, self._routing, running)
             return EngineCore(runner, None, CohortScheduler(running), self.tokenizer, self._eos_token_ids,
@@ -210,13 +223,15 @@ class EmbeddedEngine(InferenceEngine):
         self.fp8 = Fp8Linears(decoder.layers) if settings.fp8 else None
         media = MediaEncoder(self.model, decoder.text_model) if self._media_tokens.ids else None
         dtype = next(self.model.parameters()).dtype
-        token_bytes = 2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * dtype.itemsize
+        token_bytes = kv_bytes_per_token(decoder.num_layers, decoder.num_kv_heads, decoder.head_dim, dtype,
+                                         settings.kv_cache_dtype)
         tokens = settings.max_total_tokens or self._default_pool_tokens(token_bytes, settings)
         page = settings.page_size
         num_blocks = tokens // page + 1  # + the reserved block
         blocks_per_sequence = -(-max_positions // page)
         runner = PagedRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
-                             cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch)
+                             cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch,
+                             kv_cache_dtype=settings.kv_cache_dtype)
         blocks = BlockManager(num_blocks, page)
         scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
                               reserve_tokens=page, session_idle_s=settings.session_idle_s)

@@ -15,7 +15,7 @@ def core_settings(cfg: RelaxConfig) -> CoreSettings:
     return CoreSettings(mode=cfg.engine_core, mem_fraction_static=cfg.mem_fraction_static,
                         max_total_tokens=cfg.max_total_tokens, max_prefill_tokens=cfg.max_prefill_tokens,
                         page_size=cfg.page_size, cuda_graphs=not cfg.disable_cuda_graph,
-                        max_graph_batch=cfg.cuda_graph_max_bs, fp8=cfg.rollout_fp8,
+                        max_graph_batch=cfg.cuda_graph_max_bs, fp8=cfg.rollout_fp8, kv_cache_dtype=cfg.kv_cache_dtype,
                         session_idle_s=cfg.agentic_session_idle_timeout)
 
 

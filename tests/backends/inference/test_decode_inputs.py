@@ -187,3 +187,22 @@ def test_a_linear_with_its_own_forward_keeps_it():
     outs = group(x)
     assert (outs[0] == 0).all()
     torch.testing.assert_close(outs[2], linears[2](x))
+
+
+def test_linears_that_are_not_plain_are_never_stacked():
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    class Adapted(torch.nn.Linear):  # as a LoRA layer adds to its base weight's product
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    torch.manual_seed(0)
+    linears = [Adapted(8, 6), torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
+    storages = [linear.weight.untyped_storage().data_ptr() for linear in linears]
+    group = MergedLinears(linears)
+    x = torch.randn(2, 8)
+    assert not group.merged and [l.weight.untyped_storage().data_ptr() for l in linears] == storages
+    for out, linear in zip(group(x), linears):
+        torch.testing.assert_close(out, linear(x))
+    mixed = MergedLinears([torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, bias=False)])  # a bias on one only
+    assert not mixed.merged

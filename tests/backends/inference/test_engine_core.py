@@ -261,13 +261,25 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("heads, kv_heads, page", [(16, 8, 16), (32, 8, 16), (4, 4, 8)])
-def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page):
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page, cache_dtype):
+    """Also over an FP8 pool (``--kv-cache-dtype fp8_e4m3``): against attention over the dequantized keys and
+    values, so what is checked is the kernel's use of the scales, not the quantisation."""
+    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
     from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
     dim, blocks, batch = 128, 600, 9
-    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * 3
     values = torch.randn_like(keys)
+    scales = {}
+    if cache_dtype == "fp8_e4m3":
+        (keys, scales["key_scales"]), (values, scales["value_scales"]) = quantize_heads(keys), quantize_heads(values)
+        cache = LayerKV(keys, values, scales["key_scales"], scales["value_scales"])
+        all_slots = torch.arange(keys.shape[0], device="cuda")
+        keys_read, values_read = cache.gather(all_slots, torch.bfloat16)
+    else:
+        keys_read, values_read = keys, values
     lens = torch.tensor([1, 2, 15, 16, 17, 64, 65, 300, 777], dtype=torch.int32, device="cuda")
     tables = torch.zeros(batch, 128, dtype=torch.int32, device="cuda")
     order = (torch.randperm(blocks - 1, device="cuda") + 1).to(torch.int32)
@@ -277,12 +289,12 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         tables[row, :count] = order[used:used + count]
         used += count
     query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page)
+    out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, **scales)
     for row, length in enumerate(lens.tolist()):
         positions = torch.arange(length, device="cuda")
         slots = tables[row].long()[positions // page] * page + positions % page
-        k = keys[slots].float().repeat_interleave(heads // kv_heads, dim=1)
-        v = values[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        k = keys_read[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = values_read[slots].float().repeat_interleave(heads // kv_heads, dim=1)
         probs = (torch.einsum("hd,lhd->hl", query[row].float(), k) * dim ** -0.5).softmax(-1)
         expected = torch.einsum("hl,lhd->hd", probs, v)
         error = (out[row].float() - expected).norm() / expected.norm()
@@ -296,6 +308,7 @@ def test_the_varlen_prefill_matches_the_padded_prefill(heads, kv_heads):
     """Prompts with and without a cached prefix in the pool (a query block shorter than its keys): FlashAttention's
     varlen kernel gives the padded SDPA path's attention, so its causal mask is aligned bottom-right."""
     from relax.backends.inference.engine_core.attention import attend, prefill_metadata
+    from relax.backends.inference.engine_core.kv_cache import LayerKV
     from relax.backends.models import flash_varlen
 
     if not flash_varlen.available():
@@ -312,8 +325,8 @@ def test_the_varlen_prefill_matches_the_padded_prefill(heads, kv_heads):
         tables.append(order[used:used + count])
         used += count
     query = torch.randn(sum(e - s for s, e in zip(starts, ends)), heads, dim, device="cuda", dtype=torch.bfloat16)
-    padded = attend(query, keys, values, prefill_metadata(page, tables, starts, ends, torch.device("cuda")), 0.1)
-    varlen = attend(query, keys, values,
-                    prefill_metadata(page, tables, starts, ends, torch.device("cuda"), varlen=True), 0.1)
+    cache = LayerKV(keys, values)
+    padded = attend(query, cache, prefill_metadata(page, tables, starts, ends, torch.device("cuda")), 0.1)
+    varlen = attend(query, cache, prefill_metadata(page, tables, starts, ends, torch.device("cuda"), varlen=True), 0.1)
     error = (varlen.float() - padded.float()).norm() / padded.float().norm()
     assert error < 1e-2, error

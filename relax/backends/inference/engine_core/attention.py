@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from relax.backends.inference.engine_core.kv_cache import LayerKV
+
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -57,11 +59,9 @@ class StepMetadata:
     max_key: int = 0
 
 
-def write_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
-             values: torch.Tensor) -> None:
-    """Store ``keys``/``values`` ``[T, Hkv, D]`` at pool ``slots`` ``[T]``."""
-    key_pool.index_copy_(0, slots, keys)
-    value_pool.index_copy_(0, slots, values)
+def write_kv(cache: LayerKV, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store ``keys``/``values`` ``[T, Hkv, D]`` at pool ``slots`` ``[T]`` (quantized if the pool is FP8)."""
+    cache.write(slots, keys, values)
 
 
 def _sequence_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -139,34 +139,33 @@ def decode_metadata(block_size: int, block_tables: list[list[int]], context_lens
     return metadata
 
 
-def attend(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, metadata: StepMetadata,
-           scale: float) -> torch.Tensor:
-    """Attention of ``query [T, Hq, D]`` (the step's packed tokens) over the pool; ``[T, Hq * D]``."""
+def attend(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: float) -> torch.Tensor:
+    """Attention of ``query [T, Hq, D]`` (the step's packed tokens) over the layer's pool; ``[T, Hq * D]``."""
     if metadata.is_prefill:
         if metadata.cu_seqlens_q is not None:
             from relax.backends.models.flash_varlen import causal_varlen_attention
 
-            keys, values = key_pool[metadata.key_slots], value_pool[metadata.key_slots]
+            keys, values = cache.gather(metadata.key_slots, query.dtype)
             return causal_varlen_attention(query, keys, values, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
                                            metadata.max_query, metadata.max_key, scale).flatten(1)
-        return _padded_attention(query, key_pool, value_pool, metadata, scale)
+        return _padded_attention(query, cache, metadata, scale)
     if metadata.use_triton:
         from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
-        return paged_decode_attention(query, key_pool, value_pool, metadata.block_tables, metadata.context_lens,
-                                      scale, metadata.block_size).flatten(1)
-    return _padded_attention(query, key_pool, value_pool, metadata, scale)
+        return paged_decode_attention(query, cache.keys, cache.values, metadata.block_tables, metadata.context_lens,
+                                      scale, metadata.block_size, key_scales=cache.key_scales,
+                                      value_scales=cache.value_scales).flatten(1)
+    return _padded_attention(query, cache, metadata, scale)
 
 
-def _padded_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                      metadata: StepMetadata, scale: float) -> torch.Tensor:
+def _padded_attention(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: float) -> torch.Tensor:
     _, heads, dim = query.shape
     if metadata.is_prefill:
         padded = torch.cat([query, query.new_zeros(1, heads, dim)])[metadata.query_rows]  # [B, Lq, Hq, D]
     else:
         padded = query[:, None]  # [B, 1, Hq, D]
-    keys = key_pool[metadata.key_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
-    values = value_pool[metadata.key_slots].transpose(1, 2)
+    keys, values = cache.gather(metadata.key_slots, query.dtype)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
     if query.is_cuda and keys.shape[1] != heads:  # SDPA's memory-efficient kernel takes a mask but no GQA
         keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
         values = values.repeat_interleave(heads // values.shape[1], dim=1)

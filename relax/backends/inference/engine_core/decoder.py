@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from relax.backends.inference.engine_core.attention import StepMetadata, attend, write_kv
+from relax.backends.inference.engine_core.kv_cache import LayerKV
 from relax.backends.inference.engine_core.merged_projections import layer_groups
 from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
 
@@ -124,18 +125,18 @@ class TextDecoder:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
-                value_pools: list[torch.Tensor], metadata: StepMetadata, embeds: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
+                metadata: StepMetadata, embeds: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``embeds [T, hidden]`` (a fresh tensor) replaces the token embeddings and ``rope`` (cos, sin ``[T, D]``)
         the rotary tables at ``positions``: a multimodal prefill's merged media features and 3D rope."""
         if self.fused:
-            return self._fused_forward(input_ids, positions, key_pools, value_pools, metadata, embeds, rope)
+            return self._fused_forward(input_ids, positions, caches, metadata, embeds, rope)
         hidden = self.embed_tokens(input_ids) if embeds is None else embeds
         cos, sin = (self.cos[positions], self.sin[positions]) if rope is None else rope
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
         tokens = hidden.shape[0]
-        for layer, (qkv, _), key_pool, value_pool in zip(self.layers, self.groups, key_pools, value_pools):
+        for layer, (qkv, _), cache in zip(self.layers, self.groups, caches):
             attention = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
@@ -147,14 +148,14 @@ class TextDecoder:
                 query, key = attention.q_norm(query), attention.k_norm(key)
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
-            write_kv(key_pool, value_pool, metadata.slot_mapping, key, value)
-            hidden = residual + attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+            write_kv(cache, metadata.slot_mapping, key, value)
+            hidden = residual + attention.o_proj(attend(query, cache, metadata, self.scale))
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 
-    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_pools: list[torch.Tensor],
-                       value_pools: list[torch.Tensor], metadata: StepMetadata, embeds: torch.Tensor | None,
+    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV],
+                       metadata: StepMetadata, embeds: torch.Tensor | None,
                        rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """The same forward with the pointwise stages fused (`triton_ops`): a residual add and the next RMSNorm
         in one kernel; q/k norms, rotary positions and the K/V store in one."""
@@ -165,15 +166,14 @@ class TextDecoder:
         if rope is not None:  # per-token tables: token i reads row i
             (cos, sin), positions = rope, torch.arange(input_ids.shape[0], device=input_ids.device)
         hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps)
-        for index, (layer, (qkv, gate_up), key_pool, value_pool) in enumerate(
-                zip(self.layers, self.groups, key_pools, value_pools)):
+        for index, (layer, (qkv, gate_up), cache) in enumerate(zip(self.layers, self.groups, caches)):
             attention = layer.self_attn
             query = qk_norm_rope_store(
                 *qkv(hidden),
                 attention.q_norm.weight if self.has_qk_norm else None,
                 attention.k_norm.weight if self.has_qk_norm else None, self.eps, cos, sin, positions,
-                metadata.slot_mapping, key_pool, value_pool)
-            out = attention.o_proj(attend(query, key_pool, value_pool, metadata, self.scale))
+                metadata.slot_mapping, cache)
+            out = attention.o_proj(attend(query, cache, metadata, self.scale))
             hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual)
             mlp = layer.mlp
             out = mlp.down_proj(silu_mul(*gate_up(hidden)))

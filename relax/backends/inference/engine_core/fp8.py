@@ -28,11 +28,9 @@ import types
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# A row of zeros would give a zero scale (0 / 0 when dividing); the floor (float32's smallest normal) keeps its
-# quantised values 0 and leaves any other row its own scale, so no row's values fall among FP8's subnormals.
-_MIN_SCALE = torch.finfo(torch.float32).tiny
+from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX
+from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
+
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 # The projections of a block that read the same input (the others read their own: o after attention, down after
 # the gated product).

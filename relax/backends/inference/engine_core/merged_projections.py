@@ -20,15 +20,16 @@ from torch.nn import functional
 
 
 class MergedLinears:
-    """``linears`` (same input width, all with a bias or none) as one product; calling it returns their outputs."""
+    """``linears`` as one product; calling it returns their outputs. Linears of different input widths, some with
+    a bias and some without, or not plain `nn.Linear`s are called one by one."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        if len({linear.in_features for linear in linears}) != 1:
-            raise ValueError("merged projections must read inputs of one width")
-        if len({linear.bias is None for linear in linears}) != 1:
-            raise ValueError("merged projections must all have a bias or all have none")
         self.linears = linears
-        self.widths = [linear.out_features for linear in linears]
+        self.widths = [getattr(linear, "out_features", 0) for linear in linears]
+        # Only plain linears are stacked: a subclass or wrapper (a LoRA layer) computes more than its weight's product
+        self.mergeable = (all(type(linear) is nn.Linear for linear in linears)
+                          and len({linear.in_features for linear in linears}) == 1
+                          and len({linear.bias is None for linear in linears}) == 1)
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.merge()
@@ -41,7 +42,7 @@ class MergedLinears:
     def merge(self) -> None:
         """Stack the linears' current weights (and biases) and point each at its rows, unless already done.
         Outside inference mode: the parameters are updated in place later, which inference tensors refuse."""
-        if self.weight is not None and self._views_of(self.weight, "weight"):
+        if not self.mergeable or (self.weight is not None and self._views_of(self.weight, "weight")):
             return
         with torch.inference_mode(False), torch.no_grad():
             self.weight = self._stack("weight")

@@ -18,7 +18,6 @@ behind the step; `StepOutput.result` waits for them. So the host can launch step
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch
 from relax.backends.inference.engine_core.attention import StepMetadata, decode_metadata, prefill_metadata
 from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
 from relax.backends.inference.engine_core.decoder import TextDecoder
+from relax.backends.inference.engine_core.kv_cache import KVPool, kv_bytes_per_token
 from relax.backends.inference.engine_core.media import merge_media
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.engine_core.step_runner import StepKeys, StepOutput, StepRunner
@@ -42,7 +42,7 @@ class PagedRunner(StepRunner):
 
     def __init__(self, decoder: TextDecoder, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, max_blocks_per_sequence: int, cuda_graphs: bool = True,
-                 max_graph_batch: int = 256, max_batch: int = 1024) -> None:
+                 max_graph_batch: int = 256, max_batch: int = 1024, kv_cache_dtype: str = "auto") -> None:
         graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= max_graph_batch]
         rows = max(max_batch, graph_sizes[-1] if graph_sizes else 1)
         super().__init__(device, rows)
@@ -51,8 +51,9 @@ class PagedRunner(StepRunner):
         self.max_blocks_per_sequence = max_blocks_per_sequence
         # Prefill attention on FlashAttention's varlen kernel where it runs (CUDA, half precision).
         self.varlen_prefill = self.use_triton and dtype in (torch.float16, torch.bfloat16) and flash_varlen.available()
-        self._kv_shape = (decoder.num_layers, 2, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
+        self._pool_shape = (decoder.num_layers, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
         self._kv_dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self._allocate_pool()
         self.graph_sizes = graph_sizes
         self._cuda_graphs = cuda_graphs
@@ -73,26 +74,27 @@ class PagedRunner(StepRunner):
         return self._cuda_graphs and self.use_triton and bool(self.graph_sizes)
 
     def _allocate_pool(self) -> None:
-        self.kv = torch.zeros(self._kv_shape, dtype=self._kv_dtype, device=self.device)
-        self.key_pools = [self.kv[layer, 0] for layer in range(self._kv_shape[0])]
-        self.value_pools = [self.kv[layer, 1] for layer in range(self._kv_shape[0])]
+        self.pool: KVPool | None = KVPool(*self._pool_shape, self._kv_dtype, self.kv_cache_dtype, self.device)
+        self.caches = self.pool.layers
 
     @property
     def kv_bytes(self) -> int:
-        return math.prod(self._kv_shape) * self._kv_dtype.itemsize
+        layers, slots, heads, dim = self._pool_shape
+        return slots * kv_bytes_per_token(layers, heads, dim, self._kv_dtype, self.kv_cache_dtype)
 
     @property
     def released(self) -> bool:
-        return self.kv is None
+        return self.pool is None
 
     def release(self) -> None:
         """Free the KV pool and the CUDA graphs (which point into it and into the weights). The runner cannot
         step until `restore`."""
         self.graphs.clear()
         self._buffers = {}
+        self._table_rows.clear()
         self.decoder.release_projections()
-        self.kv = None
-        self.key_pools = self.value_pools = []
+        self.pool = None
+        self.caches = []
 
     def restore(self) -> None:
         """Allocate the KV pool again and re-capture the CUDA graphs on the model's current weight tensors (a
@@ -118,7 +120,7 @@ class PagedRunner(StepRunner):
                                     varlen=self.varlen_prefill)
         self.prefill_tokens += len(tokens)
         input_ids, positions = self._to_device(tokens), self._to_device(positions)
-        hidden = self.decoder.forward(input_ids, positions, self.key_pools, self.value_pools, metadata,
+        hidden = self.decoder.forward(input_ids, positions, self.caches, metadata,
                                       *self._media_inputs(input_ids, positions, computed, starts, ends))
         last = torch.tensor(ends, dtype=torch.long).sub(torch.tensor(starts)).cumsum(0) - 1
         row_of = {id(s): row for row, s in enumerate(computed)}
@@ -154,7 +156,7 @@ class PagedRunner(StepRunner):
             metadata = decode_metadata(self.block_size, [s.block_table for s in sequences], lens, self.device,
                                        self.use_triton)
             positions = [n - 1 + s.rope_delta for n, s in zip(lens, sequences)]
-            hidden = self.decoder.forward(keys.inputs, self._to_device(positions), self.key_pools, self.value_pools,
+            hidden = self.decoder.forward(keys.inputs, self._to_device(positions), self.caches,
                                           metadata)
             return self._finish(sequences, *self._sample(self.decoder.logits(hidden), sequences, keys), version)
         self._fill_graph_inputs(sequences, previous, bucket)
@@ -173,7 +175,7 @@ class PagedRunner(StepRunner):
         page = self.block_size
         source = torch.tensor([s * page + i for s, _ in copies for i in range(page)], device=self.device)
         target = torch.tensor([c * page + i for _, c in copies for i in range(page)], device=self.device)
-        self.kv[:, :, target] = self.kv[:, :, source]
+        self.pool.copy_slots(source, target)
 
     # ---- decode inputs -------------------------------------------------------------------
     def _fill_graph_inputs(self, sequences: list[Sequence], previous: StepOutput | None, bucket: int) -> None:
@@ -183,7 +185,7 @@ class PagedRunner(StepRunner):
         block."""
         batch, buffers, page = len(sequences), self._buffers, self.block_size
         steady = self._follows(sequences, previous)
-        host_tokens, sources = ([0] * batch, range(batch)) if steady else self._token_sources(sequences, previous)
+        host_tokens, sources = (0, range(batch)) if steady else self._token_sources(sequences, previous)
         rows = self._table_rows.rows(sequences)
         columns = self._table_rows.longest(rows)
         tables = self._table_rows.array[rows, :columns]
@@ -256,7 +258,7 @@ class PagedRunner(StepRunner):
 
                 def step(size=size, metadata=metadata) -> None:
                     hidden = self.decoder.forward(buffers["input_ids"][:size], buffers["positions"][:size],
-                                                  self.key_pools, self.value_pools, metadata)
+                                                  self.caches, metadata)
                     self.decoder.logits_into(hidden, buffers["logits"][:size])
                     # The key of a token's noise is its index, the sequence's length (as on the eager path);
                     # "positions" are rope positions, shifted for multimodal prompts.

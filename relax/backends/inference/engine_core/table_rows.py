@@ -43,6 +43,10 @@ class BlockTableRows:
             indices[position] = entry[0]
         return indices
 
+    def clear(self) -> None:
+        """Forget every sequence (the runner let its pool go): no finished request is kept alive by its row."""
+        self._forget_all_but([])
+
     def longest(self, indices: np.ndarray) -> int:
         """The longest table among rows ``indices``."""
         return int(self._lengths[indices].max()) if len(indices) else 0

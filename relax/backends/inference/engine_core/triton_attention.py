@@ -19,10 +19,10 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, k_scale_ptr, v_scale_ptr, scale,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -42,7 +42,11 @@ def _paged_decode_kernel(
         slots = blocks.to(tl.int64) * PAGE + positions % PAGE
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=valid[:, None],
                     other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
+        if QUANTIZED:  # FP8 entries times their vector's scale: the scale multiplies the scores
+            k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head, mask=valid, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scales * scale)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(maximum, tl.max(scores, axis=1))
         correction = tl.exp(maximum - new_max)
@@ -50,7 +54,11 @@ def _paged_decode_kernel(
         total = total * correction + tl.sum(p, axis=1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
                     other=0.0)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        if QUANTIZED:  # and the values' scale the probabilities
+            v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head, mask=valid, other=0.0)
+            acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         maximum = new_max
     out = acc / total[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -59,18 +67,23 @@ def _paged_decode_kernel(
 
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
-                           block_n: int = 128) -> torch.Tensor:
+                           block_n: int = 128, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
-    ``page``-slot blocks, ``block_tables [B, W]`` int32); ``[B, Hq, D]``."""
+    ``page``-slot blocks, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
+    ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`)."""
+    quantized = key_scales is not None
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(query)
+    k_scales = key_scales if quantized else context_lens  # unread when not quantized
+    v_scales = value_scales if quantized else context_lens
     _paged_decode_kernel[(batch, kv_heads)](
-        query, key_pool, value_pool, out, block_tables, context_lens, scale,
+        query, key_pool, value_pool, out, block_tables, context_lens, k_scales, v_scales, scale,
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
-        value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, QUANTIZED=quantized, num_warps=4, num_stages=2,
     )
     return out

@@ -6,7 +6,8 @@ whatever its size: at batch 256 that was most of a step. These kernels do each s
 
 - `add_rms_norm`: ``residual += x`` (optional) then RMSNorm with the weight, rows of ``[T, H]``;
 - `qk_norm_rope_store`: per head RMSNorm of q and k (Qwen3), rotary positions, and the store of k and v into
-  the KV pool at the tokens' slots, for all heads of all tokens;
+  the KV pool at the tokens' slots, for all heads of all tokens (FP8 with a scale per head vector under
+  ``--kv-cache-dtype fp8_e4m3``, `kv_cache`);
 - `silu_mul`: ``silu(gate) * up``;
 - `quantize_rows_fp8`: each row of ``[T, H]`` as FP8 e4m3 with one float32 scale (``--rollout-fp8``'s activations;
   the same arithmetic as `engine_core.fp8.quantize_rows`, which it equals exactly).
@@ -18,9 +19,17 @@ forward up to the order of fp32 sums.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+from relax.backends.inference.engine_core.fp8_format import FP8_MAX
+from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
+
+if TYPE_CHECKING:
+    from relax.backends.inference.engine_core.kv_cache import LayerKV
 
 
 @triton.jit
@@ -75,11 +84,29 @@ def _head_norm(x1, x2, weight1, weight2, eps, HALF: tl.constexpr, NORM: tl.const
 
 
 @triton.jit
+def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
+                MIN_SCALE: tl.constexpr):
+    """One head vector (its two halves) into the pool; FP8 with its own scale (`kv_cache.quantize_heads`)."""
+    if QUANTIZED:
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), axis=0), tl.max(tl.abs(a2), axis=0))
+        scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr, scale)
+        kind = target.dtype.element_ty
+        tl.store(target + tl.arange(0, HALF), tl.clamp(a1 / scale, -FP8_MAX, FP8_MAX).to(kind))
+        tl.store(target + HALF + tl.arange(0, HALF), tl.clamp(a2 / scale, -FP8_MAX, FP8_MAX).to(kind))
+    else:
+        tl.store(target + tl.arange(0, HALF), x1)
+        tl.store(target + HALF + tl.arange(0, HALF), x2)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
-                               positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, eps,
-                               stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
-                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               NORM: tl.constexpr):
+                               positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
+                               value_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
+                               stride_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               NORM: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
+                               MIN_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HALF)
@@ -105,31 +132,35 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
             x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
         slot = tl.load(slots_ptr + token)
-        target = key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF
-        tl.store(target + half, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
-        tl.store(target + HALF + half, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
+        scale_offset = slot * stride_scale + kv_head
+        _store_head(key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, key_scale_ptr + scale_offset,
+                    _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
+                    HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
         value = v_ptr + token * stride_vt + kv_head * 2 * HALF
-        value_target = value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF
-        tl.store(value_target + half, tl.load(value + half))
-        tl.store(value_target + HALF + half, tl.load(value + HALF + half))
+        _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
+                    tl.load(value + half), tl.load(value + HALF + half), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
 
 
 def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, slots: torch.Tensor, key_pool: torch.Tensor,
-                       value_pool: torch.Tensor) -> torch.Tensor:
+                       positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs): the rotated queries
-    ``[T, Hq, D]``; the rotated keys and the values go to the pool (``[slots, Hkv, D]``) at ``slots [T]``.
-    ``cos``/``sin`` are the ``[positions, D]`` tables; per-head RMSNorm with ``q_weight``/``k_weight`` if given."""
+    ``[T, Hq, D]``; the rotated keys and the values go to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8
+    with a scale per head vector if the pool is) at ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]``
+    tables; per-head RMSNorm with ``q_weight``/``k_weight`` if given."""
+    key_pool, value_pool = cache.keys, cache.values
     tokens = query.shape[0]
     kv_heads, dim = key_pool.shape[1], key_pool.shape[2]
     heads = query.shape[1] // dim
     q_out = torch.empty((tokens, heads, dim), dtype=query.dtype, device=query.device)
     norm = q_weight is not None
+    key_scales = cache.key_scales if cache.quantized else key_pool  # unread when not quantized
+    value_scales = cache.value_scales if cache.quantized else value_pool
     _qk_norm_rope_store_kernel[(tokens, heads + kv_heads)](
         query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
-        key_pool, value_pool, eps, query.stride(0), key.stride(0), value.stride(0), q_out.stride(0),
-        key_pool.stride(0), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, NORM=norm, num_warps=1,
+        key_pool, value_pool, key_scales, value_scales, eps, query.stride(0), key.stride(0), value.stride(0),
+        q_out.stride(0), key_pool.stride(0), key_scales.stride(0), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+        NORM=norm, QUANTIZED=cache.quantized, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
     )
     return q_out
 
