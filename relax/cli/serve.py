@@ -41,6 +41,9 @@ def cmd_serve(argv: list[str]) -> int:
                         "only; off = the model's own forward for every model")
     parser.add_argument("--mem-fraction-static", type=float, default=0.85,
                         help="on CUDA, the share of the free device memory (after the weights) the KV pool takes")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the KV pool's storage: auto = the model's dtype; fp8_e4m3 = one byte an entry with a "
+                        "scale per head vector (paged engine core; CUDA compute capability 8.9 or newer)")
     parser.add_argument("--weight-update-root", default=None,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
@@ -79,7 +82,8 @@ def cmd_serve(argv: list[str]) -> int:
               dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
               batch_window_ms=args.batch_window_ms, log_level=args.log_level,
               weight_update_root=args.weight_update_root, engine_core=args.engine_core,
-              mem_fraction_static=args.mem_fraction_static, http_limits=http, generation_limits=work,
+              mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
+              http_limits=http, generation_limits=work,
               cpu_threads=args.cpu_threads)
     except ValueError as err:
         print(f"relax serve: error: {err}", file=sys.stderr)

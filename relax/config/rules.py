@@ -287,10 +287,12 @@ class CrossSectionRules(BaseModel):
         if self.rollout_fp8 and self.engine_core == "off":
             raise ValueError(f"{flag('rollout_fp8')} runs on the paged engine core; {flag('engine_core')} off "
                              "serves the model's own forward")
-        if self.kv_cache_dtype != "auto" and (self.engine_core == "off" or self.rollout_external):
+        if self.kv_cache_dtype != "auto" and (self.engine_core == "off" or (
+                self.rollout_external and self.rollout_engine_protocol != "relax")):
             raise ValueError(f"{flag('kv_cache_dtype')} {self.kv_cache_dtype} is the paged engine core's KV pool; "
-                             f"{flag('engine_core')} off or {flag('rollout_external')} rolls out elsewhere (SGLang "
-                             "has its own --kv-cache-dtype)")
+                             f"{flag('engine_core')} off, or {flag('rollout_external')} servers the run does not "
+                             f"start ({flag('rollout_engine_protocol')} relax starts its own and passes it on), "
+                             "roll out elsewhere (SGLang has its own --kv-cache-dtype)")
         if self.rollout_fp8 and self.rollout_external:
             raise ValueError(f"{flag('rollout_fp8')} quantises the embedded engine; with {flag('rollout_external')} "
                              "the servers quantise their own weights (SGLang's --quantization fp8)")

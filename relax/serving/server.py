@@ -37,7 +37,7 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
           device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
           max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info",
           weight_update_root: str | None = None, engine_core: str = "auto",
-          mem_fraction_static: float = 0.85, http_limits: HTTPLimits | None = None,
+          mem_fraction_static: float = 0.85, kv_cache_dtype: str = "auto", http_limits: HTTPLimits | None = None,
           generation_limits: GenerationLimits | None = None, cpu_threads: int = 0) -> None:
     """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
     control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load; ``http_limits``
@@ -62,7 +62,8 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     # beside a trainer (--rollout-engine-protocol relax) gets the run's --mem-fraction-static.
     engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
                                             max_batch_size=max_batch_size,
-                                            core=CoreSettings(mode=engine_core, mem_fraction_static=mem_fraction_static))
+                                            core=CoreSettings(mode=engine_core, mem_fraction_static=mem_fraction_static,
+                                                              kv_cache_dtype=kv_cache_dtype))
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
                      api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root,
                      generation_limits=generation_limits)

@@ -94,7 +94,7 @@ def build_relax_server_engine(cfg: RelaxConfig, address: str, weights_dir: Path)
     device = resolve_device(cfg)
     settings = RelaxServerSettings(device=str(device), dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."),
                                    engine_core=cfg.engine_core, mem_fraction_static=cfg.mem_fraction_static,
-                                   max_batch_size=cfg.rollout_max_batch_size)
+                                   kv_cache_dtype=cfg.kv_cache_dtype, max_batch_size=cfg.rollout_max_batch_size)
     return RelaxServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
                              log_dir=Path(cfg.output_dir) / "engines", settings=settings,
                              api_key=cfg.rollout_engine_api_key)

@@ -97,7 +97,17 @@ def test_the_flag_is_refused_where_it_has_no_pool_to_act_on(tiny_workspace, tmp_
     base = tiny_train_args(tiny_workspace, tmp_path / "out", "--kv-cache-dtype", "fp8_e4m3")
     with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 is the paged engine core's KV pool"):
         parse_config([*base, "--engine-core", "off"])
+    with pytest.raises(ConfigError, match="roll out elsewhere"):
+        parse_config([*base, "--rollout-external", "--rollout-external-engine-addrs", "http://127.0.0.1:9"])
     assert parse_config(base).kv_cache_dtype == "fp8_e4m3"
+    launched = parse_config([*base, "--rollout-external", "--rollout-engine-protocol", "relax",
+                             "--rollout-external-engine-addrs", "http://127.0.0.1:9"])
+    from relax.core.engines.factory import build_relax_server_engine
+
+    engine = build_relax_server_engine(launched, "http://127.0.0.1:9", tmp_path / "weights")
+    (tmp_path / "weights").mkdir()
+    arguments = engine.arguments()
+    assert arguments[arguments.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8_e4m3"):
         CoreSettings(kv_cache_dtype="fp4")
 
@@ -133,3 +143,16 @@ def test_the_fused_store_kernel_writes_what_the_pool_writes_on_cuda():
         assert (got - want).abs().le(amax * FP8_STEP * 1.01).all()
     _, want_scales = quantize_heads(exact_keys)
     torch.testing.assert_close(fp8.key_scales[slots], want_scales, rtol=1e-2, atol=0)
+
+
+def test_relax_serve_passes_the_flag_to_its_engine(monkeypatch, tiny_workspace):
+    import relax.serving.server as server
+    from relax.cli import serve as serve_cli
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, **kwargs: seen.update(kwargs))
+    assert serve_cli.cmd_serve(["--hf-checkpoint", str(tiny_workspace / "model"), "--device", "cpu",
+                           "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert seen["kv_cache_dtype"] == "fp8_e4m3"
+    with pytest.raises(ConfigError, match="--kv-cache-dtype: invalid choice: 'fp4'"):
+        serve_cli.cmd_serve(["--hf-checkpoint", str(tiny_workspace / "model"), "--kv-cache-dtype", "fp4"])

@@ -36,6 +36,7 @@ class RelaxServerSettings:
     dtype: str = "float32"
     engine_core: str = "auto"
     mem_fraction_static: float = 0.85
+    kv_cache_dtype: str = "auto"
     max_batch_size: int | None = None
     startup_timeout_s: float = 600.0  # a cold start on a busy 2-core machine takes tens of seconds
 
@@ -69,7 +70,8 @@ class RelaxServerEngine(SGLangHTTPEngine):
         weights_root = self._require_weights_dir().resolve()
         return ["serve", "--hf-checkpoint", str(self.model_dir), "--host", "127.0.0.1",
                 "--port", str(self.server.port), "--device", s.device, "--dtype", s.dtype, "--engine-core",
-                s.engine_core, "--mem-fraction-static", str(s.mem_fraction_static), "--weight-update-root",
+                s.engine_core, "--mem-fraction-static", str(s.mem_fraction_static), "--kv-cache-dtype",
+                s.kv_cache_dtype, "--weight-update-root",
                 str(weights_root), "--log-level", "warning",
                 *(["--max-batch-size", str(s.max_batch_size)] if s.max_batch_size else [])]
 
