@@ -1,6 +1,6 @@
 """Where a decode step of the engine core goes on the GPU: the engine's wall time per decode step beside the
-device time of the same step's CUDA graph replayed back to back (no host in between), and the projections'
-GEMMs one by one beside the same GEMMs merged (q/k/v as one, gate/up as one).
+device time of the same step's CUDA graph replayed back to back (no host in between), with the graph's kernels
+(``--profile``) and the sampler's device time per block size and warp count.
 
     python -m benchmarks.decode_anatomy_gpu --settings qwen3-0.6b:256,qwen3-4b:256
 """
@@ -32,25 +32,6 @@ def cuda_ms(fn, repeats: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
-
-
-def gemms(shape: dict, batch: int) -> dict:
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    heads, kv, dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape.get("head_dim", 128)
-    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
-    wq = torch.randn(heads * dim, hidden, device="cuda", dtype=torch.bfloat16)
-    wk = torch.randn(kv * dim, hidden, device="cuda", dtype=torch.bfloat16)
-    wv = torch.randn(kv * dim, hidden, device="cuda", dtype=torch.bfloat16)
-    wg = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
-    wu = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
-    wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
-    lin = torch.nn.functional.linear
-    out = {"qkv_separate_us": 1000 * cuda_ms(lambda: (lin(x, wq), lin(x, wk), lin(x, wv))),
-           "qkv_merged_us": 1000 * cuda_ms(lambda: lin(x, wqkv)),
-           "gate_up_separate_us": 1000 * cuda_ms(lambda: (lin(x, wg), lin(x, wu))),
-           "gate_up_merged_us": 1000 * cuda_ms(lambda: lin(x, wgu)),
-           "qkv_bound_us": 1e6 * wqkv.numel() * 2 / 4.3e12, "gate_up_bound_us": 1e6 * wgu.numel() * 2 / 4.3e12}
-    return {k: round(v, 2) for k, v in out.items()}
 
 
 def sampling_variants(batch: int, vocab: int) -> dict:
@@ -119,7 +100,7 @@ def run(shape_name: str, batch: int, args) -> dict:
               "wall_ms_per_engine_step": round(1000 * seconds / core.steps, 3) if core.steps else None,
               "decode_steps": decode_steps, "host_ms_per_decode_step": host,
               "graph_replay_device_ms_at_final_context": round(replay_ms, 3),
-              "graph_replay_host_ms": round(launch_host_ms, 3), "gemms": gemms(SHAPES[shape_name], batch),
+              "graph_replay_host_ms": round(launch_host_ms, 3),
               "sampling_us_by_variant": sampling_variants(batch, model.config.vocab_size)}
     if args.prefill_profile:
         from torch.profiler import ProfilerActivity, profile

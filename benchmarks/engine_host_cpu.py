@@ -26,7 +26,7 @@ from relax.backends.inference.base import GenerationRequest, PauseHolds, Samplin
 from relax.backends.inference.engine_core.block_manager import BlockManager
 from relax.backends.inference.engine_core.core import EngineCore
 from relax.backends.inference.engine_core.kv_cache import KVPool
-from relax.backends.inference.engine_core.paged_runner import PagedRunner
+from relax.backends.inference.engine_core.paged_runner import GRAPH_BATCH_SIZES, PagedRunner
 from relax.backends.inference.engine_core.scheduler import Scheduler
 from relax.backends.inference.engine_core.table_rows import BlockTableRows
 
@@ -49,7 +49,7 @@ class HostOnlyRunner(PagedRunner):
         StepRunner.__init__(self, torch.device("cpu"), batch)
         self.block_size, self.max_blocks_per_sequence = block_size, max_blocks_per_sequence
         self._kv_dtype = torch.float32
-        self.graph_sizes = [size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if size <= max(batch, 1)]
+        self.graph_sizes = [size for size in GRAPH_BATCH_SIZES if size <= batch] or [1]
         self.graphs = {size: _NoGraph() for size in self.graph_sizes}
         self.prefill_tokens = 0
         self.pool, self.caches = KVPool(1, 1, 1, 1, torch.float32, "auto", self.device), []  # never read

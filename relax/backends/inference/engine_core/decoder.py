@@ -192,7 +192,8 @@ class TextDecoder:
         value the same: float32 holds every bf16 value). At batch 256 a float32 copy of the logits is 155 MB
         written and read again per decode step, a twentieth of a 0.6B step's time."""
         head = self.lm_head
-        if head.bias is None and type(head) is nn.Linear:  # a patched head (FP8, LoRA) takes its own forward
+        # a head with a forward of its own (a subclass, a wrapper, a patched instance) is called as it is
+        if head.bias is None and type(head) is nn.Linear and "forward" not in head.__dict__:
             torch.mm(hidden, head.weight.t(), out=out)
         else:
             out.copy_(head(hidden))

@@ -40,9 +40,10 @@ class MergedLinears:
         return self.weight is not None and not any("forward" in linear.__dict__ for linear in self.linears)
 
     def merge(self) -> None:
-        """Stack the linears' current weights (and biases) and point each at its rows, unless already done.
-        Outside inference mode: the parameters are updated in place later, which inference tensors refuse."""
-        if not self.mergeable or (self.weight is not None and self._views_of(self.weight, "weight")):
+        """Stack the linears' current weights (and biases) and point each at its rows, unless stacked already
+        (`release` forgets the stack). Outside inference mode: the parameters are updated in place later, which
+        inference tensors refuse."""
+        if not self.mergeable or self.weight is not None:
             return
         with torch.inference_mode(False), torch.no_grad():
             self.weight = self._stack("weight")
@@ -65,15 +66,6 @@ class MergedLinears:
             part.data = stacked[offset:offset + width]  # the old storage goes with its last reference
             offset += width
         return stacked
-
-    def _views_of(self, stacked: torch.Tensor, name: str) -> bool:
-        offset = 0
-        for linear, width in zip(self.linears, self.widths):
-            part = getattr(linear, name)
-            if part.data_ptr() != stacked[offset:offset + width].data_ptr() or part.shape != (width, *stacked.shape[1:]):
-                return False
-            offset += width
-        return True
 
 
 def layer_groups(layer: nn.Module) -> tuple[MergedLinears, MergedLinears | None]:

@@ -184,8 +184,7 @@ class PagedRunner(StepRunner):
         length are never read, so only the columns in use are written; padding rows read entry 0, the reserved
         block."""
         batch, buffers, page = len(sequences), self._buffers, self.block_size
-        steady = self._follows(sequences, previous)
-        host_tokens, sources = (0, range(batch)) if steady else self._token_sources(sequences, previous)
+        host_tokens, sources, steady = self._token_sources(sequences, previous)
         rows = self._table_rows.rows(sequences)
         columns = self._table_rows.longest(rows)
         tables = self._table_rows.array[rows, :columns]

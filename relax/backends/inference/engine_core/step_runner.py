@@ -111,22 +111,22 @@ class StepRunner:
         host's last token or (``pending``) ``previous``'s output."""
         columns = [[s.seed for s in sequences], [s.num_tokens for s in sequences]]
         if decode:
-            host_tokens, sources = self._token_sources(sequences, previous)
+            host_tokens, sources, steady = self._token_sources(sequences, previous)
             columns += [host_tokens, sources]
         ints, temperature = self._stage(columns, [s.params.temperature for s in sequences])
         ints = ints.to(self.device, non_blocking=True)
         keys = StepKeys(ints[0], ints[1], temperature.to(self.device, non_blocking=True))
         if decode:
-            keys.inputs = self._input_tokens(ints[2], ints[3], sources, previous)
+            keys.inputs = self._input_tokens(ints[2], ints[3], sources, steady, previous)
         return keys
 
     @staticmethod
-    def _input_tokens(host: torch.Tensor, source: torch.Tensor, sources: list[int],
+    def _input_tokens(host: torch.Tensor, source: torch.Tensor, sources: list[int], steady: bool,
                       previous: StepOutput | None) -> torch.Tensor:
+        if steady:
+            return previous.tokens  # the previous step's sequences, in its order, all pending
         if previous is None or all(row < 0 for row in sources):
             return host
-        if len(sources) == len(previous.sequences) and sources == list(range(len(sources))):
-            return previous.tokens  # the steady state: the previous step's sequences, in its order, all pending
         return torch.where(source >= 0, previous.tokens[source.clamp(min=0)], host)
 
     @staticmethod
@@ -137,11 +137,13 @@ class StepRunner:
                 and all(a is b and a.pending for a, b in zip(sequences, previous.sequences)))
 
     @classmethod
-    def _token_sources(cls, sequences: list[Sequence], previous: StepOutput | None) -> tuple[list[int], list[int]]:
-        """Each sequence's last token as the host knows it (0 when pending) and its row in ``previous`` (-1 when
-        the host has its token)."""
+    def _token_sources(cls, sequences: list[Sequence],
+                       previous: StepOutput | None) -> tuple[list[int], list[int], bool]:
+        """Each sequence's last token as the host knows it (0 when pending), its row in ``previous`` (-1 when the
+        host has its token), and whether the step is steady (`_follows`: every input is ``previous``'s row of the
+        same index)."""
         if cls._follows(sequences, previous):
-            return [0] * len(sequences), list(range(len(sequences)))
+            return [0] * len(sequences), list(range(len(sequences))), True
         row_of = {id(s): row for row, s in enumerate(previous.sequences)} if previous is not None else {}
         host_tokens, sources = [], []
         for sequence in sequences:
@@ -151,7 +153,7 @@ class StepRunner:
             else:
                 host_tokens.append(sequence.token_ids[-1])
                 sources.append(-1)
-        return host_tokens, sources
+        return host_tokens, sources, False
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=torch.long)
