@@ -3,6 +3,7 @@ device time of the same step's CUDA graph replayed back to back (no host in betw
 (``--profile``) and the sampler's device time per block size and warp count.
 
     python -m benchmarks.decode_anatomy_gpu --settings qwen3-0.6b:256,qwen3-4b:256
+    python -m benchmarks.decode_anatomy_gpu --settings qwen3-4b:256 --fp8 --kv-cache-dtype fp8_e4m3 --profile
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def run(shape_name: str, batch: int, args) -> dict:
                             generator=torch.Generator().manual_seed(batch)).tolist()
     pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                            core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512))
+                            core=CoreSettings(mode="on", max_total_tokens=pool, max_graph_batch=512, fp8=args.fp8,
+                                              kv_cache_dtype=args.kv_cache_dtype))
     asyncio.run(engine.generate(requests_for(prompts[:8], 8, "warm")))
     core = engine.core
     first_calls = []
@@ -94,7 +96,8 @@ def run(shape_name: str, batch: int, args) -> dict:
         graph.replay()
     launch_host_ms = (time.perf_counter() - launch_started) / 30 * 1000
     torch.cuda.synchronize()
-    result = {"shape": shape_name, "batch": batch, "earlier_calls": first_calls, "seconds": round(seconds, 3),
+    result = {"shape": shape_name, "batch": batch, "fp8": args.fp8, "kv_cache_dtype": args.kv_cache_dtype,
+              "earlier_calls": first_calls, "seconds": round(seconds, 3),
               "prefill_s": round(core.host_seconds["prefill"], 3),
               "tokens_per_s": round(batch * args.new_tokens / seconds),
               "wall_ms_per_engine_step": round(1000 * seconds / core.steps, 3) if core.steps else None,
@@ -152,6 +155,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--prefill-profile", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls (the last one reported in full)")
+    parser.add_argument("--fp8", action="store_true", help="the engine with --rollout-fp8's FP8 projections")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = [run(name, int(batch), args) for name, batch in (s.split(":") for s in args.settings.split(","))]

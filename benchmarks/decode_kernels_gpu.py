@@ -1,7 +1,8 @@
 """The engine core's decode kernels on one layer of the Qwen3-0.6B shape, timed on their own (CUDA events, the
 median of many runs) against the bytes they must move, and checked against the Hugging Face modules in bf16:
 
-- paged decode attention for a few tile sizes (``BLOCK_N``) and warp counts, in GB/s of K/V read;
+- paged decode attention for a few tile sizes (``BLOCK_N``), warp counts and pipeline stages, over a bf16 pool and
+  an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), in GB/s of K/V (and scales) read;
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -19,8 +20,9 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
 from relax.backends.inference import triton_sampling
-from relax.backends.inference.engine_core import triton_attention, triton_ops
-from relax.backends.inference.engine_core.kv_cache import LayerKV
+from relax.backends.inference.engine_core import triton_ops
+from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
+from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
 
 def median_ms(fn, warmup: int = 10, repeat: int = 50) -> float:
@@ -35,30 +37,53 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=16, help="query heads (Qwen3-0.6B 16, 4B 32)")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     device, dtype = "cuda", torch.bfloat16
-    batch, context, page, heads, kv_heads, dim = args.batch, args.context, 16, 16, 8, 128
+    batch, context, page, dim = args.batch, args.context, 16, 128
+    heads, kv_heads = args.heads, args.kv_heads
     blocks_per_seq = -(-context // page)
     keys = torch.randn(batch * blocks_per_seq * page + page, kv_heads, dim, device=device, dtype=dtype)
     values = torch.randn_like(keys)
     tables = (torch.randperm(batch * blocks_per_seq, device=device) + 1).to(torch.int32).view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, heads, dim, device=device, dtype=dtype)
-    kv_bytes = 2 * batch * context * kv_heads * dim * 2
-    report: dict = {"batch": batch, "context": context, "attention": {}}
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            def run():
-                out = torch.empty_like(query)
-                triton_attention._paged_decode_kernel[(batch, kv_heads)](
-                    query, keys, values, out, tables, lens, dim ** -0.5, query.stride(0), query.stride(1),
-                    keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), out.stride(0), out.stride(1),
-                    tables.stride(0), GROUP=2, GROUP_PAD=16, HEAD_DIM=dim, PAGE=page, BLOCK_N=block_n,
-                    num_warps=warps, num_stages=2)
-            ms = median_ms(run)
-            report["attention"][f"block{block_n}_warps{warps}"] = {"ms": ms, "gb_per_s": kv_bytes / ms / 1e6}
-            print(f"attention BLOCK_N {block_n:3d} warps {warps}: {ms * 1000:7.1f} us, {kv_bytes / ms / 1e6:7.0f} GB/s")
+    report: dict = {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads, "attention": {}}
+    (fp8_keys, key_scales), (fp8_values, value_scales) = quantize_heads(keys), quantize_heads(values)
+    reference = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page)
+    # the pools: bf16; FP8 with its scales slot-major ([slots, Hkv], the pool's layout) or head-major (a
+    # transposed view of [Hkv, slots]: one head's scales of consecutive slots are adjacent)
+    pools = {"bf16": (keys, values, {}),
+             "fp8_scales_slot_major": (fp8_keys, fp8_values, {"key_scales": key_scales, "value_scales": value_scales}),
+             "fp8_scales_head_major": (fp8_keys, fp8_values, {"key_scales": key_scales.t().contiguous().t(),
+                                                              "value_scales": value_scales.t().contiguous().t()})}
+    for pool_name, (k_pool, v_pool, scales) in pools.items():
+        scale_bytes = 2 * batch * context * kv_heads * 4 if scales else 0
+        kv_bytes = 2 * batch * context * kv_heads * dim * k_pool.element_size() + scale_bytes
+        for block_n in (64, 128, 256):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    def run():
+                        return paged_decode_attention(query, k_pool, v_pool, tables, lens, dim ** -0.5, page,
+                                                      block_n=block_n, num_warps=warps, num_stages=stages, **scales)
+                    try:
+                        ms = median_ms(run)
+                    except Exception as error:  # a tile that does not fit shared memory
+                        print(f"{pool_name} BLOCK_N {block_n} warps {warps} stages {stages}: {type(error).__name__}")
+                        continue
+                    error = relative_error(run(), reference)
+                    report["attention"][f"{pool_name}_block{block_n}_warps{warps}_stages{stages}"] = {
+                        "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
+                    print(f"{pool_name:22s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
+                          f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
+    best = {name: min((v["us"], k) for k, v in report["attention"].items() if k.startswith(name))
+            for name in pools}
+    report["best_attention_us"] = best
+    print("best:", best)
+    heads, kv_heads = 16, 8  # the 0.6B layer below
     vocab = 151936
     logits = torch.randn(batch, vocab, device=device) * 3
     temperature = torch.ones(batch, device=device)
@@ -108,6 +133,9 @@ def main() -> None:
     gate, up = torch.randn(batch, 3072, device=device, dtype=dtype), torch.randn(batch, 3072, device=device, dtype=dtype)
     report["silu_mul_error"] = relative_error(triton_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
     print(json.dumps({k: v for k, v in report.items() if k != "attention"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -232,12 +232,17 @@ def test_weight_update_resets_the_prefix_cache(tokenizer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperature):
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperature, cache_dtype):
     """bf16 on CUDA, decode in graphs with the fused kernels: each token's log-prob equals the Hugging Face forward
     of the same tokens (the trainer's) up to bf16 rounding, as the GPU smoke tests require of the rollout (k1
-    mismatch < 0.05), and a greedy token is the forward's argmax unless the top two are within rounding."""
+    mismatch < 0.05), and a greedy token is the forward's argmax unless the top two are within rounding. Over an
+    FP8 KV pool the mean gap holds (each key and value within e4m3 rounding of its head vector's largest entry);
+    single tokens may be off by up to 1 nat (0.61 measured on an H200) and a greedy token may trail the top logit
+    by up to 0.5."""
     model = make_model(seed=0).to("cuda", torch.bfloat16)
-    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096))
+    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096,
+                                                              kv_cache_dtype=cache_dtype))
     assert core.core.runner.graphs and core.core.runner.decoder.fused
     requests = [request(f"r{i}", [5 + i] * (4 + i), max_new_tokens=24, temperature=temperature, seed=i,
                         ignore_eos=True) for i in range(20)]
@@ -254,8 +259,10 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
             top2 = logits.topk(2, dim=-1).values
             chosen = logits.gather(1, torch.tensor(out.output_ids, device="cuda")[:, None])[:, 0]
             # within a few bf16 steps of the top logit (the forward of the whole sequence rounds differently)
-            assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - chosen < 0.125))
-    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < 0.5
+            rounding = 0.125 if cache_dtype == "auto" else 0.5
+            assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - chosen < rounding))
+    print(f"{cache_dtype} T={temperature}: mean gap {sum(gaps) / len(gaps):.4f}, max |gap| {max(map(abs, gaps)):.4f}")
+    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < (0.5 if cache_dtype == "auto" else 1.0)
 
 
 @pytest.mark.gpu

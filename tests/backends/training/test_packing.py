@@ -240,6 +240,42 @@ def test_packed_attention_keeps_sequences_apart(tiny_workspace):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-5)
 
 
+VIEW_BACKWARDS = {"TransposeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
+                  "UnsqueezeBackward0", "PermuteBackward0"}
+
+
+@settings(max_examples=20, deadline=None)
+@given(heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), lengths=st.lists(st.integers(1, 7), min_size=1, max_size=4))
+def test_packed_attention_reaches_its_kernel_through_views_only(heads, lengths):
+    """The ``[1, H, N, D]`` queries, keys and values become the kernel's ``[N, H, D]`` through views, so their
+    gradients come back without a copy: indexing (``t[0]``) has a backward that zero-fills the whole input and
+    copies the gradient into it, which cost a strided copy of every query, key and value gradient per layer on the
+    GPU. The output is the kernel's, as a view."""
+    (q_heads, kv_heads), total, dim = heads, sum(lengths), 8
+    seen = {}
+
+    def kernel(q, k, v, packing, scale, dropout):
+        seen.update(q=q, k=k, v=v)
+        return q * 2
+
+    inputs = [torch.randn(1, h, total, dim, requires_grad=True) for h in (q_heads, kv_heads, kv_heads)]
+    boundaries = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packing = varlen_attention.PackedAttention.of(boundaries, max(lengths), torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(varlen_attention, "_per_sequence_attend", kernel)
+        out, _ = varlen_attention.packed_attention_forward(torch.nn.Module(), *inputs, None, relax_packed=packing)
+    assert out.shape == (1, total, q_heads, dim)
+    for name, source in zip("qkv", inputs):
+        node, path = seen[name].grad_fn, []
+        while node is not None and not (hasattr(node, "variable") and node.variable is source):
+            path.append(type(node).__name__)
+            node = node.next_functions[0][0]
+        assert node is not None and set(path) <= VIEW_BACKWARDS, (name, path)
+        assert seen[name].untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+    out.sum().backward()
+    torch.testing.assert_close(inputs[0].grad, torch.full_like(inputs[0], 2.0))
+
+
 def test_sliding_window_models_are_refused_with_the_flag_to_use():
     query = torch.randn(1, 2, 4, 8)
     packing = varlen_attention.PackedAttention.of(torch.tensor([0, 4]), 4, torch.device("cpu"))

@@ -21,6 +21,7 @@ import triton.language as tl
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, k_scale_ptr, v_scale_ptr, scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
+    stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
@@ -43,7 +44,7 @@ def _paged_decode_kernel(
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=valid[:, None],
                     other=0.0)
         if QUANTIZED:  # FP8 entries times their vector's scale: the scale multiplies the scores
-            k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head, mask=valid, other=0.0)
+            k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
             scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scales * scale)[None, :]
         else:
             scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
@@ -55,7 +56,7 @@ def _paged_decode_kernel(
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
                     other=0.0)
         if QUANTIZED:  # and the values' scale the probabilities
-            v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head, mask=valid, other=0.0)
+            v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
             acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
         else:
             acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
@@ -68,7 +69,8 @@ def _paged_decode_kernel(
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
-                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
+                           value_scales: torch.Tensor | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
     ``page``-slot blocks, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`)."""
@@ -83,7 +85,8 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
         query, key_pool, value_pool, out, block_tables, context_lens, k_scales, v_scales, scale,
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
+        k_scales.stride(-1) if quantized else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, QUANTIZED=quantized, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -104,7 +104,7 @@ def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.con
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
                                positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
                                value_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
-                               stride_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               stride_scale, stride_scale_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                NORM: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
                                MIN_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -132,7 +132,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
             x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
         slot = tl.load(slots_ptr + token)
-        scale_offset = slot * stride_scale + kv_head
+        scale_offset = slot * stride_scale + kv_head * stride_scale_head
         _store_head(key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, key_scale_ptr + scale_offset,
                     _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
                     HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
@@ -159,7 +159,8 @@ def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     _qk_norm_rope_store_kernel[(tokens, heads + kv_heads)](
         query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
         key_pool, value_pool, key_scales, value_scales, eps, query.stride(0), key.stride(0), value.stride(0),
-        q_out.stride(0), key_pool.stride(0), key_scales.stride(0), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+        q_out.stride(0), key_pool.stride(0), key_scales.stride(0), key_scales.stride(1) if cache.quantized else 0,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         NORM=norm, QUANTIZED=cache.quantized, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
     )
     return q_out
