@@ -43,8 +43,9 @@ class RolloutSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = setting(
         "auto",
         "The embedded engine core's KV pool: `auto` in the model's dtype; `fp8_e4m3` (SGLang's and vLLM's name) one "
-        "byte per entry with a float32 scale per head vector computed as it is written (no calibration), so decode "
-        "reads half the K/V bytes and the pool holds nearly twice the tokens. Ada/Hopper or newer on CUDA. The "
+        "byte per entry with a float32 scale per head vector computed as it is written (no calibration): the pool holds "
+        "nearly twice the tokens and decode reads half the K/V bytes (not faster yet on an H200: the decode kernel "
+        "is not bandwidth-bound on FP8, docs/engines.md). Ada/Hopper or newer on CUDA. The "
         "rollout then differs from the trainer by more than rounding: use --use-tis, which corrects and reports it "
         "(train/tis_mismatch_kl). Paged engine core only (docs/engines.md).",
         "rollout",

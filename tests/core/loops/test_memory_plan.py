@@ -141,7 +141,9 @@ def test_the_probe_predicts_the_training_peak_on_cuda(tiny_workspace, tmp_path):
     with Tracker(cfg.output_dir, use_tensorboard=False) as tracker:
         controller = SyncController(cfg, InProcessPlacement(cfg, roles), tracker)
         plan = controller.memory.plan
-        assert plan is not None and not plan.release_kv_while_training
+        # whether the pool is released depends on what else holds the device (in a `-m gpu` session, what earlier
+        # tests left allocated): the prediction must hold either way
+        assert plan is not None
         asyncio.run(controller.run())
     peak = max(row["perf/gpu_peak_gib_train"] for row in read_metrics(tmp_path / "metrics.jsonl")
                if "perf/gpu_peak_gib_train" in row) * GIB
