@@ -14,6 +14,7 @@ decode step does:
 It prints a table and the sums over one decoder layer, and writes ``benchmarks/results/fp8_gemm_gpu.json``.
 
     python -m benchmarks.fp8_gemm_gpu --shape 4b --batch 256
+    python -m benchmarks.fp8_gemm_gpu --shape 4b --batch 256 --stacked --out benchmarks/results/fp8_gemm_gpu_4b_stacked.json
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ SHAPES = {
     "4b": {"q": (2560, 4096), "k": (2560, 1024), "v": (2560, 1024), "o": (4096, 2560),
            "gate": (2560, 9728), "up": (2560, 9728), "down": (9728, 2560)},
 }
+
+
+def stacked(shape: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """One layer's products with the projections that read one input stacked: qkv, o, gate_up, down."""
+    return {"qkv": (shape["q"][0], shape["q"][1] + shape["k"][1] + shape["v"][1]), "o": shape["o"],
+            "gate_up": (shape["gate"][0], shape["gate"][1] + shape["up"][1]), "down": shape["down"]}
 
 
 def time_ms(fn, iterations: int) -> float:
@@ -66,11 +73,15 @@ def main() -> None:
     parser.add_argument("--shape", default="4b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--stacked", action="store_true",
+                        help="q/k/v and gate/up as one product each, as the engine runs them (merged projections; "
+                             "engine_core.fp8.SharedProduct)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fp8_gemm_gpu.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows, totals = {}, {}
-    for name, (fan_in, fan_out) in SHAPES[args.shape].items():
+    projections = stacked(SHAPES[args.shape]) if args.stacked else SHAPES[args.shape]
+    for name, (fan_in, fan_out) in projections.items():
         x = torch.randn(args.batch, fan_in, device="cuda", dtype=torch.bfloat16)
         copies = max(2, -(-L2_ROTATION_BYTES // (fan_in * fan_out)))  # FP8 copies alone exceed the L2 cache
         ws = [torch.randn(fan_out, fan_in, device="cuda", dtype=torch.bfloat16) / fan_in ** 0.5 for _ in range(copies)]
@@ -96,7 +107,7 @@ def main() -> None:
                 totals[key] = totals.get(key, 0.0) + value
         print(f"{name:5s} " + "  ".join(f"{k} {v:.4f}" for k, v in timings.items()), flush=True)
     print("layer " + "  ".join(f"{k} {v:.4f} ms" for k, v in totals.items()))
-    result = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": args.batch,
+    result = {"device": torch.cuda.get_device_name(), "shape": args.shape, "batch": args.batch, "stacked": args.stacked,
               "layer_ms": {k: round(v, 4) for k, v in totals.items()},
               "fp8_rowwise_with_quantize_vs_bf16": round(totals["bf16"] / (totals["scaled_mm_rowwise"]
                                                                             + totals["quantize"]), 3),

@@ -1,7 +1,7 @@
 """FP8 rollout (`relax.backends.inference.engine_core.fp8`, ``--rollout-fp8``): row-wise quantisation within e4m3's
 rounding, FP8 linears close to the full-precision ones, an FP8 engine whose log-probs stay near the full-precision
 engine's, and weight syncs that requantise in place (an updated FP8 engine samples exactly as one built from the new
-weights); projections that read the same input share its quantisation, in any call order. torch's ``_scaled_mm`` runs
+weights); projections that read the same input are one product over their stacked weights, in any call order. torch's ``_scaled_mm`` runs
 on CPU, so these run everywhere; the GPU tests compare with bf16 on CUDA and the Triton quantisation kernel with the
 torch one, bit for bit."""
 
@@ -147,29 +147,65 @@ def test_fp8_on_cuda_scores_near_bf16():
     assert 0 < deltas.abs().mean().item() < 0.05 and deltas.abs().max().item() < 0.2, deltas.abs().max()
 
 
-def test_projections_that_read_one_input_share_its_quantisation(monkeypatch):
-    """A layer quantises 4 activations (q/k/v's input, o's, gate/up's, down's), not 7; the outputs equal those of
-    quantising for each projection, also when a model calls the group out of order (it quantises again)."""
+def test_projections_that_read_one_input_are_one_product(monkeypatch):
+    """A layer quantises 4 activations (q/k/v's input, o's, gate/up's, down's), not 7, and runs 4 FP8 GEMMs: q, k
+    and v over their stacked weights, gate and up over theirs. Each projection's output equals its own FP8 product
+    (up to the order of the float sums), also when a model calls the group out of order (it multiplies again); the
+    stacked weights are the only FP8 copies."""
     model = _realistic_model(0)
     layer = model.model.layers[0]
     x = torch.randn(5, model.config.hidden_size)
     expected = {name: fp8_linear(x, *quantize_rows(getattr(layer.self_attn, name).weight), None)
                 for name in ("q_proj", "k_proj", "v_proj")}
-    Fp8Linears(model.model.layers)
-    calls = []
-    original = fp8_module.quantize_activations
+    fp8 = Fp8Linears(model.model.layers)
+    product = layer.self_attn.q_proj.fp8_shared[0]
+    assert all(getattr(layer.self_attn, name).fp8_weight.untyped_storage().data_ptr()
+               == product.weight.untyped_storage().data_ptr() for name in ("q_proj", "k_proj", "v_proj"))
+    calls, gemms = [], []
+    original, scaled_mm = fp8_module.quantize_activations, torch._scaled_mm
     monkeypatch.setattr(fp8_module, "quantize_activations", lambda rows: calls.append(rows.shape) or original(rows))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: gemms.append(a[1].shape) or scaled_mm(*a, **k))
     for order in (("q_proj", "k_proj", "v_proj"), ("k_proj", "v_proj", "q_proj"), ("q_proj", "k_proj", "v_proj")):
         calls.clear()
         step_input = x.clone()  # a new activation, as each forward's
         for name in order:
-            torch.testing.assert_close(getattr(layer.self_attn, name)(step_input), expected[name], rtol=0, atol=0)
-        assert len(calls) == (1 if order[-1] == "v_proj" else 2)  # q, k, v in order: one quantisation
+            torch.testing.assert_close(getattr(layer.self_attn, name)(step_input), expected[name])
+        assert len(calls) == (1 if order[-1] == "v_proj" else 2)  # q, k, v in order: one product
     calls.clear()
+    gemms.clear()
     with torch.no_grad():
         model(torch.tensor([[3, 4, 5, 6]]))
-    assert len(calls) == 4 * model.config.num_hidden_layers
-    assert all(layer.self_attn.q_proj.fp8_shared[0].source is None for layer in model.model.layers)  # let go
+    assert len(calls) == len(gemms) == 4 * model.config.num_hidden_layers
+    assert all(product.source is None and not product.outputs for product in fp8.products)  # let go
+
+
+def test_a_stacked_product_keeps_each_projections_bias_through_weight_syncs():
+    """Projections with biases (Qwen2's q, k and v): the stacked product adds each one's, and a weight sync (the
+    biases written in place, then `requantize`) reaches the product as it reaches the weights."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True)
+    model = Qwen3ForCausalLM(config).eval()
+    attention = model.model.layers[1].self_attn
+    x = torch.randn(3, 128)
+
+    def expected():
+        return {name: fp8_linear(x, *quantize_rows(getattr(attention, name).weight), getattr(attention, name).bias)
+                for name in ("q_proj", "k_proj", "v_proj")}
+
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(attention, name).bias.normal_()
+    fp8 = Fp8Linears(model.model.layers)
+    for name, want in expected().items():
+        torch.testing.assert_close(getattr(attention, name)(x), want)
+    with torch.no_grad():  # a weight sync: new values into the same parameters
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(attention, name).bias.add_(1.0)
+            getattr(attention, name).weight.mul_(1.5)
+    fp8.requantize()
+    for name, want in expected().items():
+        torch.testing.assert_close(getattr(attention, name)(x), want)
 
 
 @pytest.mark.gpu

@@ -5,12 +5,14 @@ and little else. In FP8 each weight is one byte, so the GEMMs read half as much;
 token on the fly (one scale per row, like the weights' one scale per output channel), and ``torch._scaled_mm``
 multiplies the two FP8 operands with the scales applied in its epilogue, writing the model's dtype.
 
-What stays in the model's dtype: embeddings, norms, rotary tables, attention (over a bf16 KV cache) and the LM head
+What stays in the model's dtype: embeddings, norms, rotary tables, attention (over the KV pool, FP8 only with
+``--kv-cache-dtype fp8_e4m3``) and the LM head
 (the sampled distribution is most sensitive to it, and it is one layer). The projections of every decoder layer
 (q, k, v, o, gate, up, down) are quantised.
 
-The projections that read the same input (q, k and v; gate and up) share its quantisation: a layer quantises four
-activations, not seven. On CUDA each is one Triton kernel (`triton_ops.quantize_rows_fp8`, the same arithmetic as
+The projections that read the same input (q, k and v; gate and up) are one product over their stacked FP8 weights
+(`SharedProduct`): a layer quantises four activations, not seven, and runs four GEMMs. On CUDA each quantisation is
+one Triton kernel (`triton_ops.quantize_rows_fp8`, the same arithmetic as
 `quantize_rows`): written with torch operations it was six small kernels per projection, which cost more GPU time
 than the layer's GEMMs (docs/engines.md).
 
@@ -60,32 +62,57 @@ def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return quantize_rows(rows)
 
 
-class SharedInput:
-    """The FP8 form of the input that a group of projections reads (q, k, v; gate, up): quantised by the first of
-    them, reused by the others while the input is the same tensor, and let go by the group's last (the models call
-    them in that order; another order quantises again, never reuses a stale input)."""
+class SharedProduct:
+    """The FP8 product of a group of projections that read the same input (q, k, v; gate, up), over their stacked
+    weights: computed by the first of them called (one quantisation of the input, one GEMM), each taking its own
+    columns as a view, and let go by the group's last (the models call them in that order; another order computes
+    it again, never reuses a stale input). One GEMM instead of three: at 256 rows on an H200 the 4B shape's q, k and
+    v took 10.4 us stacked against 30.3 us one by one, gate and up 29.4 against 37.1 (docs/engines.md)."""
 
-    def __init__(self, last: str) -> None:
-        self.last = last  # the name of the group's last projection
+    def __init__(self, linears: dict[str, nn.Linear]) -> None:
+        self.names = list(linears)
+        self.last = self.names[-1]
+        self.widths = [linear.out_features for linear in linears.values()]
+        # the stacked FP8 weights and scales are the only copies: each linear's are views of its rows, so
+        # `Fp8Linears.requantize` writes into them in place
+        self.weight, self.scale = quantize_rows(torch.cat([linear.weight.detach() for linear in linears.values()]))
+        biases = [linear.bias for linear in linears.values()]
+        self.bias = None if all(b is None for b in biases) else torch.cat([
+            b.detach() if b is not None else torch.zeros(width, dtype=linear.weight.dtype, device=linear.weight.device)
+            for b, width, linear in zip(biases, self.widths, linears.values())])
+        offset = 0
+        for linear, width in zip(linears.values(), self.widths):
+            linear.fp8_weight, linear.fp8_scale = self.weight[offset:offset + width], self.scale[offset:offset + width]
+            offset += width
+        self.linears = list(linears.values())
         self.source: torch.Tensor | None = None  # held while reused: no other tensor can take its identity
-        self.quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.outputs: dict[str, torch.Tensor] = {}
 
-    def of(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        quantized = self.quantized if self.source is x else quantize_activations(x.reshape(-1, x.shape[-1]))
+    def copy_biases(self) -> None:
+        """The linears' current biases into the stacked one, in place (a weight sync writes the linears' own)."""
+        if self.bias is None:
+            return
+        for bias, part in zip((linear.bias for linear in self.linears), self.bias.split(self.widths)):
+            if bias is not None and bias.numel():
+                part.copy_(bias.detach())
+
+    def of(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.source is not x:
+            out = fp8_linear(x, self.weight, self.scale, self.bias)
+            self.outputs = dict(zip(self.names, out.split(self.widths, dim=-1)))
+        result = self.outputs[name]
         if name == self.last:  # nothing else reads it: a prefill's activations are not kept past the layer
-            self.source = self.quantized = None
+            self.source, self.outputs = None, {}
         else:
-            self.source, self.quantized = x, quantized
-        return quantized
+            self.source = x
+        return result
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               shared: tuple[SharedInput, str] | None = None) -> torch.Tensor:
-    """``x @ W.T + b`` with ``W ~ weight [out, in] (FP8) * weight_scale [out, 1]`` and ``x`` quantised per token
-    (through ``shared``, the group and this projection's name, when other projections read the same input)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` with ``W ~ weight [out, in] (FP8) * weight_scale [out, 1]`` and ``x`` quantised per token."""
     shape = x.shape
-    x_fp8, x_scale = shared[0].of(x, shared[1]) if shared is not None else \
-        quantize_activations(x.reshape(-1, shape[-1]))
+    x_fp8, x_scale = quantize_activations(x.reshape(-1, shape[-1]))
     out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
@@ -93,16 +120,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 class Fp8Linears:
-    """The decoder layers' projections switched to `fp8_linear` over FP8 copies of their weights (module doc)."""
+    """The decoder layers' projections switched to `fp8_linear` over FP8 copies of their weights, those that read
+    one input as one `SharedProduct` (module doc)."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self.linears: list[nn.Linear] = []
-        self.shared: list[SharedInput] = []
+        self.products: list[SharedProduct] = []
         for layer in layers:
             for block_name, names in PROJECTIONS:
                 block = getattr(layer, block_name)
-                shared = SharedInput(last=SHARED_INPUTS[block_name][-1])
-                self.shared.append(shared)
                 for name in names:
                     linear = getattr(block, name)
                     if not isinstance(linear, nn.Linear):
@@ -110,24 +136,36 @@ class Fp8Linears:
                                          "linear layer")
                     self.linears.append(linear)
                     # plain attributes, not buffers: the model's state dict, weight-sync names and `.to()` stay
-                    linear.fp8_weight, linear.fp8_scale = quantize_rows(linear.weight)
-                    linear.fp8_shared = (shared, name) if name in SHARED_INPUTS[block_name] else None
+                    if name not in SHARED_INPUTS[block_name]:
+                        linear.fp8_weight, linear.fp8_scale = quantize_rows(linear.weight)
+                        linear.fp8_shared = None
                     linear.forward = types.MethodType(_fp8_forward, linear)
+                group = {name: getattr(block, name) for name in SHARED_INPUTS[block_name]}
+                product = SharedProduct(group)
+                self.products.append(product)
+                for name, linear in group.items():
+                    linear.fp8_shared = (product, name)
 
     def remove(self) -> None:
         """The linears back to their own forward, the FP8 copies dropped (the model serves another engine)."""
         for linear in self.linears:
             for name in ("forward", "fp8_weight", "fp8_scale", "fp8_shared"):
                 linear.__dict__.pop(name, None)
-        self.linears, self.shared = [], []
+        self.linears, self.products = [], []
 
     @torch.no_grad()
     def requantize(self) -> None:
-        """The FP8 copies from the current weights, in place (after a weight sync)."""
+        """The FP8 copies from the current weights, in place (after a weight sync; a stacked group's rows through
+        its linears' views)."""
         for linear in self.linears:
             if linear.weight.numel():  # released weights (--offload-rollout) come back before the next sync
                 quantize_rows(linear.weight, linear.fp8_weight, linear.fp8_scale)
+        for product in self.products:
+            product.copy_biases()
 
 
 def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return fp8_linear(x, self.fp8_weight, self.fp8_scale, self.bias, self.fp8_shared)
+    if self.fp8_shared is not None:
+        product, name = self.fp8_shared
+        return product.of(x, name)
+    return fp8_linear(x, self.fp8_weight, self.fp8_scale, self.bias)
