@@ -10,6 +10,7 @@ from relax.utils.heap import freeze_long_lived_objects
 from tests.support.tiny_assets import build_tiny_model_dir, write_addition_data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_ALLOCATED_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")
@@ -47,23 +48,42 @@ def pytest_collection_finish(session):
 def pytest_runtest_setup(item):
     """`--dist loadgroup` (scripts/test.sh) keeps the tests of one `xdist_group` on one worker by appending the
     group to their node ids. A pytest that ignores that (9.2 with pytest-xdist 3.8: node ids became structured)
-    would silently run the in-process Ray tests side by side, so such a test fails, saying why."""
+    would silently run the in-process Ray tests side by side, so such a test fails, saying why. A GPU test's
+    allocated bytes are noted before it runs (`pytest_runtest_teardown`)."""
     if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None \
             and "@" not in item.nodeid:
         pytest.fail(f"--dist loadgroup ignored this test's xdist_group: pytest {pytest.__version__} and this "
                     "pytest-xdist do not work together (pyproject.toml's test extra pins them)", pytrace=False)
+    if item.get_closest_marker("gpu") is not None:  # what the test leaves allocated is measured against this
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            item.stash[_ALLOCATED_BEFORE] = torch.cuda.memory_allocated()
+
+
+LEAK_REPORT_BYTES = 2**30
 
 
 def pytest_runtest_teardown(item):
     """After a GPU test, what it left in reference cycles (engines hold their KV pools, trainers their optimizer
     state) goes before the next one measures free memory: the `-m gpu` tests share one process and one device, and
-    a later test's memory plan counted 132 GiB of an earlier test's tensors as resident."""
+    a later test's memory plan counted 132 GiB of an earlier test's tensors as resident. What is still allocated
+    after that (over 1 GiB more than before the test) is reported as a warning naming what holds the largest
+    tensors (`tests/support/live_tensors.py`)."""
     if item.get_closest_marker("gpu") is None:
         return
     import gc
+    import warnings
 
     import torch
 
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated() - item.stash.get(_ALLOCATED_BEFORE, 0)
+        if left > LEAK_REPORT_BYTES:
+            from tests.support.live_tensors import live_tensor_report
+
+            report = "\n  ".join(live_tensor_report(lambda tensor: tensor.is_cuda))
+            warnings.warn(f"{item.nodeid} left {left / 2**30:.1f} GiB allocated after collection:\n  {report}",
+                          stacklevel=1)
