@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from relax.distributed.process_group import free_loopback_port, shutdown_process_group
 from tests.backends.training.test_fsdp_backend import LOSS, make_backend, make_batch
+from tests.support.runs import start_ranks
 
 
 def _gradients(backend):
@@ -46,8 +46,7 @@ def _train_on_rank(rank: int, world_size: int, port: int, model_dir: str, out: s
 @pytest.mark.parametrize("variant", ["even", "uneven", "budget"])
 def test_two_process_fsdp_step_equals_the_single_process_step(variant, tiny_workspace, tmp_path):
     model_dir, out = str(tiny_workspace / "model"), str(tmp_path / "rank0.pt")
-    mp.start_processes(_train_on_rank, args=(2, free_loopback_port(), model_dir, out, variant), nprocs=2, join=True,
-                       start_method="spawn")
+    start_ranks(_train_on_rank, (2, free_loopback_port(), model_dir, out, variant), nprocs=2)
     sharded = torch.load(out, weights_only=False)
 
     single = make_backend(model_dir, micro_batch_size=2, lr=1e-4)
@@ -102,8 +101,7 @@ def test_checkpoints_move_between_world_sizes(tiny_workspace, tmp_path):
     model_dir = str(tiny_workspace / "model")
 
     def two(action, checkpoint, out):
-        mp.start_processes(_save_or_load_on_rank, args=(2, free_loopback_port(), model_dir, checkpoint, action, out),
-                           nprocs=2, join=True, start_method="spawn")
+        start_ranks(_save_or_load_on_rank, (2, free_loopback_port(), model_dir, checkpoint, action, out), nprocs=2)
         return torch.load(out, weights_only=False)
 
     # 2 -> 1: the 2-process run saves after step 1 and takes step 2; a 1-process run loads and takes step 2

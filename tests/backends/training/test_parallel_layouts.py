@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +20,7 @@ from relax.backends.training.fsdp import FSDPTrainBackend
 from relax.backends.training.mesh import ParallelDims
 from relax.distributed.process_group import free_loopback_port, shutdown_process_group
 from tests.backends.training.test_packing import LOSS, _media_batch, _rl_batch, _settings
+from tests.support.runs import start_ranks
 from tests.support.tiny_assets import build_tiny_model_dir
 from tests.support.tiny_families import build_text_family
 from tests.support.tiny_mm_assets import build_tiny_vl
@@ -126,8 +126,7 @@ def models(tmp_path_factory):
 
 def test_tensor_and_expert_parallel_steps_equal_the_single_process_step_and_checkpoints_reshard(models):
     root, dirs, batches = models
-    mp.start_processes(_two_process_on_rank, args=(2, free_loopback_port(), dirs, str(root)), nprocs=2,
-                       join=True, start_method="spawn")
+    start_ranks(_two_process_on_rank, (2, free_loopback_port(), dirs, str(root)), nprocs=2)
     results = torch.load(root / "results.pt", weights_only=False)
     for name, layout in TWO_PROCESS_LAYOUTS:
         single = _backend(dirs[name])
@@ -188,8 +187,7 @@ def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, roo
 
 def test_two_dimensional_layouts_equal_the_single_process_steps_and_reshard(models, tmp_path):
     _, dirs, _ = models
-    mp.start_processes(_two_dimensional_on_rank, args=(4, free_loopback_port(), dirs, str(tmp_path)),
-                       nprocs=4, join=True, start_method="spawn")
+    start_ranks(_two_dimensional_on_rank, (4, free_loopback_port(), dirs, str(tmp_path)), nprocs=4)
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     for name, layouts in FOUR_PROCESS_LAYOUTS.items():
         single = _backend(dirs[name])

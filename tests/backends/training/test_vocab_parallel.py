@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from relax.backends.training.log_probs import token_log_probs
 from relax.backends.training.vocab_parallel import vocab_parallel_token_log_probs, vocabulary_slice
 from relax.distributed.process_group import free_loopback_port
+from tests.support.runs import start_ranks
 
 # (vocab, hidden, tokens, asked ids per token, chunk, top_k, entropy_grad, suppressed ids)
 CASES = [(37, 8, 11, 1, 4, 0, False, None), (37, 8, 11, 3, 5, 4, True, [2, 20, 36]), (64, 16, 9, 2, 0, 5, True, None),
@@ -69,8 +69,7 @@ def _on_rank(rank: int, world: int, port: int, root: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_head_split_by_vocabulary_gives_the_whole_heads_outputs_and_gradients(world, tmp_path):
-    mp.start_processes(_on_rank, args=(world, free_loopback_port(), str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
+    start_ranks(_on_rank, (world, free_loopback_port(), str(tmp_path)), nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for index, case in enumerate(CASES):
         for seed in range(3):

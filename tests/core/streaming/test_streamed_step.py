@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from relax.algorithms.aggregation import LOSS_AGGREGATIONS
 from relax.algorithms.loss import build_policy_loss_fn
@@ -20,6 +19,7 @@ from relax.components.actor import Actor
 from relax.data.sample import Sample
 from relax.distributed.process_group import free_loopback_port, shutdown_process_group
 from tests.backends.training.test_packing import _rl_batch, _settings
+from tests.support.runs import start_ranks
 from tests.support.tiny_families import build_text_family
 
 
@@ -151,8 +151,7 @@ def _streamed_on_rank(rank: int, world_size: int, port: int, model_dir: str, out
 
 def test_two_ranks_train_a_streamed_step_as_one_process_trains_the_whole(tiny_workspace, tmp_path):
     model_dir, out = str(tiny_workspace / "model"), str(tmp_path / "rank0.pt")
-    mp.start_processes(_streamed_on_rank, args=(2, free_loopback_port(), model_dir, out), nprocs=2, join=True,
-                       start_method="spawn")
+    start_ranks(_streamed_on_rank, (2, free_loopback_port(), model_dir, out), nprocs=2)
     sharded = torch.load(out, weights_only=False)
     single = _actor(model_dir, "token-mean")
     samples, fields = _samples_and_fields(9)
