@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from relax.backends.inference.engine_core.fp8 import FP8, quantize_rows
+from relax.backends.inference.engine_core.fp8_format import FP8, quantize_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 L2_ROTATION_BYTES = 256 * 2**20  # well past the H100's and H200's 50 MB of L2

@@ -55,9 +55,9 @@ from relax.backends.inference.engine_core.cache_runner import CacheRunner
 from relax.backends.inference.engine_core.core import EngineCore
 from relax.backends.inference.engine_core.decoder import TextDecoder, unsupported_reason
 from relax.backends.inference.engine_core.fp8 import Fp8Linears
+from relax.backends.inference.engine_core.kv_cache import check_kv_cache_dtype, kv_bytes_per_token
 from relax.backends.inference.engine_core.media import MediaEncoder
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
-from relax.backends.inference.engine_core.kv_cache import KV_CACHE_DTYPES, kv_bytes_per_token
 from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
 from relax.backends.inference.engine_core.step_runner import triton_available
 from relax.backends.models.family import MediaTokens, load_model
@@ -101,9 +101,7 @@ class CoreSettings:
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
             raise ValueError(f"engine core mode must be auto, on or off, got {self.mode!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                             f"{self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 

@@ -20,7 +20,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from relax.backends.inference.base import GenerationRequest, SamplingParams, ScoreRequest
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 from relax.backends.inference.engine_core import fp8 as fp8_module
-from relax.backends.inference.engine_core.fp8 import FP8, FP8_MAX, Fp8Linears, fp8_linear, quantize_rows
+from relax.backends.inference.engine_core.fp8 import Fp8Linears, fp8_linear
+from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX, quantize_rows
 from relax.cli.args import parse_config
 from relax.config import ConfigError
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer

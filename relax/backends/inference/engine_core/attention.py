@@ -1,8 +1,8 @@
 """Attention over the paged KV pool.
 
-The pool of one layer is a key tensor and a value tensor of ``[num_slots, num_kv_heads, head_dim]``; a
-sequence's tokens live at the slots its block table gives (`block_manager`). Every step first writes the new
-tokens' K/V into their slots (`write_kv`), then attends:
+The pool of one layer is a key tensor and a value tensor of ``[num_slots, num_kv_heads, head_dim]`` (`kv_cache.
+LayerKV`); a sequence's tokens live at the slots its block table gives (`block_manager`). Every step first writes
+the new tokens' K/V into their slots (`LayerKV.write`), then attends:
 
 - decode (one query per sequence): `decode_attention` reads each sequence's valid blocks only. On CUDA it is a
   Triton kernel (`relax.backends.inference.engine_core.triton_attention`) that walks the block table, so it has fixed
@@ -57,11 +57,6 @@ class StepMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     max_query: int = 0
     max_key: int = 0
-
-
-def write_kv(cache: LayerKV, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Store ``keys``/``values`` ``[T, Hkv, D]`` at pool ``slots`` ``[T]`` (quantized if the pool is FP8)."""
-    cache.write(slots, keys, values)
 
 
 def _sequence_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:

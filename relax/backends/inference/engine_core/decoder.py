@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from relax.backends.inference.engine_core.attention import StepMetadata, attend, write_kv
+from relax.backends.inference.engine_core.attention import StepMetadata, attend
 from relax.backends.inference.engine_core.kv_cache import LayerKV
 from relax.backends.inference.engine_core.merged_projections import layer_groups
 from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
@@ -148,7 +148,7 @@ class TextDecoder:
                 query, key = attention.q_norm(query), attention.k_norm(key)
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
-            write_kv(cache, metadata.slot_mapping, key, value)
+            cache.write(metadata.slot_mapping, key, value)
             hidden = residual + attention.o_proj(attend(query, cache, metadata, self.scale))
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))

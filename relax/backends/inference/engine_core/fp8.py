@@ -30,27 +30,13 @@ import types
 import torch
 from torch import nn
 
-from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX
+from relax.backends.inference.engine_core.fp8_format import FP8_MAX, quantize_rows
 from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
 
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 # The projections of a block that read the same input (the others read their own: o after attention, down after
 # the gated product).
 SHARED_INPUTS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-
-
-def quantize_rows(matrix: torch.Tensor, out: torch.Tensor | None = None,
-                  scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``matrix [R, C]`` as FP8 with one float32 scale per row (``matrix ~ fp8 * scale``); into ``out`` and
-    ``scales`` when given (in place, for buffers that CUDA graphs read)."""
-    amax = matrix.detach().abs().amax(dim=1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
-    quantized = (matrix.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    if out is None:
-        return quantized, scale
-    out.copy_(quantized)
-    scales.copy_(scale)
-    return out, scales
 
 
 def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +62,6 @@ class SharedProduct:
         # the stacked FP8 weights and scales are the only copies: each linear's are views of its rows, so
         # `Fp8Linears.requantize` writes into them in place
         self.weight, self.scale = quantize_rows(torch.cat([linear.weight.detach() for linear in linears.values()]))
-        biases = [linear.bias for linear in linears.values()]
-        self.bias = None if all(b is None for b in biases) else torch.cat([
-            b.detach() if b is not None else torch.zeros(width, dtype=linear.weight.dtype, device=linear.weight.device)
-            for b, width, linear in zip(biases, self.widths, linears.values())])
         offset = 0
         for linear, width in zip(linears.values(), self.widths):
             linear.fp8_weight, linear.fp8_scale = self.weight[offset:offset + width], self.scale[offset:offset + width]
@@ -88,18 +70,12 @@ class SharedProduct:
         self.source: torch.Tensor | None = None  # held while reused: no other tensor can take its identity
         self.outputs: dict[str, torch.Tensor] = {}
 
-    def copy_biases(self) -> None:
-        """The linears' current biases into the stacked one, in place (a weight sync writes the linears' own)."""
-        if self.bias is None:
-            return
-        for bias, part in zip((linear.bias for linear in self.linears), self.bias.split(self.widths)):
-            if bias is not None and bias.numel():
-                part.copy_(bias.detach())
-
     def of(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if self.source is not x:
-            out = fp8_linear(x, self.weight, self.scale, self.bias)
-            self.outputs = dict(zip(self.names, out.split(self.widths, dim=-1)))
+            out = fp8_linear(x, self.weight, self.scale, None)
+            # each projection adds its own bias (Qwen2's q, k and v have one), the parameter a weight sync writes
+            self.outputs = {name: part if linear.bias is None else part + linear.bias
+                            for name, linear, part in zip(self.names, self.linears, out.split(self.widths, dim=-1))}
         result = self.outputs[name]
         if name == self.last:  # nothing else reads it: a prefill's activations are not kept past the layer
             self.source, self.outputs = None, {}
@@ -160,8 +136,6 @@ class Fp8Linears:
         for linear in self.linears:
             if linear.weight.numel():  # released weights (--offload-rollout) come back before the next sync
                 quantize_rows(linear.weight, linear.fp8_weight, linear.fp8_scale)
-        for product in self.products:
-            product.copy_biases()
 
 
 def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

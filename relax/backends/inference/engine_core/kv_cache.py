@@ -18,10 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX
-from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
+from relax.backends.inference.engine_core.fp8_format import FP8, quantize_rows
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(cache_dtype: str) -> None:
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: str) -> int:
@@ -32,9 +36,10 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.d
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, H, D]`` as FP8 with one float32 scale per head vector ``[T, H]`` (``x ~ fp8 * scale``)."""
-    scale = (x.detach().abs().amax(dim=-1).float() / FP8_MAX).clamp_min(_MIN_SCALE)
-    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """``x [T, H, D]`` as FP8 with one float32 scale per head vector ``[T, H]`` (``x ~ fp8 * scale``): each head
+    vector a row of `quantize_rows`."""
+    quantized, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return quantized.view(x.shape), scale.view(x.shape[:-1])
 
 
 @dataclass
@@ -79,8 +84,7 @@ class KVPool:
 
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  cache_dtype: str, device: torch.device) -> None:
-        if cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
+        check_kv_cache_dtype(cache_dtype)
         quantized = cache_dtype == "fp8_e4m3"
         self.kv = torch.zeros((layers, 2, slots, kv_heads, head_dim), dtype=FP8 if quantized else dtype,
                               device=device)
