@@ -19,6 +19,9 @@ from relax.data.sample import Sample
 from relax.utils.errors import RunFault
 
 CALL_TIMEOUT_S = 600.0  # a synchronous proxy call (save, load) waits at most this long
+# After one call of a group fails, how long the others get to settle, so that a process's death among them is named
+# rather than its peer's collective error (a killed process surfaces in Ray within about a second).
+DEATH_GRACE_S = 5.0
 
 
 class RoleDiedError(RunFault):
@@ -28,6 +31,37 @@ class RoleDiedError(RunFault):
 def role_died(role: str, err: Exception) -> RoleDiedError:
     """Ray's ``RayActorError`` of role ``role``'s worker, as the error that names it."""
     return RoleDiedError(f"the {role} role's Ray process died: {str(err).splitlines()[0]}")
+
+
+async def named_call(role: str, ref) -> Any:
+    """Await a call to one of role ``role``'s processes; the process's death names the role (`RoleDiedError`)."""
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as err:
+        raise role_died(role, err) from err
+
+
+async def settle_calls(calls: list, grace_s: float = DEATH_GRACE_S) -> list:
+    """Await calls that meet in one collective (the ranks of a role; the weight broadcast's sender and receiver)
+    and return their results in order.
+
+    When one fails, the others get ``grace_s`` to settle before the error is raised, and a `RoleDiedError` among
+    them is raised in preference: a killed process makes its peers' collectives fail too (gloo's "connection
+    closed by peer"), often first, and the run must name the process that died, not the survivor that noticed.
+    The grace is bounded so that a peer left waiting in a collective for the failed call never hangs the caller.
+    """
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+    finally:
+        for task in tasks:
+            task.cancel()  # only the local waits still open: a Ray call, once sent, is not revoked
+    errors = [task.exception() for task in tasks if task.done() and not task.cancelled() and task.exception()]
+    if errors:
+        raise next((err for err in errors if isinstance(err, RoleDiedError)), errors[0])
+    return [task.result() for task in tasks]
 
 
 class RemoteRole:
@@ -41,10 +75,7 @@ class RemoteRole:
         self.handle = self.handles[0]
 
     async def _call(self, method: str, *args: Any) -> Any:
-        try:
-            results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in self.handles))
-        except ray.exceptions.RayActorError as err:
-            raise role_died(self.name, err) from err
+        results = await settle_calls([named_call(self.name, getattr(h, method).remote(*args)) for h in self.handles])
         return results[0]
 
     def _wait(self, method: str, *args: Any) -> Any:

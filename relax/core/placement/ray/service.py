@@ -39,7 +39,8 @@ from relax.core.placement.ray.proxies import (
     RemoteCritic,
     RemoteReference,
     RemoteRollout,
-    role_died,
+    named_call,
+    settle_calls,
 )
 from relax.core.placement.ray.workers import RoleWorker, process_label
 from relax.core.roles import PLACEABLE_ROLES, Roles, roles_for_config
@@ -242,8 +243,6 @@ class RayService:
     # ---- weight sync ----------------------------------------------------------------------
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Push the actor's weights to the rollout's engine as ``version`` over the configured transport."""
-        import asyncio
-
         started = time.perf_counter()
         transport = self.cfg.resolved_weight_sync_transport
         dtype = str(self.sync_dtype).removeprefix("torch.")
@@ -251,11 +250,12 @@ class RayService:
         rollout = self.workers["rollout"]
         publish = self._publish(version, transport, dtype, root)
         if transport == "broadcast":
-            sent, received = await asyncio.gather(
-                publish, _named("rollout", rollout.receive_weights.remote(version, transport)))
+            # One collective: the rollout's death must be named, not the actor's broadcast error it causes.
+            sent, received = await settle_calls(
+                [publish, named_call("rollout", rollout.receive_weights.remote(version, transport))])
         else:  # the receiver reads a version only once its manifest is committed
             sent = await publish
-            received = await _named("rollout", rollout.receive_weights.remote(version, transport, root))
+            received = await named_call("rollout", rollout.receive_weights.remote(version, transport, root))
         metrics = {**sent, **received}
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
         return metrics
@@ -269,13 +269,13 @@ class RayService:
         metrics["perf/weight_sync_s"] = time.perf_counter() - started
         return metrics
 
-    def _publish(self, version: int, transport: str, dtype: str, root: str | None, run: str | None = None):
+    async def _publish(self, version: int, transport: str, dtype: str, root: str | None, run: str | None = None):
         """Every actor rank gathers (a collective), rank 0 sends; rank 0's metrics."""
-        import asyncio
-
-        return _named("actor", _first(asyncio.gather(*(
-            rank.publish_weights.remote(version, transport, dtype, self.cfg.update_weight_buffer_size, root, run)
-            for rank in self.ranks("actor")))))
+        results = await settle_calls([
+            named_call("actor", rank.publish_weights.remote(version, transport, dtype,
+                                                            self.cfg.update_weight_buffer_size, root, run))
+            for rank in self.ranks("actor")])
+        return results[0]
 
     # ---- checks -------------------------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:
@@ -325,19 +325,6 @@ class RayService:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
-
-
-async def _named(role: str, ref):
-    """Await a role worker's call; its process's death names the role (`RoleDiedError`)."""
-    try:
-        return await ref
-    except ray.exceptions.RayActorError as err:
-        raise role_died(role, err) from err
-
-
-async def _first(results):
-    """Rank 0's answer of a call every rank of a role made."""
-    return (await results)[0]
 
 
 def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:
