@@ -12,13 +12,16 @@ word problems of `examples/smollm2_math` with `examples/smollm2_math/config_gpu.
 Every run evaluates the held-out set (400 problems, greedy, Relax's own evaluation) every ``--eval-interval`` steps.
 The figures: each mode's held-out accuracy at each evaluation against its step and against its training wall-clock
 (``perf/elapsed_s`` less the evaluations' ``perf/eval_s``), the final accuracies, the seconds per step, and the
-seconds each mode needed to first reach the lowest final accuracy of all modes. Learning is "not hurt" when the
-overlapped modes end within noise of sync at equal steps (the JSON gives the binomial standard error of each final
-accuracy) and reach the common target sooner. Results: ``results/modes_learning_gpu.json`` (written again after
+seconds each run needed to first reach the lower final accuracy of it and the sync run of its seed. With ``--seeds``
+each mode runs once per seed (``--seed`` and ``--rollout-seed``: initialisation, prompt order, sampling), seed by
+seed, and its difference from sync is paired by seed. Learning is "not hurt" when the overlapped modes end within
+noise of sync at equal steps (two standard errors of the paired difference: the seeds' spread of it when there are
+several, else the two runs' binomial errors) and reach the target sooner. Results: ``results/modes_learning_gpu.json`` (written again after
 each mode, so a call cut short keeps the modes that finished) and ``docs/curves/modes_learning_gpu.png``.
 
     python examples/smollm2_math/prepare.py --gguf /tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m benchmarks.modes_learning_gpu --steps 150                                       # the H200
+    python -m benchmarks.modes_learning_gpu --modes sync overlapped --seeds 1 2 3 --resume    # spread; resumable
     python -m benchmarks.modes_learning_gpu --tiny --device cpu --steps 4 --eval-interval 2   # smoke test (CPU)
 """
 
@@ -93,28 +96,62 @@ def standard_error(accuracy: float, problems: int) -> float:
     return math.sqrt(max(accuracy * (1 - accuracy), 1e-12) / problems)
 
 
+def runs_by_seed(runs: dict) -> dict[str, dict[str, dict]]:
+    """``runs`` as {mode: {seed: run}}; a result file of one seed per mode (before ``--seeds``) is {mode: run}."""
+    return {mode: ({"": by_seed} if "curve" in by_seed else by_seed) for mode, by_seed in runs.items()}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sd(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
 def report(results: dict, args: argparse.Namespace, device: str, flags: dict[str, list[str]]) -> dict:
-    finished = {mode: r for mode, r in results.items() if len(r["curve"]) > 1}
-    headline: dict = {}
-    if finished:
-        target = min(r["curve"][-1]["accuracy"] for r in finished.values())
-        headline["target_accuracy"] = target
-        for mode, r in finished.items():
-            headline[f"{mode}_accuracy_after"] = r["curve"][-1]["accuracy"]
-            headline[f"{mode}_accuracy_se"] = round(standard_error(r["curve"][-1]["accuracy"], args.eval_size), 4)
-            headline[f"{mode}_s_per_step"] = round(r["train_s"] / max(r["steps_done"], 1), 4)
-            headline[f"{mode}_s_to_target"] = first_reach(r["curve"], target)
-        sync = finished.get("sync")
-        for mode, r in finished.items():
-            if mode == "sync" or sync is None:
-                continue
-            headline[f"{mode}_steps_per_s_speedup"] = round(headline["sync_s_per_step"]
-                                                            / headline[f"{mode}_s_per_step"], 3)
-            reached = headline[f"{mode}_s_to_target"], headline["sync_s_to_target"]
-            headline[f"{mode}_time_to_target_speedup"] = (round(reached[1] / reached[0], 3)
-                                                          if None not in reached else None)
-            headline[f"{mode}_accuracy_minus_sync"] = round(r["curve"][-1]["accuracy"]
-                                                            - sync["curve"][-1]["accuracy"], 4)
+    """``results``: {mode: {seed: run}}. Each mode's final accuracy, averaged over the seeds it finished; against
+    sync, the difference paired by seed (its standard error: the seeds' spread when there are several, else the two
+    runs' binomial errors) and the time each run took to first reach the lower final accuracy of its pair."""
+    finished = {mode: {seed: run for seed, run in by_seed.items() if len(run["curve"]) > 1}
+                for mode, by_seed in results.items()}
+    finished = {mode: by_seed for mode, by_seed in finished.items() if by_seed}
+    headline: dict = {"seeds": sorted({seed for by_seed in finished.values() for seed in by_seed})}
+    final = {mode: {seed: run["curve"][-1]["accuracy"] for seed, run in by_seed.items()}
+             for mode, by_seed in finished.items()}
+    for mode, by_seed in finished.items():
+        accuracies = list(final[mode].values())
+        headline[f"{mode}_accuracy_after"] = round(_mean(accuracies), 4)
+        headline[f"{mode}_accuracy_per_seed"] = [round(a, 4) for a in accuracies]
+        headline[f"{mode}_accuracy_sd_across_seeds"] = None if _sd(accuracies) is None else round(_sd(accuracies), 4)
+        headline[f"{mode}_accuracy_se"] = round(_mean([standard_error(a, args.eval_size) for a in accuracies]), 4)
+        headline[f"{mode}_s_per_step"] = round(_mean([run["train_s"] / max(run["steps_done"], 1)
+                                                      for run in by_seed.values()]), 4)
+    sync = final.get("sync", {})
+    for mode, by_seed in finished.items():
+        paired = sorted(set(by_seed) & set(sync))
+        if mode == "sync" or not paired:
+            continue
+        differences = [final[mode][seed] - sync[seed] for seed in paired]
+        spread = _sd(differences)
+        se = (spread / math.sqrt(len(paired)) if spread is not None else
+              math.hypot(standard_error(final[mode][paired[0]], args.eval_size),
+                         standard_error(sync[paired[0]], args.eval_size)))
+        headline[f"{mode}_accuracy_minus_sync"] = round(_mean(differences), 4)
+        headline[f"{mode}_accuracy_minus_sync_se"] = round(se, 4)
+        headline[f"{mode}_within_two_se_of_sync"] = abs(_mean(differences)) <= 2 * se
+        headline[f"{mode}_steps_per_s_speedup"] = round(headline["sync_s_per_step"] / headline[f"{mode}_s_per_step"], 3)
+        speedups = []
+        for seed in paired:  # each pair's own target: the lower of its two final accuracies
+            target = min(final[mode][seed], sync[seed])
+            reached = first_reach(by_seed[seed]["curve"], target), first_reach(finished["sync"][seed]["curve"], target)
+            if None not in reached and reached[0] > 0:
+                speedups.append(reached[1] / reached[0])
+        headline[f"{mode}_time_to_target_speedup"] = (round(math.exp(_mean([math.log(x) for x in speedups])), 3)
+                                                      if speedups else None)
     return {"benchmark": "modes_learning_gpu", "device": device,
             "model": args.model_label,
             **headline,
@@ -129,17 +166,22 @@ def report(results: dict, args: argparse.Namespace, device: str, flags: dict[str
 
 
 def plot(summary: dict, path: Path) -> None:
+    """Held-out accuracy against the step and against training seconds: a line per run, a colour per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for mode, run in summary["runs"].items():
-        curve = run["curve"]
+    for index, (mode, by_seed) in enumerate(runs_by_seed(summary["runs"]).items()):
+        colour = f"C{index}"
         label = f"{mode} ({summary['modes'][mode]})" if mode != "sync" else "sync"
-        by_step.plot([p["step"] for p in curve], [100 * p["accuracy"] for p in curve], "o-", label=label)
-        by_time.plot([p["seconds"] for p in curve], [100 * p["accuracy"] for p in curve], "o-", label=label)
+        for number, (seed, run) in enumerate(by_seed.items()):
+            curve = run["curve"]
+            named = label + (f", {len(by_seed)} seeds" if len(by_seed) > 1 else "") if number == 0 else None
+            for ax, x in ((by_step, "step"), (by_time, "seconds")):
+                ax.plot([p[x] for p in curve], [100 * p["accuracy"] for p in curve], "o-", color=colour,
+                        markersize=3, alpha=0.8 if len(by_seed) == 1 else 0.55, label=named if ax is by_time else None)
     by_step.set_xlabel("step")
     by_time.set_xlabel("training wall-clock seconds (evaluations excluded)")
     by_step.set_ylabel("held-out accuracy (%)")
@@ -195,6 +237,11 @@ def main() -> None:
     parser.add_argument("--run-root", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=RESULTS / "modes_learning_gpu.json")
     parser.add_argument("--png", type=Path, default=CURVES / "modes_learning_gpu.png")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234],
+                        help="one run per mode and seed (--seed and --rollout-seed: initialisation, prompt order, "
+                             "sampling); several give the spread a mode's difference from sync is judged against")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs --out already holds (same --steps, same device) and run only the others")
     parser.add_argument("--replot", type=Path, help="draw --png again from this result JSON, no run")
     args = parser.parse_args()
     if args.replot:
@@ -214,28 +261,39 @@ def main() -> None:
         device = torch.cuda.get_device_name()
     else:
         device = platform.processor() or "cpu"
+    # --resume: the (mode, seed) runs a cut-short call of the same settings finished are kept, not run again
     results: dict = {}
+    if args.resume and args.out.exists():
+        earlier = json.loads(args.out.read_text())
+        if earlier.get("settings", {}).get("steps") == args.steps and earlier.get("device") == device:
+            results = runs_by_seed(earlier["runs"])
     with tempfile.TemporaryDirectory() as tmp:
         root = args.run_root or Path(tmp)
         config_path = tiny_config(config, root) if args.tiny else args.config
         # the binomial standard errors' denominator, read from the sets the runs evaluate
         args.eval_size = held_out_problems(yaml.safe_load(config_path.read_text()), ROOT)
-        for mode in args.modes:
-            out = root / mode
-            command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(config_path),
-                       "--num-rollout", str(args.steps), "--eval-interval", str(args.eval_interval),
-                       "--device", args.device, "--output-dir", str(out), "--overwrite", "--no-use-tensorboard",
-                       "--save-interval", str(10 * args.steps), *flags[mode]]
-            started = time.perf_counter()
-            try:
-                subprocess.run(command, cwd=ROOT, env=environment(""), check=True, timeout=args.mode_timeout)
-            except subprocess.TimeoutExpired:  # keep the evaluations it made
-                print(f"{mode}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
-            results[mode] = {**learning_curve(out / "metrics.jsonl"), "process_s": time.perf_counter() - started}
-            summary = report(results, args, device, flags)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(summary, indent=1) + "\n")
-            print(mode, json.dumps({k: v for k, v in summary.items() if k.startswith(mode)}), flush=True)
+        summary = report(results, args, device, flags)
+        for seed in args.seeds:  # seed by seed, so a call cut short still holds paired runs
+            for mode in args.modes:
+                if str(seed) in results.get(mode, {}):
+                    continue
+                out = root / f"{mode}_seed{seed}"
+                command = [sys.executable, "-m", "relax.cli.main", "train", "--config", str(config_path),
+                           "--num-rollout", str(args.steps), "--eval-interval", str(args.eval_interval),
+                           "--device", args.device, "--output-dir", str(out), "--overwrite", "--no-use-tensorboard",
+                           "--save-interval", str(10 * args.steps), "--seed", str(seed), "--rollout-seed", str(seed),
+                           *flags[mode]]
+                started = time.perf_counter()
+                try:
+                    subprocess.run(command, cwd=ROOT, env=environment(""), check=True, timeout=args.mode_timeout)
+                except subprocess.TimeoutExpired:  # keep the evaluations it made
+                    print(f"{mode}, seed {seed}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
+                results.setdefault(mode, {})[str(seed)] = {**learning_curve(out / "metrics.jsonl"),
+                                                           "process_s": time.perf_counter() - started}
+                summary = report(results, args, device, flags)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(summary, indent=1) + "\n")
+                print(mode, seed, json.dumps({k: v for k, v in summary.items() if k.startswith(mode)}), flush=True)
     plot(summary, args.png)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("runs",)}, indent=1))
     print(f"wrote {args.out} and {args.png}")

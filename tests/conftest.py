@@ -24,9 +24,15 @@ def tiny_workspace(tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`vllm` tests start real vLLM servers (minutes on a 2-core CPU, and a 3.5 GB venv): the default suite skips
+    """The `slow` tests run first: `--dist loadgroup` hands tests out in collection order (after the xdist groups,
+    largest first), and a long test that starts last is the suite's tail while the other workers idle; the longest
+    of them mostly wait on processes (restarts, heartbeats), which the short tests' CPU work then fills.
+
+    `vllm` tests start real vLLM servers (minutes on a 2-core CPU, and a 3.5 GB venv): the default suite skips
     them; `RELAX_RUN_VLLM=1 bash scripts/test.sh tests/backends/inference/test_vllm_cpu.py` runs them (docs/engines.md)."""
     from relax.backends.inference.remote.launched_vllm import vllm_available, vllm_python
+
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the file order otherwise
 
     if os.environ.get("RELAX_RUN_VLLM") != "1":
         skip = pytest.mark.skip(reason="real-vLLM test: set RELAX_RUN_VLLM=1 to run it")

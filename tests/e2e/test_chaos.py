@@ -213,6 +213,7 @@ def test_a_stopped_in_process_run_is_killed_and_restarted_by_its_supervisor(tiny
     _compare(read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_a_run_on_engines_it_started_survives_their_faults(tiny_workspace, tmp_path):
     """--rollout-engine-protocol relax with --use-fault-tolerance: two `relax serve` processes. Engine A is
     SIGKILLed, engine B SIGSTOPped, A SIGKILLed again, then the run's own process (a global restart: the new run

@@ -1,9 +1,12 @@
 """The quickstart model really learns under Relax's GRPO loop (a short run of the quickstart)."""
 
+import pytest
+
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.runs import ROOT, run_relax
 
 
+@pytest.mark.slow
 def test_grpo_raises_held_out_accuracy_on_the_quickstart_task(tmp_path):
     run_dir = tmp_path / "quickstart"
     result = run_relax("train", "--config", str(ROOT / "examples/quickstart/config.yaml"), "--num-rollout", "60",

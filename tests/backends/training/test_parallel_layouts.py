@@ -185,6 +185,7 @@ def _two_dimensional_on_rank(rank: int, world: int, port: int, models: dict, roo
     shutdown_process_group()
 
 
+@pytest.mark.slow
 def test_two_dimensional_layouts_equal_the_single_process_steps_and_reshard(models, tmp_path):
     _, dirs, _ = models
     start_ranks(_two_dimensional_on_rank, (4, free_loopback_port(), dirs, str(tmp_path)), nprocs=4)
@@ -314,6 +315,7 @@ def moe_workspace(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tensor", "expert", "pipeline"])
 def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(layout, tiny_workspace,
                                                                                 moe_workspace, tmp_path):
