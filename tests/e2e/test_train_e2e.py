@@ -3,10 +3,7 @@ export, eval, and bad inputs that fail before any work."""
 
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax.core.state.checkpoint import load_hf_model_from_checkpoint
 from relax.telemetry.metrics_file import read_metrics
-from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.runs import popen_relax, run_relax, tiny_train_args
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +55,7 @@ def _comparable(row: dict) -> dict:
 
 def _kill_after_first_checkpoint_then_resume(args: list[str], run_dir: Path, total_steps: int) -> list[dict]:
     """Start `relax train`, SIGKILL it once a checkpoint exists, resume with --load; the metrics."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = popen_relax("train", *args)
     latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
     while not latest.is_file() and process.poll() is None and time.monotonic() < deadline:

@@ -150,21 +150,16 @@ def test_requests_keep_flowing_through_a_scale_out(service):
 def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
     """`relax train --fully-async --rollout-api-port`, driven by `relax scale`: 1 -> 3 -> 1 engines while it trains;
     training goes on, every group is trained once, and new engines serve the current weight version."""
-    import os
-    import subprocess
-    import sys
 
     from relax.telemetry.metrics_file import read_metrics
-    from tests.support.runs import ROOT, run_relax, tiny_train_args
+    from tests.support.runs import popen_relax, run_relax, tiny_train_args
 
     port, out = free_loopback_port(), tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    train = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "train", *tiny_train_args(
+    train = popen_relax(
+        "train", *tiny_train_args(
             tiny_workspace, out, "--fully-async", "--max-staleness", "1", "--num-rollout", "250",
             "--skip-eval-before-train", "--dump-samples", "0", "--rollout-api-port", str(port),
-            "--rollout-api-key", TOKEN)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            "--rollout-api-key", TOKEN))
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_scaling_api(url, train)
@@ -196,13 +191,10 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
     """`/scale_out` with ``engine_urls`` on `relax train --rollout-api-port` (issue 19): a `relax serve` server is
     health-checked, loads the trainer's current weights from --rollout-weights-dir, joins the router and serves the
     training's groups; `/scale_in` drains and removes it; the training goes on and trains every step once."""
-    import os
-    import subprocess
-    import sys
 
     from relax.telemetry.metrics_file import read_metrics
     from tests.support.http_servers import Server
-    from tests.support.runs import ROOT, tiny_train_args
+    from tests.support.runs import popen_relax, tiny_train_args
 
     port, out = free_loopback_port(), tmp_path / "run"
     external = Server(tiny_workspace / "model", api_key=None, weight_update_root=out)
@@ -213,10 +205,7 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
     args[args.index("--custom-rm-path") + 1] = "tests.support.e2e_rewards:digit_fraction_held"
     hold = tmp_path / "hold"
     hold.touch()
-    train = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "train", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    train = popen_relax("train", *args, env={"RELAX_CHAOS_HOLD": str(hold)})
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
@@ -357,22 +346,17 @@ def test_the_api_answers_while_the_engines_loop_is_busy(tiny_workspace):
 
 def test_relax_train_takes_the_scaling_token_from_the_environment(tiny_workspace, tmp_path):
     """One rule for every server: the flag, else $RELAX_API_KEY; the log says whether auth is on, never the key."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     import yaml
 
-    from tests.support.runs import ROOT, tiny_train_args
+    from tests.support.runs import popen_relax, tiny_train_args
 
     port, out = free_loopback_port(), tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RELAX_API_KEY": TOKEN}
-    train = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "train", *tiny_train_args(
+    train = popen_relax(
+        "train", *tiny_train_args(
             tiny_workspace, out, "--num-rollout", "500", "--skip-eval-before-train", "--dump-samples", "0",
-            "--rollout-api-port", str(port))],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            "--rollout-api-port", str(port)), env={"RELAX_API_KEY": TOKEN})
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_scaling_api(url, train)

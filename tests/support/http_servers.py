@@ -74,25 +74,20 @@ class Server:
 
 
 class ServeProcess:
-    """`relax serve` in a subprocess on 127.0.0.1 (a context manager): up once /health answers, terminated on exit;
+    """`relax serve` in a process of its own (`tests.support.runs.popen_relax`) on 127.0.0.1 (a context manager): up once /health answers, terminated on exit;
     ``output`` holds its combined stdout and stderr afterwards."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
-        import os
         import subprocess
-        import sys
 
-        from tests.support.runs import ROOT
+        from tests.support.runs import popen_relax
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.timeout_s = timeout_s
         self.output = ""
         self._subprocess = subprocess
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "relax.cli.main", "serve", *args, "--port", str(self.port)], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        self.process = popen_relax("serve", *args, "--port", str(self.port), env=env, merge_stderr=True)
 
     def _up(self) -> bool:
         assert self.process.poll() is None, self.process.stdout.read()

@@ -3,17 +3,14 @@ metrics, the restart count and, behind a router, each engine's health."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 
 from relax.telemetry.metrics_service import MetricsService, metric_name
 from tests.support.http_servers import free_port
-from tests.support.runs import ROOT, tiny_train_args
+from tests.support.runs import popen_relax, tiny_train_args
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -29,9 +26,7 @@ def test_a_running_training_is_scraped(tiny_workspace, tmp_path):
     port = free_port()
     args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "200", "--use-metrics-service",
                            "--metrics-service-port", str(port))
-    process = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = popen_relax("train", *args)
     try:
         deadline, values = time.monotonic() + 120, {}
         while time.monotonic() < deadline and values.get("relax_step", 0) < 2:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +21,7 @@ from relax.backends.inference.remote.sglang import EngineUnavailableError, SGLan
 from relax.backends.inference.router import EngineRouter
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.http_servers import API_KEY, Server, free_port, wait_until
-from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.runs import popen_relax, run_relax, tiny_train_args
 from tests.support.tiny_assets import build_tiny_model_dir
 
 
@@ -162,13 +159,10 @@ def test_router_balances_keeps_groups_and_fans_out(servers, model_dir, tmp_path)
     assert len(list((tmp_path / "w").iterdir())) == 1  # one published copy for engines sharing the directory
 
 
-def serve_subprocess(model_dir: Path) -> tuple[subprocess.Popen, str]:
+def serve_subprocess(model_dir: Path):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "relax.cli.main", "serve", "--hf-checkpoint", str(model_dir), "--port", str(port),
-         "--device", "cpu", "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+    process = popen_relax("serve", "--hf-checkpoint", str(model_dir), "--port", str(port), "--device", "cpu",
+                          "--log-level", "warning")
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:

@@ -319,16 +319,16 @@ def moe_workspace(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["tensor", "expert", "pipeline"])
 def test_a_model_parallel_relax_train_run_gives_the_single_process_runs_metrics(layout, tiny_workspace,
                                                                                 moe_workspace, tmp_path):
-    """`torchrun --nproc-per-node 2 relax train --tensor-model-parallel-size 2` (dense),
+    """`relax train --tensor-model-parallel-size 2` on two ranks (dense),
     `--expert-model-parallel-size 2` (MoE) or `--pipeline-model-parallel-size 2` (the quickstart's model, whose head
     is its embedding): each rank generates half of the groups, seeded per sample, so the same samples as one
     engine; three steps give the one-process run's metrics, and `relax export` of the sharded run's checkpoint
     gives the one-process run's Hugging Face folder."""
-    from tests.support.runs import assert_torchrun_takes_the_one_process_steps, run_relax, tiny_train_args
+    from tests.support.runs import assert_ranks_take_the_one_process_steps, run_relax, tiny_train_args
 
     workspace = moe_workspace if layout == "expert" else tiny_workspace
     args = ("--num-rollout", "3", "--clip-grad", "1.0", "--save-interval", "3")
-    assert_torchrun_takes_the_one_process_steps(lambda out, *extra: ["train", *tiny_train_args(workspace, out, *args,
+    assert_ranks_take_the_one_process_steps(lambda out, *extra: ["train", *tiny_train_args(workspace, out, *args,
                                                                                                  *extra)],
                                                 tmp_path, 3, f"--{layout}-model-parallel-size", "2")
     from safetensors.torch import load_file

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ import pytest
 from relax.config import ConfigError
 from relax.distributed.process_group import free_loopback_port
 from relax.telemetry.metrics_file import read_metrics
-from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.runs import popen_relax, run_relax, tiny_train_args
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.xdist_group("ray-serve")
@@ -98,9 +97,7 @@ def held_training(args: list[str], hold) -> Iterator[subprocess.Popen]:
     args = list(args)
     args[args.index("--custom-rm-path") + 1] = "tests.support.e2e_rewards:digit_fraction_held"
     hold.touch()
-    train = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), "RELAX_CHAOS_HOLD": str(hold)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    train = popen_relax("train", *args, env={"RELAX_CHAOS_HOLD": str(hold)})
     try:
         yield train
     finally:

@@ -62,13 +62,13 @@ def test_dpo_trains_and_its_update_does_not_depend_on_the_micro_batches(tiny_wor
 
 
 def test_dpo_with_context_parallel_ranks_takes_the_single_process_steps(tiny_workspace, tmp_path):
-    """`torchrun --nproc-per-node 2 relax train --loss-type dpo --context-parallel-size 2`: each rank holds half of
+    """`relax train --loss-type dpo --context-parallel-size 2` on two ranks: each rank holds half of
     every packed row's tokens (the policy's and the reference's forwards alike), the sequence log-probs are sums over
     both halves, and three steps give the one-process run's losses, implicit rewards and gradient norms."""
-    from tests.support.runs import assert_torchrun_takes_the_one_process_steps
+    from tests.support.runs import assert_ranks_take_the_one_process_steps
 
     pairs = _pairs(tiny_workspace, tmp_path)
-    assert_torchrun_takes_the_one_process_steps(
+    assert_ranks_take_the_one_process_steps(
         lambda out, *extra: _dpo_args(tiny_workspace, pairs, out, "--num-rollout", "3", "--clip-grad", "1.0", *extra),
         tmp_path, 3, "--context-parallel-size", "2", abs_tol=1e-6)
 

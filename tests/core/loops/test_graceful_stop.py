@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from relax.telemetry.metrics_file import read_metrics
-from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.runs import ROOT, popen_relax, run_relax, tiny_train_args
 
 # Enough steps that the signal, sent once step 1 is in metrics.jsonl (polled every 0.1 s; a tiny step takes tens
 # of milliseconds), lands well before the last step, which ends the run normally whatever the signal.
@@ -25,9 +25,7 @@ PROMPTS_PER_STEP = 4  # tiny_train_args' --rollout-batch-size
 def train_until_signalled(args: list[str], run_dir: Path, signal_number: int, after_step: int = 1,
                           timeout_s: float = 240) -> subprocess.CompletedProcess:
     """Start `relax train`, send ``signal_number`` once ``after_step`` is in metrics.jsonl, wait for the exit."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = popen_relax("train", *args)
     deadline = time.monotonic() + timeout_s
     try:
         while not any(row.get("step", 0) >= after_step and "train/loss" in row

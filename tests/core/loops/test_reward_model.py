@@ -130,13 +130,13 @@ def test_a_margin_field_is_read_and_checked(tiny_workspace, tmp_path):
 
 
 def test_reward_model_with_context_parallel_ranks_takes_the_single_process_steps(tiny_workspace, tmp_path):
-    """`torchrun --nproc-per-node 2 relax train --loss-type rm --context-parallel-size 2`: each rank holds half of
+    """`relax train --loss-type rm --context-parallel-size 2` on two ranks: each rank holds half of
     every packed row's tokens; a completion's score is read at its last token on whichever rank holds it (the trainer
     scores each response token at its own position) and gathered; three steps give the one-process run's losses,
     scores and held-out pair accuracy."""
-    from tests.support.runs import assert_torchrun_takes_the_one_process_steps
+    from tests.support.runs import assert_ranks_take_the_one_process_steps
 
-    one, two = assert_torchrun_takes_the_one_process_steps(
+    one, two = assert_ranks_take_the_one_process_steps(
         lambda out, *extra: _rm_args(tiny_workspace, tmp_path, out, "--num-rollout", "3", "--clip-grad", "1.0",
                                      "--eval-interval", "3", *extra),
         tmp_path, 3, "--context-parallel-size", "2", abs_tol=1e-6)
