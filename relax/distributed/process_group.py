@@ -14,6 +14,7 @@ import socket
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,41 @@ PG_INIT_METHOD_ENV = "RELAX_PG_INIT_METHOD"
 _releases: list[weakref.WeakMethod] = []
 
 
-def free_port(address: str = "127.0.0.1") -> int:
-    """A TCP port free on ``address`` now (the OS picks it)."""
+# Ports below this are left alone: Ray's workers bind 10002-19999 (its default --min/max-worker-port) explicitly.
+QUIET_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the OS hands out for ``bind(0)`` and for every outgoing connection's local end (Linux's
+    ``ip_local_port_range``; its default where that cannot be read)."""
+    try:
+        low, high = (int(part) for part in Path(_EPHEMERAL_RANGE).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(address: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A TCP port free on ``address`` now, for a server that binds it a moment later.
+
+    Not one ``bind(0)`` returns: that comes from the ephemeral range, which every outgoing connection on the machine
+    draws its local port from too (a Ray cluster opens hundreds), so between the pick and the server's bind another
+    process's client socket can take it, and the server fails with "address already in use" (seen in the suite: the
+    scaling API of a run beside Ray Serve). A port between `QUIET_PORTS_FROM` and the ephemeral range is only ever
+    taken by an explicit bind; one of those is drawn at random and checked. Where that range is empty (a machine
+    whose ephemeral range starts lower), ``bind(0)``'s port as before."""
+    import random
+
+    low, _ = ephemeral_port_range()
+    candidates = range(QUIET_PORTS_FROM, low)
+    for port in random.sample(candidates, min(attempts, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
