@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from relax.core.placement.ray.proxies import RoleDiedError, named_call, settle_calls
 
-GRACE_S = 0.3
+GRACE_S = 0.2
 HANG_S = 30.0  # longer than any test waits: a call that never settles on its own
 
 
@@ -31,7 +31,7 @@ async def _outcome(kind: str, delay: float, index: int):
     return index
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["ok", "error", "death", "hang"]), st.sampled_from([0.0, 0.02, 0.1])),
                 min_size=1, max_size=4))
 def test_a_death_among_the_calls_is_raised_before_its_peers_errors(calls):
@@ -56,7 +56,7 @@ def test_a_death_among_the_calls_is_raised_before_its_peers_errors(calls):
         assert results == list(range(len(calls)))
         return
     first = min(failures)[0]
-    assert took < first + GRACE_S + 0.25  # bounded by the grace after the first failure
+    assert took < first + GRACE_S + 1.0  # bounded by the grace after the first failure (a hang is 30 s)
     deaths = [i for delay, kind, i in failures if kind == "death" and delay <= first + GRACE_S]
     if deaths:
         assert isinstance(error, RoleDiedError) and any(f"role {i}'s" in str(error) for i in deaths), error
