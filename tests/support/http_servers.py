@@ -74,8 +74,8 @@ class Server:
 
 
 class ServeProcess:
-    """`relax serve` in a process of its own (`tests.support.runs.popen_relax`) on 127.0.0.1 (a context manager): up once /health answers, terminated on exit;
-    ``output`` holds its combined stdout and stderr afterwards."""
+    """`relax serve` in a process of its own (`tests.support.runs.popen_relax`) on 127.0.0.1 (a context manager):
+    up once /health answers, terminated on exit; ``output`` holds its combined stdout and stderr afterwards."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
         import subprocess

@@ -124,11 +124,11 @@ def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, 
               **popen_kwargs) -> subprocess.CompletedProcess:
     """`relax ...` in a process of its own, from the repository root (so `tests.*` reward paths import); ``env``
     adds variables to this process's environment. Returns its exit code, stdout and stderr."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     if popen_kwargs or "PYTHONPATH" in (env or {}) or not _forking():
-        return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT, env=full_env,
-                              capture_output=True, text=True, timeout=timeout, **popen_kwargs)
-    return _forked_run(list(args), full_env, timeout)
+        return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout, **popen_kwargs)
+    return _forked_run(list(args), env, timeout)
 
 
 def forkserver() -> multiprocessing.context.ForkServerContext:
@@ -223,17 +223,16 @@ class ForkedRelax:
         return _text(self._out), None if self._err == self._out else _text(self._err)
 
 
-def _forked_run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="relax-run-") as scratch:
-        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        process = forkserver().Process(target=_relax_main, args=(args, env, str(ROOT), str(out), str(err)))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:  # as subprocess.run's timeout: kill, then say so
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(["relax", *args], timeout, _text(out), _text(err))
-        return subprocess.CompletedProcess(["relax", *args], process.exitcode, _text(out), _text(err))
+def _forked_run(args: list[str], env: dict[str, str] | None, timeout: float) -> subprocess.CompletedProcess:
+    process = ForkedRelax(args, env)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:  # as subprocess.run's timeout: kill, then say so
+        process.kill()
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(process.args, timeout, stdout, stderr) from None
+    stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _text(path: Path) -> str:
