@@ -123,12 +123,26 @@ def assert_ranks_take_the_one_process_steps(args_of, root: Path, steps: int, *ra
 def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, str] | None = None,
               **popen_kwargs) -> subprocess.CompletedProcess:
     """`relax ...` in a process of its own, from the repository root (so `tests.*` reward paths import); ``env``
-    adds variables to this process's environment. Returns its exit code, stdout and stderr."""
-    if popen_kwargs or "PYTHONPATH" in (env or {}) or not _forking():
+    adds variables to this process's environment. Returns its exit code, stdout and stderr.
+
+    Forked from the worker's forkserver (`ForkedRelax`) unless a ``PYTHONPATH`` in ``env`` must reach the process
+    (the fault injection's `sitecustomize` loads only in a fresh interpreter), or ``popen_kwargs`` ask for
+    `subprocess.run`. A supervised `relax train` (--max-global-restart) is forked even then: its runs, where
+    anything is injected, are the children it starts itself, fresh interpreters with its environment."""
+    fresh = "PYTHONPATH" in (env or {}) and not _supervised(args)
+    if popen_kwargs or fresh or not _forking():
         return subprocess.run([sys.executable, "-m", "relax.cli.main", *args], cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
                               text=True, timeout=timeout, **popen_kwargs)
     return _forked_run(list(args), env, timeout)
+
+
+def _supervised(args: tuple[str, ...]) -> bool:
+    """`relax train ... --max-global-restart N` with N > 0: the process is the supervisor of its runs."""
+    if not args or args[0] != "train" or "--max-global-restart" not in args:
+        return False
+    value = args[args.index("--max-global-restart") + 1:][:1]
+    return bool(value) and value[0].isdigit() and int(value[0]) > 0
 
 
 def forkserver() -> multiprocessing.context.ForkServerContext:
