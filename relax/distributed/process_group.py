@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import random
 import socket
 import weakref
 from collections.abc import Callable
@@ -52,8 +53,6 @@ def free_port(address: str = "127.0.0.1", attempts: int = 64) -> int:
     scaling API of a run beside Ray Serve). A port between `QUIET_PORTS_FROM` and the ephemeral range is only ever
     taken by an explicit bind; one of those is drawn at random and checked. Where that range is empty (a machine
     whose ephemeral range starts lower), ``bind(0)``'s port as before."""
-    import random
-
     low, _ = ephemeral_port_range()
     candidates = range(QUIET_PORTS_FROM, low)
     for port in random.sample(candidates, min(attempts, len(candidates))):

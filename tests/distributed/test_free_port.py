@@ -25,13 +25,17 @@ def test_the_port_is_below_the_ephemeral_range_and_a_server_binds_it():
 
 
 def test_outgoing_connections_never_land_on_a_picked_port():
-    """Many client sockets (as a Ray cluster opens) take their local ports from the ephemeral range only."""
+    """Many client sockets (as a Ray cluster opens) take their local ports from the ephemeral range only, which
+    the picked port lies below: the premise of `free_port`, checked on this machine's kernel."""
+    low, high = ephemeral_port_range()
     picked = free_port()
     with socket.create_server(("127.0.0.1", 0), backlog=256) as server:
         target = server.getsockname()
         clients = [socket.create_connection(target) for _ in range(200)]
         try:
-            assert picked not in {client.getsockname()[1] for client in clients}
+            local_ports = {client.getsockname()[1] for client in clients}
+            assert all(low <= port <= high for port in local_ports), sorted(local_ports)[:5]
+            assert picked not in local_ports
         finally:
             for client in clients:
                 client.close()

@@ -139,10 +139,11 @@ def run_relax(*args: str, timeout: float = SUBPROCESS_TIMEOUT_S, env: dict[str, 
 
 def _supervised(args: tuple[str, ...]) -> bool:
     """`relax train ... --max-global-restart N` with N > 0: the process is the supervisor of its runs."""
-    if not args or args[0] != "train" or "--max-global-restart" not in args:
+    try:
+        restarts = args[args.index("--max-global-restart") + 1]
+    except (ValueError, IndexError):
         return False
-    value = args[args.index("--max-global-restart") + 1:][:1]
-    return bool(value) and value[0].isdigit() and int(value[0]) > 0
+    return args[0] == "train" and restarts.isdigit() and int(restarts) > 0
 
 
 def forkserver() -> multiprocessing.context.ForkServerContext:
