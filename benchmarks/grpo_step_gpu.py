@@ -171,7 +171,8 @@ def compare_overlap(args) -> None:
     modes = {mode: modes[mode] for mode in args.modes}  # in the order asked
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(tmp) if args.work_dir is None else args.work_dir
+        root.mkdir(parents=True, exist_ok=True)
         model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len, args.device)
         env = {**environment(""), "RELAX_BENCH_MEAN_RESPONSE_LEN": str(args.mean_response_len)}
         for mode, flags in modes.items():
@@ -193,6 +194,8 @@ def compare_overlap(args) -> None:
                 run(command, env, mode, timeout=args.mode_timeout)
             except subprocess.TimeoutExpired:  # keep what it measured: the steps it finished
                 print(f"{mode}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
+            except SystemExit as failure:  # a failed run (out of memory, say) still leaves the others to run
+                print(failure, flush=True)
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
                 if (out / "metrics.jsonl").is_file() else []
             if len([row for row in rows if "perf/step_s" in row]) <= warmup:
@@ -331,6 +334,9 @@ def main() -> None:
                         help="--compare-overlap, carry_over: --over-sampling-batch-size as a multiple of --prompts")
     parser.add_argument("--mode-timeout", type=float, default=3600.0,
                         help="--compare-overlap: seconds each run may take; a run stopped keeps its finished steps")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="--compare-overlap: the model, prompts and each mode's run directory (run.log, "
+                        "metrics.jsonl) go here and stay (default: a temporary directory)")
     parser.add_argument("--carry-max-staleness", type=int, default=2,
                         help="--compare-overlap, carry_over: its --max-staleness (how long a straggler may decode)")
     args = parser.parse_args()
