@@ -82,11 +82,17 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
-                    device: str = "cpu", mean_response_len: int | None = None) -> tuple[Path, Path]:
+                    device: str = "cpu", mean_response_len: int | None = None,
+                    reuse_model: bool = False) -> tuple[Path, Path]:
     """A random model of ``shape`` with its tokenizer, and ``num_prompts`` random prompts. ``mean_response_len``:
     responses end at varied lengths about that long on average (`end_responses_early`), as RL responses do,
-    instead of running to the length limit (a random model almost never samples EOS)."""
+    instead of running to the length limit (a random model almost never samples EOS). ``reuse_model``: a model
+    that an earlier call left in ``root`` for the same shape is kept (a 4B one takes a minute to write)."""
     model_dir, data = root / "model", root / "prompts.jsonl"
+    recipe = json.dumps({"shape": shape, "mean_response_len": mean_response_len}, sort_keys=True)
+    if reuse_model and (root / "model.json").is_file() and (root / "model.json").read_text() == recipe:
+        write_prompts(data, shape["vocab_size"], num_prompts, prompt_len)
+        return model_dir, data
     torch.manual_seed(0)
     shape = dict(shape)
     config = transformers.CONFIG_MAPPING[shape.pop("model_type", "qwen3")](**shape, pad_token_id=0, eos_token_id=1,
@@ -100,12 +106,17 @@ def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
     if device == "cuda":  # the runs are processes of their own: the cache must not keep the model's memory here
         torch.cuda.empty_cache()
     word_tokenizer(shape["vocab_size"]).save_pretrained(model_dir)
+    (root / "model.json").write_text(recipe)
+    write_prompts(data, shape["vocab_size"], num_prompts, prompt_len)
+    return model_dir, data
+
+
+def write_prompts(data: Path, vocab_size: int, num_prompts: int, prompt_len: int) -> None:
     generator = torch.Generator().manual_seed(1)
     with data.open("w") as handle:
         for _ in range(num_prompts):
-            ids = torch.randint(2, shape["vocab_size"], (prompt_len,), generator=generator).tolist()
+            ids = torch.randint(2, vocab_size, (prompt_len,), generator=generator).tolist()
             handle.write(json.dumps({"input": " ".join(f"t{i}" for i in ids), "label": ""}) + "\n")
-    return model_dir, data
 
 
 @torch.no_grad()
@@ -173,7 +184,8 @@ def compare_overlap(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) if args.work_dir is None else args.work_dir
         root.mkdir(parents=True, exist_ok=True)
-        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len, args.device)
+        model_dir, data = build_workspace(root, shape, args.prompts * args.steps, args.prompt_len, args.device,
+                                          reuse_model=args.work_dir is not None)
         env = {**environment(""), "RELAX_BENCH_MEAN_RESPONSE_LEN": str(args.mean_response_len)}
         for mode, flags in modes.items():
             out = root / mode

@@ -58,14 +58,16 @@ def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model_dir(directory: Path, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
+def build_tiny_model_dir(directory: Path, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None,
+                         **shape) -> Path:
+    """The tiny Qwen3 with its tokenizer; ``shape``: config fields that differ (a larger model for a GPU test)."""
     tokenizer = tokenizer or build_tokenizer()
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )
+    config = Qwen3Config(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True,
+        "max_position_embeddings": 256, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None, **shape})
     Qwen3ForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

@@ -638,27 +638,49 @@ class FSDPTrainBackend(TrainBackend):
         return result
 
     def measure_step_memory(self, token_counts: tuple[int, ...]) -> list[int] | None:
-        """Peak bytes one forward and backward of a sample of each of ``token_counts`` tokens allocates above what
-        was allocated before it (the gradients and the activations of a micro-batch of that size), on CUDA; None
-        elsewhere, or for a pipeline (its stages hold several micro-batches). The probe of the run's memory plan
-        (`relax.core.loops.memory_plan`): every rank calls it at the same point, as a step's collectives need. The
-        weights do not change; the gradients it leaves are dropped."""
+        """Peak bytes a micro-batch of each of ``token_counts`` tokens (one sample) needs above what the trainer holds
+        between steps, as a step's second and later micro-batches see it: the gradients the earlier ones made, beside
+        its own activations. On CUDA; None elsewhere, or for a pipeline (its stages hold several micro-batches). The
+        probe of the run's memory plan (`relax.core.loops.memory_plan`): every rank calls it at the same point, as a
+        step's collectives need. The weights do not change (the loss is zero); the gradients are dropped after.
+
+        A first pass makes the gradients before any is measured: a step's first micro-batch frees its activations
+        while its backward makes the gradients, so its peak holds only part of them, and a line through such peaks
+        missed the gradients whole (15 GiB of float32 on the Qwen3-4B shape). Under FSDP the passes accumulate
+        without reducing, as a step's micro-batches before its last do (their gradients unsharded), and a last pass
+        reduces them so that FSDP lets its unsharded copies go."""
         device = self.settings.device
         if device.type != "cuda" or self.pipeline is not None or not self.trainable:
             return None
         generator = torch.Generator().manual_seed(0)
-        peaks = []
-        for count in token_counts:
+
+        def forward_backward(count: int) -> None:
             ids = torch.randint(self.hf_config.vocab_size, (count,), generator=generator).tolist()
             batch = TrainBatch(tokens=[ids], response_lengths=[count - 1], loss_masks=[[1] * (count - 1)])
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
             with rope_scope(self._liger), self._cast_once():
                 outputs = self._per_token_outputs(batch, self.settings.entropy_grad)
                 (outputs.primary.float().sum() * 0.0).backward()
-            torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+
+        self.model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device)  # between steps: no gradients
+        peaks = []
+        try:
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(False)
+            forward_backward(min(token_counts))  # the gradients a step's first micro-batch leaves
+            for count in token_counts:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                forward_backward(count)
+                torch.cuda.synchronize(device)
+                peaks.append(torch.cuda.max_memory_allocated(device) - held)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(True)
+                forward_backward(min(token_counts))
+        finally:
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(True)
             self.model.zero_grad(set_to_none=True)
         return peaks
 

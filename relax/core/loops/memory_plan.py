@@ -7,9 +7,10 @@ first fill a micro-batch, minutes or hours in (measured on the H200: the second 
 2,048-token responses, 118.8 GiB allocated beside the resident pool).
 
 The plan measures instead of guessing: the trainer runs one forward and backward at two token counts
-(`FSDPTrainBackend.measure_step_memory`), which gives the step's fixed cost (the gradients) and its cost per token
-(activations, the log-prob head's chunks); AdamW's moments, allocated at the first optimizer step, are added. Then,
-for the largest micro-batch the flags allow:
+(`FSDPTrainBackend.measure_step_memory`), with the gradients already made, as a step's second and later
+micro-batches run; the line through the two peaks gives the step's fixed cost (the gradients, the weights' low-
+precision copies) and its cost per token (activations, the log-prob head's chunks). AdamW's moments, allocated at
+the first optimizer step, are added. Then, for the largest micro-batch the flags allow:
 
 - it fits beside everything resident now (the engine's weights, KV pool and CUDA graphs, the trainers' weights):
   nothing changes;

@@ -148,3 +148,47 @@ def test_the_probe_predicts_the_training_peak_on_cuda(tiny_workspace, tmp_path):
     peak = max(row["perf/gpu_peak_gib_train"] for row in read_metrics(tmp_path / "metrics.jsonl")
                if "perf/gpu_peak_gib_train" in row) * GIB
     assert peak <= plan.peak_bytes * 1.1, (peak / GIB, plan.peak_bytes / GIB)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_probe_line_bounds_a_step_whose_micro_batches_fill_the_budget(tmp_path):
+    """A step's second and later micro-batches hold the gradients of the earlier ones beside their own activations.
+    The probe's line at the token budget must bound the peak of a step of four micro-batches that each fill it (a
+    line through first micro-batches, whose backward frees activations as it makes gradients, missed the gradients:
+    issue 32's out-of-memory error on the Qwen3-4B shape), and not overshoot it by much either."""
+    from relax.backends.training.base import TrainBatch
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from relax.backends.training.settings import TrainSettings
+    from tests.backends.training.test_packing import LOSS
+    from tests.support.tiny_assets import build_tiny_model_dir
+
+    # gradients a sizeable share of the step (15.7 MB of float32 beside ~10 MB of activations per 256 tokens)
+    model_dir = build_tiny_model_dir(tmp_path / "model", hidden_size=256, intermediate_size=1024,
+                                     num_hidden_layers=4, head_dim=64, max_position_embeddings=1024)
+    budget, sample = 2048, 256
+    settings = TrainSettings(device=torch.device("cuda"), compute_dtype=torch.bfloat16, micro_batch_size=1,
+                             temperature=1.0, pad_token_id=0, lr=1e-4, total_optimizer_steps=4,
+                             max_tokens_per_gpu=budget)
+    backend = FSDPTrainBackend(model_dir, settings)
+    generator = torch.Generator().manual_seed(0)
+    count = 4 * budget // sample  # four micro-batches of eight samples each
+    response = sample - 16
+    batch = TrainBatch(tokens=[torch.randint(3, backend.hf_config.vocab_size, (sample,), generator=generator).tolist()
+                               for _ in range(count)],
+                       response_lengths=[response] * count, loss_masks=[[1] * response] * count,
+                       fields={"advantages": [torch.randn(response, generator=generator) for _ in range(count)],
+                               "old_log_probs": [-torch.rand(response, generator=generator) for _ in range(count)]})
+    backend.train_step(batch, LOSS)  # AdamW's moments now exist: the state between steps
+    backend.model.zero_grad(set_to_none=True)
+    probe = (budget // 8, budget // 4)
+    line = StepFootprint.from_two_points(probe, tuple(backend.measure_step_memory(probe)))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    backend.train_step(batch, LOSS)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - held
+    predicted = line.peak_bytes(budget)
+    assert peak <= predicted * 1.05, (peak / 2**20, predicted / 2**20)
+    assert predicted <= peak * 1.5, (peak / 2**20, predicted / 2**20)
