@@ -71,10 +71,15 @@ class MemoryPlan:
     release_kv_while_training: bool
     peak_bytes: int  # at the training peak, with the plan applied
     usable_bytes: int
+    engine_offloaded: bool = False  # --offload-rollout frees the engine's weights and pool while training anyway
 
     def describe(self) -> str:
-        action = "the engine's KV pool is released while training" if self.release_kv_while_training else \
-            "the trainer and the engine stay resident"
+        if self.engine_offloaded:
+            action = "the engine's weights and KV pool leave the device while training (--offload-rollout)"
+        elif self.release_kv_while_training:
+            action = "the engine's KV pool is released while training"
+        else:
+            action = "the trainer and the engine stay resident"
         return (f"memory plan: {action}; training peak {self.peak_bytes / GIB:.1f} GiB of "
                 f"{self.usable_bytes / GIB:.1f} GiB usable")
 

@@ -197,7 +197,7 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
                           pending_bytes=sum(optimizer_state_bytes(t) for t in trainers), kv_pool_bytes=releasable)
     plan = plan_memory(device, step, tokens, can_release_kv=can_release_kv or engine_released)
     if engine_released:  # --offload-rollout frees it all anyway
-        plan = dataclasses.replace(plan, release_kv_while_training=False)
+        plan = dataclasses.replace(plan, release_kv_while_training=False, engine_offloaded=True)
     logger.info("%s (micro-batches up to %d tokens: %.0f KiB per token%s)", plan.describe(), tokens,
                 step.bytes_per_token / 1024, "" if cfg.rollout_max_prompt_len or cfg.rollout_max_context_len else
                 "; prompts counted as empty: set --rollout-max-prompt-len for a bound on them")

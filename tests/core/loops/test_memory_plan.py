@@ -17,6 +17,7 @@ from relax.config import ConfigError, RelaxConfig
 from relax.core.loops.memory_plan import (
     HEADROOM,
     DeviceMemory,
+    MemoryPlan,
     StepFootprint,
     largest_micro_batch_tokens,
     plan_memory,
@@ -85,6 +86,16 @@ def test_a_plan_always_fits_and_a_refusal_names_the_largest_budget_that_does(hel
     assert can_release or not plan.release_kv_while_training
     if plan.release_kv_while_training:  # released only when keeping it would not fit
         assert plan.peak_bytes + device.kv_pool_bytes > plan.usable_bytes
+
+
+def test_the_log_line_says_what_leaves_the_device_while_training():
+    usable = int(H200 * (1 - HEADROOM))
+    assert "stay resident" in MemoryPlan(False, GIB, usable).describe()
+    assert "KV pool is released" in MemoryPlan(True, GIB, usable).describe()
+    # --colocate offloads the engine whole: the plan keeps nothing resident for it (seen on the H200: the log said
+    # "the trainer and the engine stay resident" while the engine left at every training phase)
+    offloaded = MemoryPlan(False, GIB, usable, engine_offloaded=True).describe()
+    assert "weights and KV pool leave the device" in offloaded and "stay resident" not in offloaded
 
 
 def test_the_footprint_is_the_line_through_two_probes():
