@@ -97,12 +97,11 @@ def plan_memory(device: DeviceMemory, step: StepFootprint, tokens: int, can_rele
     fitting = max(0, math.floor(room / step.bytes_per_token)) if step.bytes_per_token else 0
     remedies = [f"{flag('max_tokens_per_gpu')} {fitting} or less (with {flag('use_dynamic_batch_size')})"
                 if fitting else f"a smaller model or more devices ({flag('tensor_model_parallel_size')})"]
-    if device.kv_pool_bytes:
+    if device.kv_pool_bytes and not can_release_kv:  # (a pool released while training costs the step nothing)
         remedies.append(f"a smaller KV pool ({flag('mem_fraction_static')} or {flag('max_total_tokens')}; it holds "
                         f"{device.kv_pool_bytes / GIB:.1f} GiB)")
-        if not can_release_kv:
-            remedies.append(f"the synchronous mode, which can release the pool while training (drop "
-                            f"{flag('colocate_async')} / {flag('fully_async')})")
+        remedies.append(f"the synchronous mode, which can release the pool while training (drop "
+                        f"{flag('colocate_async')} / {flag('fully_async')})")
     remedies.append(f"{flag('gradient_checkpointing')} (activations recomputed in the backward)")
     raise ConfigError(
         f"the training step does not fit on the device: micro-batches of up to {tokens} tokens need "

@@ -55,6 +55,19 @@ def test_a_budget_that_fits_only_without_the_pool_releases_it_in_the_sync_loop_a
         assert named in message, (named, message)
 
 
+def test_a_refusal_suggests_a_smaller_pool_only_where_the_pool_stays_during_training():
+    # On the H200 (--colocate, the engine offloaded while training) the refusal named a smaller KV pool, which would
+    # have changed nothing: what is released while training does not weigh on the step.
+    device = _device(held_gib=99, kv_gib=54, pending_gib=0)
+    step = StepFootprint(fixed_bytes=int(22.5 * GIB), bytes_per_token=4471 * 1024)
+    with pytest.raises(ConfigError) as released:
+        plan_memory(device, step, tokens=16384, can_release_kv=True)
+    assert "--mem-fraction-static" not in str(released.value) and "--max-tokens-per-gpu 1" in str(released.value)
+    with pytest.raises(ConfigError) as resident:
+        plan_memory(device, step, tokens=16384, can_release_kv=False)
+    assert "--mem-fraction-static" in str(resident.value)
+
+
 def test_a_budget_that_fits_nowhere_names_a_smaller_model_when_no_token_fits():
     with pytest.raises(ConfigError, match="a smaller model or more devices"):
         plan_memory(_device(held_gib=135, kv_gib=0), STEP, tokens=1024, can_release_kv=True)
