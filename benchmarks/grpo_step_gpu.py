@@ -89,7 +89,9 @@ def build_workspace(root: Path, shape: dict, num_prompts: int, prompt_len: int,
     instead of running to the length limit (a random model almost never samples EOS). ``reuse_model``: a model
     that an earlier call left in ``root`` for the same shape is kept (a 4B one takes a minute to write)."""
     model_dir, data = root / "model", root / "prompts.jsonl"
-    recipe = json.dumps({"shape": shape, "mean_response_len": mean_response_len}, sort_keys=True)
+    # what the weights depend on (the EOS calibration reads prompts of prompt_len; the seed draws per device)
+    recipe = json.dumps({"shape": shape, "mean_response_len": mean_response_len, "prompt_len": prompt_len,
+                         "device": device}, sort_keys=True)
     if reuse_model and (root / "model.json").is_file() and (root / "model.json").read_text() == recipe:
         write_prompts(data, shape["vocab_size"], num_prompts, prompt_len)
         return model_dir, data
