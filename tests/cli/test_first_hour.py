@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -312,7 +313,9 @@ def test_a_reward_server_that_echoes_its_url_leaks_no_token():
 
 
 @pytest.mark.xdist_group("ray")  # Ray in this process: with the other such tests, one after the other
-def test_a_local_ray_listens_on_loopback_only():
+def test_a_local_ray_listens_on_loopback_only_and_prestarts_no_idle_workers():
+    """Its raylet starts no Python worker before one is asked for: Ray's default prestarts some when the driver
+    connects (two here), and Relax's actors never used them (`relax.utils.local_ray`)."""
     pytest.importorskip("ray")
     import ray
 
@@ -325,5 +328,21 @@ def test_a_local_ray_listens_on_loopback_only():
     try:
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         assert non_loopback_listeners(os.getpid()) == []
+        raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+        assert _children_named(raylet, "ray::IDLE") == []
     finally:
         ray.shutdown()
+
+
+def _children_named(parent: int, prefix: str) -> list[int]:
+    """The processes whose parent is ``parent`` and whose command line starts with ``prefix`` (Linux /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_text()
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue  # ended while listed
+        if ppid == parent and command.startswith(prefix):
+            found.append(int(pid))
+    return found

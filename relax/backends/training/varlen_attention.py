@@ -8,14 +8,19 @@ never see each other, and no score is computed across them:
 
 - on CUDA in bf16/fp16, PyTorch's FlashAttention-2 varlen kernel (`torch.nn.attention.varlen`), which
   takes ``cu_seqlens`` directly and costs sum(L_i^2), not N^2;
-- elsewhere (CPU, float32), one causal SDPA call per sequence: exact, and cheap at the sizes a CPU
-  trains.
+- elsewhere (CPU, float32), batched causal SDPA over the sequences padded to a common length, in buckets of
+  similar lengths (`length_buckets`) so padding never more than doubles the scores computed. One call per
+  sequence (`_per_sequence_attend`, the path before and the tests' reference) spent its time in per-call
+  overhead: on the CPU quickstart's micro-batches (128 sequences of 14-20 tokens) a layer's attention forward
+  and backward took 12x as long (`benchmarks/packed_attention_cpu.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +41,7 @@ class PackedAttention:
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    boundaries: tuple[int, ...]  # cu_seqlens on the host, for the per-sequence fallback
+    boundaries: tuple[int, ...]  # cu_seqlens on the host, for the padded fallback
     context: ContextSlice | None = None  # context parallel: this rank holds a slice of the row's tokens
     repeat_kv: bool = False  # keys and values repeated to the query heads first (the path before; a benchmark's)
 
@@ -70,7 +75,8 @@ def _flash_attend(q, k, v, packing: PackedAttention, scale: float, dtype: torch.
 
 
 def _per_sequence_attend(q, k, v, packing: PackedAttention, scale: float, dropout: float) -> torch.Tensor:
-    """``[N, H, D]`` inputs; SDPA sequence by sequence (``[H, L, D]`` each, causal)."""
+    """``[N, H, D]`` inputs; SDPA sequence by sequence (``[H, L, D]`` each, causal): exact, one call per sequence.
+    The reference `_padded_attend` is checked against, and its benchmark's baseline."""
     enable_gqa = k.shape[1] != q.shape[1]
     outputs = []
     for start, end in zip(packing.boundaries[:-1], packing.boundaries[1:]):
@@ -79,6 +85,87 @@ def _per_sequence_attend(q, k, v, packing: PackedAttention, scale: float, dropou
             is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=enable_gqa,
         ).transpose(0, 1))
     return torch.cat(outputs)
+
+
+# A bucket pads its sequences to its longest one: at most this many times the scores (sum of L^2) its sequences
+# need. Similar lengths share one call; one long sequence among short ones gets a call of its own.
+PADDING_WASTE = 2.0
+
+
+def length_buckets(lengths: list[int] | tuple[int, ...]) -> list[list[int]]:
+    """The sequences (indices into ``lengths``) grouped for padded attention, longest first: a sequence joins the
+    current bucket while the bucket padded to its longest sequence computes at most `PADDING_WASTE` times the
+    scores of its sequences."""
+    buckets: list[list[int]] = []
+    longest = needed = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        if buckets and (len(buckets[-1]) + 1) * longest ** 2 <= PADDING_WASTE * (needed + length ** 2):
+            buckets[-1].append(index)
+            needed += length ** 2
+        else:
+            buckets.append([index])
+            longest, needed = length, length ** 2
+    return buckets
+
+
+class _PaddedBucket(NamedTuple):
+    sequences: int
+    length: int
+    slot_tokens: torch.Tensor  # [sequences * length]: the packed token each padded slot holds (a pad: any token)
+    token_slots: torch.Tensor  # the slot of each of the bucket's tokens, in `packed_order`'s order
+    mask: torch.Tensor  # [sequences, 1, length, length] bool: causal, and only the sequence's own keys
+
+
+class _PaddedLayout(NamedTuple):
+    buckets: tuple[_PaddedBucket, ...]
+    packed_order: torch.Tensor  # where the buckets' outputs, concatenated, go back to in the packed row
+
+
+@lru_cache(maxsize=8)  # a micro-batch's layers (and their recomputation) share one layout
+def _padded_layout(boundaries: tuple[int, ...], device: torch.device) -> _PaddedLayout:
+    starts, lengths = boundaries[:-1], [end - start for start, end in pairwise(boundaries)]
+    buckets, taken = [], []
+    for members in length_buckets(lengths):
+        members = [index for index in members if lengths[index]]  # an empty sequence has no token to attend
+        if not members:
+            continue
+        longest = lengths[members[0]]
+        slot_tokens = torch.full((len(members), longest), starts[members[0]], dtype=torch.long)
+        valid = torch.zeros(len(members), longest, dtype=torch.bool)
+        token_slots = []
+        for row, index in enumerate(members):
+            length = lengths[index]
+            slot_tokens[row, :length] = torch.arange(starts[index], starts[index] + length)
+            valid[row, :length] = True
+            token_slots.append(torch.arange(row * longest, row * longest + length))
+            taken.append(slot_tokens[row, :length])
+        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+        mask = (causal[None] & valid[:, None, :])[:, None]
+        buckets.append(_PaddedBucket(len(members), longest, slot_tokens.flatten().to(device),
+                                     torch.cat(token_slots).to(device), mask.to(device)))
+    packed_order = torch.argsort(torch.cat(taken)) if taken else torch.zeros(0, dtype=torch.long)
+    return _PaddedLayout(tuple(buckets), packed_order.to(device))
+
+
+def _padded_attend(q, k, v, packing: PackedAttention, scale: float, dropout: float) -> torch.Tensor:
+    """``[N, H, D]`` inputs; causal SDPA per `length_buckets` bucket, its sequences padded to ``[S, H, L, D]`` and
+    kept apart by the mask. A padded query's output is dropped; a padded key is masked out."""
+    layout = _padded_layout(packing.boundaries, q.device)
+    enable_gqa = k.shape[1] != q.shape[1]
+    outputs = []
+    for bucket in layout.buckets:
+        def padded(t, bucket=bucket):
+            return t.index_select(0, bucket.slot_tokens).view(bucket.sequences, bucket.length,
+                                                              *t.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=bucket.mask, scale=scale,
+                                             dropout_p=dropout, enable_gqa=enable_gqa)  # [S, H, L, Dv]
+        outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, bucket.token_slots))
+    if not outputs:
+        return q.new_zeros(0, q.shape[1], v.shape[-1])
+    together = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return together.index_select(0, layout.packed_order)
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -106,7 +193,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     def attend(q, k, v):
         if q.is_cuda and dtype is not None and flash_varlen.available() and not dropout:
             return _flash_attend(q, k, v, packing, scale, dtype)
-        return _per_sequence_attend(q, k, v, packing, scale, dropout if module.training else 0.0)
+        return _padded_attend(q, k, v, packing, scale, dropout if module.training else 0.0)
 
     out = attend(q, k, v) if packing.context is None else ulysses_attention(q, k, v, packing.context, attend)
     return out.unsqueeze(0), None

@@ -262,7 +262,7 @@ def test_packed_attention_reaches_its_kernel_through_views_only(heads, lengths):
     boundaries = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     packing = varlen_attention.PackedAttention.of(boundaries, max(lengths), torch.device("cpu"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(varlen_attention, "_per_sequence_attend", kernel)
+        patch.setattr(varlen_attention, "_padded_attend", kernel)
         out, _ = varlen_attention.packed_attention_forward(torch.nn.Module(), *inputs, None, relax_packed=packing)
     assert out.shape == (1, total, q_heads, dim)
     for name, source in zip("qkv", inputs):
@@ -274,6 +274,47 @@ def test_packed_attention_reaches_its_kernel_through_views_only(heads, lengths):
         assert seen[name].untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
     out.sum().backward()
     torch.testing.assert_close(inputs[0].grad, torch.full_like(inputs[0], 2.0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(any),
+       heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), widths=st.sampled_from([(8, 8), (8, 4), (4, 8)]),
+       scale=st.floats(0.05, 1.0))
+def test_padded_attention_equals_attention_sequence_by_sequence(lengths, heads, widths, scale):
+    """The CPU path (sequences padded into buckets of similar lengths, kept apart by the mask) gives what causal
+    SDPA run on each sequence alone gives: outputs and the gradients of queries, keys and values, in float64 to
+    rounding; empty sequences, grouped-query heads and values narrower or wider than the keys included."""
+    (q_heads, kv_heads), (dim, value_dim) = heads, widths
+    boundaries = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packing = varlen_attention.PackedAttention.of(boundaries, max(lengths), torch.device("cpu"))
+    total = sum(lengths)
+    inputs = [torch.randn(total, h, d, dtype=torch.float64, requires_grad=True)
+              for h, d in ((q_heads, dim), (kv_heads, dim), (kv_heads, value_dim))]
+    copies = [t.detach().clone().requires_grad_() for t in inputs]
+    exact = varlen_attention._per_sequence_attend(*inputs, packing, scale, 0.0)
+    padded = varlen_attention._padded_attend(*copies, packing, scale, 0.0)
+    torch.testing.assert_close(padded, exact, atol=1e-12, rtol=1e-12)
+    upstream = torch.randn_like(exact)
+    (exact * upstream).sum().backward()
+    (padded * upstream).sum().backward()
+    for mine, theirs in zip(copies, inputs):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-12, rtol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=0, max_size=60))
+def test_length_buckets_hold_every_sequence_once_and_bound_the_padding(lengths):
+    """Each sequence is in one bucket, longest first; a bucket of several sequences, padded to its longest,
+    computes at most `PADDING_WASTE` times the scores its sequences need."""
+    buckets = varlen_attention.length_buckets(lengths)
+    assert sorted(index for bucket in buckets for index in bucket) == list(range(len(lengths)))
+    for bucket in buckets:
+        longest = lengths[bucket[0]]
+        assert all(lengths[index] <= longest for index in bucket)
+        if len(bucket) > 1:
+            assert len(bucket) * longest ** 2 <= varlen_attention.PADDING_WASTE * sum(lengths[i] ** 2 for i in bucket)
+    if lengths and max(lengths) == min(lengths):
+        assert len(buckets) == 1  # equal lengths: one call
 
 
 def test_sliding_window_models_are_refused_with_the_flag_to_use():
