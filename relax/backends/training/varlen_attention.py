@@ -11,8 +11,8 @@ never see each other, and no score is computed across them:
 - elsewhere (CPU, float32), batched causal SDPA over the sequences padded to a common length, in buckets of
   similar lengths (`length_buckets`) so padding never more than doubles the scores computed. One call per
   sequence (`_per_sequence_attend`, the path before and the tests' reference) spent its time in per-call
-  overhead: on the CPU quickstart's micro-batches (128 sequences of 14-20 tokens) a layer's attention forward
-  and backward took 12x as long (`benchmarks/packed_attention_cpu.py`).
+  overhead: on the CPU quickstart's micro-batches (128 sequences of 14-22 tokens) a layer's attention forward
+  and backward took 10.8x as long (`benchmarks/packed_attention_cpu.py`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class _PaddedBucket(NamedTuple):
     length: int
     slot_tokens: torch.Tensor  # [sequences * length]: the packed token each padded slot holds (a pad: any token)
     token_slots: torch.Tensor  # the slot of each of the bucket's tokens, in `packed_order`'s order
-    mask: torch.Tensor  # [sequences, 1, length, length] bool: causal, and only the sequence's own keys
+    mask: torch.Tensor | None  # [sequences, 1, length, length] bool: causal, and only the sequence's own keys;
+    # None for a bucket of one sequence (SDPA's own causal masking: no length x length mask for a long sequence)
 
 
 class _PaddedLayout(NamedTuple):
@@ -122,7 +123,7 @@ class _PaddedLayout(NamedTuple):
     packed_order: torch.Tensor  # where the buckets' outputs, concatenated, go back to in the packed row
 
 
-@lru_cache(maxsize=8)  # a micro-batch's layers (and their recomputation) share one layout
+@lru_cache(maxsize=2)  # a micro-batch's layers (and their recomputation) share one layout
 def _padded_layout(boundaries: tuple[int, ...], device: torch.device) -> _PaddedLayout:
     starts, lengths = boundaries[:-1], [end - start for start, end in pairwise(boundaries)]
     buckets, taken = [], []
@@ -140,10 +141,12 @@ def _padded_layout(boundaries: tuple[int, ...], device: torch.device) -> _Padded
             valid[row, :length] = True
             token_slots.append(torch.arange(row * longest, row * longest + length))
             taken.append(slot_tokens[row, :length])
-        causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :])[:, None]
+        mask = None
+        if len(members) > 1:
+            causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+            mask = (causal[None] & valid[:, None, :])[:, None].to(device)
         buckets.append(_PaddedBucket(len(members), longest, slot_tokens.flatten().to(device),
-                                     torch.cat(token_slots).to(device), mask.to(device)))
+                                     torch.cat(token_slots).to(device), mask))
     packed_order = torch.argsort(torch.cat(taken)) if taken else torch.zeros(0, dtype=torch.long)
     return _PaddedLayout(tuple(buckets), packed_order.to(device))
 
@@ -159,8 +162,9 @@ def _padded_attend(q, k, v, packing: PackedAttention, scale: float, dropout: flo
             return t.index_select(0, bucket.slot_tokens).view(bucket.sequences, bucket.length,
                                                               *t.shape[1:]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=bucket.mask, scale=scale,
-                                             dropout_p=dropout, enable_gqa=enable_gqa)  # [S, H, L, Dv]
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=bucket.mask,
+                                             is_causal=bucket.mask is None, scale=scale, dropout_p=dropout,
+                                             enable_gqa=enable_gqa)  # [S, H, L, Dv]
         outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, bucket.token_slots))
     if not outputs:
         return q.new_zeros(0, q.shape[1], v.shape[-1])
