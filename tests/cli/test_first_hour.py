@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -317,6 +316,7 @@ def test_a_local_ray_listens_on_loopback_only_and_prestarts_no_idle_workers():
     """Its raylet starts no Python worker before one is asked for: Ray's default prestarts some when the driver
     connects (two here), and Relax's actors never used them (`relax.utils.local_ray`)."""
     pytest.importorskip("ray")
+    import psutil  # Ray's and TransferQueue's dependency
     import ray
 
     from relax.utils.local_ray import start_local_ray
@@ -328,21 +328,9 @@ def test_a_local_ray_listens_on_loopback_only_and_prestarts_no_idle_workers():
     try:
         assert ray.util.get_node_ip_address() == "127.0.0.1"
         assert non_loopback_listeners(os.getpid()) == []
-        raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
-        assert _children_named(raylet, "ray::IDLE") == []
+        raylet = psutil.Process(ray._private.worker._global_node.all_processes["raylet"][0].process.pid)
+        idle = [child.pid for child in raylet.children() if " ".join(child.cmdline()).startswith("ray::IDLE")]
+        assert idle == []
     finally:
         ray.shutdown()
 
-
-def _children_named(parent: int, prefix: str) -> list[int]:
-    """The processes whose parent is ``parent`` and whose command line starts with ``prefix`` (Linux /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_text()
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue  # ended while listed
-        if ppid == parent and command.startswith(prefix):
-            found.append(int(pid))
-    return found

@@ -133,18 +133,17 @@ def _padded_layout(boundaries: tuple[int, ...], device: torch.device) -> _Padded
             continue
         longest = lengths[members[0]]
         slot_tokens = torch.full((len(members), longest), starts[members[0]], dtype=torch.long)
-        valid = torch.zeros(len(members), longest, dtype=torch.bool)
         token_slots = []
         for row, index in enumerate(members):
             length = lengths[index]
             slot_tokens[row, :length] = torch.arange(starts[index], starts[index] + length)
-            valid[row, :length] = True
             token_slots.append(torch.arange(row * longest, row * longest + length))
             taken.append(slot_tokens[row, :length])
         mask = None
         if len(members) > 1:
-            causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-            mask = (causal[None] & valid[:, None, :])[:, None].to(device)
+            positions = torch.arange(longest)
+            own_keys = positions < torch.tensor([lengths[index] for index in members])[:, None]  # [S, L]
+            mask = ((positions[None, :] <= positions[:, None])[None] & own_keys[:, None, :])[:, None].to(device)
         buckets.append(_PaddedBucket(len(members), longest, slot_tokens.flatten().to(device),
                                      torch.cat(token_slots).to(device), mask))
     packed_order = torch.argsort(torch.cat(taken)) if taken else torch.zeros(0, dtype=torch.long)
