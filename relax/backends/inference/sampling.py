@@ -70,11 +70,12 @@ class CounterNoise:
     draws came before. The engine core gives each request a seed and uses the token's position as the counter,
     so a seeded request samples the same tokens whatever shares its steps (continuous batching).
 
-    On CUDA one Triton kernel draws every row (Philox keyed by the row's key, counter = vocabulary index), and the
-    token is the exponential race's winner. Elsewhere a row needs one uniform, splitmix64 of its key, and the token
-    is found by inverting the row's cumulative weights (`sample_rows`): the same distribution for one cumulative sum,
-    where noise for every vocabulary entry (splitmix64 per entry, until 2026-12-03) cost more on the 2-core CPU:
-    64 x 4,096 weights 1.4 against 6.3 ms, 128 x 49,152 41 against 305 ms, 128 x 151,936 97 against 937 ms.
+    A row needs one uniform, splitmix64 of its key, and the token is found by inverting the row's cumulative weights
+    (`sample_rows`), on every device; the engine's CUDA graphs draw the same way in one read of the logits
+    (`relax.backends.inference.triton_sampling.sample_tokens`). Noise for every vocabulary entry (an exponential race)
+    cost more: on the 2-core CPU 64 x 4,096 weights 1.4 against 6.3 ms, 128 x 49,152 41 against 305 ms, 128 x 151,936
+    97 against 937 ms (until 2026-12-03); on the H200 the graphs' sampler took 187 us a step at batch 256 over 151,936
+    ids (until 2026-12-05).
     """
 
     def __init__(self, seeds: torch.Tensor, counters: torch.Tensor) -> None:
@@ -86,12 +87,6 @@ class CounterNoise:
         key = self.seeds * -7046029254386353131 + self.counters * -4658895280553007687  # wraps, as intended
         key = key ^ (key >> 31)
         return key & 0x7FFFFFFFFFFFFFFF
-
-    def exponential_like(self, weights: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise for every entry of CUDA ``weights`` (B, V), from the rows' keys (the Triton kernel)."""
-        from relax.backends.inference.triton_sampling import exponential_noise
-
-        return exponential_noise(self.row_keys(), weights.shape[1])
 
     def uniforms(self) -> torch.Tensor:
         """One uniform in [0, 1) per row, from the row's key alone, (B,) float64."""
@@ -153,7 +148,7 @@ def _sample_from_scaled_logits(
 ) -> torch.Tensor:
     """Draw from softmax(scaled_logits) restricted by each row's top-k and top-p; (B,) int64."""
     if not sampling.any_filter:
-        return _exponential_race((scaled_logits - log_normalizer).exp(), generator)
+        return _draw_indices((scaled_logits - log_normalizer).exp(), generator)
     # Filter in descending order, where top-k is a rank cut and top-p a cumulative-mass cut, then
     # sample a rank and map it back to a token id: one sort, no scatter.
     sorted_logits, sorted_token_ids = scaled_logits.sort(dim=-1, descending=True)
@@ -164,22 +159,17 @@ def _sample_from_scaled_logits(
     # The first token has zero mass before it, so every row keeps at least one token.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
-    sampled_ranks = _exponential_race(sorted_probs, generator)
+    sampled_ranks = _draw_indices(sorted_probs, generator)
     return sorted_token_ids.gather(1, sampled_ranks[:, None]).squeeze(1)
 
 
-def _exponential_race(probs: torch.Tensor, generator: Randomness) -> torch.Tensor:
-    """Sample one index per row of (B, V) non-negative weights: argmax(probs / E), E ~ Exp(1).
-
-    The weights need not be normalized. This equals multinomial sampling and, unlike
-    ``torch.multinomial``, is one elementwise pass plus an argmax.
-    """
-    if isinstance(generator, CounterNoise) and not probs.is_cuda:
-        return generator.sample_rows(probs)
+def _draw_indices(probs: torch.Tensor, generator: Randomness) -> torch.Tensor:
+    """Sample one index per row of (B, V) non-negative weights (not necessarily normalized): with `CounterNoise`,
+    its one uniform per row inverted through the cumulative weights; with a generator, argmax(probs / E) for
+    E ~ Exp(1), one elementwise pass and an argmax where ``torch.multinomial`` would sort."""
     if isinstance(generator, CounterNoise):
-        noise = generator.exponential_like(probs)
-    else:
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        return generator.sample_rows(probs)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
     # A zero draw would turn a zero weight into 0/0 = NaN, which argmax would pick.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
