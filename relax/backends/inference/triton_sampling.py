@@ -3,8 +3,9 @@
 A row draws as `relax.backends.inference.sampling.CounterNoise.sample_rows` does everywhere else: one uniform from
 the row's key (its request's seed and the index of the token it samples, splitmix64), and the token is the first
 whose cumulative weight ``exp(logit / T - max)`` passes the uniform times the row's total. So a seeded request gets
-the same tokens on CUDA, off it and on the eager path, up to the rounding of the sums (float32 within a chunk of the
-vocabulary, float64 across chunks and within the chosen chunk, against float64 throughout on the eager path).
+the same tokens on CUDA, off it and on the eager path, up to rounding: each weight is a float32 exponential, summed in
+float64 (chunk by chunk here, in one cumulative sum on the eager path), so two paths part only where the target lies
+within about 1e-7 of the total from a token boundary.
 
 1. `_chunk_stats_kernel`, one program per (row, chunk of ``BLOCK`` ids): the chunk's max of ``logit / T``, its sum
    of ``exp(logit / T - max)`` and its argmax (greedy rows).
@@ -13,8 +14,8 @@ vocabulary, float64 across chunks and within the chosen chunk, against float64 t
    it from one more read of that chunk alone (``BLOCK`` ids).
 
 The earlier kernel drew Exp(1) noise for every vocabulary entry (Philox, two logarithms per entry) and took the
-exponential race's winner: 187 us a step at batch 256 over 151,936 ids on the H200, where reading the logits takes
-18 us; `benchmarks/decode_kernels_gpu.py` times it beside this one.
+exponential race's winner: 186 us a step at batch 256 over 151,936 bf16 logits on an H100, where reading them takes
+26 us at the card's copy rate; this one takes 43 us (`benchmarks/sampler_gpu.py` times both in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, sum_ptr, a
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
     scaled = _scaled_chunk(logits_ptr + row.to(tl.int64) * stride, tl.load(temperature_ptr + row), offsets, vocab)
     maximum = tl.max(scaled, axis=0)
-    # A -inf logit weighs nothing, even in a chunk whose every logit is -inf (where s - max would be NaN).
-    total = tl.sum(tl.where(scaled == float("-inf"), 0.0, tl.exp(scaled - maximum)), axis=0)
+    # A -inf logit weighs nothing, even in a chunk whose every logit is -inf (where s - max would be NaN). The sum in
+    # float64, as the eager path's cumulative sum: a float32 one strays by about 1e-6 of the chunk's mass, enough to
+    # move a draw across a token boundary once in several hundred rows (measured on an H100).
+    total = tl.sum(tl.where(scaled == float("-inf"), 0.0, tl.exp(scaled - maximum)).to(tl.float64), axis=0)
     argmax = tl.min(tl.where(scaled == maximum, offsets, vocab), axis=0)
     out = row * CHUNKS + chunk
     tl.store(max_ptr + out, maximum)
@@ -72,11 +75,11 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, counter_ptr, max
     valid = chunks < CHUNKS
     base = row * CHUNKS + chunks
     maxima = tl.load(max_ptr + base, mask=valid, other=float("-inf"))
-    sums = tl.load(sum_ptr + base, mask=valid, other=0.0)
+    sums = tl.load(sum_ptr + base, mask=valid, other=0.0).to(tl.float64)
     row_max = tl.max(maxima, axis=0)
-    weights = tl.where(valid & (maxima > float("-inf")), sums * tl.exp(maxima - row_max), 0.0).to(tl.float64)
+    weights = tl.where(valid & (maxima > float("-inf")), sums * tl.exp((maxima - row_max).to(tl.float64)), 0.0)
     total = tl.sum(weights, axis=0)
-    log_z = row_max + tl.log(total.to(tl.float32))
+    log_z = row_max + tl.log(total).to(tl.float32)
     temperature = tl.load(temperature_ptr + row)
     logits_row = logits_ptr + row.to(tl.int64) * stride
     if temperature == 0.0:  # greedy: the best chunk's argmax (the lowest id among equal maxima)
@@ -110,10 +113,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     `relax.backends.inference.sampling.sample_next_tokens`."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, block)
-    stats = torch.empty((2, rows, chunks), dtype=torch.float32, device=logits.device)
+    maxima = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    sums = torch.empty((rows, chunks), dtype=torch.float64, device=logits.device)
     argmax = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    _chunk_stats_kernel[(rows, chunks)](logits, logits.stride(0), temperature, stats[0], stats[1], argmax,
+    _chunk_stats_kernel[(rows, chunks)](logits, logits.stride(0), temperature, maxima, sums, argmax,
                                         vocab=vocab, CHUNKS=chunks, BLOCK=block, num_warps=num_warps)
-    _pick_kernel[(rows,)](logits, logits.stride(0), temperature, seeds, counters, stats[0], stats[1], argmax, tokens,
+    _pick_kernel[(rows,)](logits, logits.stride(0), temperature, seeds, counters, maxima, sums, argmax, tokens,
                           log_probs, vocab=vocab, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), BLOCK=block,
                           num_warps=num_warps)
