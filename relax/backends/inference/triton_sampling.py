@@ -75,7 +75,7 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, counter_ptr, max
     valid = chunks < CHUNKS
     base = row * CHUNKS + chunks
     maxima = tl.load(max_ptr + base, mask=valid, other=float("-inf"))
-    sums = tl.load(sum_ptr + base, mask=valid, other=0.0).to(tl.float64)
+    sums = tl.load(sum_ptr + base, mask=valid, other=0.0)  # float64
     row_max = tl.max(maxima, axis=0)
     weights = tl.where(valid & (maxima > float("-inf")), sums * tl.exp((maxima - row_max).to(tl.float64)), 0.0)
     total = tl.sum(weights, axis=0)
