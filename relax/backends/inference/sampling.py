@@ -96,16 +96,18 @@ class CounterNoise:
     def sample_rows(self, weights: torch.Tensor) -> torch.Tensor:
         """One index per row of (B, V) non-negative weights (not necessarily normalized), drawn with probability
         proportional to its weight: the first index whose cumulative weight passes the row's uniform times the
-        total. A zero weight adds nothing to the sum, so it is never the first to pass it; the last index with a
-        weight is the answer when rounding puts the target at the total."""
+        total. A zero weight adds nothing to the sum, so it is never the first to pass it; when rounding puts the
+        target at the total, the answer is the index at which the sum reaches its total (the last whose weight
+        counted). No host synchronization (the engine's eager CUDA path samples here while its next step is
+        queued)."""
         cumulative = weights.cumsum(dim=-1, dtype=torch.float64)
-        target = self.uniforms().to(weights.device) * cumulative[:, -1]
-        index = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
-        past = (weights.gather(1, index[:, None]).squeeze(1) <= 0).nonzero().squeeze(1)  # rare: rounding at the end
-        if past.numel():
-            rows = weights[past] > 0
-            index[past] = rows.shape[1] - 1 - rows.flip(-1).to(torch.int8).argmax(dim=-1)
-        return index
+        total = cumulative[:, -1:].contiguous()
+        target = self.uniforms().to(weights.device)[:, None] * total
+        index = torch.searchsorted(cumulative, target, right=True)
+        # Rare: rounding put the target at the total, so no index passes it (V). The sum reaches its total at the
+        # last weight that counted in it and stays flat after it: that index is the first to reach the total.
+        last_weighted = torch.searchsorted(cumulative, total, right=False)
+        return torch.where(index < weights.shape[1], index, last_weighted).squeeze(1)
 
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:

@@ -77,3 +77,24 @@ def test_top_k_and_top_p_hold_on_the_core_sampler(top_k, top_p, seed):
         mass_before = probs[row][order[:rank]].sum().item()
         assert rank == 0 or mass_before < top_p + 1e-6
         assert math.isclose(log_probs[row].item(), logits[row].log_softmax(-1)[token].item(), abs_tol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.0, 1e-30, 1e-8, 0.3, 1.0, 7.0]), min_size=6, max_size=6),
+                min_size=1, max_size=8),
+       st.lists(st.sampled_from([0.0, 0.25, 0.5, 0.999999, 1.0]), min_size=8, max_size=8))
+def test_sample_rows_is_the_first_index_past_the_target_else_the_last_with_weight(rows, uniforms):
+    """The vectorised draw (no host synchronisation) against the rule written out row by row, uniforms up to 1.0
+    included (the target at the total: rounding's case, where the draw is the index at which the sum reaches its
+    total; a weight too small to change the sum, 1e-30 after 7.3, is passed over)."""
+    weights = torch.tensor(rows, dtype=torch.float32)
+    weights[:, -1] += (weights.sum(-1) == 0).float()  # every row has a weight
+    noise = _noise(len(rows))
+    chosen_uniforms = torch.tensor(uniforms[:len(rows)], dtype=torch.float64)
+    noise.uniforms = lambda: chosen_uniforms
+    expected = []
+    for row, uniform in zip(weights.double(), chosen_uniforms.tolist()):
+        cumulative = row.cumsum(0)
+        passed = (cumulative > uniform * cumulative[-1]).nonzero().flatten().tolist()
+        expected.append(passed[0] if passed else int((cumulative >= cumulative[-1]).nonzero().min()))
+    assert noise.sample_rows(weights).tolist() == expected
