@@ -15,7 +15,7 @@ within about 1e-7 of the total from a token boundary.
 
 The earlier kernel drew Exp(1) noise for every vocabulary entry (Philox, two logarithms per entry) and took the
 exponential race's winner: 186 us a step at batch 256 over 151,936 bf16 logits on an H100, where reading them takes
-26 us at the card's copy rate; this one takes 43 us (`benchmarks/sampler_gpu.py` times both in CUDA graphs).
+26 us at the card's copy rate; this one takes 46 us (`benchmarks/sampler_gpu.py` times both in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, sum_ptr, a
     scaled = _scaled_chunk(logits_ptr + row.to(tl.int64) * stride, tl.load(temperature_ptr + row), offsets, vocab)
     maximum = tl.max(scaled, axis=0)
     # A -inf logit weighs nothing, even in a chunk whose every logit is -inf (where s - max would be NaN). The sum in
-    # float64, as the eager path's cumulative sum: a float32 one strays by about 1e-6 of the chunk's mass, enough to
-    # move a draw across a token boundary once in several hundred rows (measured on an H100).
+    # float64, as the eager path's cumulative sum. The two paths still part about once in 500 rows of 151,936 ids
+    # (an H100, with float32 sums and with these alike): their float32 weights round differently, and the many tiny
+    # weights put token boundaries close together.
     total = tl.sum(tl.where(scaled == float("-inf"), 0.0, tl.exp(scaled - maximum)).to(tl.float64), axis=0)
     argmax = tl.min(tl.where(scaled == maximum, offsets, vocab), axis=0)
     out = row * CHUNKS + chunk
