@@ -3,15 +3,20 @@ module, imported only when it runs: `relax --help` and `relax --version` load no
 
 from __future__ import annotations
 
-import difflib
-import faulthandler
-import importlib
-import io
-import os
 import sys
 
-from relax.cli.common import cause_first, log_to_run_file, offline_environment, run_fault
-from relax.utils import interrupts
+try:  # a Ctrl-C while these load, before main() can catch it (seen in a suite run): exit 130, no traceback
+    import difflib
+    import faulthandler
+    import importlib
+    import io
+    import os
+
+    from relax.cli.common import cause_first, log_to_run_file, offline_environment, run_fault
+    from relax.utils import interrupts
+except KeyboardInterrupt:
+    sys.stderr.write("\nrelax: interrupted\n")
+    raise SystemExit(130) from None
 
 USAGE = """usage: relax <command> [options]   (relax --version prints the version)
 

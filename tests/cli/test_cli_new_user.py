@@ -334,3 +334,27 @@ def test_a_ctrl_c_that_an_import_turns_into_another_error_still_ends_the_command
     finally:
         signal.signal(signal.SIGINT, previous)
     assert "relax train: interrupted" in capsys.readouterr().err
+
+
+INTERRUPTED_IMPORT = """
+import importlib.abc, runpy, sys
+TARGET = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET:
+            raise KeyboardInterrupt  # as Python's SIGINT handler raises it inside an import (a suite run's traceback)
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["relax", "train", "--help"]
+runpy.run_module("relax.cli.main", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["difflib", "yaml", "relax.telemetry.notify", "relax.utils.errors",
+                                    "relax.utils.interrupts"])
+def test_ctrl_c_inside_the_clis_first_imports_ends_quietly(module):
+    """Deterministic form of the Ctrl-C test above for the window before main() runs: an interrupt raised while
+    `relax.cli.main` imports any of its modules ends with exit 130 and no traceback."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, module], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "interrupted" in done.stderr, done.stderr[-2000:]
