@@ -30,6 +30,7 @@ TERMINAL = {"ACTIVE", "COMPLETED", "NOOP", "FAILED", "CANCELLED", "REJECTED"}
 SUCCESS = {"ACTIVE", "COMPLETED", "NOOP"}
 RETRIES = 5  # a scale request (idempotent by its request id): the API may be restarting
 GET_RETRIES = 2  # a question: asked again once
+POLL_MARGIN_S = 60.0  # beyond an operation's timeout_secs: the API's removal of what it added, then its answer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="in: do not wait for the engines' requests")
     parser.add_argument("--dry-run", action="store_true", help="in: show what would be removed")
     parser.add_argument("--drain-timeout", type=float, help="in: seconds to wait for the engines' requests")
+    parser.add_argument("--start-timeout", type=float,
+                        help="out: seconds the new engines may take to start, load the model and the weights (the "
+                             "API's timeout_secs; default 300 for replicas); the operation fails after, removing them")
     parser.add_argument("--request-id", help="idempotency key (default: a new one)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up polling after this many seconds")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_API_KEY"), help="bearer token (default $RELAX_API_KEY)")
@@ -116,12 +120,15 @@ def _run(args: argparse.Namespace) -> int:
             body["num_replicas"] = args.num_replicas
         if args.action == "in":
             body.update(force=args.force, dry_run=args.dry_run)
-            if args.drain_timeout is not None:
-                body["timeout_secs"] = args.drain_timeout
+        operation_timeout = args.drain_timeout if args.action == "in" else args.start_timeout
+        if operation_timeout is not None:
+            body["timeout_secs"] = operation_timeout
         response = _request(client, "POST", f"/{kind}", body)
         if response.status_code != 200:
             print(f"relax scale {args.action}: HTTP {response.status_code}: {response.text}", file=sys.stderr)
             return 1
-        operation = _poll(client, kind, response.json()["request_id"], args.timeout)
+        # the polling outlasts the operation's own bound, which then ends it FAILED with the reason
+        poll_s = max(args.timeout, (operation_timeout or 0.0) + POLL_MARGIN_S)
+        operation = _poll(client, kind, response.json()["request_id"], poll_s)
     print(json.dumps(operation, indent=2))
     return 0 if operation["status"] in SUCCESS else 1

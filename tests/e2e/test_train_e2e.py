@@ -4,7 +4,6 @@ export, eval, and bad inputs that fail before any work."""
 import json
 import math
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from relax.core.state.checkpoint import load_hf_model_from_checkpoint
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.runs import popen_relax, run_relax, tiny_train_args
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +57,10 @@ def _kill_after_first_checkpoint_then_resume(args: list[str], run_dir: Path, tot
     """Start `relax train`, SIGKILL it once a checkpoint exists, resume with --load; the metrics."""
     process = popen_relax("train", *args)
     latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 240
-    while not latest.is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
+    try:
+        wait_until(latest.is_file, PROCESS_PATIENCE_S, "the first checkpoint", process=process, interval_s=0.05)
+    finally:
+        process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     killed_at = int(latest.read_text())
     assert killed_at < total_steps, "the run finished before it could be killed"

@@ -61,16 +61,11 @@ def _wait_terminal(client, kind, request_id, timeout_s=60):
 
 
 def _wait_for_scaling_api(url: str, train) -> None:
-    """Until `relax train --rollout-api-port` answers (bounded; fails if the training exits first)."""
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/engines", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert train.poll() is None and time.monotonic() < deadline, "the scaling API did not come up"
-        time.sleep(0.1)
+    """Until `relax train --rollout-api-port` answers (fails if the training exits first)."""
+    from tests.support.waits import PROCESS_PATIENCE_S, wait_until
+
+    wait_until(lambda: httpx.get(f"{url}/engines", timeout=5).status_code == 200, PROCESS_PATIENCE_S,
+               "the scaling API", process=train, interval_s=0.1)
 
 
 def test_scale_out_to_three_and_back_to_one(service):
@@ -195,6 +190,7 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
     from relax.telemetry.metrics_file import read_metrics
     from tests.support.http_servers import Server
     from tests.support.runs import popen_relax, tiny_train_args
+    from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
     port, out = free_loopback_port(), tmp_path / "run"
     external = Server(tiny_workspace / "model", api_key=None, weight_update_root=out)
@@ -211,18 +207,17 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
     try:
         _wait_for_scaling_api(url, train)
         with httpx.Client(base_url=url, timeout=60, headers=auth) as client:
-            joined = client.post("/scale_out", json={"engine_urls": [external.url], "timeout_secs": 120})
+            joined = client.post("/scale_out", json={"engine_urls": [external.url],
+                                                       "timeout_secs": PROCESS_PATIENCE_S})
             assert joined.status_code == 200, joined.text
-            op = _wait_terminal(client, "scale_out", joined.json()["request_id"], timeout_s=120)
+            op = _wait_terminal(client, "scale_out", joined.json()["request_id"], timeout_s=PROCESS_PATIENCE_S)
             assert op["status"] == "ACTIVE", op
             assert external.engine.weight_version >= op["weight_version"]  # the trainer's, then newer ones
             engines = client.get("/engines").json()["models"]["default"]["engines"]
             assert external.url in [e["url"] for e in engines]
             hold.unlink()
-            deadline = time.monotonic() + 120
-            while external.health()["engine_calls"] == 0:  # the training's groups reach it
-                assert time.monotonic() < deadline and train.poll() is None
-                time.sleep(0.05)
+            wait_until(lambda: external.health()["engine_calls"] > 0, PROCESS_PATIENCE_S,
+                       "the training's groups to reach the joined engine", process=train, interval_s=0.05)
             hold.touch()
             left = client.post("/scale_in", json={"engine_urls": [external.url]})
             assert left.status_code == 200, left.text

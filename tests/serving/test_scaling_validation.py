@@ -157,3 +157,16 @@ def test_timeout_secs_holds_while_the_engines_loop_is_busy(api):
     while len(manager.router.engines) != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(manager.router.engines) == 1 and manager.operations[op["request_id"]].status.value == "FAILED"
+
+
+def test_relax_scale_out_passes_its_start_timeout_as_the_operations_bound(api, capsys):
+    """`relax scale out --start-timeout S` is the operation's timeout_secs: an engine that never turns healthy
+    fails the operation with S as its bound (not the API's default), and the command says so and exits 1; its
+    polling (--timeout 1 here) outlasts S."""
+    from relax.cli import scale
+
+    client, _, _ = api
+    code = scale.main(["out", "--url", str(client.base_url), "--engine-urls", "http://127.0.0.1:7", "--start-timeout",
+                       "0.7", "--timeout", "1", "--api-key", TOKEN])
+    operation = json.loads(capsys.readouterr().out)
+    assert code == 1 and operation["status"] == "FAILED" and "timeout_secs 0.7" in operation["error_message"]

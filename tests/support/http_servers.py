@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,16 +14,9 @@ from relax.distributed.process_group import free_port  # noqa: F401 - the tests'
 from relax.serving.app import create_app
 from relax.serving.limits import GenerationLimits
 from relax.utils.http_server import HTTPLimits, uvicorn_config
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 API_KEY = "test-secret-key"
-
-
-def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class ThreadServer:
@@ -77,7 +69,7 @@ class ServeProcess:
     """`relax serve` in a process of its own (`tests.support.runs.popen_relax`) on 127.0.0.1 (a context manager):
     up once /health answers, terminated on exit; ``output`` holds its combined stdout and stderr afterwards."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = PROCESS_PATIENCE_S) -> None:
         import subprocess
 
         from tests.support.runs import popen_relax
@@ -90,15 +82,11 @@ class ServeProcess:
         self.process = popen_relax("serve", *args, "--port", str(self.port), env=env, merge_stderr=True)
 
     def _up(self) -> bool:
-        assert self.process.poll() is None, self.process.stdout.read()
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
+        return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
 
     def __enter__(self) -> ServeProcess:
         try:
-            wait_until(self._up, self.timeout_s, "relax serve to answer /health")
+            wait_until(self._up, self.timeout_s, "relax serve to answer /health", process=self.process)
         except BaseException:
             self.__exit__()
             raise

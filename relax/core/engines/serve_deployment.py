@@ -57,7 +57,12 @@ DEPLOYMENT_NAME = "EngineReplica"
 RAY_CPUS = 8  # logical CPUs of a Ray this module starts: replicas and Serve's controller, whatever the cores
 MAX_CALL_RETRIES = 3  # a call that met a dying replica is sent again this many times
 KEEP_VERSIONS = 3  # a replica loading version v while v+1 and v+2 are published still finds v
-START_TIMEOUT_S = 300.0  # the deployment's first replicas (Ray processes, model loads)
+# The deployment's first replicas: Ray processes that import torch and load a model, which from network storage or
+# on a busy machine takes minutes. A hang guard, not an estimate: progress is logged every START_REPORT_S, and a
+# replica the cluster cannot hold is refused before the wait (`_check_fits`).
+START_TIMEOUT_S = 1800.0
+START_REPORT_S = 60.0
+RAY_RESOURCE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU"}  # ray_actor_options' names -> the cluster's
 
 
 class EngineReplica:
@@ -158,6 +163,8 @@ class EngineDeployment:
         )
         started = time.perf_counter()
         try:
+            if self.started_ray:  # a cluster of this machine's resources only: what does not fit now never will
+                self._check_fits(resources, cfg.rollout_serve_replicas)
             self.handle = serve._run(deployment.options(num_replicas=cfg.rollout_serve_replicas).bind(
                 cfg, str(weights_dir)), name=APP_NAME, route_prefix=None, external_scaler_enabled=True,
                 _blocking=False)
@@ -169,14 +176,27 @@ class EngineDeployment:
         logger.info("rollout engines: Ray Serve deployment %s/%s with %d replica(s) up in %.1f s", APP_NAME,
                     DEPLOYMENT_NAME, self._target, time.perf_counter() - started)
 
+    @staticmethod
+    def _check_fits(resources: dict[str, float], replicas: int) -> None:
+        import ray
+
+        cluster = ray.cluster_resources()
+        short = shortfall(resources, replicas, cluster)
+        if short:
+            raise RuntimeError(
+                f"{flag('rollout_serve_replicas')}: {replicas} replica(s) of {resources} each need {short}, more than "
+                f"the local Ray has ({cluster}); {flag('rollout_num_gpus_per_engine')} sets a replica's GPUs")
+
     def _wait_started(self, resources: dict[str, float], timeout_s: float) -> None:
-        """Until the application runs; a failed deployment or one Ray cannot place within ``timeout_s`` (a replica
-        asking for more than the cluster has would wait forever) raises naming the cause."""
+        """Until the application runs; a failed deployment raises naming the cause, and so does one not running
+        within ``timeout_s`` (a replica a joined cluster cannot place waits for ever). Logs where the replicas
+        stand every `START_REPORT_S`."""
         import ray
         from ray import serve
         from ray.serve.schema import ApplicationStatus
 
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        reported = started
         while True:
             application = serve.status().applications.get(APP_NAME)
             status = getattr(application, "status", None)
@@ -185,11 +205,16 @@ class EngineDeployment:
             if status == ApplicationStatus.DEPLOY_FAILED:
                 raise RuntimeError(f"{flag('rollout_serve_replicas')}: the rollout engines' Serve deployment failed: "
                                    f"{application.message}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > timeout_s:
                 raise RuntimeError(
                     f"{flag('rollout_serve_replicas')}: {self._target} replica(s) of {resources} each did not start "
-                    f"within {timeout_s:g} s (the cluster has {ray.cluster_resources()}; "
-                    f"{flag('rollout_num_gpus_per_engine')} sets a replica's GPUs)")
+                    f"within {timeout_s:g} s ({_replica_progress(application)}; the cluster has "
+                    f"{ray.cluster_resources()}; {flag('rollout_num_gpus_per_engine')} sets a replica's GPUs)")
+            if now - reported >= START_REPORT_S:
+                reported = now
+                logger.info("rollout engines: %d replica(s) starting for %.0f s (%s)", self._target, now - started,
+                            _replica_progress(application))
             time.sleep(0.2)
 
     # ---- ReplicaPool (relax.rollout.scaling) -------------------------------------------------------------------
@@ -237,6 +262,22 @@ class EngineDeployment:
             ray.shutdown()
         elif ray.is_initialized():
             serve.delete(APP_NAME)
+
+
+def shortfall(resources: dict[str, float], replicas: int, cluster: dict[str, float]) -> dict[str, float]:
+    """What ``replicas`` replicas of ``resources`` (`ray_actor_options` names) need beyond ``cluster`` (Ray's
+    `cluster_resources`): their total of each resource the cluster has too little of."""
+    return {name: amount * replicas for name, amount in resources.items()
+            if amount * replicas > cluster.get(RAY_RESOURCE_NAMES[name], 0.0) + 1e-9}
+
+
+def _replica_progress(application: Any) -> str:
+    """Serve's word on the deployment's replicas: their states and its message."""
+    deployment = getattr(application, "deployments", {}).get(DEPLOYMENT_NAME)
+    if deployment is None:
+        return "the deployment is not created yet"
+    states = ", ".join(f"{count} {state}" for state, count in deployment.replica_states.items()) or "no replicas"
+    return f"{states}; {deployment.message}" if deployment.message else states
 
 
 def _is_replica_loss(error: BaseException) -> bool:

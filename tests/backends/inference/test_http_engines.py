@@ -21,6 +21,7 @@ from relax.backends.inference.remote.sglang import EngineUnavailableError, SGLan
 from relax.backends.inference.router import EngineRouter
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.http_servers import API_KEY, Server, free_port, wait_until
+from tests.support.waits import PROCESS_PATIENCE_S
 from tests.support.runs import popen_relax, run_relax, tiny_train_args
 from tests.support.tiny_assets import build_tiny_model_dir
 
@@ -165,14 +166,8 @@ def serve_subprocess(model_dir: Path):
                           "--log-level", "warning")
     url = f"http://127.0.0.1:{port}"
 
-    def up() -> bool:
-        assert process.poll() is None, "relax serve exited"
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, 60, "relax serve to answer /health")
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, PROCESS_PATIENCE_S,
+               "relax serve to answer /health", process=process)
     return process, url
 
 

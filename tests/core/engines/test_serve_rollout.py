@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +20,7 @@ from relax.config import ConfigError
 from relax.distributed.process_group import free_loopback_port
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.runs import popen_relax, run_relax, tiny_train_args
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.xdist_group("ray-serve")
@@ -34,23 +34,13 @@ def _replicas(url: str) -> list[dict]:
     return [e for e in engines if e["status"] == "serve_replica"]
 
 
-def _wait(predicate, train, what: str, timeout_s: float = 180.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-        except httpx.TransportError:  # the API is not up (yet), or the training is gone: checked below
-            value = None
-        if value:
-            return value
-        if train.poll() is not None:
-            raise AssertionError(f"the training ended while waiting for {what}:\n{train.stderr.read()[-4000:]}")
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
-        time.sleep(0.2)
+def _wait(condition, train, what: str):
+    return wait_until(condition, PROCESS_PATIENCE_S, what, process=train, interval_s=0.2)
 
 
 def _scale(url: str, direction: str, count: int) -> dict:
-    done = run_relax("scale", direction, "--url", url, "--num-replicas", str(count), "--api-key", TOKEN, timeout=400)
+    bound = ["--start-timeout", str(PROCESS_PATIENCE_S)] if direction == "out" else []  # replicas start on a busy machine
+    done = run_relax("scale", direction, "--url", url, "--num-replicas", str(count), "--api-key", TOKEN, *bound)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -63,7 +53,7 @@ def test_serve_replicas_scale_1_3_1_and_a_killed_one_is_replaced_while_training_
                            "--rollout-api-key", TOKEN, "--reward-timeout", "300")
     url = f"http://127.0.0.1:{port}"
     with held_training(args, hold) as train:
-        _wait(lambda: _up(url), train, "scaling API", timeout_s=240)
+        _wait(lambda: _up(url), train, "the scaling API")
         first = _replicas(url)
         assert len(first) == 1 and first[0]["is_healthy"]
 
@@ -134,10 +124,7 @@ def _run_steps(out, hold, train, count: int, what: str) -> None:
 
 
 def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/engines", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
+    return httpx.get(f"{url}/engines", timeout=5).status_code == 200
 
 
 def _trained_steps(out) -> int:
@@ -213,3 +200,16 @@ def test_an_empty_call_reaches_no_replica(tmp_path):
     from relax.core.engines.serve_deployment import ServeEngine
 
     assert asyncio.run(ServeEngine(None, tmp_path).generate([])) == []  # no deployment is touched
+
+
+def test_replicas_the_local_ray_cannot_hold_are_refused_before_any_wait():
+    from relax.core.engines.serve_deployment import shortfall
+
+    cpu_only = {"CPU": 8.0, "memory": 1e10}
+    assert shortfall({"num_cpus": 1}, 8, cpu_only) == {}
+    assert shortfall({"num_cpus": 1}, 9, cpu_only) == {"num_cpus": 9}
+    assert shortfall({"num_gpus": 1, "num_cpus": 1}, 1, cpu_only) == {"num_gpus": 1}  # no GPU at all
+    one_gpu = {**cpu_only, "GPU": 1.0}
+    assert shortfall({"num_gpus": 0.5, "num_cpus": 1}, 2, one_gpu) == {}  # two halves share it
+    assert shortfall({"num_gpus": 0.3, "num_cpus": 1}, 3, one_gpu) == {}  # 0.9 in float arithmetic
+    assert shortfall({"num_gpus": 0.5, "num_cpus": 1}, 3, one_gpu) == {"num_gpus": 1.5}

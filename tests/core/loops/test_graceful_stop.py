@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.runs import ROOT, popen_relax, run_relax, tiny_train_args
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 # Enough steps that the signal, sent once step 1 is in metrics.jsonl (polled every 0.1 s; a tiny step takes tens
 # of milliseconds), lands well before the last step, which ends the run normally whatever the signal.
@@ -23,16 +23,13 @@ PROMPTS_PER_STEP = 4  # tiny_train_args' --rollout-batch-size
 
 
 def train_until_signalled(args: list[str], run_dir: Path, signal_number: int, after_step: int = 1,
-                          timeout_s: float = 240) -> subprocess.CompletedProcess:
+                          timeout_s: float = PROCESS_PATIENCE_S) -> subprocess.CompletedProcess:
     """Start `relax train`, send ``signal_number`` once ``after_step`` is in metrics.jsonl, wait for the exit."""
     process = popen_relax("train", *args)
-    deadline = time.monotonic() + timeout_s
     try:
-        while not any(row.get("step", 0) >= after_step and "train/loss" in row
-                      for row in read_metrics(run_dir / "metrics.jsonl")):
-            assert process.poll() is None, f"relax train exited early:\n{process.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, f"step {after_step} did not finish within {timeout_s} s"
-            time.sleep(0.1)
+        wait_until(lambda: any(row.get("step", 0) >= after_step and "train/loss" in row
+                               for row in read_metrics(run_dir / "metrics.jsonl")),
+                   timeout_s, f"step {after_step} to be trained", process=process, interval_s=0.1)
         process.send_signal(signal_number)
         stdout, stderr = process.communicate(timeout=timeout_s)
     finally:
