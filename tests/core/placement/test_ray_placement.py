@@ -310,7 +310,7 @@ def test_the_scaling_api_under_ray_placement_grows_and_shrinks_a_running_trainin
         return httpx.get(f"{url}/engines", timeout=30).json()["models"]["default"]["engines"]
 
     with held_training(args, hold) as train:
-        _wait(lambda: _up(url), train, "the scaling API in the rollout process", timeout_s=240)
+        _wait(lambda: _up(url), train, "the scaling API in the rollout process")
         assert non_loopback_listeners(train.pid) == []  # the Ray it started, its workers and servers: loopback
         assert len(engines()) == 1
         grown = _scale(url, "out", 2)
