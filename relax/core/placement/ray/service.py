@@ -51,7 +51,10 @@ from relax.utils.local_ray import set_local_ray_environment, start_local_ray
 
 logger = logging.getLogger("relax")
 
-START_TIMEOUT_S = 300.0  # building a role (model load) in its process
+START_TIMEOUT_S = 300.0  # Ray's reservation of the roles' resources; a call to a started role
+# Building a role in its process: importing torch and loading its model, minutes for a large model from network
+# storage or on a busy machine. A hang guard only: a build that fails raises at once with the worker's traceback.
+ROLE_BUILD_TIMEOUT_S = 1800.0
 SYNC_GROUP_TIMEOUT_S = 120.0
 
 
@@ -214,7 +217,7 @@ class RayService:
             ).remote(name, self.cfg, self.total_steps, group, judge, name == "actor" and self.reference_in_actor)
         # Building a role loads its model; a failure surfaces here with the worker's traceback.
         for name, worker in self.workers.items():
-            self._wait(worker.health.remote())
+            self._wait(worker.health.remote(), ROLE_BUILD_TIMEOUT_S)
 
     def _rendezvous(self, name: str, bundles: list[int]) -> str:
         """Where the processes of role ``name`` (in ``bundles``) meet: a fresh file when they share one node (no
