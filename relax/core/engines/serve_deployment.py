@@ -209,12 +209,12 @@ class EngineDeployment:
             if now - started > timeout_s:
                 raise RuntimeError(
                     f"{flag('rollout_serve_replicas')}: {self._target} replica(s) of {resources} each did not start "
-                    f"within {timeout_s:g} s ({_replica_progress(application)}; the cluster has "
+                    f"within {timeout_s:g} s ({replica_progress(application)}; the cluster has "
                     f"{ray.cluster_resources()}; {flag('rollout_num_gpus_per_engine')} sets a replica's GPUs)")
             if now - reported >= START_REPORT_S:
                 reported = now
                 logger.info("rollout engines: %d replica(s) starting for %.0f s (%s)", self._target, now - started,
-                            _replica_progress(application))
+                            replica_progress(application))
             time.sleep(0.2)
 
     # ---- ReplicaPool (relax.rollout.scaling) -------------------------------------------------------------------
@@ -271,12 +271,13 @@ def shortfall(resources: dict[str, float], replicas: int, cluster: dict[str, flo
             if amount * replicas > cluster.get(RAY_RESOURCE_NAMES[name], 0.0) + 1e-9}
 
 
-def _replica_progress(application: Any) -> str:
+def replica_progress(application: Any) -> str:
     """Serve's word on the deployment's replicas: their states and its message."""
     deployment = getattr(application, "deployments", {}).get(DEPLOYMENT_NAME)
     if deployment is None:
         return "the deployment is not created yet"
-    states = ", ".join(f"{count} {state}" for state, count in deployment.replica_states.items()) or "no replicas"
+    states = ", ".join(f"{count} {getattr(state, 'value', state)}"
+                       for state, count in deployment.replica_states.items()) or "no replicas"
     return f"{states}; {deployment.message}" if deployment.message else states
 
 

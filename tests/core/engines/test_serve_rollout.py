@@ -213,3 +213,17 @@ def test_replicas_the_local_ray_cannot_hold_are_refused_before_any_wait():
     assert shortfall({"num_gpus": 0.5, "num_cpus": 1}, 2, one_gpu) == {}  # two halves share it
     assert shortfall({"num_gpus": 0.3, "num_cpus": 1}, 3, one_gpu) == {}  # 0.9 in float arithmetic
     assert shortfall({"num_gpus": 0.5, "num_cpus": 1}, 3, one_gpu) == {"num_gpus": 1.5}
+
+
+def test_a_slow_start_is_reported_with_serves_replica_states_and_message():
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+    from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview
+
+    from relax.core.engines.serve_deployment import DEPLOYMENT_NAME, replica_progress
+
+    waiting = "Deployment 'EngineReplica' has 1 replica that has taken more than 30s to be scheduled."
+    deployment = DeploymentStatusOverview(DeploymentStatus.UPDATING, DeploymentStatusTrigger.CONFIG_UPDATE_STARTED,
+                                          {ReplicaState.STARTING: 2, ReplicaState.RUNNING: 1}, waiting)
+    application = ApplicationStatusOverview(ApplicationStatus.DEPLOYING, "", 0.0, {DEPLOYMENT_NAME: deployment})
+    assert replica_progress(application) == f"2 STARTING, 1 RUNNING; {waiting}"
+    assert replica_progress(None) == "the deployment is not created yet"
