@@ -17,6 +17,7 @@ from relax.distributed.process_group import free_loopback_port
 from relax.rollout.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
 from tests.support.http_servers import ThreadServer
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 TOKEN = "scale-secret"
 TRAINED_VERSION = 5
@@ -62,7 +63,6 @@ def _wait_terminal(client, kind, request_id, timeout_s=60):
 
 def _wait_for_scaling_api(url: str, train) -> None:
     """Until `relax train --rollout-api-port` answers (fails if the training exits first)."""
-    from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
     wait_until(lambda: httpx.get(f"{url}/engines", timeout=5).status_code == 200, PROCESS_PATIENCE_S,
                "the scaling API", process=train, interval_s=0.1)
@@ -190,7 +190,6 @@ def test_an_external_engine_joins_and_leaves_a_running_training(tiny_workspace, 
     from relax.telemetry.metrics_file import read_metrics
     from tests.support.http_servers import Server
     from tests.support.runs import popen_relax, tiny_train_args
-    from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
     port, out = free_loopback_port(), tmp_path / "run"
     external = Server(tiny_workspace / "model", api_key=None, weight_update_root=out)
@@ -361,7 +360,7 @@ def test_relax_train_takes_the_scaling_token_from_the_environment(tiny_workspace
         assert authorized.status_code == 200 and authorized.json()["status"] == "NOOP"
     finally:
         train.send_signal(signal.SIGTERM)
-        _, stderr = train.communicate(timeout=120)
+        _, stderr = train.communicate(timeout=PROCESS_PATIENCE_S)
     assert "scaling API on" in stderr and "need a bearer token" in stderr
     assert TOKEN not in stderr and TOKEN not in (out / "run.log").read_text()
     assert yaml.safe_load((out / "config.yaml").read_text())["rollout_api_key"] is None

@@ -43,6 +43,7 @@ from relax.rollout.scaling import ScaleManager
 from relax.serving.scaling_api import create_scaling_app
 from tests.support.http_servers import Server, ThreadServer
 from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 TOKEN = "fuzz-token-7Qx2vLm9"  # distinctive, so that finding it anywhere cannot be a coincidence
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -443,9 +444,7 @@ def test_a_weight_update_keeps_the_operators_pause(weights_server):
     thread = threading.Thread(target=held_generation)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while server.health()["in_flight_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: server.health()["in_flight_requests"] > 0, PROCESS_PATIENCE_S, "the held request")
         update = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": folder.name}, headers=AUTH)
         assert update.status_code == 200, update.text
         assert server.health()["paused"] is True

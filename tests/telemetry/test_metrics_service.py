@@ -11,6 +11,7 @@ import httpx
 from relax.telemetry.metrics_service import MetricsService, metric_name
 from tests.support.http_servers import free_port
 from tests.support.runs import popen_relax, tiny_train_args
+from tests.support.waits import PROCESS_PATIENCE_S
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -41,7 +42,7 @@ def test_a_running_training_is_scraped(tiny_workspace, tmp_path):
         assert "relax_perf_step_s" in values
     finally:
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
+        _, stderr = process.communicate(timeout=PROCESS_PATIENCE_S)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
 
 

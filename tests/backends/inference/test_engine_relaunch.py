@@ -27,6 +27,7 @@ from relax.backends.inference.remote.launched_relax import RelaxServerEngine
 from relax.backends.inference.router import EngineRouter, NoEngineAvailableError
 from relax.distributed.process_group import free_port
 from tests.support.runs import ROOT
+from tests.support.waits import PROCESS_PATIENCE_S
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +63,7 @@ def server_state(engine: RelaxServerEngine) -> dict:
     return httpx.get(f"{engine.base_url}/health", timeout=5).json()
 
 
-async def wait_for(condition, timeout_s: float, what: str) -> None:
+async def wait_for(condition, timeout_s: float, what: str) -> None:  # timeout_s: a hang guard (tests.support.waits)
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -109,17 +110,17 @@ def test_a_dead_or_stopped_engine_is_relaunched_at_the_current_weights(signal_na
         old_pid = server_state(victim)["pid"]
 
         call = asyncio.ensure_future(router.generate(group_requests(150)))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PROCESS_PATIENCE_S
         while not await in_flight(victim):
             assert time.monotonic() < deadline, "no requests reached the victim"
             await asyncio.sleep(0.02)
         os.kill(old_pid, getattr(signal, signal_name))
-        outputs = await asyncio.wait_for(call, 90)
+        outputs = await asyncio.wait_for(call, PROCESS_PATIENCE_S)
         assert all(o.finish_reason == "length" and len(o.output_ids) == 150 for o in outputs), "no request lost"
         assert all(o.weight_version == 1 for o in outputs)
 
         await wait_for(lambda: slot_stats(router, victim)["relaunches"] >= 1
-                       and not slot_stats(router, victim)["relaunching"], 120, "the relaunch to end")
+                       and not slot_stats(router, victim)["relaunching"], PROCESS_PATIENCE_S, "the relaunch to end")
         stats = slot_stats(router, victim)
         assert stats["healthy"], stats
         state = server_state(victim)
@@ -148,7 +149,7 @@ def test_the_only_engine_is_waited_for_while_it_relaunches(tiny_workspace, tmp_p
         before = [o.output_ids for o in await router.generate(group_requests(6))]
         os.kill(server_state(only)["pid"], signal.SIGKILL)
         started = time.monotonic()
-        outputs = await asyncio.wait_for(router.generate(group_requests(6)), 120)
+        outputs = await asyncio.wait_for(router.generate(group_requests(6)), PROCESS_PATIENCE_S)
         assert [o.output_ids for o in outputs] == before and all(o.weight_version == 1 for o in outputs)
         assert time.monotonic() - started > router.wait_for_engine_s  # it waited out the relaunch
         assert slot_stats(router, only)["relaunches"] == 1
@@ -171,7 +172,7 @@ def test_an_engine_that_cannot_come_back_stays_down_and_the_call_fails_naming_it
         os.kill(server_state(only)["pid"], signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(NoEngineAvailableError) as failure:
-            await asyncio.wait_for(router.generate(group_requests(4)), 120)
+            await asyncio.wait_for(router.generate(group_requests(4)), PROCESS_PATIENCE_S)
         assert time.monotonic() - started < 90
         message = str(failure.value)
         assert only.base_url in message and f"{model_dir}: no such folder" in message, message

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from relax.core.state import checkpoint
 from relax.core.state.supervisor import child_argv
 from relax.telemetry.metrics_file import read_metrics
 from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 STEPS = ("--num-rollout", "6", "--save-interval", "2")
 # 16 eval calls at step 0, 16 rollout samples per step: call 72 falls in step 4, after the checkpoint of step 2
@@ -85,11 +85,10 @@ def test_sigterm_to_the_supervisor_stops_the_run_with_a_checkpoint_and_no_restar
     process = subprocess.Popen([sys.executable, "-m", "relax.cli.main", "train", *args], cwd=ROOT,
                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(r.get("step", 0) >= 1 for r in _rows(run_dir)):
-        time.sleep(0.05)
+    wait_until(lambda: any(r.get("step", 0) >= 1 for r in _rows(run_dir)), PROCESS_PATIENCE_S, "step 1",
+               process=process, interval_s=0.05)
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    _, stderr = process.communicate(timeout=PROCESS_PATIENCE_S)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "restart 1 of" not in stderr and "stopped by SIGTERM after step" in stderr
     stopped_at = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]

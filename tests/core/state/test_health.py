@@ -17,6 +17,7 @@ import pytest
 from relax.core.state.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError, read_state
 from relax.telemetry.metrics_service import MetricsService
 from tests.support.runs import ROOT, run_relax
+from tests.support.waits import PROCESS_PATIENCE_S
 
 BEATING_ROLE = """
 import sys, time
@@ -31,7 +32,7 @@ def _start_role(run_dir) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
+def _wait_for(predicate, timeout_s: float = PROCESS_PATIENCE_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -17,6 +17,7 @@ import pytest
 
 from relax.core.state.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError
 from relax.core.state.liveness import STARVED_LIMIT_FACTOR, SilenceJudge, process_activity
+from tests.support.waits import PROCESS_PATIENCE_S
 
 COMPUTES = "x = 0\nwhile True:\n    x += 1\n"  # works, never beats (as a role whose beat thread gets no CPU)
 BLOCKS = "import time\ntime.sleep(600)\n"  # neither works nor beats (as a role stuck in a wait that never ends)
@@ -37,7 +38,7 @@ def child():
         process.wait(10)
 
 
-def _until(predicate, timeout_s: float = 30.0) -> None:
+def _until(predicate, timeout_s: float = PROCESS_PATIENCE_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -19,6 +19,7 @@ from relax.rollout.agentic.env_workers import EnvWorkerPool
 from relax.rollout.generation.context import PerSampleGeneration
 from tests.rollout.agentic.test_agentic_multi_turn import letter_ids, prompt_samples, sampling
 from tests.support.runs import ROOT
+from tests.support.waits import PROCESS_PATIENCE_S
 
 ENV_PATH = "tests.support.e2e_envs:build_env"
 
@@ -88,7 +89,7 @@ def test_an_environment_that_crashes_its_process_fails_only_its_workers_episodes
 
 
 def test_a_worker_killed_from_outside_fails_its_episodes_at_once(engine, tokenizer, tmp_path):
-    cfg = config(env_step_timeout=100)
+    cfg = config(env_step_timeout=3600)  # far past the waits below: an end within them is not the timeout's
     pool = EnvWorkerPool(ENV_PATH, cfg, tokenizer, workers=1)
     pid_file = tmp_path / "worker.pid"
     samples = prompt_samples(tokenizer, 2, env="hangs", pid_file=str(pid_file))
@@ -96,21 +97,18 @@ def test_a_worker_killed_from_outside_fails_its_episodes_at_once(engine, tokeniz
     async def scenario():
         generation = PerSampleGeneration(multi_turn.generate, MULTI_TURN_PATH, cfg, tokenizer, None, pool)
         running = asyncio.ensure_future(generation.run(engine, samples, sampling(tokenizer)))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PROCESS_PATIENCE_S
         while not pid_file.exists():
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # both episodes are in their hanging step
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        started = time.monotonic()
-        results = await asyncio.wait_for(running, 30)
-        return results, time.monotonic() - started
+        return await asyncio.wait_for(running, PROCESS_PATIENCE_S)  # well before --env-step-timeout
 
     try:
-        results, took = asyncio.run(scenario())
+        results = asyncio.run(scenario())
     finally:
         pool.close()
-    assert took < 10  # far below --env-step-timeout
     assert all(s.status is SampleStatus.FAILED and "was killed by SIGKILL" in s.metadata["error"] for s in results)
 
 
