@@ -63,7 +63,6 @@ def _wait_terminal(client, kind, request_id, timeout_s=60):
 
 def _wait_for_scaling_api(url: str, train) -> None:
     """Until `relax train --rollout-api-port` answers (fails if the training exits first)."""
-
     wait_until(lambda: httpx.get(f"{url}/engines", timeout=5).status_code == 200, PROCESS_PATIENCE_S,
                "the scaling API", process=train, interval_s=0.1)
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from relax.serving.limits import GenerationLimits
 from relax.utils.http_server import HTTPLimits
-from tests.support.http_servers import API_KEY, Server, wait_until
+from tests.support.http_servers import API_KEY, Server
+from tests.support.waits import wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LIMITS = HTTPLimits(max_request_bytes=64 * 1024, max_connections=48, header_timeout_s=1.0, body_timeout_s=1.0,

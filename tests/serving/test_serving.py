@@ -19,8 +19,9 @@ from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
 from relax.distributed.weight_disk import DiskPublisher
 from relax.serving.app import create_app
-from tests.support.http_servers import API_KEY, ServeProcess, ThreadServer, free_port, wait_until
+from tests.support.http_servers import API_KEY, ServeProcess, ThreadServer, free_port
 from tests.support.tiny_assets import build_tiny_model_dir
+from tests.support.waits import wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -20,10 +20,10 @@ from relax.backends.inference.remote.openai import OpenAIHTTPEngine
 from relax.backends.inference.remote.sglang import EngineUnavailableError, SGLangHTTPEngine, distinct_seeds
 from relax.backends.inference.router import EngineRouter
 from relax.telemetry.metrics_file import read_metrics
-from tests.support.http_servers import API_KEY, Server, free_port, wait_until
-from tests.support.waits import PROCESS_PATIENCE_S
+from tests.support.http_servers import API_KEY, Server, free_port
 from tests.support.runs import popen_relax, run_relax, tiny_train_args
 from tests.support.tiny_assets import build_tiny_model_dir
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from relax.core.state.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError, read_state
 from relax.telemetry.metrics_service import MetricsService
 from tests.support.runs import ROOT, run_relax
-from tests.support.waits import PROCESS_PATIENCE_S
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 BEATING_ROLE = """
 import sys, time
@@ -33,10 +33,7 @@ def _start_role(run_dir) -> subprocess.Popen:
 
 
 def _wait_for(predicate, timeout_s: float = PROCESS_PATIENCE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
+    wait_until(predicate, timeout_s, "the condition", interval_s=0.05)
 
 
 @pytest.mark.parametrize("fault, expected", [("SIGSTOP", "sent no heartbeat for"), ("SIGKILL", "is gone")])

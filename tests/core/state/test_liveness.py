@@ -17,7 +17,7 @@ import pytest
 
 from relax.core.state.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError
 from relax.core.state.liveness import STARVED_LIMIT_FACTOR, SilenceJudge, process_activity
-from tests.support.waits import PROCESS_PATIENCE_S
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 COMPUTES = "x = 0\nwhile True:\n    x += 1\n"  # works, never beats (as a role whose beat thread gets no CPU)
 BLOCKS = "import time\ntime.sleep(600)\n"  # neither works nor beats (as a role stuck in a wait that never ends)
@@ -39,10 +39,7 @@ def child():
 
 
 def _until(predicate, timeout_s: float = PROCESS_PATIENCE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
+    wait_until(predicate, timeout_s, "the condition", interval_s=0.05)
 
 
 def test_activity_tells_computing_blocked_and_stopped_apart(child):
