@@ -171,7 +171,7 @@ async def rl_lengths_generate(args, sample, sampling_params):
 
 def compare_overlap(args) -> None:
     """Sync against ``--colocate-async`` on the RL-like lengths (module doc), each in a `relax train` process."""
-    from benchmarks.modes_gpu import environment, run, summarize
+    from benchmarks.modes_gpu import environment, run
     from benchmarks.modes_learning_gpu import mode_flags
 
     shape = dict(TINY if args.tiny else SHAPES[args.shape])
@@ -191,6 +191,11 @@ def compare_overlap(args) -> None:
         env = {**environment(""), "RELAX_BENCH_MEAN_RESPONSE_LEN": str(args.mean_response_len)}
         for mode, flags in modes.items():
             out = root / mode
+            if mode in args.measured:  # run by an earlier call in this --work-dir: read, not rerun
+                results[mode] = mode_summary(args, out, warmup)
+                print(mode, "(measured earlier)", json.dumps(results[mode]), flush=True)
+                report = overlap_report(args, results, modes, warmup)
+                continue
             command = [sys.executable, "-m", "relax.cli.main", "train", "--hf-checkpoint", str(model_dir),
                        "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
                        "--custom-rm-path", "benchmarks.grpo_step_gpu:parity_reward",
@@ -210,36 +215,43 @@ def compare_overlap(args) -> None:
                 print(f"{mode}: stopped after {args.mode_timeout:g} s (--mode-timeout)", flush=True)
             except SystemExit as failure:  # a failed run (out of memory, say) still leaves the others to run
                 print(failure, flush=True)
-            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-                if (out / "metrics.jsonl").is_file() else []
-            if len([row for row in rows if "perf/step_s" in row]) <= warmup:
-                results[mode] = {"s_per_step": float("nan"), "unfinished": True, "rows": rows[-3:]}
-                print(mode, "finished no measured step", json.dumps(rows[-3:])[-3000:], flush=True)
-                report = overlap_report(args, results, modes, warmup)
-                continue
-            summary = summarize(out, warmup)
-            summary["peak_gib"] = {key.removeprefix("perf/gpu_peak_gib_"): max(r[key] for r in rows if key in r)
-                                   for key in sorted({k for r in rows for k in r if k.startswith("perf/gpu_peak")})}
-            summary["response_length_mean"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows
-                                                               if "rollout/response_length_mean" in r)
-            summary["response_length_max"] = max(r["rollout/response_length_max"] for r in rows
-                                                 if "rollout/response_length_max" in r)
-            # What partial rollout across steps carried and what the staleness bound dropped (all steps).
-            summary["carried_groups"] = sum(r.get("rollout/carried_groups", 0) for r in rows)
-            summary["dropped_stale_groups"] = sum(r.get("data/dropped_stale_groups", 0) for r in rows)
-            # Steps per second flatter a mode that drops groups (stale stragglers): the work trained per second too.
-            # (The sync loop has no data plane to count them: it trains every prompt of its step.)
-            steps = [r for r in rows if "perf/step_s" in r]
-            summary["trained_groups"] = sum(r.get("data/consumed_groups", args.prompts) for r in steps)
-            summary["trained_groups_per_s"] = sum(r.get("data/consumed_groups", args.prompts)
-                                                  for r in steps[warmup:]) / sum(r["perf/step_s"] for r in steps[warmup:])
-            results[mode] = summary
-            print(mode, json.dumps(summary), flush=True)
+            results[mode] = mode_summary(args, out, warmup)
+            if results[mode].get("unfinished"):
+                print(mode, "finished no measured step", json.dumps(results[mode]["rows"])[-3000:], flush=True)
+            else:
+                print(mode, json.dumps(results[mode]), flush=True)
             report = overlap_report(args, results, modes, warmup)  # after each mode: a call cut short keeps it
     for mode in results:
         if mode != "sync" and "sync" in results:
             print(f"{mode}: {report[f'{mode}_s_per_step']} s/step against sync {report['sync_s_per_step']} -> "
                   f"{report[f'{mode}_speedup']}x")
+
+
+def mode_summary(args, out: Path, warmup: int) -> dict:
+    """One mode's seconds per step, peak memory per phase and trained groups, from its run directory's metrics."""
+    from benchmarks.modes_gpu import summarize
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").is_file() else []
+    if len([row for row in rows if "perf/step_s" in row]) <= warmup:
+        return {"s_per_step": float("nan"), "unfinished": True, "rows": rows[-3:]}
+    summary = summarize(out, warmup)
+    summary["peak_gib"] = {key.removeprefix("perf/gpu_peak_gib_"): max(r[key] for r in rows if key in r)
+                           for key in sorted({k for r in rows for k in r if k.startswith("perf/gpu_peak")})}
+    summary["response_length_mean"] = statistics.fmean(r["rollout/response_length_mean"] for r in rows
+                                                       if "rollout/response_length_mean" in r)
+    summary["response_length_max"] = max(r["rollout/response_length_max"] for r in rows
+                                         if "rollout/response_length_max" in r)
+    # What partial rollout across steps carried and what the staleness bound dropped (all steps).
+    summary["carried_groups"] = sum(r.get("rollout/carried_groups", 0) for r in rows)
+    summary["dropped_stale_groups"] = sum(r.get("data/dropped_stale_groups", 0) for r in rows)
+    # Steps per second flatter a mode that drops groups (stale stragglers): the work trained per second too.
+    # (The sync loop has no data plane to count them: it trains every prompt of its step.)
+    steps = [r for r in rows if "perf/step_s" in r]
+    summary["trained_groups"] = sum(r.get("data/consumed_groups", args.prompts) for r in steps)
+    summary["trained_groups_per_s"] = sum(r.get("data/consumed_groups", args.prompts)
+                                          for r in steps[warmup:]) / sum(r["perf/step_s"] for r in steps[warmup:])
+    return summary
 
 
 def overlap_report(args, results: dict, modes: dict[str, list[str]], warmup: int) -> dict:
@@ -351,6 +363,9 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="--compare-overlap: the model, prompts and each mode's run directory (run.log, "
                         "metrics.jsonl) go here and stay (default: a temporary directory)")
+    parser.add_argument("--measured", nargs="*", default=[], choices=["sync", "overlapped", "carry_over"],
+                        help="--compare-overlap: modes an earlier call ran in the same --work-dir; their metrics "
+                        "are read into the report, not rerun (a comparison longer than one call)")
     parser.add_argument("--carry-max-staleness", type=int, default=2,
                         help="--compare-overlap, carry_over: its --max-staleness (how long a straggler may decode)")
     args = parser.parse_args()
