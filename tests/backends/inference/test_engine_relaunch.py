@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import EmbeddedEngine
-from relax.backends.inference.remote.launched_relax import RelaxServerEngine
+from relax.backends.inference.remote.launched_relax import RelaxServerEngine, RelaxServerSettings
 from relax.backends.inference.router import EngineRouter, NoEngineAvailableError
 from relax.distributed.process_group import free_port
 from tests.support.runs import ROOT
@@ -36,9 +36,10 @@ def importable_relax(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def launched(model_dir: Path, tmp_path: Path, count: int) -> list[RelaxServerEngine]:
+def launched(model_dir: Path, tmp_path: Path, count: int,
+             settings: RelaxServerSettings | None = None) -> list[RelaxServerEngine]:
     return [RelaxServerEngine(model_dir, tmp_path / "weights", port=free_port(), log_dir=tmp_path / "logs",
-                              timeout_s=120) for _ in range(count)]
+                              settings=settings, timeout_s=120) for _ in range(count)]
 
 
 def request(rid: str, prompt: list[int], n: int) -> GenerationRequest:
@@ -160,20 +161,19 @@ def test_the_only_engine_is_waited_for_while_it_relaunches(tiny_workspace, tmp_p
 def test_an_engine_that_cannot_come_back_stays_down_and_the_call_fails_naming_it(tiny_workspace, tmp_path):
     """The bound when recovery is impossible: the relaunched process exits at once (its model folder is gone), so
     after ``relaunch_limit`` relaunches the engine stays down and the call ends with `NoEngineAvailableError`
-    naming the engine and the server's own error, within the router's wait."""
+    naming the engine and the server's own error, within the router's wait: not after the start-up timeout, which
+    is set past the test's own wait, so waiting it out would fail the test with a timeout, not this error."""
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_workspace / "model", model_dir)
-    (only,) = launched(model_dir, tmp_path, 1)
+    (only,) = launched(model_dir, tmp_path, 1, RelaxServerSettings(startup_timeout_s=2 * PROCESS_PATIENCE_S))
     router = EngineRouter([only], retry_down_after_s=0.2, wait_for_engine_s=2.0, relaunch_limit=1, max_retries=2)
 
     async def scenario() -> None:
         await router.generate(group_requests(4))
         shutil.rmtree(model_dir)
         os.kill(server_state(only)["pid"], signal.SIGKILL)
-        started = time.monotonic()
         with pytest.raises(NoEngineAvailableError) as failure:
             await asyncio.wait_for(router.generate(group_requests(4)), PROCESS_PATIENCE_S)
-        assert time.monotonic() - started < 90
         message = str(failure.value)
         assert only.base_url in message and f"{model_dir}: no such folder" in message, message
         assert slot_stats(router, only)["relaunches"] == 1
