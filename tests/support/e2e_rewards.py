@@ -40,6 +40,10 @@ def digit_fraction_then_die_once(args, sample):
 
     global _calls
     _calls += 1
+    if _calls == 1 and os.environ.get("RELAX_TEST_PARENTS"):  # this process, its parent and the parent's parent
+        grandparent = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        with open(os.environ["RELAX_TEST_PARENTS"], "a") as handle:
+            handle.write(f"{os.getpid()} {os.getppid()} {grandparent}\n")
     marker = Path(os.environ["RELAX_TEST_DIE_MARKER"])
     if _calls == int(os.environ["RELAX_TEST_DIE_AT_CALL"]) and not marker.exists():
         marker.write_text(str(os.getpid()))

@@ -14,7 +14,7 @@ import pytest
 from relax.core.state import checkpoint
 from relax.core.state.supervisor import child_argv
 from relax.telemetry.metrics_file import read_metrics
-from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.runs import ROOT, SUBPROCESS_TIMEOUT_S, popen_relax, run_relax, tiny_train_args
 from tests.support.waits import PROCESS_PATIENCE_S, wait_until
 
 STEPS = ("--num-rollout", "6", "--save-interval", "2")
@@ -34,11 +34,22 @@ def test_a_killed_run_is_restarted_from_its_checkpoint_and_logs_the_uninterrupte
     assert reference.returncode == 0, reference.stderr[-3000:]
     marker = tmp_path / "died"
     run_dir = tmp_path / "run"
-    env = {"RELAX_TEST_DIE_MARKER": str(marker), "RELAX_TEST_DIE_AT_CALL": str(DIE_AT_CALL)}
-    result = run_relax("train", *_args(tiny_workspace, run_dir, "tests.support.e2e_rewards:digit_fraction_then_die_once",
-                                       "--max-global-restart", "2"), env=env)
+    parents = tmp_path / "parents"
+    env = {"RELAX_TEST_DIE_MARKER": str(marker), "RELAX_TEST_DIE_AT_CALL": str(DIE_AT_CALL),
+           "RELAX_TEST_PARENTS": str(parents)}
+    supervisor = popen_relax("train", *_args(tiny_workspace, run_dir,
+                                             "tests.support.e2e_rewards:digit_fraction_then_die_once",
+                                             "--max-global-restart", "2"), env=env)
+    stdout, stderr = supervisor.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    result = subprocess.CompletedProcess(supervisor.args, supervisor.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
+    # Both runs were forked from one process the supervisor started (its forkserver, which imported the training code
+    # once), not started by the supervisor itself: the restart did not import torch and transformers again
+    (first, parent, grandparent), (second, second_parent, _) = (line.split() for line in
+                                                                parents.read_text().splitlines())
+    assert first != second and parent == second_parent, parents.read_text()
+    assert int(parent) != supervisor.pid and int(grandparent) == supervisor.pid, (supervisor.pid, parents.read_text())
     assert "the run died (killed by SIGKILL)" in result.stderr and "restart 1 of 2" in result.stderr
     assert "restart 1 of 2" in (run_dir / "run.log").read_text()
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
