@@ -24,6 +24,17 @@ from relax.core.state.run_dir import prepare_run_dir
 from relax.core.state.supervisor import SUPERVISED_ENV, supervise
 from relax.telemetry.notify import Notifier
 
+# What the supervisor's forkserver imports once for its children (--max-global-restart): this command and the training
+# stack under it.
+SUPERVISED_PRELOAD = ("relax.cli.main", "relax.cli.train", "relax.core.build", "matplotlib.figure")
+
+
+def supervised_child(argv: list[str]) -> int:
+    """A supervised child: ``relax train ARGV`` as ``python -m relax.cli.main train ARGV`` runs it."""
+    from relax.cli.main import main
+
+    return main(["train", *argv])
+
 
 def cmd_train(argv: list[str]) -> int:
     cfg = with_model_folders(parse_config(argv, prog="relax train"))
@@ -35,7 +46,7 @@ def cmd_train(argv: list[str]) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError(f"{flag_of('max_global_restart')} supervises one process; under torchrun use its own "
                               "--max-restarts")
-        return supervise(argv, cfg, build_notifier(cfg))
+        return supervise(argv, cfg, build_notifier(cfg), supervised_child, SUPERVISED_PRELOAD)
     created = prepare_run_dir(cfg) if primary else False
     setup_logging(run_dir if primary else None)
     config_text = resolved_config_text(cfg)

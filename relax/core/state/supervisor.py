@@ -17,7 +17,8 @@ scheduler's stop works as without supervision. Each restart is logged to ``run.l
 (``--notify-urls``).
 
 Each child is forked from Python's forkserver, a clean interpreter started once per supervision that imported the
-training code (`PRELOAD`: torch, transformers, Relax) and never ran anything: a restart does not import them again
+training code (the command's ``preload``: torch, transformers, Relax) and never ran anything: a restart does not
+import them again
 (about 8 s of CPU on a 2-core machine, most of a restart's start-up before the model loads). The forkserver never
 touches CUDA or starts a thread, so a child starts as clean as a fresh interpreter; it is still a process of its own
 (its own pid and process group, the parent's environment, directory and standard streams, its exit code or signal).
@@ -33,6 +34,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from relax.core.state.health import read_state
@@ -43,8 +45,6 @@ logger = logging.getLogger("relax")
 SUPERVISED_ENV = "RELAX_SUPERVISED"  # set in the child: it runs the training itself
 RESTARTS_ENV = "RELAX_GLOBAL_RESTARTS"  # how many restarts came before this child (--use-metrics-service)
 NOT_RESTARTABLE = {0, 2}  # done; an error Relax named (a restart would repeat it)
-# What the children's forkserver imports once (module docstring): the command and the training stack under it.
-PRELOAD = ["relax.cli.main", "relax.cli.train", "relax.core.build", "matplotlib.figure"]
 
 
 def _without_flags(argv: list[str], names: set[str], with_value: set[str]) -> list[str]:
@@ -81,12 +81,14 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def supervise(argv: list[str], cfg, notifier) -> int:
-    """Run ``relax train argv`` in a child process, restarting it as the module docstring says."""
+def supervise(argv: list[str], cfg, notifier, entry: Callable[[list[str]], int], preload: Sequence[str]) -> int:
+    """Run ``entry(argv)`` (the command, ``relax train argv``; a module-level function: the child gets it by name) in
+    a child process, restarting it as the module docstring says; the children's forkserver imports
+    ``preload`` (modules) once."""
     save_dir = Path(cfg.save_dir)
     env = {**os.environ, SUPERVISED_ENV: "1"}
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload(list(preload))
     child: multiprocessing.process.BaseProcess | None = None
     stop_signal: list[int] = []
 
@@ -100,8 +102,8 @@ def supervise(argv: list[str], cfg, notifier) -> int:
         for restart in range(cfg.max_global_restart + 1):
             args = child_argv(argv, save_dir, restart)
             started = time.monotonic()
-            child = context.Process(target=_child_main, args=(args, {**env, RESTARTS_ENV: str(restart)}, os.getcwd()),
-                                    name=f"relax-train-{restart}")
+            child = context.Process(target=_child_main, name=f"relax-train-{restart}",
+                                    args=(entry, args, {**env, RESTARTS_ENV: str(restart)}, os.getcwd()))
             child.start()
             code = _wait_or_hang(child, cfg)
             if code in NOT_RESTARTABLE or stop_signal or restart == cfg.max_global_restart:
@@ -119,21 +121,18 @@ def supervise(argv: list[str], cfg, notifier) -> int:
             signal.signal(sig, handler)
 
 
-def _child_main(args: list[str], env: dict[str, str], cwd: str) -> None:
-    """In the forked child: ``relax train ARGS`` as ``python -m relax.cli.main`` would run it (environment, directory,
-    exit code, exit handlers), in a process group of its own, so a terminal's Ctrl-C or a group-wide SIGTERM
-    reaches it once, through the parent's `forward` (a second signal would make it stop at once, without its
-    checkpoint)."""
+def _child_main(entry: Callable[[list[str]], int], args: list[str], env: dict[str, str], cwd: str) -> None:
+    """In the forked child: ``entry(args)`` as the interpreter would run the command (environment, directory, exit
+    code, exit handlers), in a process group of its own, so a terminal's Ctrl-C or a group-wide SIGTERM reaches it
+    once, through the parent's `forward` (a second signal would make it stop at once, without its checkpoint)."""
     os.setpgid(0, 0)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = ["relax", "train", *args]
-    from relax.cli.main import main
-
     interrupted = False
     try:
-        code = main(["train", *args])
+        code = entry(args)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except KeyboardInterrupt:
