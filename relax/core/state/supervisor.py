@@ -94,8 +94,14 @@ def supervise(argv: list[str], cfg, notifier, entry: Callable[[list[str]], int],
 
     def forward(signum, _frame) -> None:
         stop_signal.append(signum)
-        if child is not None and child.exitcode is None:
+        if child is None or child.pid is None:
+            return
+        # Not `child.exitcode`: that reads the exit status off the forkserver's pipe, and a handler that ran while
+        # the main thread waited on the same pipe would take the status from under it
+        try:
             os.kill(child.pid, signum)
+        except ProcessLookupError:  # it has just ended
+            pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
