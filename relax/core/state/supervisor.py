@@ -18,9 +18,8 @@ scheduler's stop works as without supervision. Each restart is logged to ``run.l
 
 Each child is forked from Python's forkserver, a clean interpreter started once per supervision that imported the
 training code (the command's ``preload``: torch, transformers, Relax) and never ran anything: a restart does not
-import them again
-(about 8 s of CPU on a 2-core machine, most of a restart's start-up before the model loads). The forkserver never
-touches CUDA or starts a thread, so a child starts as clean as a fresh interpreter; it is still a process of its own
+import them again (about 8 s of CPU on a 2-core machine, most of a restart's start-up before the model loads). The
+forkserver only imports, never touches CUDA, so a child starts as a fresh interpreter would, as a process of its own
 (its own pid and process group, the parent's environment, directory and standard streams, its exit code or signal).
 """
 
