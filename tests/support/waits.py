@@ -11,6 +11,8 @@ process ends first, and with its output when the bound passes (the process is ki
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import subprocess
 import time
 from collections.abc import Callable
@@ -48,6 +50,25 @@ def wait_until(condition: Callable[[], T], timeout_s: float = 10.0, what: str = 
                                  f"{output_tail(process)}")
         time.sleep(interval_s)
 
+
+
+async def wait_until_async(condition: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition", *,
+                           interval_s: float = 0.02) -> Any:
+    """`wait_until` inside an event loop, which the blocking one would stall: ``condition`` may be a coroutine
+    function (awaited at each poll); the loop runs between polls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = condition()
+            if inspect.isawaitable(value):
+                value = await value
+        except httpx.TransportError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        await asyncio.sleep(interval_s)
 
 def output_tail(process: Any) -> str:
     """The end of an ended process's stderr (or of its stdout where stderr goes there)."""

@@ -3,13 +3,14 @@ can be read, so it is checked with real processes."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from tests.support.waits import wait_until
+from tests.support.waits import wait_until, wait_until_async
 
 
 def _python(code: str) -> subprocess.Popen:
@@ -47,3 +48,25 @@ def test_a_wait_past_its_bound_kills_the_process_and_shows_what_it_wrote(tmp_pat
         wait_until(lambda: False, 1.0, "the model", process=process)
     assert "timed out after 1 s waiting for the model" in str(failed.value)
     assert "still loading" in str(failed.value) and process.poll() is not None
+
+
+def test_the_async_wait_awaits_a_coroutine_condition_lets_the_loop_run_and_fails_past_its_bound():
+    """Inside an event loop: the condition may be a coroutine function, a task scheduled beside the wait runs
+    (the blocking wait would stall it), an unanswered request counts as not yet, and the bound fails with what."""
+    async def scenario():
+        done = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.05, done.set)
+        calls = []
+
+        async def answer():
+            calls.append(1)
+            if len(calls) == 1:
+                raise httpx.ConnectError("refused")
+            return "found" if done.is_set() else None
+
+        found = await wait_until_async(answer, 10, "an answer", interval_s=0.01)
+        with pytest.raises(AssertionError, match="timed out after 0.05 s waiting for never"):
+            await wait_until_async(lambda: False, 0.05, "never", interval_s=0.01)
+        return found
+
+    assert asyncio.run(scenario()) == "found"

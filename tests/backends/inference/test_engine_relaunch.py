@@ -27,7 +27,7 @@ from relax.backends.inference.remote.launched_relax import RelaxServerEngine, Re
 from relax.backends.inference.router import EngineRouter, NoEngineAvailableError
 from relax.distributed.process_group import free_port
 from tests.support.runs import ROOT
-from tests.support.waits import PROCESS_PATIENCE_S
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until_async
 
 
 @pytest.fixture(autouse=True)
@@ -62,14 +62,6 @@ def perturbed_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 def server_state(engine: RelaxServerEngine) -> dict:
     return httpx.get(f"{engine.base_url}/health", timeout=5).json()
-
-
-async def wait_for(condition, timeout_s: float, what: str) -> None:  # timeout_s: a hang guard (tests.support.waits)
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def in_flight(engine: RelaxServerEngine) -> bool:
@@ -111,17 +103,15 @@ def test_a_dead_or_stopped_engine_is_relaunched_at_the_current_weights(signal_na
         old_pid = server_state(victim)["pid"]
 
         call = asyncio.ensure_future(router.generate(group_requests(150)))
-        deadline = time.monotonic() + PROCESS_PATIENCE_S
-        while not await in_flight(victim):
-            assert time.monotonic() < deadline, "no requests reached the victim"
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: in_flight(victim), PROCESS_PATIENCE_S, "requests to reach the victim")
         os.kill(old_pid, getattr(signal, signal_name))
         outputs = await asyncio.wait_for(call, PROCESS_PATIENCE_S)
         assert all(o.finish_reason == "length" and len(o.output_ids) == 150 for o in outputs), "no request lost"
         assert all(o.weight_version == 1 for o in outputs)
 
-        await wait_for(lambda: slot_stats(router, victim)["relaunches"] >= 1
-                       and not slot_stats(router, victim)["relaunching"], PROCESS_PATIENCE_S, "the relaunch to end")
+        await wait_until_async(lambda: slot_stats(router, victim)["relaunches"] >= 1
+                               and not slot_stats(router, victim)["relaunching"], PROCESS_PATIENCE_S,
+                               "the relaunch to end", interval_s=0.05)
         stats = slot_stats(router, victim)
         assert stats["healthy"], stats
         state = server_state(victim)

@@ -19,7 +19,7 @@ from relax.rollout.agentic.env_workers import EnvWorkerPool
 from relax.rollout.generation.context import PerSampleGeneration
 from tests.rollout.agentic.test_agentic_multi_turn import letter_ids, prompt_samples, sampling
 from tests.support.runs import ROOT
-from tests.support.waits import PROCESS_PATIENCE_S
+from tests.support.waits import PROCESS_PATIENCE_S, wait_until_async
 
 ENV_PATH = "tests.support.e2e_envs:build_env"
 
@@ -97,10 +97,7 @@ def test_a_worker_killed_from_outside_fails_its_episodes_at_once(engine, tokeniz
     async def scenario():
         generation = PerSampleGeneration(multi_turn.generate, MULTI_TURN_PATH, cfg, tokenizer, None, pool)
         running = asyncio.ensure_future(generation.run(engine, samples, sampling(tokenizer)))
-        deadline = time.monotonic() + PROCESS_PATIENCE_S
-        while not pid_file.exists():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await wait_until_async(pid_file.exists, PROCESS_PATIENCE_S, "the worker's pid file", interval_s=0.05)
         await asyncio.sleep(0.5)  # both episodes are in their hanging step
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         return await asyncio.wait_for(running, PROCESS_PATIENCE_S)  # well before --env-step-timeout
