@@ -172,6 +172,30 @@ def test_concurrent_callers_share_one_running_batch(tokenizer):
     assert engine.core.steps == 10
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6))
+def test_each_output_is_built_once_and_streamed_as_returned(tokenizer, lengths):
+    """A request's output (its text decoded from its tokens) is built once: what the stream reports as it finishes
+    is the object the call returns, whatever order the requests finish in."""
+    engine = core_engine(tokenizer)
+    decoded = []
+    decode = tokenizer.decode
+
+    def counting_decode(ids, *args, **kwargs):
+        decoded.append(list(ids))
+        return decode(ids, *args, **kwargs)
+
+    reported = {}
+    requests = [request(f"b{i}", [5 + i, 6], max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
+                for i, n in enumerate(lengths)]
+    engine.core.tokenizer = type("Counting", (), {"decode": staticmethod(counting_decode)})()
+    outputs = asyncio.run(engine.core.generate(requests, on_output=reported.__setitem__))
+    assert [len(o.output_ids) for o in outputs] == lengths
+    assert all(reported[position] is output for position, output in enumerate(outputs))
+    assert sorted(decoded) == sorted(o.output_ids for o in outputs)  # one decode per request, of its own tokens
+    assert_pool_empty(engine)
+
+
 def test_a_grpo_group_computes_its_prompt_once(tokenizer):
     engine = core_engine(tokenizer, page_size=4)
     prompt = list(range(3, 41))  # 38 tokens: 9 full blocks of 4 and a partial one

@@ -57,6 +57,9 @@ class Sequence:
     # distribution (top-k/top-p), which the decode graph's sampler does not.
     length_limit: int = 0
     filters: bool = False
+    # Its `GenerationOutput`, built once when it finished (`EngineCore._output`): the streamed report and the call's
+    # return share it, so the output's text is decoded once.
+    output: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
