@@ -16,7 +16,11 @@ Each is timed after a warm-up call (kernels compiled, graphs captured); the core
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
 wall time of the call (prefill included). The HBM bound of a setting is the decode-only time of reading, at
 every step, the weights once and every sequence's K/V so far, at ``--bandwidth`` bytes/s (4.3 TB/s measured
-copy bandwidth on the H200); the JSON gives each engine's fraction of it.
+copy bandwidth on the H200); the JSON gives each engine's fraction of it. That bound is not reachable on every
+shape: at batch 256 the 4B shape's linear layers are compute-bound, and the wall time holds a prefill the bound
+leaves out. So the JSON also gives the fraction of the roofline (`roofline_tokens_per_s`): the prefill's products at
+``--flops``, each decode step's linears at the slower of their weights' reads and their products, its K/V reads at
+``--bandwidth``.
 
     python -m benchmarks.engine_gpu                        # the issue's settings, all three engines
     python -m benchmarks.engine_gpu --only core            # the core alone (quick)
@@ -65,6 +69,24 @@ def hbm_bound_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, 
                           * next(model.parameters()).element_size())
     seconds = sum(weight_bytes + batch * (prompt_len + step) * kv_bytes_per_token for step in range(new_tokens))
     return batch * new_tokens / (seconds / bandwidth)
+
+
+def roofline_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, bandwidth: float,
+                           flops: float) -> float:
+    """New tokens over the time the card needs at the least for the whole call: the prefill's products at ``flops``,
+    then every decode step's linear layers at the slower of reading their weights and computing them (at batch
+    256 the 4B shape's products take 2.6 ms at 790 TFLOP/s, more than the 1.9 ms of reading its weights), and its
+    K/V reads at ``bandwidth``. The HBM bound counts the weights' reads alone and leaves the prefill out."""
+    config = model.config
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                          * next(model.parameters()).element_size())
+    attention_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim  # per (q, k) pair
+    prefill = batch * (2 * matmul_params * prompt_len + attention_flops * prompt_len * (prompt_len + 1) / 2) / flops
+    linears = max(weight_bytes / bandwidth, 2 * matmul_params * batch / flops)
+    decode = sum(linears + batch * (prompt_len + step) * kv_bytes_per_token / bandwidth for step in range(new_tokens))
+    return batch * new_tokens / (prefill + decode)
 
 
 def requests_for(prompts: list[list[int]], new_tokens: int, tag: str) -> list[GenerationRequest]:
@@ -156,8 +178,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, model.config.vocab_size, (batch, args.prompt_len), generator=generator).tolist()
     bound = hbm_bound_tokens_per_s(model, batch, args.prompt_len, args.new_tokens, args.bandwidth)
+    roofline = roofline_tokens_per_s(model, batch, args.prompt_len, args.new_tokens, args.bandwidth, args.flops)
     result: dict = {"shape": shape_name, "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                    "hbm_bound_tokens_per_s": bound}
+                    "hbm_bound_tokens_per_s": bound, "roofline_tokens_per_s": roofline}
     for name in engines:
         if device == "cuda":
             gc.collect()  # the previous engine's KV pool, held in reference cycles, goes before the next one starts
@@ -177,10 +200,12 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         timing["fraction_of_hbm_bound"] = timing["tokens_per_s"] / bound
+        timing["fraction_of_roofline"] = timing["tokens_per_s"] / roofline
         result[name] = timing
         print(f"{shape_name} batch {batch} {name:9s}: {timing['tokens_per_s']:10,.0f} tokens/s "
               f"({timing['seconds']:.2f} s; {100 * timing['fraction_of_hbm_bound']:.1f}% of the HBM bound "
-              f"{bound:,.0f}) {timing.get('host_ms_per_decode_step', '')}", flush=True)
+              f"{bound:,.0f}; {100 * timing['fraction_of_roofline']:.1f}% of the roofline {roofline:,.0f}) "
+              f"{timing.get('host_ms_per_decode_step', '')}", flush=True)
     core = result.get("core", {}).get("tokens_per_s")
     if core and "core_fp8" in result:
         result["speedup_fp8_vs_bf16"] = result["core_fp8"]["tokens_per_s"] / core
@@ -220,6 +245,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s: the card's measured copy rate")
+    parser.add_argument("--flops", type=float, default=790e12,
+                        help="bf16 FLOP/s the roofline assumes: the H200's measured dense rate (989e12 datasheet)")
     parser.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                         help="the KV pool of the core_fp8 engine (fp8_e4m3: FP8 rollout with an FP8 KV cache)")
@@ -257,6 +284,7 @@ def write_result(rows: list[dict], args) -> dict:
                 summary[f"{prefix}_{key}"] = round(row[key], 2)
         if "core" in row:
             summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
+            summary[f"{prefix}_core_fraction_of_roofline"] = round(row["core"]["fraction_of_roofline"], 3)
         if "core_fp8" in row:
             summary[f"{prefix}_fp8_mismatch_k1_kl"] = row["core_fp8"]["mismatch_k1_kl"]
     Path(args.out).write_text(json.dumps({**summary, "settings": rows}, indent=2) + "\n")
