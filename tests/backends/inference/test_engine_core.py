@@ -196,6 +196,84 @@ def test_each_output_is_built_once_and_streamed_as_returned(tokenizer, lengths):
     assert_pool_empty(engine)
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 14), st.integers(1, 12), st.integers(0, 4), st.booleans()),
+                min_size=1, max_size=8), st.sampled_from([None, 96]))
+def test_pipelined_prefills_give_the_tokens_of_a_drained_pipeline(tokenizer, jobs, pool):
+    """Callers join at random steps (some with a second sample of their prompt) under a small prefill budget, so
+    prefills run in several steps, behind decodes in flight, and with a small pool some sequences are preempted:
+    every seeded request gets the same tokens and log-probs with the paged runner's prefills pipelined as with
+    the pipeline drained before each prefill, and every block comes back."""
+
+    def run(pipelined: bool):
+        engine = core_engine(tokenizer, max_prefill_tokens=16, page_size=4,
+                             **({"max_total_tokens": pool} if pool else {}))
+        engine.core.runner.pipelines_prefill = pipelined
+
+        async def caller(index, prompt_len, new_tokens, delay, twin):
+            for _ in range(delay):
+                await asyncio.sleep(0)
+            prompt = [3 + (index * 5 + j) % 50 for j in range(prompt_len)]
+            return await engine.generate([request(f"j{index}-{k}", prompt, max_new_tokens=new_tokens,
+                                                  temperature=1.0, seed=index, ignore_eos=True)
+                                          for k in range(1 + twin)])
+
+        async def run_all():
+            return await asyncio.gather(*(caller(i, *job) for i, job in enumerate(jobs)))
+
+        outputs = [output for group in asyncio.run(run_all()) for output in group]
+        assert_pool_empty(engine)
+        return outputs
+
+    drained, pipelined = run(False), run(True)
+    assert [o.output_ids for o in pipelined] == [o.output_ids for o in drained]
+    for a, b in zip(pipelined, drained):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.output_log_probs == pytest.approx(b.output_log_probs, abs=1e-5)
+
+
+def test_a_prefill_is_launched_before_the_step_in_flight_is_read(tokenizer):
+    """The paged runner's prefills join the pipeline: each prefill after the first, and the first decode, are
+    launched while the step before them is still unread (so the device never waits for the host to build a
+    prefill's inputs); a request joining mid-decode is prefilled behind the decode in flight."""
+    engine = core_engine(tokenizer, max_prefill_tokens=8)
+    core, runner, events = engine.core, engine.core.runner, []
+
+    def logged(kind, launch):
+        def step(sequences, *args):
+            output = launch(sequences, *args)
+            events.append(("launch", kind, id(output)))
+            return output
+        return step
+
+    runner.prefill, runner.decode = logged("prefill", runner.prefill), logged("decode", runner.decode)
+    process = core._process
+    core._process = lambda output: (events.append(("read", None, id(output))), process(output))[1]
+
+    async def scenario():
+        first = asyncio.ensure_future(engine.generate([request(f"a{i}", [5 + i] * 8, max_new_tokens=12, seed=i,
+                                                               ignore_eos=True) for i in range(3)]))
+        while core.decode_steps < 4:
+            await asyncio.sleep(0)
+        late = await engine.generate([request("late", [9] * 5, max_new_tokens=3, seed=7, ignore_eos=True)])
+        return await first, late
+
+    first, late = asyncio.run(scenario())
+    assert [len(o.output_ids) for o in first] == [12, 12, 12] and len(late[0].output_ids) == 3
+    unread, behind = set(), []
+    for event, kind, output in events:
+        if event == "launch":
+            behind.append((kind, bool(unread)))
+            unread.add(output)
+        else:
+            unread.discard(output)
+    prefills = [waited for kind, waited in behind if kind == "prefill"]
+    assert len(prefills) == 4  # three 8-token prompts one per step, then the late one
+    assert prefills[1:] == [True, True, True]  # each behind an unread step: a prefill, a prefill, a decode
+    assert behind[3] == ("decode", True)  # the first decode behind the last prompt's prefill
+    assert_pool_empty(engine)
+
+
 def test_a_grpo_group_computes_its_prompt_once(tokenizer):
     engine = core_engine(tokenizer, page_size=4)
     prompt = list(range(3, 41))  # 38 tokens: 9 full blocks of 4 and a partial one

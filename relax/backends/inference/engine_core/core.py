@@ -161,15 +161,21 @@ class EngineCore:
         self._loop_task = loop.create_task(self._run())
 
     async def _run(self) -> None:
-        """Steps until no request waits or runs. Decode steps are pipelined: step t+1 is launched before the host
-        reads step t's tokens (the device is kept busy while the host appends tokens and checks stops), so a
-        request that finished at step t has one more token computed, which is dropped. The pipeline is drained
-        (step t read) before a prefill, a pause or an abort is handled."""
+        """Steps until no request waits or runs. Steps are pipelined: step t+1 is launched before the host reads
+        step t's tokens (the device is kept busy while the host appends tokens and checks stops), so a request
+        that finished at step t has one more token computed, which is dropped. On the paged runner a prefill
+        joins the pipeline too: it is launched behind the decode step in flight, and the next step (another
+        prefill, or the decode that takes its sequences' first tokens from its output on the device) behind it, so
+        the device does not wait while the host builds a prefill's inputs (about 2 ms for 8,192 prompt tokens).
+        The pipeline is drained (step t read) before a pause or an abort is handled, and on the cache runner
+        before a prefill."""
         in_flight: StepOutput | None = None
+        pipelined_prefill = self.runner.pipelines_prefill
         try:
             while self.scheduler.has_work or in_flight is not None:
                 await asyncio.sleep(0)
-                if self.pauses or self._aborted or self.scheduler.waiting or not self.scheduler.running:
+                if (self.pauses or self._aborted or not self.scheduler.running
+                        or (self.scheduler.waiting and not pipelined_prefill)):
                     in_flight = self._drain(in_flight)
                 while self.pauses and not self._aborted:
                     await asyncio.sleep(PAUSE_POLL_S)
@@ -182,8 +188,14 @@ class EngineCore:
                 scheduled = time.perf_counter()
                 self.host_seconds["schedule"] += scheduled - started
                 if step.prefill:
-                    in_flight = self._drain(in_flight)
-                    self._process(self.runner.prefill(step.prefill, version))
+                    if not pipelined_prefill or any(sequence.pending for sequence in step.prefill):
+                        in_flight = self._drain(in_flight)  # a prefill reads every token of its sequences on the host
+                    launched = self.runner.prefill(step.prefill, version)
+                    for sequence in step.prefill:
+                        sequence.pending += 1
+                    if in_flight is not None:
+                        self._process(in_flight)  # the device runs the prefill meanwhile
+                    in_flight = launched if pipelined_prefill else self._drain(launched)
                     self.steps += 1
                     self.host_seconds["prefill"] += time.perf_counter() - scheduled
                 elif step.decode:

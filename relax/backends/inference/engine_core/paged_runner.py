@@ -40,6 +40,8 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 class PagedRunner(StepRunner):
     """Steps over the core's own decoder (`decoder.TextDecoder`) and a paged KV pool of ``num_blocks`` blocks."""
 
+    pipelines_prefill = True
+
     def __init__(self, decoder: TextDecoder, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, max_blocks_per_sequence: int, cuda_graphs: bool = True,
                  max_graph_batch: int = 256, max_batch: int = 1024, kv_cache_dtype: str = "auto") -> None:

@@ -71,6 +71,9 @@ class StepRunner:
     """The base of the core's runners: ``rows`` bounds the sequences of one step (pinned buffers on CUDA)."""
 
     records_routing = False  # whether `prefill`/`decode` record each fed token's routed experts
+    # Whether a prefill may be launched with the previous step still unread and left unread itself while the next
+    # step launches (`EngineCore._run`): its output rows feed a following decode as a decode step's do.
+    pipelines_prefill = False
 
     def __init__(self, device: torch.device, rows: int) -> None:
         self.device = device
