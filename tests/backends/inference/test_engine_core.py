@@ -439,3 +439,25 @@ def test_the_varlen_prefill_matches_the_padded_prefill(heads, kv_heads):
     varlen = attend(query, cache, prefill_metadata(page, tables, starts, ends, torch.device("cuda"), varlen=True), 0.1)
     error = (varlen.float() - padded.float()).norm() / padded.float().norm()
     assert error < 1e-2, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("varlen", [True, False])
+def test_a_prefills_inputs_reach_the_device_without_waiting_for_it(varlen):
+    """A pipelined prefill builds its inputs while the step before it runs: the metadata's copies queue behind the
+    device's work instead of waiting for it (a plain ``.to`` from pageable memory synchronises the stream), and
+    carry the same values."""
+    from relax.backends.inference.engine_core.attention import prefill_metadata
+
+    tables, starts, ends = [[3, 4, 5], [6, 7]], [0, 4], [40, 30]
+    expected = prefill_metadata(16, tables, starts, ends, torch.device("cpu"), varlen=varlen)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device work in flight
+    metadata = prefill_metadata(16, tables, starts, ends, torch.device("cuda"), varlen=varlen)
+    assert not torch.cuda.current_stream().query()  # the host came back with the device still busy
+    torch.cuda.synchronize()
+    for field in ("slot_mapping", "key_slots", "cu_seqlens_q", "cu_seqlens_k", "query_rows", "mask", "packed_rows"):
+        value = getattr(expected, field)
+        if value is not None:
+            assert torch.equal(getattr(metadata, field).cpu(), value), field

@@ -59,6 +59,15 @@ class StepMetadata:
     max_key: int = 0
 
 
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to ``device`` without waiting for the device: on CUDA through pinned memory, so the copy
+    queues behind the work already launched. A plain ``.to`` from pageable memory synchronises the stream, which
+    held a prefill's host work until the step in flight had finished."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _sequence_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
     """The pool slots of a sequence's tokens ``0..length`` (host, int64)."""
     positions = torch.arange(length)
@@ -94,8 +103,9 @@ def prefill_metadata(block_size: int, block_tables: list[list[int]], starts: lis
     mask = (key_positions[None, None, :] <= query_positions[:, :, None]) & (key_positions < ends_tensor[:, None])[:, None]
     mask[:, :, 0] |= query_positions < 0
     return StepMetadata(
-        is_prefill=True, slot_mapping=torch.cat(slot_mapping).to(device), query_rows=query_rows.to(device),
-        key_slots=key_slots.to(device), mask=mask[:, None].to(device), packed_rows=torch.cat(packed_rows).to(device),
+        is_prefill=True, slot_mapping=upload(torch.cat(slot_mapping), device), query_rows=upload(query_rows, device),
+        key_slots=upload(key_slots, device), mask=upload(mask[:, None], device),
+        packed_rows=upload(torch.cat(packed_rows), device),
     )
 
 
@@ -108,9 +118,9 @@ def _varlen_prefill_metadata(block_size: int, block_tables: list[list[int]], sta
     cu_q = torch.cat([zero, query_lens.cumsum(0).to(torch.int32)])
     cu_k = torch.cat([zero, torch.tensor(ends).cumsum(0).to(torch.int32)])
     return StepMetadata(
-        is_prefill=True, slot_mapping=torch.cat(slot_mapping).to(device), key_slots=torch.cat(key_slots).to(device),
-        cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device), max_query=int(query_lens.max()),
-        max_key=max(ends),
+        is_prefill=True, slot_mapping=upload(torch.cat(slot_mapping), device),
+        key_slots=upload(torch.cat(key_slots), device), cu_seqlens_q=upload(cu_q, device),
+        cu_seqlens_k=upload(cu_k, device), max_query=int(query_lens.max()), max_key=max(ends),
     )
 
 
@@ -124,13 +134,15 @@ def decode_metadata(block_size: int, block_tables: list[list[int]], context_lens
     lens = torch.tensor(context_lens, dtype=torch.int32)
     last = (lens - 1).long()
     slot_mapping = tables.long().gather(1, (last // block_size)[:, None]).squeeze(1) * block_size + last % block_size
-    metadata = StepMetadata(is_prefill=False, slot_mapping=slot_mapping.to(device), block_tables=tables.to(device),
-                            context_lens=lens.to(device), use_triton=use_triton, block_size=block_size)
+    metadata = StepMetadata(is_prefill=False, slot_mapping=upload(slot_mapping, device),
+                            block_tables=upload(tables, device), context_lens=upload(lens, device),
+                            use_triton=use_triton, block_size=block_size)
     if not use_triton:
         longest = int(lens.max())
         positions = torch.arange(longest)
-        metadata.key_slots = (tables.long()[:, positions // block_size] * block_size + positions % block_size).to(device)
-        metadata.mask = (positions[None, :] < lens[:, None])[:, None, None].to(device)
+        metadata.key_slots = upload(tables.long()[:, positions // block_size] * block_size + positions % block_size,
+                                    device)
+        metadata.mask = upload((positions[None, :] < lens[:, None])[:, None, None], device)
     return metadata
 
 

@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from relax.backends.inference.engine_core.attention import StepMetadata, decode_metadata, prefill_metadata
+from relax.backends.inference.engine_core.attention import StepMetadata, decode_metadata, prefill_metadata, upload
 from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
 from relax.backends.inference.engine_core.decoder import TextDecoder
 from relax.backends.inference.engine_core.kv_cache import KVPool, kv_bytes_per_token
@@ -127,7 +127,7 @@ class PagedRunner(StepRunner):
         last = torch.tensor(ends, dtype=torch.long).sub(torch.tensor(starts)).cumsum(0) - 1
         row_of = {id(s): row for row, s in enumerate(computed)}
         rows = [row_of[id(s.prefill_twin_of or s)] for s in sequences]
-        logits = self.decoder.logits(hidden[last[rows].to(self.device)])
+        logits = self.decoder.logits(hidden[upload(last[rows], self.device)])
         return self._finish(sequences, *self._sample(logits, sequences, self._step_keys(sequences)), version)
 
     def _media_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, computed: list[Sequence],
@@ -175,8 +175,8 @@ class PagedRunner(StepRunner):
         if not copies:
             return
         page = self.block_size
-        source = torch.tensor([s * page + i for s, _ in copies for i in range(page)], device=self.device)
-        target = torch.tensor([c * page + i for _, c in copies for i in range(page)], device=self.device)
+        source = upload(torch.tensor([s * page + i for s, _ in copies for i in range(page)]), self.device)
+        target = upload(torch.tensor([c * page + i for _, c in copies for i in range(page)]), self.device)
         self.pool.copy_slots(source, target)
 
     # ---- decode inputs -------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from relax.backends.inference.engine_core.attention import upload
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 
@@ -159,10 +160,7 @@ class StepRunner:
         return host_tokens, sources, False
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return upload(torch.tensor(values, dtype=torch.long), self.device)
 
     # ---- sampling ------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, sequences: list[Sequence],
