@@ -21,7 +21,6 @@ from relax.backends.inference.engine_core.attention import upload
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 
-
 # Columns of a step's staged integers: seeds, token indices, host tokens, rows of the previous step's tokens.
 STAGED_INT_COLUMNS = 4
 
