@@ -166,7 +166,8 @@ class EngineCore:
         that finished at step t has one more token computed, which is dropped. On the paged runner a prefill
         joins the pipeline too: it is launched behind the decode step in flight, and the next step (another
         prefill, or the decode that takes its sequences' first tokens from its output on the device) behind it, so
-        the device does not wait while the host builds a prefill's inputs (about 2 ms for 8,192 prompt tokens).
+        the device does not wait while the host builds a prefill's inputs (about 3 ms for 8,192 prompt tokens on
+        the 2-core dev CPU).
         The pipeline is drained (step t read) before a pause or an abort is handled, and on the cache runner
         before a prefill."""
         in_flight: StepOutput | None = None

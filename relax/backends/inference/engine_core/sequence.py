@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.inference.base import FinishReason, GenerationRequest, SamplingParams
+from relax.backends.inference.base import FinishReason, GenerationOutput, GenerationRequest, SamplingParams
 from relax.backends.inference.engine_core.media import MediaPrompt
 
 
@@ -59,7 +59,7 @@ class Sequence:
     filters: bool = False
     # Its `GenerationOutput`, built once when it finished (`EngineCore._output`): the streamed report and the call's
     # return share it, so the output's text is decoded once.
-    output: Any = None
+    output: GenerationOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
