@@ -206,3 +206,75 @@ def test_linears_that_are_not_plain_are_never_stacked():
         torch.testing.assert_close(out, linear(x))
     mixed = MergedLinears([torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, bias=False)])  # a bias on one only
     assert not mixed.merged
+
+
+class _ChainGraph:
+    """A decode graph whose replay samples ``(input * 31 + position) % 1000`` for every row: each token a sequence
+    gets says which input token the step fed it, wherever that input came from (the host, the previous decode's
+    output, or a prefill's output on the device)."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.buffers = buffers
+
+    def replay(self) -> None:
+        buffers = self.buffers
+        buffers["tokens"].copy_((buffers["input_ids"] * 31 + buffers["positions"]) % 1000)
+
+
+class _CopiedBehindTheStep:
+    def synchronize(self) -> None:
+        pass
+
+
+def _chain_runner(**sizes):
+    from benchmarks.engine_host_cpu import HostOnlyRunner
+
+    class ChainRunner(HostOnlyRunner):
+        def _finish(self, sequences, tokens, log_probs, version):
+            output = super()._finish(sequences, tokens, log_probs, version)
+            # as on CUDA: the host reads a copy taken behind the step, not the graph's buffer the next replay rewrites
+            output.host_tokens, output.host_log_probs = tokens.clone(), log_probs.clone()
+            output.ready = _CopiedBehindTheStep()
+            return output
+
+    runner = ChainRunner(**sizes)
+    runner.graphs = {size: _ChainGraph(runner._buffers) for size in runner.graph_sizes}
+    return runner
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=10),
+       st.integers(8, 40))
+def test_the_graph_path_feeds_each_decode_the_token_before_it_with_prefills_in_flight(jobs, prefill_budget):
+    """The paged runner's graph inputs (the CUDA path's staging, run on the CPU) under the engine core's loop, with
+    requests joining at random steps and a small prefill budget, so prefills are launched behind decodes and
+    behind each other, unread: every decode step feeds each sequence the token sampled just before it, the first
+    one straight from its prefill's output."""
+    import asyncio
+
+    from relax.backends.inference.base import PauseHolds
+    from relax.backends.inference.engine_core.block_manager import BlockManager
+    from relax.backends.inference.engine_core.core import EngineCore
+    from relax.backends.inference.engine_core.scheduler import Scheduler
+
+    runner = _chain_runner(batch=16, num_blocks=512, block_size=PAGE, max_blocks_per_sequence=WIDTH)
+    scheduler = Scheduler(BlockManager(512, PAGE), max_running=16, max_prefill_tokens=prefill_budget)
+    core = EngineCore(runner, scheduler.blocks, scheduler, tokenizer=None, eos_token_ids=frozenset(),
+                      pauses=PauseHolds(), weight_version=lambda: 0)
+    core._output = lambda sequence: (len(sequence.token_ids) - sequence.num_outputs, list(sequence.output_ids))
+
+    async def caller(index, prompt_len, new_tokens, delay):
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        request = GenerationRequest(f"c{index}", [2 + (index + j) % 40 for j in range(prompt_len)],
+                                    SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True,
+                                                   seed=index))
+        return (await core.generate([request]))[0]
+
+    async def run_all():
+        return await asyncio.gather(*(caller(i, *job) for i, job in enumerate(jobs)))
+
+    for (prompt_len, outputs), (_, new_tokens, _) in zip(asyncio.run(run_all()), jobs):
+        assert len(outputs) == new_tokens
+        for k in range(1, len(outputs)):
+            assert outputs[k] == (outputs[k - 1] * 31 + prompt_len + k - 1) % 1000, (k, outputs)
