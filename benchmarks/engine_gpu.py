@@ -61,12 +61,18 @@ def build_model(shape: dict, device: str, dtype: torch.dtype) -> Qwen3ForCausalL
     return model.to(dtype).eval()
 
 
-def hbm_bound_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> float:
-    """New tokens over the decode-only time of reading the weights and the K/V so far once per step."""
+def decode_bytes(model) -> tuple[int, int]:
+    """The bytes a decode step reads: the weights once, and per token of context its K/V in every layer."""
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
                           * next(model.parameters()).element_size())
+    return weight_bytes, kv_bytes_per_token
+
+
+def hbm_bound_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, bandwidth: float) -> float:
+    """New tokens over the decode-only time of reading the weights and the K/V so far once per step."""
+    weight_bytes, kv_bytes_per_token = decode_bytes(model)
     seconds = sum(weight_bytes + batch * (prompt_len + step) * kv_bytes_per_token for step in range(new_tokens))
     return batch * new_tokens / (seconds / bandwidth)
 
@@ -79,9 +85,7 @@ def roofline_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, b
     K/V reads at ``bandwidth``. The HBM bound counts the weights' reads alone and leaves the prefill out."""
     config = model.config
     matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                          * next(model.parameters()).element_size())
+    weight_bytes, kv_bytes_per_token = decode_bytes(model)
     attention_flops = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim  # per (q, k) pair
     prefill = batch * (2 * matmul_params * prompt_len + attention_flops * prompt_len * (prompt_len + 1) / 2) / flops
     linears = max(weight_bytes / bandwidth, 2 * matmul_params * batch / flops)

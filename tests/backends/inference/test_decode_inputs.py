@@ -5,6 +5,7 @@ host loop end to end with the device work taken out (`benchmarks.engine_host_cpu
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import numpy as np
@@ -14,8 +15,10 @@ from hypothesis import strategies as st
 
 from benchmarks.engine_host_cpu import HostOnlyRunner
 from benchmarks.engine_host_cpu import run as run_host_only
-from relax.backends.inference.base import GenerationRequest, SamplingParams
-from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK
+from relax.backends.inference.base import GenerationRequest, PauseHolds, SamplingParams
+from relax.backends.inference.engine_core.block_manager import RESERVED_BLOCK, BlockManager
+from relax.backends.inference.engine_core.core import EngineCore
+from relax.backends.inference.engine_core.scheduler import Scheduler
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.engine_core.step_runner import StepOutput
 from relax.backends.inference.engine_core.table_rows import BlockTableRows
@@ -226,20 +229,19 @@ class _CopiedBehindTheStep:
         pass
 
 
-def _chain_runner(**sizes):
-    from benchmarks.engine_host_cpu import HostOnlyRunner
+class _ChainRunner(HostOnlyRunner):
+    """The host-only runner with `_ChainGraph` as every decode graph."""
 
-    class ChainRunner(HostOnlyRunner):
-        def _finish(self, sequences, tokens, log_probs, version):
-            output = super()._finish(sequences, tokens, log_probs, version)
-            # as on CUDA: the host reads a copy taken behind the step, not the graph's buffer the next replay rewrites
-            output.host_tokens, output.host_log_probs = tokens.clone(), log_probs.clone()
-            output.ready = _CopiedBehindTheStep()
-            return output
+    def __init__(self, **sizes) -> None:
+        super().__init__(**sizes)
+        self.graphs = {size: _ChainGraph(self._buffers) for size in self.graph_sizes}
 
-    runner = ChainRunner(**sizes)
-    runner.graphs = {size: _ChainGraph(runner._buffers) for size in runner.graph_sizes}
-    return runner
+    def _finish(self, sequences, tokens, log_probs, version):
+        output = super()._finish(sequences, tokens, log_probs, version)
+        # as on CUDA: the host reads a copy taken behind the step, not the graph's buffer the next replay rewrites
+        output.host_tokens, output.host_log_probs = tokens.clone(), log_probs.clone()
+        output.ready = _CopiedBehindTheStep()
+        return output
 
 
 @settings(max_examples=12, deadline=None)
@@ -250,14 +252,7 @@ def test_the_graph_path_feeds_each_decode_the_token_before_it_with_prefills_in_f
     requests joining at random steps and a small prefill budget, so prefills are launched behind decodes and
     behind each other, unread: every decode step feeds each sequence the token sampled just before it, the first
     one straight from its prefill's output."""
-    import asyncio
-
-    from relax.backends.inference.base import PauseHolds
-    from relax.backends.inference.engine_core.block_manager import BlockManager
-    from relax.backends.inference.engine_core.core import EngineCore
-    from relax.backends.inference.engine_core.scheduler import Scheduler
-
-    runner = _chain_runner(batch=16, num_blocks=512, block_size=PAGE, max_blocks_per_sequence=WIDTH)
+    runner = _ChainRunner(batch=16, num_blocks=512, block_size=PAGE, max_blocks_per_sequence=WIDTH)
     scheduler = Scheduler(BlockManager(512, PAGE), max_running=16, max_prefill_tokens=prefill_budget)
     core = EngineCore(runner, scheduler.blocks, scheduler, tokenizer=None, eos_token_ids=frozenset(),
                       pauses=PauseHolds(), weight_version=lambda: 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import types
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_each_output_is_built_once_and_streamed_as_returned(tokenizer, lengths):
     reported = {}
     requests = [request(f"b{i}", [5 + i, 6], max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
                 for i, n in enumerate(lengths)]
-    engine.core.tokenizer = type("Counting", (), {"decode": staticmethod(counting_decode)})()
+    engine.core.tokenizer = types.SimpleNamespace(decode=counting_decode)
     outputs = asyncio.run(engine.core.generate(requests, on_output=reported.__setitem__))
     assert [len(o.output_ids) for o in outputs] == lengths
     assert all(reported[position] is output for position, output in enumerate(outputs))
