@@ -2,7 +2,8 @@
 median of many runs) against the bytes they must move, and checked against the Hugging Face modules in bf16:
 
 - paged decode attention for a few tile sizes (``BLOCK_N``), warp counts and pipeline stages, over a bf16 pool and
-  an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), in GB/s of K/V (and scales) read;
+  an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), each pool also stored head-major, and with
+  the grid ordered by sequence or by KV head, in GB/s of K/V (and scales) read;
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -55,32 +56,48 @@ def main() -> None:
     (fp8_keys, key_scales), (fp8_values, value_scales) = quantize_heads(keys), quantize_heads(values)
     reference = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page)
     # the pools: bf16; FP8 with its scales slot-major ([slots, Hkv], the pool's layout) or head-major (a
-    # transposed view of [Hkv, slots]: one head's scales of consecutive slots are adjacent)
+    # transposed view of [Hkv, slots]: one head's scales of consecutive slots are adjacent); and both pools stored
+    # head-major ([Hkv, slots, D] seen as [slots, Hkv, D]: a page's 16 vectors of one head are one contiguous run,
+    # 2 KB in FP8, where slot-major rows are 128 bytes a KV head's stride apart)
+    def head_major(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+    fp8_scales = {"key_scales": key_scales, "value_scales": value_scales}
+    head_major_scales = {"key_scales": head_major(key_scales), "value_scales": head_major(value_scales)}
     pools = {"bf16": (keys, values, {}),
-             "fp8_scales_slot_major": (fp8_keys, fp8_values, {"key_scales": key_scales, "value_scales": value_scales}),
-             "fp8_scales_head_major": (fp8_keys, fp8_values, {"key_scales": key_scales.t().contiguous().t(),
-                                                              "value_scales": value_scales.t().contiguous().t()})}
-    for pool_name, (k_pool, v_pool, scales) in pools.items():
+             "fp8_scales_slot_major": (fp8_keys, fp8_values, fp8_scales),
+             "fp8_scales_head_major": (fp8_keys, fp8_values, head_major_scales),
+             "bf16_pool_head_major": (head_major(keys), head_major(values), {}),
+             "fp8_pool_head_major": (head_major(fp8_keys), head_major(fp8_values), head_major_scales)}
+    # (pool, grid with one sequence's KV heads side by side) and the tiles each is swept over
+    full = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (2, 3)]
+    short = [(n, 4, s) for n in (64, 128) for s in (2, 3)]
+    variants = [("bf16", False, full), ("fp8_scales_slot_major", False, full), ("fp8_scales_head_major", False, full),
+                ("bf16", True, short), ("fp8_scales_slot_major", True, short), ("bf16_pool_head_major", False, short),
+                ("fp8_pool_head_major", False, short)]
+    for pool_name, heads_first, tiles in variants:
+        k_pool, v_pool, scales = pools[pool_name]
+        name = pool_name + ("_heads_first" if heads_first else "")
         scale_bytes = 2 * batch * context * kv_heads * 4 if scales else 0
         kv_bytes = 2 * batch * context * kv_heads * dim * k_pool.element_size() + scale_bytes
-        for block_n in (64, 128, 256):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    def run():
-                        return paged_decode_attention(query, k_pool, v_pool, tables, lens, dim ** -0.5, page,
-                                                      block_n=block_n, num_warps=warps, num_stages=stages, **scales)
-                    try:
-                        ms = median_ms(run)
-                    except Exception as error:  # a tile that does not fit shared memory
-                        print(f"{pool_name} BLOCK_N {block_n} warps {warps} stages {stages}: {type(error).__name__}")
-                        continue
-                    error = relative_error(run(), reference)
-                    report["attention"][f"{pool_name}_block{block_n}_warps{warps}_stages{stages}"] = {
-                        "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
-                    print(f"{pool_name:22s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
-                          f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
-    best = {name: min((v["us"], k) for k, v in report["attention"].items() if k.startswith(name))
-            for name in pools}
+        for block_n, warps, stages in tiles:
+            def run():
+                return paged_decode_attention(query, k_pool, v_pool, tables, lens, dim ** -0.5, page, block_n=block_n,
+                                              num_warps=warps, num_stages=stages, heads_first=heads_first, **scales)
+            try:
+                ms = median_ms(run)
+            except Exception as error:  # a tile that does not fit shared memory
+                print(f"{name} BLOCK_N {block_n} warps {warps} stages {stages}: {type(error).__name__}")
+                continue
+            error = relative_error(run(), reference)
+            report["attention"][f"{name}_block{block_n}_warps{warps}_stages{stages}"] = {
+                "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
+            print(f"{name:34s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
+                  f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
+    best = {}
+    for key, value in report["attention"].items():
+        name = key[:key.index("_block")]
+        best[name] = min(best.get(name, (float("inf"), "")), (value["us"], key))
     report["best_attention_us"] = best
     print("best:", best)
     heads, kv_heads = 16, 8  # the 0.6B layer below

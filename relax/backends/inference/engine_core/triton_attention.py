@@ -23,10 +23,14 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
     stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a sequence's KV heads launch side by side: they read the same pages at the same time
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     length = tl.load(lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -70,10 +74,11 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, heads_first: bool = False) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
-    ``page``-slot blocks, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
-    ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`)."""
+    ``page``-slot blocks, any strides, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
+    ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
+    sequence's KV heads run together instead of one KV head's sequences."""
     quantized = key_scales is not None
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
@@ -81,12 +86,12 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
     out = torch.empty_like(query)
     k_scales = key_scales if quantized else context_lens  # unread when not quantized
     v_scales = value_scales if quantized else context_lens
-    _paged_decode_kernel[(batch, kv_heads)](
+    _paged_decode_kernel[(kv_heads, batch) if heads_first else (batch, kv_heads)](
         query, key_pool, value_pool, out, block_tables, context_lens, k_scales, v_scales, scale,
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
         k_scales.stride(-1) if quantized else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, QUANTIZED=quantized, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
     )
     return out
