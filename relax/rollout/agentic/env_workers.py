@@ -165,7 +165,11 @@ class EnvWorkerPool:
         return worker
 
     def _read(self, worker: _Worker) -> None:
-        """The worker's answers, to the futures waiting for them; at EOF, the worker's death to all of them."""
+        """The worker's answers, to the futures waiting for them; at EOF, the worker's death to all of them.
+
+        This thread alone decides how a worker ended, and fails every call it holds with that: a call sent after
+        the worker died (its pipe broken before this thread saw the EOF) stays pending until then, so its error
+        names the death too rather than a bare broken pipe."""
         while True:
             try:
                 call_id, ok, value = worker.connection.recv()
@@ -176,15 +180,14 @@ class EnvWorkerPool:
             if waiting is not None:
                 loop, future = waiting
                 loop.call_soon_threadsafe(_settle, future, ok, value)
-        worker.process.join(5)
-        worker.dead = _how_it_ended(worker.process)
-        if self._closing:
-            return
-        self.deaths += 1
-        logger.warning("environment worker %s %s; its %d episode(s) fail", worker.process.pid, worker.dead,
-                       len(worker.episodes))
+        worker.process.join(_EXIT_WAIT_S)  # its pipe closes as it exits: on a loaded machine the exit may lag
         with worker.lock:
+            worker.dead = _how_it_ended(worker.process)
             waiting, worker.pending = list(worker.pending.values()), {}
+        if not self._closing:
+            self.deaths += 1
+            logger.warning("environment worker %s %s; its %d episode(s) fail", worker.process.pid, worker.dead,
+                           len(worker.episodes))
         for loop, future in waiting:
             loop.call_soon_threadsafe(_settle, future, False, None)
 
@@ -200,11 +203,12 @@ class EnvWorkerPool:
             return future
         try:
             worker.connection.send((call_id, episode, method, payload))
-        except (OSError, ValueError, EOFError, BrokenPipeError):
+        except OSError:
+            pass  # a broken or closed pipe: the reader, at its EOF, fails this call with how the worker ended
+        except BaseException:  # a payload that does not pickle: the caller's error, the worker goes on
             with worker.lock:
                 worker.pending.pop(call_id, None)
-            if not future.done():
-                future.set_exception(self.died(worker))
+            raise
         return future
 
     def died(self, worker: _Worker) -> EnvCallError:
@@ -222,6 +226,9 @@ class EnvWorkerPool:
             if worker.process.is_alive():
                 worker.process.kill()
         self._workers = []
+
+
+_EXIT_WAIT_S = 30.0
 
 
 def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:

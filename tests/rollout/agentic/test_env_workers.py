@@ -109,6 +109,44 @@ def test_a_worker_killed_from_outside_fails_its_episodes_at_once(engine, tokeniz
     assert all(s.status is SampleStatus.FAILED and "was killed by SIGKILL" in s.metadata["error"] for s in results)
 
 
+def test_calls_that_meet_a_dead_worker_before_its_reader_does_fail_naming_how_it_died(tokenizer):
+    """A worker killed while its reader thread is slow to hear of it (here: its reap delayed by a second): calls sent
+    before, during and after that moment each fail naming the death, never a bare broken pipe and never a hang."""
+    cfg = config()
+    pool = EnvWorkerPool(ENV_PATH, cfg, tokenizer, workers=1)
+
+    async def scenario():
+        envs = [await pool.open(sample) for sample in prompt_samples(tokenizer, 3)]
+        worker = envs[0].worker
+        process = worker.process
+        reap = process.join
+
+        def slow_reap(timeout=None):
+            time.sleep(1.0)
+            return reap(timeout)
+
+        process.join = slow_reap  # the reader's verdict lags the death
+        os.kill(process.pid, signal.SIGKILL)
+        await wait_until_async(lambda: not process.is_alive(), PROCESS_PATIENCE_S, "the worker's death",
+                               interval_s=0.01)
+        outcomes = []
+        for delay in (0.0, 0.3, 0.8, 1.5):  # before and after the reader's verdict
+            await asyncio.sleep(delay)
+            outcomes += await asyncio.wait_for(asyncio.gather(*(env.call("reset") for env in envs),
+                                                              return_exceptions=True), PROCESS_PATIENCE_S)
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert len(outcomes) == 12
+    for outcome in outcomes:
+        assert isinstance(outcome, Exception) and "was killed by SIGKILL" in str(outcome), outcome
+        assert "--env-workers" in str(outcome)
+    assert pool.deaths == 1
+
+
 def test_a_leak_under_the_memory_cap_fails_only_its_call(engine, tokenizer):
     cfg = config(env_workers=1, env_worker_memory_mb=256)
     pool = EnvWorkerPool(ENV_PATH, cfg, tokenizer, workers=1, memory_mb=256)
