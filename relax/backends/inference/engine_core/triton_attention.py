@@ -22,17 +22,19 @@ def _online_softmax_tile(scores, valid, maximum, total, TOKENS_AS_ROWS: tl.const
     """A tile's scores (``[GROUP_PAD, BLOCK_N]``, or ``[BLOCK_N, GROUP_PAD]`` with ``TOKENS_AS_ROWS``) into the
     group's running maximum and sum: the new maximum, the factor that rescales what was accumulated, the tile's
     probabilities and the new sum."""
-    if TOKENS_AS_ROWS:
+    if TOKENS_AS_ROWS:  # one return at the end: Triton takes no return inside a branch
         scores = tl.where(valid[:, None], scores, float("-inf"))
         new_max = tl.maximum(maximum, tl.max(scores, axis=0))
         p = tl.exp(scores - new_max[None, :])
         correction = tl.exp(maximum - new_max)
-        return new_max, correction, p, total * correction + tl.sum(p, axis=0)
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    new_max = tl.maximum(maximum, tl.max(scores, axis=1))
-    p = tl.exp(scores - new_max[:, None])
-    correction = tl.exp(maximum - new_max)
-    return new_max, correction, p, total * correction + tl.sum(p, axis=1)
+        total = total * correction + tl.sum(p, axis=0)
+    else:
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(maximum, tl.max(scores, axis=1))
+        p = tl.exp(scores - new_max[:, None])
+        correction = tl.exp(maximum - new_max)
+        total = total * correction + tl.sum(p, axis=1)
+    return new_max, correction, p, total
 
 
 @triton.jit
