@@ -39,6 +39,8 @@ from relax.rollout.generation.context import GenerateArgs
 
 logger = logging.getLogger(__name__)
 
+_EXIT_WAIT_S = 30.0  # how long the reader waits for a worker whose pipe closed to end, before naming how it ended
+
 
 # ----------------------------------------------------------------------------- the worker process
 
@@ -178,8 +180,7 @@ class EnvWorkerPool:
             with worker.lock:
                 waiting = worker.pending.pop(call_id, None)
             if waiting is not None:
-                loop, future = waiting
-                loop.call_soon_threadsafe(_settle, future, ok, value)
+                _deliver(*waiting, ok, value)
         worker.process.join(_EXIT_WAIT_S)  # its pipe closes as it exits: on a loaded machine the exit may lag
         with worker.lock:
             worker.dead = _how_it_ended(worker.process)
@@ -189,7 +190,7 @@ class EnvWorkerPool:
             logger.warning("environment worker %s %s; its %d episode(s) fail", worker.process.pid, worker.dead,
                            len(worker.episodes))
         for loop, future in waiting:
-            loop.call_soon_threadsafe(_settle, future, False, None)
+            _deliver(loop, future, False, None)
 
     def send(self, worker: _Worker, episode: int, method: str, payload: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -228,7 +229,12 @@ class EnvWorkerPool:
         self._workers = []
 
 
-_EXIT_WAIT_S = 30.0
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future, ok: bool, value: Any) -> None:
+    """Settle ``future`` on its loop, from the reader's thread; a loop that has ended has no one waiting."""
+    try:
+        loop.call_soon_threadsafe(_settle, future, ok, value)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:

@@ -147,6 +147,31 @@ def test_calls_that_meet_a_dead_worker_before_its_reader_does_fail_naming_how_it
     assert pool.deaths == 1
 
 
+def test_closing_the_pool_with_a_call_in_flight_on_an_ended_loop_raises_in_no_thread(tokenizer, monkeypatch):
+    """A call left pending when its event loop ended (its caller timed out), then the pool closed: the reader settles
+    what it holds on a loop that is gone, which must not raise in its thread."""
+    import threading
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook_args: raised.append(hook_args.exc_value))
+    pool = EnvWorkerPool(ENV_PATH, config(), tokenizer, workers=1)
+
+    async def scenario():
+        env = await pool.open(prompt_samples(tokenizer, 1, env="hangs")[0])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(env.call("step", "x")), 0.5)  # the call stays pending
+        return env.worker
+
+    worker = asyncio.run(scenario())
+    assert worker.pending  # still held for a loop that has ended
+    pool.close()
+    time.sleep(0.5)
+    reader = [t for t in threading.enumerate() if t.name == "relax-env-reader"]
+    for thread in reader:
+        thread.join(PROCESS_PATIENCE_S)
+    assert not worker.pending and not raised
+
+
 def test_a_leak_under_the_memory_cap_fails_only_its_call(engine, tokenizer):
     cfg = config(env_workers=1, env_worker_memory_mb=256)
     pool = EnvWorkerPool(ENV_PATH, cfg, tokenizer, workers=1, memory_mb=256)

@@ -73,7 +73,9 @@ def _paged_decode_kernel(
         total = total * correction + tl.sum(p, axis=1)
         if VALUES_BY_PAGE:  # [blocks, Hkv, D, PAGE]: a page's values of one dim are one contiguous run
             pages = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
-            page_ok = pages * PAGE < length  # whole pages: a page's slots past the length hold finite values
+            # whole pages: the slots past the length read whatever the pool holds there, finite (it starts zeroed and
+            # is written only with finite values), and their weights are 0
+            page_ok = pages * PAGE < length
             page_blocks = tl.load(tables_ptr + seq * stride_tb + pages, mask=page_ok, other=0).to(tl.int64)
             v = tl.load(v_ptr + page_blocks[None, :, None] * stride_vs + kv_head * stride_vh + dims[:, None, None] * PAGE
                         + tl.arange(0, PAGE)[None, None, :], mask=page_ok[None, :, None], other=0.0)
