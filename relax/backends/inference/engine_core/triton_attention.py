@@ -113,11 +113,11 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
     sequence's KV heads run together instead of one KV head's sequences.
 
-    Two candidates for the FP8 pool, off by default and swept by `benchmarks/decode_kernels_gpu.py` (not measured
-    on a GPU yet): ``values_by_page`` takes ``value_pool`` as ``[blocks, Hkv, D, page]`` (each page's values of one
-    dim contiguous, so the products' operand is read in pairs of tokens, not byte by byte), and ``f16_products``
-    widens the FP8 entries to fp16 (one instruction a pair; bf16 takes two), the query and each tile's weights
-    scaled into fp16's range."""
+    For an FP8 pool (the engine passes both for its own; `benchmarks/decode_kernels_gpu.py` sweeps them, and
+    `benchmarks/decode_kernels_sass.py` counts what they save; not yet timed on a GPU): ``values_by_page`` takes
+    ``value_pool`` as ``[blocks, Hkv, D, page]`` (each page's values of one dim contiguous, so the second product's
+    operand is read in pairs of tokens, not byte by byte), and ``f16_products`` widens the FP8 entries to fp16
+    (one instruction a pair; bf16 takes two), the query and each tile's weights scaled into fp16's range."""
     quantized = key_scales is not None
     if f16_products and not quantized:
         raise ValueError("f16_products is for an FP8 pool (key_scales and value_scales)")
