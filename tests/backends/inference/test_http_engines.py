@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -216,26 +215,23 @@ def test_router_gives_up_on_a_stopped_server_and_resends_its_groups(servers, mod
     process, stopped_url = serve_subprocess(model_dir)
     try:
         (survivor,) = servers(1)
-        stopped = SGLangHTTPEngine(stopped_url, timeout_s=120)
+        # an HTTP timeout far past the bounded join below: a join within it is the health checks' doing
+        stopped = SGLangHTTPEngine(stopped_url, timeout_s=3600)
         router = EngineRouter([stopped, SGLangHTTPEngine(survivor.url, timeout_s=120)], retry_down_after_s=60,
                               health_check_interval_s=0.5, health_check_timeout_s=0.5, health_check_max_failures=2)
         requests = [request(f"g{g}-i{g * 2 + k}-{g * 2 + k}", [5 + g, 6], 200) for g in range(4) for k in range(2)]
         result: dict = {}
 
         def run() -> None:
-            started = time.monotonic()
             result["out"] = asyncio.run(router.generate(requests))
-            result["s"] = time.monotonic() - started
 
         thread = threading.Thread(target=run)
         thread.start()
 
         wait_until(lambda: has_requests_in_flight(stopped_url), 30, "requests in flight on the server to stop")
         process.send_signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        thread.join(60)
+        thread.join(PROCESS_PATIENCE_S)
         assert not thread.is_alive()
-        assert time.monotonic() - stopped_at < 30  # far below the 120 s HTTP timeout
         outputs = result["out"]
         assert [o.request_id for o in outputs] == [r.request_id for r in requests]
         assert all(o.finish_reason == "length" and len(o.output_ids) == 200 for o in outputs), "no request lost"

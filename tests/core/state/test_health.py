@@ -53,10 +53,8 @@ def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expect
         os.kill(role.pid, getattr(signal, fault))
         if fault == "SIGKILL":
             role.wait(10)
-        started = time.monotonic()
         with pytest.raises(RoleFailedError, match=rf"the rollout role(.s process)? \(pid {role.pid}\) .*{expected}"):
-            asyncio.run(monitor.guard(training()))
-        assert time.monotonic() - started < 10
+            asyncio.run(monitor.guard(training()))  # a missed verdict: training() returns after 60 s, no error
         # The run has ended, as a real one would after the error: without this the verdict's exit timer would end
         # this process (pytest's) once its grace passed during the slow checks below.
         monitor.stop()

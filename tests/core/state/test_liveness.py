@@ -103,11 +103,7 @@ def test_a_role_that_stops_beating_while_it_computes_is_waited_for_until_it_is_s
         async def training():
             await asyncio.sleep(4 * timeout_s)  # four timeouts without a beat, computing all along
             os.kill(role.pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            try:
-                await asyncio.sleep(60)
-            finally:
-                assert time.monotonic() - stopped_at < 10 * timeout_s
+            await asyncio.sleep(60)  # a missed verdict: this returns, and no error is raised
 
         with caplog.at_level("WARNING", logger="relax"), \
                 pytest.raises(RoleFailedError, match=rf"the rollout role \(pid {role.pid}\) sent no heartbeat"):

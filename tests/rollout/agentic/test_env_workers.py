@@ -37,7 +37,7 @@ def config(**overrides) -> RelaxConfig:
 
 def episodes(engine, tokenizer, samples, cfg, pool=None):
     generation = PerSampleGeneration(multi_turn.generate, MULTI_TURN_PATH, cfg, tokenizer, None, pool)
-    return asyncio.run(generation.run(engine, samples, sampling(tokenizer)))
+    return asyncio.run(asyncio.wait_for(generation.run(engine, samples, sampling(tokenizer)), PROCESS_PATIENCE_S))
 
 
 def test_episodes_in_workers_equal_the_in_process_ones(engine, tokenizer):
@@ -61,14 +61,12 @@ def test_episodes_in_workers_equal_the_in_process_ones(engine, tokenizer):
 
 @pytest.mark.parametrize("kind", ["exits", "segfaults"])
 def test_an_environment_that_crashes_its_process_fails_only_its_workers_episodes(kind, engine, tokenizer):
-    cfg = config()
+    cfg = config(env_step_timeout=3600)  # far past the bounded wait: an end within it is the death's, not a timeout's
     pool = EnvWorkerPool(ENV_PATH, cfg, tokenizer, workers=2)
     try:
         samples = prompt_samples(tokenizer, 4)
         samples[0].metadata["env"] = kind  # the first episode goes to worker 1, the second to worker 2, ...
-        started = time.monotonic()
         results = episodes(engine, tokenizer, samples, cfg, pool)
-        assert time.monotonic() - started < 20  # detected at once, not after --env-step-timeout
         failed = [s for s in results if s.status is SampleStatus.FAILED]
         how = "exited with code 3" if kind == "exits" else "was killed by SIGSEGV"
         assert failed and all(how in s.metadata["error"] and "--env-workers" in s.metadata["error"] for s in failed)

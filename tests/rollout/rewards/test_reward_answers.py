@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from fractions import Fraction
 
 import pytest
@@ -124,12 +123,9 @@ def _sample(response: str, label: str, index: int = 0) -> Sample:
 def test_a_pathological_math_answer_times_out_off_the_main_thread():
     computer = RewardComputer(rm_type="math", timeout_s=1.0)
     samples = [_sample(PATHOLOGICAL, "1", 0), _sample(r"\boxed{1}", "1", 1)]
-    result = {}
 
     def score_in_thread():
-        started = time.monotonic()
         asyncio.run(computer.score(samples))
-        result["seconds"] = time.monotonic() - started
 
     thread = threading.Thread(target=score_in_thread)
     thread.start()
@@ -199,12 +195,9 @@ def test_a_pathological_label_times_out_through_the_training_loop(tiny_workspace
     args[at:at + 2] = ["--rm-type", "math", "--reward-timeout", "1"]
     at = args.index("--eval-prompt-data")
     del args[at:at + 3]
-    started = time.monotonic()
-    result = run_relax("train", *args)
+    result = run_relax("train", *args)  # bounded: a reward that hung the run would end in run_relax's timeout
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     timeouts = sum(row.get("reward/num_timeouts", 0) for row in metrics)
     assert timeouts > 0
     assert all(row["rollout/reward_mean"] == 0.0 for row in metrics if "rollout/reward_mean" in row)
-    # 32 samples at most 4 at a time, 1 s each, plus start-up: far below a minute per step
-    assert time.monotonic() - started < 300
