@@ -85,15 +85,14 @@ def _paged_decode_kernel(
                         other=0.0)
         if QUANTIZED:  # and the values' scale the probabilities
             v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
-            weights = p * v_scales[None, :]
             if F16_PRODUCTS:  # the tile's weights scaled into [0, 1] for fp16; acc is kept in units of the last
                 # tile's scale, so the factor rides on the rescale and the product accumulates in the MMA
                 tile_scale = tl.maximum(tl.max(v_scales, axis=0), 1e-30)
-                acc = tl.dot((weights / tile_scale).to(q.dtype), v.to(q.dtype),
+                acc = tl.dot((p * (v_scales / tile_scale)[None, :]).to(q.dtype), v.to(q.dtype),
                              acc * (correction * (acc_scale / tile_scale))[:, None])
                 acc_scale = tile_scale
             else:
-                acc = acc * correction[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype))
+                acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
         else:
             acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         maximum = new_max
