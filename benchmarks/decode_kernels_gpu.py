@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
 from relax.backends.inference import triton_sampling
 from relax.backends.inference.engine_core import triton_ops
-from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
+from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads, values_by_page
 from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
 
@@ -65,25 +65,23 @@ def main() -> None:
 
     fp8_scales = {"key_scales": key_scales, "value_scales": value_scales}
     head_major_scales = {"key_scales": head_major(key_scales), "value_scales": head_major(value_scales)}
-    def by_page(x: torch.Tensor) -> torch.Tensor:  # [slots, Hkv, D] -> [blocks, Hkv, D, page]
-        return x.view(-1, page, kv_heads, dim).permute(0, 2, 3, 1).contiguous()
-
     pools = {"bf16": (keys, values, {}),
              "fp8_scales_slot_major": (fp8_keys, fp8_values, fp8_scales),
              "fp8_scales_head_major": (fp8_keys, fp8_values, head_major_scales),
              "bf16_pool_head_major": (head_major(keys), head_major(values), {}),
              "fp8_pool_head_major": (head_major(fp8_keys), head_major(fp8_values), head_major_scales),
-             "fp8_values_by_page": (fp8_keys, by_page(fp8_values), {**fp8_scales, "values_by_page": True}),
+             "fp8_values_by_page": (fp8_keys, values_by_page(fp8_values, page), {**fp8_scales, "values_by_page": True}),
              "fp8_f16_products": (fp8_keys, fp8_values, {**fp8_scales, "f16_products": True}),
-             "fp8_values_by_page_f16_products": (fp8_keys, by_page(fp8_values),
+             "fp8_values_by_page_f16_products": (fp8_keys, values_by_page(fp8_values, page),
                                                  {**fp8_scales, "values_by_page": True, "f16_products": True})}
     # (pool, grid with one sequence's KV heads side by side: the kernel's default) and the tiles each is swept over;
     # the grid by KV head (one head's sequences side by side) is the baseline
     full = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (2, 3)]
     short = [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
-    variants = [("bf16", False, short), ("fp8_scales_slot_major", False, short), ("fp8_scales_head_major", False, short),
-                ("bf16", True, full), ("fp8_scales_slot_major", True, full), ("bf16_pool_head_major", True, short),
-                ("fp8_pool_head_major", True, short), ("fp8_values_by_page", True, full), ("fp8_f16_products", True, short),
+    variants = [("bf16", False, short), ("fp8_scales_slot_major", False, short),
+                ("fp8_scales_head_major", False, short), ("bf16", True, full), ("fp8_scales_slot_major", True, full),
+                ("bf16_pool_head_major", True, short), ("fp8_pool_head_major", True, short),
+                ("fp8_values_by_page", True, full), ("fp8_f16_products", True, short),
                 ("fp8_values_by_page_f16_products", True, full)]
     for pool_name, heads_first, tiles in variants:
         k_pool, v_pool, scales = pools[pool_name]

@@ -384,7 +384,7 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
     pool's products may be in fp16."""
     if f16_products and cache_dtype != "fp8_e4m3":
         pytest.skip("fp16 products are for an FP8 pool")
-    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
+    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads, values_by_page
     from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -412,7 +412,7 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         keys, values = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (keys, values))
         scales = {name: x.t().contiguous().t() for name, x in scales.items()}
     if layout == "values_by_page":
-        values = values.view(-1, page, kv_heads, dim).permute(0, 2, 3, 1).contiguous()
+        values = values_by_page(values, page)
     out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, heads_first=heads_first,
                                  values_by_page=layout == "values_by_page", f16_products=f16_products, **scales)
     for row, length in enumerate(lens.tolist()):

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
-from relax.backends.inference.engine_core.kv_cache import KVPool, LayerKV, kv_bytes_per_token, quantize_heads
+from relax.backends.inference.engine_core.kv_cache import (
+    KVPool,
+    LayerKV,
+    kv_bytes_per_token,
+    quantize_heads,
+    values_by_page,
+)
 from relax.cli.args import parse_config
 from relax.config import ConfigError
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
@@ -74,6 +80,8 @@ def test_the_fp8_pools_values_by_page_read_back_as_a_slot_major_pool_does(data, 
     for layer, ref in zip(pool.layers, reference, strict=True):
         for got, want in zip(layer.gather(every, torch.float32), ref.gather(every, torch.float32), strict=True):
             assert torch.equal(got, want)
+        # and the bytes sit where the decode kernel reads them: a page's values of one dim contiguous
+        assert torch.equal(layer.values.view(torch.uint8), values_by_page(ref.values.view(torch.uint8), page))
     assert pool.values.shape == (2, pages, kv_heads, dim, page)
 
 

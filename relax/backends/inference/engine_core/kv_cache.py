@@ -43,6 +43,12 @@ def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized.view(x.shape), scale.view(x.shape[:-1])
 
 
+def values_by_page(values: torch.Tensor, page: int) -> torch.Tensor:
+    """Slot-major ``values [slots, Hkv, D]`` in the layout an FP8 pool keeps them: ``[blocks, Hkv, D, page]``."""
+    slots, kv_heads, dim = values.shape
+    return values.view(slots // page, page, kv_heads, dim).permute(0, 2, 3, 1).contiguous()
+
+
 @dataclass
 class LayerKV:
     """One layer's pool: ``keys [slots, Hkv, D]``; ``values`` the same, or ``[blocks, Hkv, D, page]`` when ``page``

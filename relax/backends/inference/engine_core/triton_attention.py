@@ -77,8 +77,9 @@ def _paged_decode_kernel(
             # is written only with finite values), and their weights are 0
             page_ok = pages * PAGE < length
             page_blocks = tl.load(tables_ptr + seq * stride_tb + pages, mask=page_ok, other=0).to(tl.int64)
-            v = tl.load(v_ptr + page_blocks[None, :, None] * stride_vs + kv_head * stride_vh + dims[:, None, None] * PAGE
-                        + tl.arange(0, PAGE)[None, None, :], mask=page_ok[None, :, None], other=0.0)
+            v = tl.load(v_ptr + page_blocks[None, :, None] * stride_vs + kv_head * stride_vh
+                        + dims[:, None, None] * PAGE + tl.arange(0, PAGE)[None, None, :],
+                        mask=page_ok[None, :, None], other=0.0)
             v = tl.trans(tl.reshape(v, (HEAD_DIM, BLOCK_N)))
         else:
             v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
