@@ -3,8 +3,7 @@ median of many runs) against the bytes they must move, and checked against the H
 
 - paged decode attention for a few tile sizes (``BLOCK_N``), warp counts and pipeline stages, over a bf16 pool and
   an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), each pool also stored head-major, and with
-  the grid ordered by sequence (the kernel's default) or by KV head (the baseline), and the FP8 candidates (values
-  stored by page, fp16 products), in GB/s of K/V (and scales) read;
+  the grid ordered by sequence (the kernel's default) or by KV head (the baseline), in GB/s of K/V (and scales) read;
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -23,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, rotate_half
 
 from relax.backends.inference import triton_sampling
 from relax.backends.inference.engine_core import triton_ops
-from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads, values_by_page
+from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
 from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
 
@@ -69,24 +68,18 @@ def main() -> None:
              "fp8_scales_slot_major": (fp8_keys, fp8_values, fp8_scales),
              "fp8_scales_head_major": (fp8_keys, fp8_values, head_major_scales),
              "bf16_pool_head_major": (head_major(keys), head_major(values), {}),
-             "fp8_pool_head_major": (head_major(fp8_keys), head_major(fp8_values), head_major_scales),
-             "fp8_values_by_page": (fp8_keys, values_by_page(fp8_values, page), {**fp8_scales, "values_by_page": True}),
-             "fp8_f16_products": (fp8_keys, fp8_values, {**fp8_scales, "f16_products": True}),
-             "fp8_values_by_page_f16_products": (fp8_keys, values_by_page(fp8_values, page),
-                                                 {**fp8_scales, "values_by_page": True, "f16_products": True})}
+             "fp8_pool_head_major": (head_major(fp8_keys), head_major(fp8_values), head_major_scales)}
     # (pool, grid with one sequence's KV heads side by side: the kernel's default) and the tiles each is swept over;
     # the grid by KV head (one head's sequences side by side) is the baseline
     full = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (2, 3)]
     short = [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
-    variants = [("bf16", False, short), ("fp8_scales_slot_major", False, short),
-                ("fp8_scales_head_major", False, short), ("bf16", True, full), ("fp8_scales_slot_major", True, full),
-                ("bf16_pool_head_major", True, short), ("fp8_pool_head_major", True, short),
-                ("fp8_values_by_page", True, full), ("fp8_f16_products", True, short),
-                ("fp8_values_by_page_f16_products", True, full)]
+    variants = [("bf16", False, short), ("fp8_scales_slot_major", False, short), ("fp8_scales_head_major", False, short),
+                ("bf16", True, full), ("fp8_scales_slot_major", True, full), ("bf16_pool_head_major", True, short),
+                ("fp8_pool_head_major", True, short)]
     for pool_name, heads_first, tiles in variants:
         k_pool, v_pool, scales = pools[pool_name]
         name = pool_name + ("_heads_first" if heads_first else "")
-        scale_bytes = 2 * batch * context * kv_heads * 4 if "key_scales" in scales else 0
+        scale_bytes = 2 * batch * context * kv_heads * 4 if scales else 0
         kv_bytes = 2 * batch * context * kv_heads * dim * k_pool.element_size() + scale_bytes
         for block_n, warps, stages in tiles:
             def run():
@@ -107,12 +100,9 @@ def main() -> None:
         name = key[:key.index("_block")]
         best[name] = min(best.get(name, (float("inf"), "")), (value["us"], key))
     report["best_attention_us"] = best
-    for pool_name in ("bf16", "fp8_scales_slot_major"):  # the headlines: the grid by sequence against by KV head,
+    for pool_name in ("bf16", "fp8_scales_slot_major"):  # the headline: the grid by sequence against by KV head
         report[f"{pool_name}_heads_first_speedup"] = round(best[pool_name][0] / best[pool_name + "_heads_first"][0], 3)
-    fp8 = best["fp8_scales_slot_major_heads_first"][0]  # the FP8 candidates against the kernel's FP8 path
-    for candidate in ("fp8_values_by_page", "fp8_f16_products", "fp8_values_by_page_f16_products"):
-        if candidate + "_heads_first" in best:
-            report[f"{candidate}_speedup"] = round(fp8 / best[candidate + "_heads_first"][0], 3)
+    fp8 = best["fp8_scales_slot_major_heads_first"][0]  # the engine's FP8 path against its bf16 one
     report["fp8_over_bf16_speedup"] = round(best["bf16_heads_first"][0] / fp8, 3)
     print("best:", best)
     print({k: v for k, v in report.items() if k.endswith("_speedup")})

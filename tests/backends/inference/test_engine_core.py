@@ -372,19 +372,14 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("heads, kv_heads, page", [(16, 8, 16), (32, 8, 16), (4, 4, 8)])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize("layout, heads_first", [("slot_major", False), ("slot_major", True), ("head_major", True),
-                                                 ("values_by_page", True)])
-@pytest.mark.parametrize("f16_products", [False, True])
+@pytest.mark.parametrize("layout, heads_first", [("slot_major", False), ("slot_major", True), ("head_major", True)])
 def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page, cache_dtype, layout,
-                                                                           heads_first, f16_products):
+                                                                           heads_first):
     """Also over an FP8 pool (``--kv-cache-dtype fp8_e4m3``): against attention over the dequantized keys and
     values, so what is checked is the kernel's use of the scales, not the quantisation. The pool may be stored
-    head-major (the kernel reads its strides), its values by page (``[blocks, Hkv, D, page]``), and the grid may
-    run one KV head's sequences side by side (the benchmark's baseline) instead of one sequence's KV heads; an FP8
-    pool's products may be in fp16."""
-    if f16_products and cache_dtype != "fp8_e4m3":
-        pytest.skip("fp16 products are for an FP8 pool")
-    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads, values_by_page
+    head-major (the kernel reads its strides), and the grid may run one KV head's sequences side by side (the
+    benchmark's baseline) instead of one sequence's KV heads."""
+    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
     from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -411,10 +406,8 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
     if layout == "head_major":  # the same values, [Hkv, slots, D] in memory
         keys, values = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (keys, values))
         scales = {name: x.t().contiguous().t() for name, x in scales.items()}
-    if layout == "values_by_page":
-        values = values_by_page(values, page)
     out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, heads_first=heads_first,
-                                 values_by_page=layout == "values_by_page", f16_products=f16_products, **scales)
+                                 **scales)
     for row, length in enumerate(lens.tolist()):
         positions = torch.arange(length, device="cuda")
         slots = tables[row].long()[positions // page] * page + positions % page

@@ -13,13 +13,7 @@ from hypothesis import strategies as st
 
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
-from relax.backends.inference.engine_core.kv_cache import (
-    KVPool,
-    LayerKV,
-    kv_bytes_per_token,
-    quantize_heads,
-    values_by_page,
-)
+from relax.backends.inference.engine_core.kv_cache import KVPool, LayerKV, kv_bytes_per_token, quantize_heads
 from relax.cli.args import parse_config
 from relax.config import ConfigError
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
@@ -34,8 +28,8 @@ def test_a_head_vector_comes_back_within_fp8_rounding_of_its_own_largest_entry(s
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(5, 3, 16, generator=generator) * magnitude).to(dtype)
     x[0, 0] = 0  # a vector of zeros keeps its zeros
-    pool = KVPool(1, 16, 3, 16, dtype, "fp8_e4m3", torch.device("cpu"), page=4)  # values by page: 4 pages of 4
-    slots = torch.tensor([6, 1, 3, 0, 13])
+    pool = KVPool(1, 8, 3, 16, dtype, "fp8_e4m3", torch.device("cpu"))
+    slots = torch.tensor([6, 1, 3, 0, 5])
     pool.layers[0].write(slots, x, -x)
     keys, values = pool.layers[0].gather(slots, torch.float32)
     amax = x.float().abs().amax(dim=-1, keepdim=True)
@@ -46,50 +40,11 @@ def test_a_head_vector_comes_back_within_fp8_rounding_of_its_own_largest_entry(s
     assert torch.equal(pool.scales[0, 0][slots], scales)
 
 
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), page=st.sampled_from([1, 2, 4, 16]), pages=st.integers(1, 5))
-def test_the_fp8_pools_values_by_page_read_back_as_a_slot_major_pool_does(data, page, pages):
-    """The FP8 pool keeps its values ``[blocks, Hkv, D, page]``: any run of writes and copy-on-write copies reads
-    back, slot by slot, exactly what a slot-major FP8 pool given the same operations reads."""
-    slots_total, kv_heads, dim = page * pages, 2, 8
-    pool = KVPool(2, slots_total, kv_heads, dim, torch.float32, "fp8_e4m3", torch.device("cpu"), page=page)
-    reference = [LayerKV(torch.zeros(slots_total, kv_heads, dim, dtype=torch.float8_e4m3fn),
-                         torch.zeros(slots_total, kv_heads, dim, dtype=torch.float8_e4m3fn),
-                         torch.ones(slots_total, kv_heads), torch.ones(slots_total, kv_heads)) for _ in range(2)]
-    slot = st.integers(0, slots_total - 1)
-    for _ in range(data.draw(st.integers(1, 6))):
-        if data.draw(st.booleans()):  # a write to distinct slots, every layer
-            slots = torch.tensor(data.draw(st.lists(slot, min_size=1, max_size=slots_total, unique=True)))
-            for layer, ref in zip(pool.layers, reference, strict=True):
-                keys, values = torch.randn(len(slots), kv_heads, dim), torch.randn(len(slots), kv_heads, dim) * 50
-                layer.write(slots, keys, values)
-                ref.write(slots, keys, values)
-        else:  # copy-on-write: distinct targets, sources anywhere else
-            targets = data.draw(st.lists(slot, min_size=1, max_size=slots_total, unique=True))
-            sources = [data.draw(slot.filter(lambda s: s not in targets)) if len(targets) < slots_total else 0
-                       for _ in targets]
-            if len(targets) == slots_total:
-                continue
-            pool.copy_slots(torch.tensor(sources), torch.tensor(targets))
-            for ref in reference:
-                for raw, scales in ((ref.keys.view(torch.uint8), ref.key_scales),
-                                    (ref.values.view(torch.uint8), ref.value_scales)):
-                    raw[targets] = raw[sources]
-                    scales[targets] = scales[sources]
-    every = torch.arange(slots_total)
-    for layer, ref in zip(pool.layers, reference, strict=True):
-        for got, want in zip(layer.gather(every, torch.float32), ref.gather(every, torch.float32), strict=True):
-            assert torch.equal(got, want)
-        # and the bytes sit where the decode kernel reads them: a page's values of one dim contiguous
-        assert torch.equal(layer.values.view(torch.uint8), values_by_page(ref.values.view(torch.uint8), page))
-    assert pool.values.shape == (2, pages, kv_heads, dim, page)
-
-
 def test_the_pool_in_fp8_takes_about_half_the_bytes_a_token():
     bf16 = kv_bytes_per_token(36, 8, 128, torch.bfloat16, "auto")
     fp8 = kv_bytes_per_token(36, 8, 128, torch.bfloat16, "fp8_e4m3")
     assert fp8 == bf16 // 2 + 2 * 36 * 8 * 4  # one byte an entry, and a float32 scale a head vector
-    assert KVPool(36, 32, 8, 128, torch.bfloat16, "fp8_e4m3", torch.device("cpu")).nbytes == 32 * fp8
+    assert KVPool(36, 10, 8, 128, torch.bfloat16, "fp8_e4m3", torch.device("cpu")).nbytes == 10 * fp8
 
 
 def _engine(cache_dtype: str, **core) -> EmbeddedEngine:
@@ -111,7 +66,7 @@ def test_the_fp8_pool_equals_a_model_dtype_pool_holding_the_same_rounded_values(
     through FP8 and back: the pool's plumbing adds nothing to the quantisation itself."""
     engine = _engine("fp8_e4m3", page_size=4)
     outputs = asyncio.run(engine.generate(_requests(temperature=1.0)))
-    assert engine.core.runner.pool.keys.dtype == engine.core.runner.pool.values.dtype == torch.float8_e4m3fn
+    assert engine.core.runner.pool.kv.dtype == torch.float8_e4m3fn
     original = LayerKV.write
 
     def rounded_write(self, slots, keys, values):

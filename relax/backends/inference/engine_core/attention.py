@@ -159,12 +159,9 @@ def attend(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: f
     if metadata.use_triton:
         from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
-        # an FP8 pool: its values by page and the products in fp16, the kernel's cheapest loop over FP8 entries
-        # (`benchmarks/decode_kernels_sass.py`)
         return paged_decode_attention(query, cache.keys, cache.values, metadata.block_tables, metadata.context_lens,
                                       scale, metadata.block_size, key_scales=cache.key_scales,
-                                      value_scales=cache.value_scales, values_by_page=cache.values_by_page,
-                                      f16_products=cache.quantized).flatten(1)
+                                      value_scales=cache.value_scales).flatten(1)
     return _padded_attention(query, cache, metadata, scale)
 
 

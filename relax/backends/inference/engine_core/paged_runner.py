@@ -76,8 +76,7 @@ class PagedRunner(StepRunner):
         return self._cuda_graphs and self.use_triton and bool(self.graph_sizes)
 
     def _allocate_pool(self) -> None:
-        self.pool: KVPool | None = KVPool(*self._pool_shape, self._kv_dtype, self.kv_cache_dtype, self.device,
-                                          page=self.block_size)
+        self.pool: KVPool | None = KVPool(*self._pool_shape, self._kv_dtype, self.kv_cache_dtype, self.device)
         self.caches = self.pool.layers
 
     @property

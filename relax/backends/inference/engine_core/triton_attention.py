@@ -30,8 +30,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
     stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr, VALUES_BY_PAGE: tl.constexpr,
-    F16_PRODUCTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     if HEADS_FIRST:  # a sequence's KV heads launch side by side: they read the same pages at the same time
         kv_head = tl.program_id(0)
@@ -45,15 +44,9 @@ def _paged_decode_kernel(
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
-    score_factor = scale
-    if F16_PRODUCTS:  # the query scaled into fp16's range once (to 256 at most), its scale folded into the scores'
-        q_scale = tl.maximum(tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0), 1e-30) / 256.0
-        q = (q.to(tl.float32) / q_scale).to(tl.float16)
-        score_factor = scale * q_scale
     maximum = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    acc_scale = 1.0  # with F16_PRODUCTS, acc is in units of this
     for start in range(0, length, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < length
@@ -63,7 +56,7 @@ def _paged_decode_kernel(
                     other=0.0)
         if QUANTIZED:  # FP8 entries times their vector's scale: the scale multiplies the scores
             k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scales * score_factor)[None, :]
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scales * scale)[None, :]
         else:
             scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -71,33 +64,15 @@ def _paged_decode_kernel(
         correction = tl.exp(maximum - new_max)
         p = tl.exp(scores - new_max[:, None])
         total = total * correction + tl.sum(p, axis=1)
-        if VALUES_BY_PAGE:  # [blocks, Hkv, D, PAGE]: a page's values of one dim are one contiguous run
-            pages = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
-            # whole pages: the slots past the length read whatever the pool holds there, finite (it starts zeroed and
-            # is written only with finite values), and their weights are 0
-            page_ok = pages * PAGE < length
-            page_blocks = tl.load(tables_ptr + seq * stride_tb + pages, mask=page_ok, other=0).to(tl.int64)
-            v = tl.load(v_ptr + page_blocks[None, :, None] * stride_vs + kv_head * stride_vh
-                        + dims[:, None, None] * PAGE + tl.arange(0, PAGE)[None, None, :],
-                        mask=page_ok[None, :, None], other=0.0)
-            v = tl.trans(tl.reshape(v, (HEAD_DIM, BLOCK_N)))
-        else:
-            v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
-                        other=0.0)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
+                    other=0.0)
         if QUANTIZED:  # and the values' scale the probabilities
             v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
-            if F16_PRODUCTS:  # the tile's weights scaled into [0, 1] for fp16; acc is kept in units of the last
-                # tile's scale, so the factor rides on the rescale and the product accumulates in the MMA
-                tile_scale = tl.maximum(tl.max(v_scales, axis=0), 1e-30)
-                acc = tl.dot((p * (v_scales / tile_scale)[None, :]).to(q.dtype), v.to(q.dtype),
-                             acc * (correction * (acc_scale / tile_scale))[:, None])
-                acc_scale = tile_scale
-            else:
-                acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
+            acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
         else:
             acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         maximum = new_max
-    out = acc * acc_scale / total[:, None]
+    out = acc / total[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -106,25 +81,12 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2, heads_first: bool = True, values_by_page: bool = False,
-                           f16_products: bool = False) -> torch.Tensor:
+                           num_stages: int = 2, heads_first: bool = True) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
     ``page``-slot blocks, any strides, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
-    sequence's KV heads run together instead of one KV head's sequences.
-
-    For an FP8 pool (the engine passes both for its own; `benchmarks/decode_kernels_gpu.py` sweeps them, and
-    `benchmarks/decode_kernels_sass.py` counts what they save; not yet timed on a GPU): ``values_by_page`` takes
-    ``value_pool`` as ``[blocks, Hkv, D, page]`` (each page's values of one dim contiguous, so the second product's
-    operand is read in pairs of tokens, not byte by byte), and ``f16_products`` widens the FP8 entries to fp16
-    (one instruction a pair; bf16 takes two), the query and each tile's weights scaled into fp16's range."""
+    sequence's KV heads run together instead of one KV head's sequences."""
     quantized = key_scales is not None
-    if f16_products and not quantized:
-        raise ValueError("f16_products is for an FP8 pool (key_scales and value_scales)")
-    if values_by_page and (value_pool.dim() != 4 or value_pool.shape[-1] != page or value_pool.stride(-1) != 1
-                           or value_pool.stride(-2) != page):
-        raise ValueError(f"values_by_page takes value_pool as contiguous [blocks, Hkv, D, {page}], got shape "
-                         f"{tuple(value_pool.shape)} strides {value_pool.stride()}")
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
     group = heads // kv_heads
@@ -137,7 +99,6 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
         value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
         k_scales.stride(-1) if quantized else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first, VALUES_BY_PAGE=values_by_page,
-        F16_PRODUCTS=f16_products, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
     )
     return out

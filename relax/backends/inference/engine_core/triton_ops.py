@@ -85,31 +85,28 @@ def _head_norm(x1, x2, weight1, weight2, eps, HALF: tl.constexpr, NORM: tl.const
 
 @triton.jit
 def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
-                MIN_SCALE: tl.constexpr, STRIDE: tl.constexpr = 1):
-    """One head vector (its two halves) into the pool, its entries ``STRIDE`` apart; FP8 with its own scale
-    (`kv_cache.quantize_heads`)."""
-    first, second = target + tl.arange(0, HALF) * STRIDE, target + (HALF + tl.arange(0, HALF)) * STRIDE
+                MIN_SCALE: tl.constexpr):
+    """One head vector (its two halves) into the pool; FP8 with its own scale (`kv_cache.quantize_heads`)."""
     if QUANTIZED:
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(a1), axis=0), tl.max(tl.abs(a2), axis=0))
         scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr, scale)
         kind = target.dtype.element_ty
-        tl.store(first, tl.clamp(a1 / scale, -FP8_MAX, FP8_MAX).to(kind))
-        tl.store(second, tl.clamp(a2 / scale, -FP8_MAX, FP8_MAX).to(kind))
+        tl.store(target + tl.arange(0, HALF), tl.clamp(a1 / scale, -FP8_MAX, FP8_MAX).to(kind))
+        tl.store(target + HALF + tl.arange(0, HALF), tl.clamp(a2 / scale, -FP8_MAX, FP8_MAX).to(kind))
     else:
-        tl.store(first, x1)
-        tl.store(second, x2)
+        tl.store(target + tl.arange(0, HALF), x1)
+        tl.store(target + HALF + tl.arange(0, HALF), x2)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
                                positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
                                value_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
-                               stride_scale, stride_scale_head, stride_value_block, stride_value_head,
-                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                               stride_scale, stride_scale_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                NORM: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
-                               MIN_SCALE: tl.constexpr, VALUES_PAGE: tl.constexpr):
+                               MIN_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HALF)
@@ -140,22 +137,16 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
                     _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
                     HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
         value = v_ptr + token * stride_vt + kv_head * 2 * HALF
-        if VALUES_PAGE:  # [blocks, Hkv, D, page]: the vector's entries a page apart
-            value_target = value_pool_ptr + (slot // VALUES_PAGE) * stride_value_block + kv_head * stride_value_head \
-                + slot % VALUES_PAGE
-            _store_head(value_target, value_scale_ptr + scale_offset, tl.load(value + half),
-                        tl.load(value + HALF + half), HALF, QUANTIZED, FP8_MAX, MIN_SCALE, VALUES_PAGE)
-        else:
-            _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
-                        tl.load(value + half), tl.load(value + HALF + half), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+        _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
+                    tl.load(value + half), tl.load(value + HALF + half), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
 
 
 def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV) -> torch.Tensor:
     """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs): the rotated queries
-    ``[T, Hq, D]``; the rotated keys and the values go to the layer's pool ``cache`` (``[slots, Hkv, D]``, the
-    values by page if the pool keeps them so, FP8 with a scale per head vector if the pool is) at ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]``
+    ``[T, Hq, D]``; the rotated keys and the values go to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8
+    with a scale per head vector if the pool is) at ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]``
     tables; per-head RMSNorm with ``q_weight``/``k_weight`` if given."""
     key_pool, value_pool = cache.keys, cache.values
     tokens = query.shape[0]
@@ -169,9 +160,8 @@ def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
         key_pool, value_pool, key_scales, value_scales, eps, query.stride(0), key.stride(0), value.stride(0),
         q_out.stride(0), key_pool.stride(0), key_scales.stride(0), key_scales.stride(1) if cache.quantized else 0,
-        value_pool.stride(0), value_pool.stride(1), HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-        NORM=norm, QUANTIZED=cache.quantized, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, VALUES_PAGE=cache.page or 0,
-        num_warps=1,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+        NORM=norm, QUANTIZED=cache.quantized, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
     )
     return q_out
 
