@@ -165,16 +165,14 @@ def test_scale_out_and_in_during_fully_async_training(tiny_workspace, tmp_path):
         # The training goes on updating every engine (the router's update reaches them concurrently), so one
         # snapshot may catch an update half applied: the versions differ by one at most, none is behind the version
         # the new engines were synced at, and between two updates they agree (an engine left behind never would).
-        agreed = None
-        for _ in range(200):  # bounded: 10 s of polling, a step takes a fraction of a second
+        def versions_agree() -> bool:
             versions = [e["weight_version"] for e in httpx.get(f"{url}/engines").json()["models"]["default"]["engines"]]
             assert len(versions) == 3 and max(versions) - min(versions) <= 1, versions
             assert min(versions) >= max(operation["weight_version"], 1), (versions, operation)
-            if len(set(versions)) == 1:
-                agreed = versions
-                break
-            time.sleep(0.05)
-        assert agreed is not None, "the three engines never served one weight version"
+            return len(set(versions)) == 1
+
+        wait_until(versions_agree, PROCESS_PATIENCE_S, "the three engines to serve one weight version", process=train,
+                   interval_s=0.05)
         time.sleep(1.0)  # let the three engines serve a few steps
         back = run_relax("scale", "in", "--url", url, "--num-replicas", "1", "--api-key", TOKEN)
         assert back.returncode == 0, back.stderr
