@@ -6,7 +6,11 @@ Triton's wheel carries ptxas and cuobjdump, so a kernel's instruction stream can
 and compared with the bf16 kernel's; what it costs in time is the device's to say. A lesson of issue 32: two
 candidates that took the FP8 loop from 1,746 instructions to 1,078 (values stored by page, fp16 products) measured
 0.85x on an H100 (`benchmarks/results/decode_kernels_fp8_candidates_h100_gpu.json`, docs/engines.md): fewer
-instructions is a reason to measure, not a result, and they were removed. The kernel is specialised as a launch
+instructions is a reason to measure, not a result, and they were removed. What bound that kernel was one pipe, not
+the count: Nsight Compute found its XU pipe (the e4m3 -> fp16 -> bf16 conversions, the `F2F`/`F2FP` rows here, at a
+quarter of the integer pipe's rate) 64% busy; widening the bytes by integer instructions instead (`PRMT`/`LOP3`
+here) took 7% off the count and 15% off the time (`benchmarks/results/decode_kernels_fp8_widen_h100_gpu.json`).
+Read the opcodes by pipe, not only their sum. The kernel is specialised as a launch
 would specialise it (16-byte-aligned pointers, strides that are multiples of 16 marked so, a stride of 1 a
 constant), on the Qwen3-4B layer's shape (32 query heads over 8 KV heads of 128, pages of 16 slots).
 
@@ -34,16 +38,18 @@ from relax.backends.inference.engine_core.triton_attention import _paged_decode_
 RESULTS = Path(__file__).resolve().parent / "results"
 STRIDES_DIVISIBLE_BY_16 = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ob",
                            "stride_oh", "stride_tb"]
-# (name, FP8 pool, BLOCK_N, warps, stages): the tiles decode_kernels_gpu found best for each pool
+# (name, FP8 pool, widened by bits, BLOCK_N, warps, stages): the tiles decode_kernels_gpu found best for each pool;
+# fp8_convert widens the FP8 entries by the conversion instructions, the path before widening by bits
 VARIANTS = [
-    ("bf16", False, 128, 4, 3),
-    ("fp8", True, 128, 4, 2),
-    ("bf16_block64", False, 64, 4, 2),
-    ("fp8_block64", True, 64, 4, 2),
+    ("bf16", False, False, 128, 4, 3),
+    ("fp8", True, True, 128, 4, 2),
+    ("fp8_convert", True, False, 128, 4, 2),
+    ("bf16_block64", False, False, 64, 4, 2),
+    ("fp8_block64", True, True, 64, 4, 2),
 ]
 
 
-def compile_kernel(quantized: bool, block_n: int, warps: int, stages: int):
+def compile_kernel(quantized: bool, block_n: int, warps: int, stages: int, widen_by_bits: bool = True):
     """The kernel as a launch on the 4B layer would build it, for sm_90."""
     names = _paged_decode_kernel.arg_names
     kv = "*fp8e4nv" if quantized else "*bf16"
@@ -52,7 +58,8 @@ def compile_kernel(quantized: bool, block_n: int, warps: int, stages: int):
                  **{name: "i32" for name in STRIDES_DIVISIBLE_BY_16}, "stride_ss": "i32"}
     # the scales' strides: [slots, Hkv] float32 (8 and 1) with an FP8 pool; unread context lengths (1 and 0) without
     constants = {"stride_sh": 1 if quantized else 0, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "PAGE": 16,
-                 "BLOCK_N": block_n, "QUANTIZED": quantized, "HEADS_FIRST": True}
+                 "BLOCK_N": block_n, "QUANTIZED": quantized, "HEADS_FIRST": True,
+                 "WIDEN_BY_BITS": widen_by_bits}
     if not quantized:
         constants["stride_ss"] = 1
     signature = {name: "constexpr" if name in constants else signature[name] for name in names}
@@ -96,8 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     report: dict = {"benchmark": "decode_kernels_sass", "triton": triton.__version__, "target": "sm_90",
                     "shape": "Qwen3-4B layer: 32 query heads over 8 KV heads of 128, pages of 16", "variants": {}}
-    for name, quantized, block_n, warps, stages in VARIANTS:
-        kernel = compile_kernel(quantized, block_n, warps, stages)
+    for name, quantized, widen_by_bits, block_n, warps, stages in VARIANTS:
+        kernel = compile_kernel(quantized, block_n, warps, stages, widen_by_bits)
         cost = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "shared_bytes": kernel.metadata.shared,
                 **loop_cost(kernel.asm["cubin"])}
         cost["loop_instructions_per_128_tokens"] = round(cost["loop_instructions"] * 128 / block_n)

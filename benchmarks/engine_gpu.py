@@ -10,7 +10,9 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
 - ``core_fp8`` (when named in ``--only``): the engine core with ``--rollout-fp8`` (`engine_core.fp8`; with
   ``--kv-cache-dtype fp8_e4m3`` its KV pool in FP8 too, `engine_core.kv_cache`), with the
   mismatch of its samples against the bf16 model (k1 KL and mean |delta log-prob| per token, teacher-forced on the
-  first 32 sequences): the figure ``--use-tis`` reports in training.
+  first 32 sequences): the figure ``--use-tis`` reports in training;
+- ``core_fp8_convert``: the same with the decode kernel widening the FP8 pool's entries by conversion instructions,
+  the path before it widened them by their bits (`triton_attention`): the baseline of that change.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import gc
 import json
 import platform
@@ -151,6 +155,24 @@ def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str)
     return {"seconds": seconds, "tokens_per_s": produced / seconds, "new_tokens": produced}
 
 
+@contextlib.contextmanager
+def fp8_pool_widened_by_conversions():
+    """The decode kernel as it was before it widened FP8 entries by their bits: the conversion instructions (the
+    engine's attention looks the kernel's entry point up at each call, so the CUDA graphs captured inside this
+    block hold that kernel)."""
+    if not torch.cuda.is_available():  # the CPU path has no kernel to choose
+        yield
+        return
+    from relax.backends.inference.engine_core import triton_attention
+
+    kernel = triton_attention.paged_decode_attention
+    triton_attention.paged_decode_attention = functools.partial(kernel, widen_by_bits=False)
+    try:
+        yield
+    finally:
+        triton_attention.paged_decode_attention = kernel
+
+
 def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
     """The core with FP8 linears, and its samples' log-probs against the bf16 model's (the rollout/trainer
     mismatch); the model's linears are restored afterwards."""
@@ -194,6 +216,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             timing = time_generate(model, prompts, args.new_tokens, device)
         elif name == "core_fp8":
             timing = time_fp8_core(model, tokenizer, prompts, batch, args)
+        elif name == "core_fp8_convert":
+            with fp8_pool_widened_by_conversions():
+                timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
             mode = "on" if name == "core" else "off"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
@@ -213,6 +238,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     core = result.get("core", {}).get("tokens_per_s")
     if core and "core_fp8" in result:
         result["speedup_fp8_vs_bf16"] = result["core_fp8"]["tokens_per_s"] / core
+    if "core_fp8" in result and "core_fp8_convert" in result:
+        result["speedup_fp8_widen_by_bits"] = (result["core_fp8"]["tokens_per_s"]
+                                               / result["core_fp8_convert"]["tokens_per_s"])
     for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
         if core and baseline in result:
             result[key] = core / result[baseline]["tokens_per_s"]
@@ -244,7 +272,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_fp8", "previous", "generate"])
+                        choices=["core", "core_fp8", "core_fp8_convert", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -280,10 +308,10 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_fp8", "previous", "generate"):
+        for name in ("core", "core_fp8", "core_fp8_convert", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
-        for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16"):
+        for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16", "speedup_fp8_widen_by_bits"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 2)
         if "core" in row:

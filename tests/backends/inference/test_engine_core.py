@@ -371,10 +371,10 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("heads, kv_heads, page", [(16, 8, 16), (32, 8, 16), (4, 4, 8)])
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("cache_dtype, widen_by_bits", [("auto", False), ("fp8_e4m3", False), ("fp8_e4m3", True)])
 @pytest.mark.parametrize("layout, heads_first", [("slot_major", False), ("slot_major", True), ("head_major", True)])
-def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page, cache_dtype, layout,
-                                                                           heads_first):
+def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads, kv_heads, page, cache_dtype,
+                                                                           widen_by_bits, layout, heads_first):
     """Also over an FP8 pool (``--kv-cache-dtype fp8_e4m3``): against attention over the dequantized keys and
     values, so what is checked is the kernel's use of the scales, not the quantisation. The pool may be stored
     head-major (the kernel reads its strides), and the grid may run one KV head's sequences side by side (the
@@ -407,7 +407,7 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         keys, values = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (keys, values))
         scales = {name: x.t().contiguous().t() for name, x in scales.items()}
     out = paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, heads_first=heads_first,
-                                 **scales)
+                                 widen_by_bits=widen_by_bits, **scales)
     for row, length in enumerate(lens.tolist()):
         positions = torch.arange(length, device="cuda")
         slots = tables[row].long()[positions // page] * page + positions % page
@@ -417,6 +417,60 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         expected = torch.einsum("hl,lhd->hd", probs, v)
         error = (out[row].float() - expected).norm() / expected.norm()
         assert error < 1e-2, (row, length, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_widening_e4m3_by_its_bits_gives_every_finite_code_times_two_to_the_minus_120():
+    """The FP8 decode kernel's integer widening of e4m3 bytes to bf16, over all 254 finite codes (subnormals, both
+    zeros, both signs), each code in each of the four positions of a register."""
+    import triton
+    import triton.language as tl
+
+    from relax.backends.inference.engine_core.triton_attention import _e4m3_bits_to_bf16
+
+    @triton.jit
+    def widen(src, dst, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(dst + offsets, _e4m3_bits_to_bf16(tl.load(src + offsets)))
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[torch.isfinite(codes.to(torch.uint8).view(torch.float8_e4m3fn).float())]
+    rotations = torch.stack([codes.roll(shift) for shift in range(4)]).flatten()  # each code at each position
+    size = triton.next_power_of_2(rotations.numel())
+    src = torch.zeros(size, dtype=torch.uint8)
+    src[:rotations.numel()] = rotations.to(torch.uint8)
+    dst = torch.empty(size, dtype=torch.bfloat16, device="cuda")
+    widen[(1,)](src.cuda(), dst, N=size)
+    expected = src.view(torch.float8_e4m3fn).double() * 2.0 ** -120
+    assert torch.equal(dst.cpu().double(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("key_magnitude, value_magnitude, query_magnitude", [
+    (1e-4, 1e-4, 1e3), (1e4, 1e4, 1e-3), (1.0, 1e-4, 1.0), (1e-4, 1e4, 1.0)])
+def test_the_fp8_decode_kernel_widening_by_bits_holds_over_magnitudes(key_magnitude, value_magnitude,
+                                                                      query_magnitude):
+    """The kernel carries the query and the probabilities 2**64 up so that its 2**-120 keys and values multiply
+    inside float32's normal range: its output over an FP8 pool equals the conversion path's across the magnitudes
+    a head vector can take."""
+    from relax.backends.inference.engine_core.kv_cache import quantize_heads
+    from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
+
+    torch.manual_seed(1)
+    batch, heads, kv_heads, dim, page, context = 6, 32, 8, 128, 16, 200
+    keys = torch.randn(batch * 16 * page, kv_heads, dim, device="cuda") * key_magnitude
+    values = torch.randn_like(keys) * value_magnitude
+    (keys, key_scales), (values, value_scales) = quantize_heads(keys), quantize_heads(values)
+    tables = torch.arange(batch * 16, device="cuda", dtype=torch.int32).view(batch, 16)
+    lens = torch.tensor([1, 7, 16, 33, 150, context], device="cuda", dtype=torch.int32)
+    query = (torch.randn(batch, heads, dim, device="cuda") * query_magnitude).to(torch.bfloat16)
+    outs = [paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, key_scales=key_scales,
+                                   value_scales=value_scales, widen_by_bits=widen) for widen in (False, True)]
+    assert torch.isfinite(outs[1]).all()
+    error = (outs[1].float() - outs[0].float()).norm() / outs[0].float().norm()
+    assert error < 1e-2, error
 
 
 @pytest.mark.gpu
