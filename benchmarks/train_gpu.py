@@ -94,7 +94,8 @@ def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30, s
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=rows,
                                                              max_name_column_width=40, max_shapes_column_width=90),
           flush=True)
-    kernel_s = sum(e.self_device_time_total for e in events) / 1e6
+    # the kernels' own rows: an operator's row repeats its kernels' device time (summing both counted it twice)
+    kernel_s = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
     return {"profiled_wall_s": round(wall, 3), "kernel_s": round(kernel_s, 3),
             "gpu_busy": round(kernel_s / wall, 3)}
 
