@@ -45,8 +45,9 @@ def _e4m3_bits_to_bf16(x):
     instructions (e4m3 pairs to fp16, then each fp16 to bf16) run at a quarter of the integer pipe's rate: PRMT
     spreads the bytes into 16-bit lanes with their sign byte replicated above (selector nibble bit 3), a shift puts
     the exponent and mantissa at bits 10..4 (the sign byte's bits reach bit 15), and the mask keeps the sign, the
-    exponent and the mantissa. The NaN codes (0x7F, 0xFF) come out as +-480: the pool holds them only for a head
-    vector with a NaN, whose scale (its largest magnitude) is NaN too, so the NaN still reaches the output."""
+    exponent and the mantissa. The NaN codes (0x7F, 0xFF) come out as +-480 (times the factor): a pool holds them
+    only for a head vector that held a NaN, and `quantize_rows` then gives that vector a NaN scale (its largest
+    magnitude), which the kernel multiplies in, as the conversion path would."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 lo, hi;
