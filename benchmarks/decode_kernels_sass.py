@@ -33,6 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.decode_kernels_gpu import FP8_REGISTER_CAP
 from relax.backends.inference.engine_core.triton_attention import _paged_decode_kernel
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,7 +45,7 @@ STRIDES_DIVISIBLE_BY_16 = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "
 VARIANTS = [
     ("bf16", False, False, 128, 4, 3, None),
     ("fp8", True, True, 128, 4, 2, None),
-    ("fp8_capped96", True, True, 128, 4, 2, 96),
+    ("fp8_capped96", True, True, 128, 4, 2, FP8_REGISTER_CAP),
     ("fp8_convert", True, False, 128, 4, 2, None),
     ("bf16_block64", False, False, 64, 4, 2, None),
     ("fp8_block64", True, True, 64, 4, 2, None),
