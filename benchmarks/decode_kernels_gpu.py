@@ -5,8 +5,7 @@ median of many runs) against the bytes they must move, and checked against the H
   an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), each pool also stored head-major, and with
   the grid ordered by sequence (the kernel's default) or by KV head (the baseline), in GB/s of K/V (and scales) read;
   the FP8 pool's entries widened to bf16 by their bits (the kernel's default) or by the conversion instructions
-  (the baseline: ``fp8_widen_by_bits_speedup``), and the latter with its registers capped at 96, a candidate
-  (``fp8_register_cap_speedup``);
+  (the baseline: ``fp8_widen_by_bits_speedup``);
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -28,8 +27,6 @@ from relax.backends.inference.engine_core import triton_ops
 from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
 from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
-
-FP8_REGISTER_CAP = 96  # the candidate cap: 65,536 registers over five programs of 128 threads
 
 
 def median_ms(fn, warmup: int = 10, repeat: int = 50) -> float:
@@ -80,25 +77,21 @@ def main() -> None:
     full = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (2, 3)]
     short = [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
     # an FP8 pool is widened to bf16 for the products by the conversion instructions (the baseline) or by integer
-    # instructions on the bytes' bits (``widen_by_bits``, the kernel's default), the latter also with its registers
-    # capped at 96 (a candidate: five programs a multiprocessor instead of four, no spills at that cap)
-    variants = [("bf16", False, short, False, None), ("fp8_scales_slot_major", False, short, False, None),
-                ("fp8_scales_head_major", False, short, False, None), ("bf16", True, full, False, None),
-                ("fp8_scales_slot_major", True, full, False, None),
-                ("fp8_scales_slot_major", True, full, True, None),
-                ("fp8_scales_slot_major", True, full, True, FP8_REGISTER_CAP),
-                ("bf16_pool_head_major", True, short, False, None), ("fp8_pool_head_major", True, short, False, None)]
-    for pool_name, heads_first, tiles, widen_by_bits, max_registers in variants:
+    # instructions on the bytes' bits (``widen_by_bits``, the kernel's default)
+    variants = [("bf16", False, short, False), ("fp8_scales_slot_major", False, short, False),
+                ("fp8_scales_head_major", False, short, False), ("bf16", True, full, False),
+                ("fp8_scales_slot_major", True, full, False), ("fp8_scales_slot_major", True, full, True),
+                ("bf16_pool_head_major", True, short, False), ("fp8_pool_head_major", True, short, False)]
+    for pool_name, heads_first, tiles, widen_by_bits in variants:
         k_pool, v_pool, scales = pools[pool_name]
         name = pool_name + ("_heads_first" if heads_first else "") + ("_widen_by_bits" if widen_by_bits else "")
-        name += "_capped" if max_registers else ""
         scale_bytes = 2 * batch * context * kv_heads * 4 if scales else 0
         kv_bytes = 2 * batch * context * kv_heads * dim * k_pool.element_size() + scale_bytes
         for block_n, warps, stages in tiles:
             def run():
                 return paged_decode_attention(query, k_pool, v_pool, tables, lens, dim ** -0.5, page, block_n=block_n,
                                               num_warps=warps, num_stages=stages, heads_first=heads_first,
-                                              widen_by_bits=widen_by_bits, max_registers=max_registers,
+                                              widen_by_bits=widen_by_bits,
                                               **scales)
             try:
                 ms = median_ms(run)
@@ -119,10 +112,8 @@ def main() -> None:
         report[f"{pool_name}_heads_first_speedup"] = round(best[pool_name][0] / best[pool_name + "_heads_first"][0], 3)
     converted = best["fp8_scales_slot_major_heads_first"][0]
     widened = best["fp8_scales_slot_major_heads_first_widen_by_bits"][0]
-    capped = best["fp8_scales_slot_major_heads_first_widen_by_bits_capped"][0]
     report["fp8_over_bf16_speedup"] = round(best["bf16_heads_first"][0] / widened, 3)  # the engine's FP8 kernel
     report["fp8_widen_by_bits_speedup"] = round(converted / widened, 3)
-    report["fp8_register_cap_speedup"] = round(widened / capped, 3)  # the candidate against the kernel
     report["fp8_convert_over_bf16_speedup"] = round(best["bf16_heads_first"][0] / converted, 3)
     print("best:", best)
     print({k: v for k, v in report.items() if k.endswith("_speedup")})

@@ -131,16 +131,14 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True,
-                           max_registers: int | None = None) -> torch.Tensor:
+                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
     ``page``-slot blocks, any strides, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
     sequence's KV heads run together instead of one KV head's sequences; ``widen_by_bits=False`` widens an FP8
-    pool's entries by the conversion instructions (the path before). ``max_registers`` caps the registers per
-    thread (ptxas' maxnreg), a candidate `benchmarks.decode_kernels_gpu` sweeps: over an FP8 pool, 96 would let
-    five programs share a multiprocessor instead of four, without spills (`benchmarks.decode_kernels_sass`); not
-    timed yet, so no cap by default."""
+    pool's entries by the conversion instructions (the path before). (Capping the registers at 96 with ptxas'
+    maxnreg, five programs a multiprocessor instead of four, measured 0.94x on an H100:
+    `benchmarks/results/decode_kernels_fp8_register_cap_h100_gpu.json`.)"""
     quantized = key_scales is not None
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
@@ -156,6 +154,5 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
         BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first,
         WIDEN_BY_BITS=widen_by_bits, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": max_registers} if max_registers else {}),
     )
     return out
