@@ -12,7 +12,10 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   mismatch of its samples against the bf16 model (k1 KL and mean |delta log-prob| per token, teacher-forced on the
   first 32 sequences): the figure ``--use-tis`` reports in training;
 - ``core_fp8_convert``: the same with the decode kernel as it was before it widened the FP8 pool's entries by their
-  bits (`triton_attention`): the conversion instructions; the baseline of that change.
+  bits (`triton_attention`): the conversion instructions; the baseline of that change;
+- ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
+  `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
+  the baseline of that change.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
@@ -173,6 +176,20 @@ def fp8_pool_widened_by_conversions():
         triton_attention.paged_decode_attention = kernel
 
 
+@contextlib.contextmanager
+def fp8_products_in_the_linears():
+    """The FP8 products as they were before the fused forward took `Fp8LayerProducts`: no layer products, so the
+    fused forward calls the linears' own FP8 forwards (row-wise scales in the GEMM, one quantisation each)."""
+    from relax.backends.inference.engine_core.fp8 import Fp8Linears
+
+    layer_products = Fp8Linears.layer_products
+    Fp8Linears.layer_products = lambda self: None
+    try:
+        yield
+    finally:
+        Fp8Linears.layer_products = layer_products
+
+
 def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
     """The core with FP8 linears, and its samples' log-probs against the bf16 model's (the rollout/trainer
     mismatch); the model's linears are restored afterwards."""
@@ -219,6 +236,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         elif name == "core_fp8_convert":
             with fp8_pool_widened_by_conversions():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
+        elif name == "core_fp8_rowwise":
+            with fp8_products_in_the_linears():
+                timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
             mode = "on" if name == "core" else "off"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
@@ -241,6 +261,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
+    if "core_fp8" in result and "core_fp8_rowwise" in result:
+        result["speedup_fp8_over_rowwise_products"] = (result["core_fp8"]["tokens_per_s"]
+                                                       / result["core_fp8_rowwise"]["tokens_per_s"])
     for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
         if core and baseline in result:
             result[key] = core / result[baseline]["tokens_per_s"]
@@ -272,7 +295,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_fp8", "core_fp8_convert", "previous", "generate"])
+                        choices=["core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous",
+                                 "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -308,11 +332,11 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_fp8", "core_fp8_convert", "previous", "generate"):
+        for name in ("core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_fp8_over_previous_kernel"):
+                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 2)
         if "core" in row:

@@ -219,6 +219,9 @@ class EmbeddedEngine(InferenceEngine):
                               suppressed_ids=self._suppressed_ids)
         # before the runner captures its CUDA graphs, which then read the FP8 buffers that syncs refill in place
         self.fp8 = Fp8Linears(decoder.layers) if settings.fp8 else None
+        fp8_products = self.fp8.layer_products() if self.fp8 is not None and decoder.fused else None
+        if fp8_products is not None:  # the fused forward's FP8 products: scales applied by the kernels after them
+            decoder.use_products(fp8_products)
         media = MediaEncoder(self.model, decoder.text_model) if self._media_tokens.ids else None
         dtype = next(self.model.parameters()).dtype
         token_bytes = kv_bytes_per_token(decoder.num_layers, decoder.num_kv_heads, decoder.head_dim, dtype,

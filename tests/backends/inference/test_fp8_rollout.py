@@ -20,8 +20,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from relax.backends.inference.base import GenerationRequest, SamplingParams, ScoreRequest
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
 from relax.backends.inference.engine_core import fp8 as fp8_module
-from relax.backends.inference.engine_core.fp8 import Fp8Linears, fp8_linear
-from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX, quantize_rows
+from relax.backends.inference.engine_core.fp8 import Fp8LayerProducts, Fp8Linears, fp8_linear, unscaled_product
+from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX, Fp8Rows, ScaledProduct, quantize_rows
 from relax.cli.args import parse_config
 from relax.config import ConfigError
 from tests.backends.inference.test_embedded_engine import make_model, make_tokenizer
@@ -222,3 +222,169 @@ def test_the_triton_quantisation_equals_the_torch_one_bit_for_bit(columns):
     expected, expected_scales = quantize_rows(x)
     assert torch.equal(scales, expected_scales)
     assert torch.equal(quantized.view(torch.uint8), expected.view(torch.uint8))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 9), st.lists(st.integers(1, 5).map(lambda n: 16 * n), min_size=1, max_size=3),
+       st.sampled_from([1e-3, 1.0, 1e3]), st.integers(0, 2**16))
+def test_an_unscaled_product_with_its_scales_is_the_fp8_linear(tokens, widths, magnitude, seed):
+    """What the fused forward's FP8 GEMMs hand the kernels after them (`ScaledProduct`: the product with unit
+    scales, the token's and the channel's scales beside it) is, scales applied, the row-wise FP8 linear's output,
+    for the stacked projections' parts too (their columns and their channels' scales)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=generator) * magnitude
+    weight = torch.randn(sum(widths), 64, generator=generator) * torch.logspace(-3, 0, sum(widths))[:, None]
+    fp8_weight, weight_scales = quantize_rows(weight)
+    whole = unscaled_product(Fp8Rows(*quantize_rows(x)), fp8_weight, weight_scales.view(-1), torch.ones(()),
+                             torch.float32)
+    expected = fp8_linear(x, fp8_weight, weight_scales, None)
+    torch.testing.assert_close(whole.value(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    offset = 0
+    for part, width in zip(whole.split(widths), widths):
+        assert part.product.shape == (tokens, width) and part.column_scales.shape == (width,)
+        torch.testing.assert_close(part.value(), whole.value()[:, offset:offset + width], rtol=0, atol=0)
+        offset += width
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_forward_takes_fp8_layer_products_over_the_same_buffers_unless_a_projection_has_a_bias(bias):
+    """Each layer's `Fp8LayerProducts` multiplies the FP8 buffers `Fp8Linears` keeps and requantises in place (so
+    weight syncs reach them and CUDA graphs stay valid); a projection with a bias (Qwen2's q, k, v), which the
+    scale-applying kernels do not add, keeps the linears' own forwards."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=bias)
+    model = Qwen3ForCausalLM(config).eval()
+    fp8 = Fp8Linears(model.model.layers)
+    products = fp8.layer_products()
+    if bias:
+        assert products is None
+        return
+    assert len(products) == 2 and all(isinstance(p, Fp8LayerProducts) for p in products)
+    layer, first = model.model.layers[1], products[1]
+    assert first.qkv_weight.data_ptr() == layer.self_attn.q_proj.fp8_weight.data_ptr()
+    assert first.down_weight.data_ptr() == layer.mlp.down_proj.fp8_weight.data_ptr()
+    assert first.o_scales.data_ptr() == layer.self_attn.o_proj.fp8_scale.data_ptr()
+    x = torch.randn(3, 128)
+    before = unscaled_product(Fp8Rows(*quantize_rows(x)), first.down_weight[:, :128], first.down_scales,
+                              first.one, torch.float32).value()
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(2.0)  # a weight sync: new values in the same parameters
+    fp8.requantize()
+    after = unscaled_product(Fp8Rows(*quantize_rows(x)), first.down_weight[:, :128], first.down_scales,
+                             first.one, torch.float32).value()
+    torch.testing.assert_close(after, 2 * before)
+
+
+def _scaled_product(tokens: int, columns: int, seed: int) -> ScaledProduct:
+    """A product as the FP8 GEMMs hand it on: unit-scale products of e4m3 magnitudes, scales of real ones."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    product = (torch.randn(tokens, columns, device="cuda", generator=generator) * 3e3).bfloat16()
+    row_scales = torch.rand(tokens, 1, device="cuda", generator=generator) * 1e-2 + 1e-4
+    column_scales = torch.rand(columns, device="cuda", generator=generator) * 1e-2 + 1e-4
+    return ScaledProduct(product, row_scales, column_scales)
+
+
+def _same_rows(got: Fp8Rows, expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(got.scales, expected[1])
+    assert torch.equal(got.values.view(torch.uint8), expected[0].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hidden", [64, 1000, 2560])
+def test_the_norm_kernel_applies_a_products_scales_and_quantises_as_torch_does(hidden):
+    """`add_rms_norm` over a `ScaledProduct`: the residual gets the product with its scales applied (rounded to
+    bf16 as a linear's output), and ``quantize=True`` writes the normalised rows as `quantize_rows` of the bf16
+    ones, bit for bit; the last layer's norm (no quantisation) writes those bf16 rows."""
+    from relax.backends.inference.engine_core.triton_ops import add_rms_norm
+
+    product = _scaled_product(33, hidden, hidden)
+    weight = torch.randn(hidden, device="cuda").bfloat16()
+    residual = torch.randn(33, hidden, device="cuda").bfloat16()
+    expected_residual = residual.clone()
+    expected = add_rms_norm(product.value().bfloat16(), weight, 1e-6, residual=expected_residual)
+    quantized_residual = residual.clone()
+    _same_rows(add_rms_norm(product, weight, 1e-6, residual=quantized_residual, quantize=True),
+               quantize_rows(expected))
+    assert torch.equal(quantized_residual, expected_residual)
+    plain_residual = residual.clone()
+    assert torch.equal(add_rms_norm(product, weight, 1e-6, residual=plain_residual), expected)
+    assert torch.equal(plain_residual, expected_residual)
+    _same_rows(add_rms_norm(residual, weight, 1e-6, quantize=True),
+               quantize_rows(add_rms_norm(residual, weight, 1e-6)))  # the first layer's, from the embeddings
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("width", [64, 3072, 9728])
+def test_the_fp8_silu_mul_kernel_is_silu_mul_of_the_scaled_halves_then_quantisation(width):
+    from relax.backends.inference.engine_core.triton_ops import silu_mul, silu_mul_fp8
+
+    gate_up = _scaled_product(29, 2 * width, width)
+    halves = gate_up.value().bfloat16()
+    _same_rows(silu_mul_fp8(gate_up), quantize_rows(silu_mul(halves[:, :width], halves[:, width:])))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_the_qk_norm_rope_store_kernel_applies_each_projections_scales(cache_dtype):
+    """q, k and v as parts of one stacked FP8 product: the kernel's rotated queries and stored keys and values are
+    those of the products with their scales applied (each part its own channels' scales), bit for bit."""
+    from relax.backends.inference.engine_core.kv_cache import LayerKV
+    from relax.backends.inference.engine_core.triton_ops import qk_norm_rope_store
+
+    heads, kv_heads, dim, tokens = 8, 2, 128, 21
+    parts = _scaled_product(tokens, (heads + 2 * kv_heads) * dim, 7).split([heads * dim, kv_heads * dim,
+                                                                          kv_heads * dim])
+    cos, sin = (torch.randn(64, dim, device="cuda").bfloat16() for _ in range(2))
+    positions = torch.randint(0, 64, (tokens,), device="cuda")
+    slots = torch.randperm(40, device="cuda")[:tokens]
+    norms = [torch.randn(dim, device="cuda").bfloat16() for _ in range(2)]
+
+    def pool() -> LayerKV:
+        scales = (torch.zeros(40, kv_heads, device="cuda") for _ in range(2)) if cache_dtype == FP8 else (None, None)
+        return LayerKV(torch.zeros(40, kv_heads, dim, device="cuda", dtype=cache_dtype),
+                       torch.zeros(40, kv_heads, dim, device="cuda", dtype=cache_dtype), *scales)
+
+    got, expected = pool(), pool()
+    queries = qk_norm_rope_store(*parts, *norms, 1e-6, cos, sin, positions, slots, got)
+    expected_queries = qk_norm_rope_store(*(part.value().bfloat16() for part in parts), *norms, 1e-6, cos, sin,
+                                          positions, slots, expected)
+    assert torch.equal(queries, expected_queries)
+    for name in ("keys", "values", "key_scales", "value_scales"):
+        a, b = getattr(got, name), getattr(expected, name)
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_fused_fp8_engine_decodes_as_its_fp8_linears_score(cache_dtype):
+    """The FP8 engine on CUDA (fused forward, `Fp8LayerProducts`, decode in graphs): each sampled token's log-prob
+    against the teacher-forced forward of the model through its FP8 linears (the row-wise products, the path
+    before) and against the bf16 model. Both gaps stay within what the bf16 core test allows its own (mean below
+    0.05 nats): the scales applied after the product instead of in the GEMM move only the order of a rounding."""
+    model = make_model(seed=0).to("cuda", torch.bfloat16)
+    reference = make_model(seed=0).to("cuda", torch.bfloat16)
+    engine = EmbeddedEngine(model, make_tokenizer(), core=CoreSettings(mode="on", fp8=True, max_total_tokens=4096,
+                                                                       kv_cache_dtype=cache_dtype))
+    assert engine.core.runner.graphs and isinstance(engine.core.runner.decoder.products[0], Fp8LayerProducts)
+    requests = [GenerationRequest(f"r{i}", [5 + i] * (4 + i), SamplingParams(max_new_tokens=24, temperature=1.0,
+                                                                             seed=i, ignore_eos=True))
+                for i in range(16)]
+    outputs = asyncio.run(engine.generate(requests))
+    gaps: dict[str, list[float]] = {"fp8_linears": [], "bf16": []}
+    for req, out in zip(requests, outputs):
+        ids = torch.tensor([req.input_ids + out.output_ids], device="cuda")
+        chosen = torch.tensor(out.output_ids, device="cuda")[:, None]
+        for name, forward in (("fp8_linears", model), ("bf16", reference)):
+            with torch.no_grad():
+                logits = forward(ids).logits[0, len(req.input_ids) - 1:-1].float()
+            expected = logits.log_softmax(-1).gather(1, chosen)[:, 0]
+            gaps[name] += (torch.tensor(out.output_log_probs, device="cuda") - expected).tolist()
+    for name, values in gaps.items():
+        mean = sum(values) / len(values)
+        print(f"{cache_dtype} against {name}: mean gap {mean:.4f}, max |gap| {max(map(abs, values)):.4f}")
+        assert abs(mean) < 0.05 and max(map(abs, values)) < 1.5, name

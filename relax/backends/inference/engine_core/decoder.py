@@ -23,7 +23,7 @@ from torch import nn
 
 from relax.backends.inference.engine_core.attention import StepMetadata, attend
 from relax.backends.inference.engine_core.kv_cache import LayerKV
-from relax.backends.inference.engine_core.merged_projections import layer_groups
+from relax.backends.inference.engine_core.merged_projections import MergedLinears, layer_groups
 from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
 
 POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,6 +73,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+class LayerProducts:
+    """One decoder layer's products for the fused forward, in the model's dtype: q/k/v and gate/up one product
+    each over stacked weights (`merged_projections`; one by one through the linears' own forwards where those
+    were replaced). `engine_core.fp8.Fp8LayerProducts` is the FP8 counterpart."""
+
+    quantized = False  # the RMSNorm kernel hands `qkv` and `mlp` rows in the model's dtype
+
+    def __init__(self, layer: nn.Module, qkv: MergedLinears, gate_up: MergedLinears) -> None:
+        self.layer, self.qkv, self.gate_up = layer, qkv, gate_up
+
+    def o(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.layer.self_attn.o_proj(attended)  # looked up each call, as the model's forward does
+
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        from relax.backends.inference.engine_core.triton_ops import silu_mul
+
+        return self.layer.mlp.down_proj(silu_mul(*self.gate_up(hidden)))
+
+
 class TextDecoder:
     """``forward(input_ids [T], positions [T], pools, metadata) -> hidden [T, hidden]`` after the final norm;
     `logits` applies the LM head (in the model dtype, then float32, as the training forward does) and masks
@@ -110,6 +129,16 @@ class TextDecoder:
         self.suppressed_ids = suppressed_ids if suppressed_ids is not None and suppressed_ids.numel() else None
         # q/k/v (and, on the fused path, gate/up) of each layer as one product over stacked weights
         self.groups = [layer_groups(layer) for layer in self.layers]
+        # the fused forward's products, a strategy: the model dtype's, or FP8 ones (`use_products`)
+        self.products = [LayerProducts(layer, *groups) for layer, groups in zip(self.layers, self.groups)] \
+            if self.fused else []
+
+    def use_products(self, products: list) -> None:
+        """Each layer's products in the fused forward from now on (`engine_core.fp8.Fp8LayerProducts`); before
+        CUDA graphs are captured."""
+        if not self.fused or len(products) != len(self.layers):
+            raise ValueError("products replace the fused forward's, one per layer")
+        self.products = products
 
     def merge_projections(self) -> None:
         """Stack each layer's projection groups again where the weights were given storage of their own
@@ -158,27 +187,31 @@ class TextDecoder:
                        metadata: StepMetadata, embeds: torch.Tensor | None,
                        rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """The same forward with the pointwise stages fused (`triton_ops`): a residual add and the next RMSNorm
-        in one kernel; q/k norms, rotary positions and the K/V store in one."""
-        from relax.backends.inference.engine_core.triton_ops import add_rms_norm, qk_norm_rope_store, silu_mul
+        in one kernel; q/k norms, rotary positions and the K/V store in one. The products are the layers'
+        `products`; FP8 ones take their inputs quantised by the kernels before them and hand back products whose
+        scales the kernels after them apply (`engine_core.fp8`)."""
+        from relax.backends.inference.engine_core.triton_ops import add_rms_norm, qk_norm_rope_store
 
         residual = self.embed_tokens(input_ids) if embeds is None else embeds  # updated in place below
         cos, sin = self.cos, self.sin
         if rope is not None:  # per-token tables: token i reads row i
             (cos, sin), positions = rope, torch.arange(input_ids.shape[0], device=input_ids.device)
-        hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps)
-        for index, (layer, (qkv, gate_up), cache) in enumerate(zip(self.layers, self.groups, caches)):
+        quantized = self.products[0].quantized
+        hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps, quantize=quantized)
+        for index, (layer, products, cache) in enumerate(zip(self.layers, self.products, caches)):
             attention = layer.self_attn
             query = qk_norm_rope_store(
-                *qkv(hidden),
+                *products.qkv(hidden),
                 attention.q_norm.weight if self.has_qk_norm else None,
                 attention.k_norm.weight if self.has_qk_norm else None, self.eps, cos, sin, positions,
                 metadata.slot_mapping, cache)
-            out = attention.o_proj(attend(query, cache, metadata, self.scale))
-            hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual)
-            mlp = layer.mlp
-            out = mlp.down_proj(silu_mul(*gate_up(hidden)))
-            following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
-            hidden = add_rms_norm(out, following.weight, self.eps, residual=residual)
+            out = products.o(attend(query, cache, metadata, self.scale))
+            hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual,
+                                  quantize=quantized)
+            out = products.mlp(hidden)
+            last = index + 1 == len(self.layers)
+            following = self.norm if last else self.layers[index + 1].input_layernorm
+            hidden = add_rms_norm(out, following.weight, self.eps, residual=residual, quantize=quantized and not last)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,14 @@ one Triton kernel (`triton_ops.quantize_rows_fp8`, the same arithmetic as
 `quantize_rows`): written with torch operations it was six small kernels per projection, which cost more GPU time
 than the layer's GEMMs (docs/engines.md).
 
+On the fused decoder (CUDA) a layer runs its FP8 products through `Fp8LayerProducts` instead: each GEMM multiplies
+with unit scales (one per tensor), which cuBLAS runs 1.3x faster than with row-wise ones at 256 rows, and returns a
+`ScaledProduct`; the kernels that read the products (q/k-norm + rotary + store, SiLU-mul, the residual add +
+RMSNorm) apply each token's and each output channel's scale as they load it, in float32, so the quantisation is
+the same (per token, per channel) and only the order of one rounding changes. The same kernels quantise their
+rows for the next product, so a layer launches one quantisation kernel (the attention's output), not four
+(docs/engines.md).
+
 The engine keeps the model's bf16 weights as the target of weight syncs (names and shapes unchanged for every
 transport) and requantises them into the same FP8 buffers after every sync (`Fp8Linears.requantize`, from
 `EmbeddedEngine.update_weights`): CUDA graphs captured on those buffers stay valid. The cost is the FP8 copies
@@ -30,7 +38,7 @@ import types
 import torch
 from torch import nn
 
-from relax.backends.inference.engine_core.fp8_format import FP8_MAX, quantize_rows
+from relax.backends.inference.engine_core.fp8_format import FP8_MAX, Fp8Rows, ScaledProduct, quantize_rows
 from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
 
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -95,11 +103,49 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
+def unscaled_product(rows: Fp8Rows, weight: torch.Tensor, column_scales: torch.Tensor, one: torch.Tensor,
+                     dtype: torch.dtype) -> ScaledProduct:
+    """``rows`` times the FP8 ``weight [out, in]`` with unit scales (``one``, a float32 scalar on the device), the
+    scales left to the reader."""
+    product = torch._scaled_mm(rows.values, weight.t(), scale_a=one, scale_b=one, out_dtype=dtype)
+    return ScaledProduct(product, rows.scales, column_scales)
+
+
+class Fp8LayerProducts:
+    """One decoder layer's FP8 products for the fused forward (module doc): `qkv` and `gate_up` take the rows the
+    RMSNorm kernel quantised, `o` the attention's output, `down` the SiLU-mul kernel's rows; each returns
+    `ScaledProduct`s over the same FP8 weights `Fp8Linears` keeps (and requantises in place)."""
+
+    quantized = True
+
+    def __init__(self, layer: nn.Module, qkv: SharedProduct, gate_up: SharedProduct, one: torch.Tensor) -> None:
+        self.qkv_weight, self.qkv_scales, self.qkv_widths = qkv.weight, qkv.scale.view(-1), qkv.widths
+        self.gate_up_weight, self.gate_up_scales = gate_up.weight, gate_up.scale.view(-1)
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        self.o_weight, self.o_scales = o_proj.fp8_weight, o_proj.fp8_scale.view(-1)
+        self.down_weight, self.down_scales = down_proj.fp8_weight, down_proj.fp8_scale.view(-1)
+        self.dtype, self.one = o_proj.weight.dtype, one
+
+    def qkv(self, hidden: Fp8Rows) -> list[ScaledProduct]:
+        return unscaled_product(hidden, self.qkv_weight, self.qkv_scales, self.one, self.dtype).split(self.qkv_widths)
+
+    def o(self, attended: torch.Tensor) -> ScaledProduct:
+        rows = Fp8Rows(*quantize_activations(attended.reshape(attended.shape[0], -1)))
+        return unscaled_product(rows, self.o_weight, self.o_scales, self.one, self.dtype)
+
+    def mlp(self, hidden: Fp8Rows) -> ScaledProduct:
+        from relax.backends.inference.engine_core.triton_ops import silu_mul_fp8
+
+        gate_up = unscaled_product(hidden, self.gate_up_weight, self.gate_up_scales, self.one, self.dtype)
+        return unscaled_product(silu_mul_fp8(gate_up), self.down_weight, self.down_scales, self.one, self.dtype)
+
+
 class Fp8Linears:
     """The decoder layers' projections switched to `fp8_linear` over FP8 copies of their weights, those that read
     one input as one `SharedProduct` (module doc)."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = list(layers)
         self.linears: list[nn.Linear] = []
         self.products: list[SharedProduct] = []
         for layer in layers:
@@ -122,12 +168,22 @@ class Fp8Linears:
                 for name, linear in group.items():
                     linear.fp8_shared = (product, name)
 
+    def layer_products(self) -> list[Fp8LayerProducts] | None:
+        """Each layer's `Fp8LayerProducts` for the fused forward; None where a projection has a bias (Qwen2's q, k
+        and v), which the kernels that apply the scales do not add: such models keep the linears' own forwards."""
+        if any(linear.bias is not None for linear in self.linears) or len(self.products) != 2 * len(self.layers):
+            return None
+        parameter = self.linears[0].weight
+        one = torch.ones((), dtype=torch.float32, device=parameter.device)
+        return [Fp8LayerProducts(layer, qkv, gate_up, one)
+                for layer, qkv, gate_up in zip(self.layers, self.products[0::2], self.products[1::2])]
+
     def remove(self) -> None:
         """The linears back to their own forward, the FP8 copies dropped (the model serves another engine)."""
         for linear in self.linears:
             for name in ("forward", "fp8_weight", "fp8_scale", "fp8_shared"):
                 linear.__dict__.pop(name, None)
-        self.linears, self.products = [], []
+        self.layers, self.linears, self.products = [], [], []
 
     @torch.no_grad()
     def requantize(self) -> None:

@@ -12,6 +12,12 @@ whatever its size: at batch 256 that was most of a step. These kernels do each s
 - `quantize_rows_fp8`: each row of ``[T, H]`` as FP8 e4m3 with one float32 scale (``--rollout-fp8``'s activations;
   the same arithmetic as `engine_core.fp8.quantize_rows`, which it equals exactly).
 
+Under ``--rollout-fp8`` they also take the FP8 products' outputs as `ScaledProduct`s, applying the activations' and
+the weights' scales as they load them, and `add_rms_norm` (``quantize=True``) and `silu_mul_fp8` write their rows
+quantised for the next product (`Fp8Rows`, the arithmetic of `quantize_rows_fp8`): a layer's FP8 products then
+need one quantisation kernel of their own (the attention's output), not four, and multiply with one scale per
+tensor (`engine_core.fp8`).
+
 Each rounds to the model's dtype where the Hugging Face code does (the normalised value before the weight, each
 rotary product and the sum, the SiLU before the product), so the engine's log-probs stay those of the training
 forward up to the order of fp32 sums.
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relax.backends.inference.engine_core.fp8_format import FP8_MAX
+from relax.backends.inference.engine_core.fp8_format import FP8, FP8_MAX, Fp8Rows, ScaledProduct
 from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
 
 if TYPE_CHECKING:
@@ -33,12 +39,34 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, eps, stride, HIDDEN: tl.constexpr,
-                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+def _quantize_row(value, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A float32 row as e4m3 values (still float32) and its scale, with `fp8_format.quantize_rows`' arithmetic.
+    torch's, for its results bit for bit: a division by a number is a product with its float32 reciprocal, one by
+    a tensor an IEEE-rounded division (Triton's `/` on float32 is an approximate one)."""
+    scale = tl.maximum(tl.max(tl.abs(value), axis=0) * INV_FP8_MAX, MIN_SCALE)
+    return tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX), scale
+
+
+@triton.jit
+def _scaled(x, row_scale_ptr, row, column_scale_ptr, columns, mask, SCALED: tl.constexpr):
+    """``x``, a `ScaledProduct`'s entries at ``columns`` of ``row``, with its scales applied, rounded to its dtype
+    as a linear's output is (unchanged unless ``SCALED``)."""
+    if SCALED:
+        column_scale = tl.load(column_scale_ptr + columns, mask=mask, other=0.0)
+        x = (x.to(tl.float32) * tl.load(row_scale_ptr + row) * column_scale).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, row_scale_ptr, column_scale_ptr, out_scale_ptr,
+                         eps, stride, out_stride, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                         SCALED: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+                         INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < HIDDEN
     x = tl.load(x_ptr + row * stride + offsets, mask=mask, other=0.0)
+    x = _scaled(x, row_scale_ptr, row, column_scale_ptr, offsets, mask, SCALED)
     if ADD:
         residual = tl.load(residual_ptr + row * stride + offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -47,20 +75,37 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, eps, stride, 
     variance = tl.sum(value * value, axis=0) / HIDDEN
     normed = (value * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride + offsets, (normed.to(tl.float32) * weight.to(tl.float32)).to(
-        out_ptr.dtype.element_ty), mask=mask)
+    out = (normed.to(tl.float32) * weight.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if QUANTIZE:
+        quantized, scale = _quantize_row(out.to(tl.float32), FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+        tl.store(out_ptr + row * out_stride + offsets, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * out_stride + offsets, out, mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor | Fp8Rows:
     """RMSNorm of ``x [T, H]`` (after ``residual += x`` in place when ``residual`` is given: then the norm is of
-    the sum); returns the normalised rows."""
-    tokens, hidden = x.shape
-    out = torch.empty_like(x)
-    source = x if residual is None else residual
-    _add_rms_norm_kernel[(tokens,)](x, source if residual is not None else x, weight, out, eps, x.stride(0),
-                                    HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None,
-                                    num_warps=4 if hidden <= 2048 else 8)
+    the sum); returns the normalised rows, as `Fp8Rows` with ``quantize``. ``x`` may be an FP8 product's
+    `ScaledProduct` (rows contiguous)."""
+    scaled = isinstance(x, ScaledProduct)
+    product = x.product if scaled else x
+    tokens, hidden = product.shape
+    if quantize:
+        out = Fp8Rows(torch.empty(product.shape, dtype=FP8, device=product.device),
+                      torch.empty((tokens, 1), dtype=torch.float32, device=product.device))
+        values, out_scales = out
+    else:
+        out = values = torch.empty_like(product)
+        out_scales = values  # unread
+    row_scales, column_scales = (x.row_scales, x.column_scales) if scaled else (product, product)  # unread if not
+    if tokens:
+        _add_rms_norm_kernel[(tokens,)](
+            product, residual if residual is not None else product, weight, values, row_scales, column_scales,
+            out_scales, eps, product.stride(0), values.stride(0), HIDDEN=hidden,
+            BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None, SCALED=scaled, QUANTIZE=quantize,
+            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=4 if hidden <= 2048 else 8)
     return out
 
 
@@ -103,13 +148,15 @@ def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.con
 @triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
                                positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
-                               value_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
-                               stride_scale, stride_scale_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                               NORM: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
-                               MIN_SCALE: tl.constexpr):
+                               value_scale_ptr, row_scale_ptr, q_column_scale_ptr, k_column_scale_ptr,
+                               v_column_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
+                               stride_scale, stride_scale_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                               HALF: tl.constexpr, NORM: tl.constexpr, QUANTIZED: tl.constexpr, SCALED: tl.constexpr,
+                               FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HALF)
+    everywhere = half < HALF
     position = tl.load(positions_ptr + token)
     cos1 = tl.load(cos_ptr + position * 2 * HALF + half)
     cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)
@@ -117,7 +164,10 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)
     if head < HEADS:
         base = q_ptr + token * stride_qt + head * 2 * HALF
-        x1, x2 = tl.load(base + half), tl.load(base + HALF + half)
+        x1 = _scaled(tl.load(base + half), row_scale_ptr, token, q_column_scale_ptr, head * 2 * HALF + half,
+                     everywhere, SCALED)
+        x2 = _scaled(tl.load(base + HALF + half), row_scale_ptr, token, q_column_scale_ptr,
+                     head * 2 * HALF + HALF + half, everywhere, SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(q_weight_ptr + half), tl.load(q_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
@@ -127,7 +177,10 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     else:
         kv_head = head - HEADS
         base = k_ptr + token * stride_kt + kv_head * 2 * HALF
-        x1, x2 = tl.load(base + half), tl.load(base + HALF + half)
+        x1 = _scaled(tl.load(base + half), row_scale_ptr, token, k_column_scale_ptr, kv_head * 2 * HALF + half,
+                     everywhere, SCALED)
+        x2 = _scaled(tl.load(base + HALF + half), row_scale_ptr, token, k_column_scale_ptr,
+                     kv_head * 2 * HALF + HALF + half, everywhere, SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
@@ -137,17 +190,29 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
                     _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
                     HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
         value = v_ptr + token * stride_vt + kv_head * 2 * HALF
+        v1 = _scaled(tl.load(value + half), row_scale_ptr, token, v_column_scale_ptr, kv_head * 2 * HALF + half,
+                     everywhere, SCALED)
+        v2 = _scaled(tl.load(value + HALF + half), row_scale_ptr, token, v_column_scale_ptr,
+                     kv_head * 2 * HALF + HALF + half, everywhere, SCALED)
         _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
-                    tl.load(value + half), tl.load(value + HALF + half), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+                    v1, v2, HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
 
 
-def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
+def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
+                       value: torch.Tensor | ScaledProduct, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV) -> torch.Tensor:
-    """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs): the rotated queries
-    ``[T, Hq, D]``; the rotated keys and the values go to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8
-    with a scale per head vector if the pool is) at ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]``
-    tables; per-head RMSNorm with ``q_weight``/``k_weight`` if given."""
+    """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs, or all three FP8 products'
+    `ScaledProduct`s with one row scale): the rotated queries ``[T, Hq, D]``; the rotated keys and the values go
+    to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8 with a scale per head vector if the pool is) at
+    ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]`` tables; per-head RMSNorm with
+    ``q_weight``/``k_weight`` if given."""
+    scaled = isinstance(query, ScaledProduct)
+    if scaled:
+        row_scales, column_scales = query.row_scales, (query.column_scales, key.column_scales, value.column_scales)
+        query, key, value = query.product, key.product, value.product
+    else:
+        row_scales, column_scales = query, (query, query, query)  # unread
     key_pool, value_pool = cache.keys, cache.values
     tokens = query.shape[0]
     kv_heads, dim = key_pool.shape[1], key_pool.shape[2]
@@ -158,10 +223,10 @@ def qk_norm_rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     value_scales = cache.value_scales if cache.quantized else value_pool
     _qk_norm_rope_store_kernel[(tokens, heads + kv_heads)](
         query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
-        key_pool, value_pool, key_scales, value_scales, eps, query.stride(0), key.stride(0), value.stride(0),
-        q_out.stride(0), key_pool.stride(0), key_scales.stride(0), key_scales.stride(1) if cache.quantized else 0,
-        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-        NORM=norm, QUANTIZED=cache.quantized, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
+        key_pool, value_pool, key_scales, value_scales, row_scales, *column_scales, eps, query.stride(0),
+        key.stride(0), value.stride(0), q_out.stride(0), key_pool.stride(0), key_scales.stride(0),
+        key_scales.stride(1) if cache.quantized else 0, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+        NORM=norm, QUANTIZED=cache.quantized, SCALED=scaled, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
     )
     return q_out
 
@@ -190,6 +255,39 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _silu_mul_fp8_kernel(product_ptr, row_scale_ptr, column_scale_ptr, out_ptr, out_scale_ptr, stride, out_stride,
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < WIDTH
+    gate = tl.load(product_ptr + row * stride + offsets, mask=mask, other=0.0)
+    up = tl.load(product_ptr + row * stride + WIDTH + offsets, mask=mask, other=0.0)
+    g = _scaled(gate, row_scale_ptr, row, column_scale_ptr, offsets, mask, True).to(tl.float32)
+    up = _scaled(up, row_scale_ptr, row, column_scale_ptr, WIDTH + offsets, mask, True)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    value = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    quantized, scale = _quantize_row(value, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
+    tl.store(out_ptr + row * out_stride + offsets, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_scale_ptr + row, scale)
+
+
+def silu_mul_fp8(gate_up: ScaledProduct) -> Fp8Rows:
+    """``silu(gate) * up`` of the FP8 gate/up product (its two halves, scales applied), quantised per row for the
+    down projection: each row in one program, which needs the whole row for its scale."""
+    tokens, width = gate_up.product.shape[0], gate_up.product.shape[1] // 2
+    out = Fp8Rows(torch.empty((tokens, width), dtype=FP8, device=gate_up.product.device),
+                  torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.product.device))
+    if tokens:
+        block = triton.next_power_of_2(width)
+        _silu_mul_fp8_kernel[(tokens,)](gate_up.product, gate_up.row_scales, gate_up.column_scales, out.values,
+                                        out.scales, gate_up.product.stride(0), out.values.stride(0), WIDTH=width,
+                                        BLOCK=block, FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
+                                        MIN_SCALE=_MIN_SCALE, num_warps=16 if block >= 8192 else 8)
+    return out
+
+
+@triton.jit
 def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COLUMNS: tl.constexpr,
                               BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                               MIN_SCALE: tl.constexpr):
@@ -197,10 +295,7 @@ def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COL
     offsets = tl.arange(0, BLOCK)
     mask = offsets < COLUMNS
     value = tl.load(x_ptr + row * stride + offsets, mask=mask, other=0.0).to(tl.float32)
-    # torch's arithmetic, for its results bit for bit: a division by a number is a product with its float32
-    # reciprocal, one by a tensor an IEEE-rounded division (Triton's `/` on float32 is an approximate one)
-    scale = tl.maximum(tl.max(tl.abs(value), axis=0) * INV_FP8_MAX, MIN_SCALE)
-    quantized = tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX)
+    quantized, scale = _quantize_row(value, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
     tl.store(out_ptr + row * out_stride + offsets, quantized.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
