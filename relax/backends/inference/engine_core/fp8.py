@@ -20,9 +20,9 @@ On the fused decoder (CUDA) a layer runs its FP8 products through `Fp8LayerProdu
 with unit scales (one per tensor), which cuBLAS runs 1.3x faster than with row-wise ones at 256 rows, and returns a
 `ScaledProduct`; the kernels that read the products (q/k-norm + rotary + store, SiLU-mul, the residual add +
 RMSNorm) apply each token's and each output channel's scale as they load it, in float32, so the quantisation is
-the same (per token, per channel) and only the order of one rounding changes. The same kernels quantise their
-rows for the next product, so a layer launches one quantisation kernel (the attention's output), not four
-(docs/engines.md).
+the same (per token, per channel) and only the order of one rounding changes. The RMSNorm kernel quantises its
+rows for the next products, so a layer launches two quantisation kernels (the attention's output, the SiLU-mul's),
+not four (docs/engines.md).
 
 The engine keeps the model's bf16 weights as the target of weight syncs (names and shapes unchanged for every
 transport) and requantises them into the same FP8 buffers after every sync (`Fp8Linears.requantize`, from
@@ -134,10 +134,12 @@ class Fp8LayerProducts:
         return unscaled_product(rows, self.o_weight, self.o_scales, self.one, self.dtype)
 
     def mlp(self, hidden: Fp8Rows) -> ScaledProduct:
-        from relax.backends.inference.engine_core.triton_ops import silu_mul_fp8
+        from relax.backends.inference.engine_core.triton_ops import silu_mul
 
         gate_up = unscaled_product(hidden, self.gate_up_weight, self.gate_up_scales, self.one, self.dtype)
-        return unscaled_product(silu_mul_fp8(gate_up), self.down_weight, self.down_scales, self.one, self.dtype)
+        width = gate_up.product.shape[1] // 2
+        rows = Fp8Rows(*quantize_activations(silu_mul(*gate_up.split([width, width]))))
+        return unscaled_product(rows, self.down_weight, self.down_scales, self.one, self.dtype)
 
 
 class Fp8Linears:

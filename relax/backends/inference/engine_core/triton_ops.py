@@ -13,10 +13,10 @@ whatever its size: at batch 256 that was most of a step. These kernels do each s
   the same arithmetic as `engine_core.fp8.quantize_rows`, which it equals exactly).
 
 Under ``--rollout-fp8`` they also take the FP8 products' outputs as `ScaledProduct`s, applying the activations' and
-the weights' scales as they load them, and `add_rms_norm` (``quantize=True``) and `silu_mul_fp8` write their rows
-quantised for the next product (`Fp8Rows`, the arithmetic of `quantize_rows_fp8`): a layer's FP8 products then
-need one quantisation kernel of their own (the attention's output), not four, and multiply with one scale per
-tensor (`engine_core.fp8`).
+the weights' scales as they load them, and `add_rms_norm` (``quantize=True``) writes its rows quantised for the
+next products (`Fp8Rows`, the arithmetic of `quantize_rows_fp8`): a layer's FP8 products then need two
+quantisation kernels of their own (the attention's output, the SiLU-mul's), not four, and multiply with one scale
+per tensor (`engine_core.fp8`).
 
 Each rounds to the model's dtype where the Hugging Face code does (the normalised value before the weight, each
 rotary product and the sum, the SiLU before the product), so the engine's log-probs stay those of the training
@@ -48,13 +48,11 @@ def _quantize_row(value, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_S
 
 
 @triton.jit
-def _scaled(x, row_scale_ptr, row, column_scale_ptr, columns, mask, SCALED: tl.constexpr):
-    """``x``, a `ScaledProduct`'s entries at ``columns`` of ``row``, with its scales applied, rounded to its dtype
-    as a linear's output is (unchanged unless ``SCALED``)."""
-    if SCALED:
-        column_scale = tl.load(column_scale_ptr + columns, mask=mask, other=0.0)
-        x = (x.to(tl.float32) * tl.load(row_scale_ptr + row) * column_scale).to(x.dtype)
-    return x
+def _scaled(x, row_scale, column_scale_ptr, columns, mask):
+    """``x``, a `ScaledProduct`'s entries at ``columns`` of rows whose scale is ``row_scale``, with its scales
+    applied, rounded to its dtype as a linear's output is."""
+    column_scale = tl.load(column_scale_ptr + columns, mask=mask, other=0.0)
+    return (x.to(tl.float32) * row_scale * column_scale).to(x.dtype)
 
 
 @triton.jit
@@ -66,7 +64,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, row_scale_ptr
     offsets = tl.arange(0, BLOCK)
     mask = offsets < HIDDEN
     x = tl.load(x_ptr + row * stride + offsets, mask=mask, other=0.0)
-    x = _scaled(x, row_scale_ptr, row, column_scale_ptr, offsets, mask, SCALED)
+    if SCALED:
+        x = _scaled(x, tl.load(row_scale_ptr + row), column_scale_ptr, offsets, mask)
     if ADD:
         residual = tl.load(residual_ptr + row * stride + offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -146,6 +145,19 @@ def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.con
 
 
 @triton.jit
+def _load_head(row_ptr, row_scale_ptr, token, column_scale_ptr, head, HALF: tl.constexpr, SCALED: tl.constexpr):
+    """The two halves of one head vector of a token's row (a `ScaledProduct`'s, scales applied, if ``SCALED``)."""
+    first, second = head * 2 * HALF + tl.arange(0, HALF), head * 2 * HALF + HALF + tl.arange(0, HALF)
+    x1, x2 = tl.load(row_ptr + first), tl.load(row_ptr + second)
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + token)
+        everywhere = first >= 0
+        x1 = _scaled(x1, row_scale, column_scale_ptr, first, everywhere)
+        x2 = _scaled(x2, row_scale, column_scale_ptr, second, everywhere)
+    return x1, x2
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
                                positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
                                value_scale_ptr, row_scale_ptr, q_column_scale_ptr, k_column_scale_ptr,
@@ -156,18 +168,13 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, HALF)
-    everywhere = half < HALF
     position = tl.load(positions_ptr + token)
     cos1 = tl.load(cos_ptr + position * 2 * HALF + half)
     cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)
     sin1 = tl.load(sin_ptr + position * 2 * HALF + half)
     sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)
     if head < HEADS:
-        base = q_ptr + token * stride_qt + head * 2 * HALF
-        x1 = _scaled(tl.load(base + half), row_scale_ptr, token, q_column_scale_ptr, head * 2 * HALF + half,
-                     everywhere, SCALED)
-        x2 = _scaled(tl.load(base + HALF + half), row_scale_ptr, token, q_column_scale_ptr,
-                     head * 2 * HALF + HALF + half, everywhere, SCALED)
+        x1, x2 = _load_head(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, head, HALF, SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(q_weight_ptr + half), tl.load(q_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
@@ -176,11 +183,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
         tl.store(out + HALF + half, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
     else:
         kv_head = head - HEADS
-        base = k_ptr + token * stride_kt + kv_head * 2 * HALF
-        x1 = _scaled(tl.load(base + half), row_scale_ptr, token, k_column_scale_ptr, kv_head * 2 * HALF + half,
-                     everywhere, SCALED)
-        x2 = _scaled(tl.load(base + HALF + half), row_scale_ptr, token, k_column_scale_ptr,
-                     kv_head * 2 * HALF + HALF + half, everywhere, SCALED)
+        x1, x2 = _load_head(k_ptr + token * stride_kt, row_scale_ptr, token, k_column_scale_ptr, kv_head, HALF,
+                            SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
@@ -189,14 +193,10 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
         _store_head(key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, key_scale_ptr + scale_offset,
                     _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
                     HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
-        value = v_ptr + token * stride_vt + kv_head * 2 * HALF
-        v1 = _scaled(tl.load(value + half), row_scale_ptr, token, v_column_scale_ptr, kv_head * 2 * HALF + half,
-                     everywhere, SCALED)
-        v2 = _scaled(tl.load(value + HALF + half), row_scale_ptr, token, v_column_scale_ptr,
-                     kv_head * 2 * HALF + HALF + half, everywhere, SCALED)
+        v1, v2 = _load_head(v_ptr + token * stride_vt, row_scale_ptr, token, v_column_scale_ptr, kv_head, HALF,
+                            SCALED)
         _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
                     v1, v2, HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
-
 
 def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
                        value: torch.Tensor | ScaledProduct, q_weight: torch.Tensor | None,
@@ -232,58 +232,44 @@ def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | 
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, gate_stride, up_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, row_scale_ptr, gate_column_scale_ptr, up_column_scale_ptr, n, width,
+                     gate_stride, up_stride, BLOCK: tl.constexpr, SCALED: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     rows, columns = offsets // width, offsets % width
     gate = tl.load(gate_ptr + rows * gate_stride + columns, mask=mask, other=0.0)
     up = tl.load(up_ptr + rows * up_stride + columns, mask=mask, other=0.0)
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + rows, mask=mask, other=0.0)
+        gate = _scaled(gate, row_scale, gate_column_scale_ptr, columns, mask)
+        up = _scaled(up, row_scale, up_column_scale_ptr, columns, mask)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     tl.store(out_ptr + offsets, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct) -> torch.Tensor:
     """``silu(gate) * up`` for ``[T, I]`` operands whose rows may be strided (the two halves of one merged
-    gate/up product, `merged_projections`); a contiguous ``[T, I]`` result."""
+    gate/up product, `merged_projections`, or of one FP8 product as `ScaledProduct`s, their scales applied as
+    they are read); a contiguous ``[T, I]`` result.
+
+    Elementwise, in blocks across rows: under ``--rollout-fp8`` the down projection's quantisation stays a
+    kernel of its own. A version that quantised in this kernel needed each row in one program (the row's largest
+    entry sets its scale); at the 4B shape's 9,728 columns that took 72 us a call on an H100, many times this
+    kernel and the quantisation together."""
+    scaled = isinstance(gate, ScaledProduct)
+    if scaled:
+        row_scales, column_scales = gate.row_scales, (gate.column_scales, up.column_scales)
+        gate, up = gate.product, up.product
     gate, up = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    if not scaled:
+        row_scales, column_scales = gate, (gate, gate)  # unread
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
-                                              BLOCK=1024, num_warps=4)
-    return out
-
-
-@triton.jit
-def _silu_mul_fp8_kernel(product_ptr, row_scale_ptr, column_scale_ptr, out_ptr, out_scale_ptr, stride, out_stride,
-                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offsets = tl.arange(0, BLOCK)
-    mask = offsets < WIDTH
-    gate = tl.load(product_ptr + row * stride + offsets, mask=mask, other=0.0)
-    up = tl.load(product_ptr + row * stride + WIDTH + offsets, mask=mask, other=0.0)
-    g = _scaled(gate, row_scale_ptr, row, column_scale_ptr, offsets, mask, True).to(tl.float32)
-    up = _scaled(up, row_scale_ptr, row, column_scale_ptr, WIDTH + offsets, mask, True)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    value = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    quantized, scale = _quantize_row(value, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
-    tl.store(out_ptr + row * out_stride + offsets, quantized.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_scale_ptr + row, scale)
-
-
-def silu_mul_fp8(gate_up: ScaledProduct) -> Fp8Rows:
-    """``silu(gate) * up`` of the FP8 gate/up product (its two halves, scales applied), quantised per row for the
-    down projection: each row in one program, which needs the whole row for its scale."""
-    tokens, width = gate_up.product.shape[0], gate_up.product.shape[1] // 2
-    out = Fp8Rows(torch.empty((tokens, width), dtype=FP8, device=gate_up.product.device),
-                  torch.empty((tokens, 1), dtype=torch.float32, device=gate_up.product.device))
-    if tokens:
-        block = triton.next_power_of_2(width)
-        _silu_mul_fp8_kernel[(tokens,)](gate_up.product, gate_up.row_scales, gate_up.column_scales, out.values,
-                                        out.scales, gate_up.product.stride(0), out.values.stride(0), WIDTH=width,
-                                        BLOCK=block, FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
-                                        MIN_SCALE=_MIN_SCALE, num_warps=16 if block >= 8192 else 8)
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, row_scales, *column_scales, n, gate.shape[1],
+                                                  gate.stride(0), up.stride(0), BLOCK=1024, SCALED=scaled,
+                                                  num_warps=4)
     return out
 
 
