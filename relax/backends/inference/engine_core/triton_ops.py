@@ -84,10 +84,12 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, row_scale_ptr
 
 
 def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor | Fp8Rows:
+                 residual: torch.Tensor | None = None, quantize: bool = False,
+                 num_warps: int | None = None) -> torch.Tensor | Fp8Rows:
     """RMSNorm of ``x [T, H]`` (after ``residual += x`` in place when ``residual`` is given: then the norm is of
     the sum); returns the normalised rows, as `Fp8Rows` with ``quantize``. ``x`` may be an FP8 product's
-    `ScaledProduct` (rows contiguous)."""
+    `ScaledProduct` (rows contiguous). ``num_warps``: a program's (one row's) warps, for the benchmark's sweep
+    (`benchmarks.fp8_pointwise_gpu`)."""
     scaled = isinstance(x, ScaledProduct)
     product = x.product if scaled else x
     tokens, hidden = product.shape
@@ -104,7 +106,7 @@ def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: flo
             product, residual if residual is not None else product, weight, values, row_scales, column_scales,
             out_scales, eps, product.stride(0), values.stride(0), HIDDEN=hidden,
             BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None, SCALED=scaled, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=4 if hidden <= 2048 else 8)
+            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps or (4 if hidden <= 2048 else 8))
     return out
 
 
@@ -201,7 +203,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
 def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
                        value: torch.Tensor | ScaledProduct, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+                       positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV, num_warps: int = 1) -> torch.Tensor:
     """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs, or all three FP8 products'
     `ScaledProduct`s with one row scale): the rotated queries ``[T, Hq, D]``; the rotated keys and the values go
     to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8 with a scale per head vector if the pool is) at
@@ -226,7 +228,7 @@ def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | 
         key_pool, value_pool, key_scales, value_scales, row_scales, *column_scales, eps, query.stride(0),
         key.stride(0), value.stride(0), q_out.stride(0), key_pool.stride(0), key_scales.stride(0),
         key_scales.stride(1) if cache.quantized else 0, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-        NORM=norm, QUANTIZED=cache.quantized, SCALED=scaled, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=1,
+        NORM=norm, QUANTIZED=cache.quantized, SCALED=scaled, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps,
     )
     return q_out
 
@@ -248,7 +250,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, row_scale_ptr, gate_column_scale
     tl.store(out_ptr + offsets, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct, block: int = 1024,
+             num_warps: int = 4) -> torch.Tensor:
     """``silu(gate) * up`` for ``[T, I]`` operands whose rows may be strided (the two halves of one merged
     gate/up product, `merged_projections`, or of one FP8 product as `ScaledProduct`s, their scales applied as
     they are read); a contiguous ``[T, I]`` result.
@@ -267,9 +270,9 @@ def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduc
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, out, row_scales, *column_scales, n, gate.shape[1],
-                                                  gate.stride(0), up.stride(0), BLOCK=1024, SCALED=scaled,
-                                                  num_warps=4)
+        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, row_scales, *column_scales, n, gate.shape[1],
+                                                   gate.stride(0), up.stride(0), BLOCK=block, SCALED=scaled,
+                                                   num_warps=num_warps)
     return out
 
 
@@ -286,7 +289,8 @@ def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COL
     tl.store(scale_ptr + row, scale)
 
 
-def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
+                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, H]`` (rows contiguous) as e4m3 ``[T, H]`` and float32 scales ``[T, 1]``, one kernel."""
     rows, columns = x.shape
     out = torch.empty((rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
@@ -295,5 +299,47 @@ def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float) -> tupl
         block = triton.next_power_of_2(columns)
         _quantize_rows_fp8_kernel[(rows,)](x, out, scales, x.stride(0), out.stride(0), COLUMNS=columns, BLOCK=block,
                                            FP8_MAX=fp8_max, INV_FP8_MAX=1.0 / fp8_max, MIN_SCALE=min_scale,
-                                           num_warps=8 if block >= 4096 else 4)
+                                           num_warps=num_warps or (8 if block >= 4096 else 4))
     return out, scales
+
+
+@triton.jit
+def _dequantize_rows(pool_ptr, scale_ptr, out_ptr, source, target, scale_offsets, mask, head_mask):
+    scale = tl.load(scale_ptr + scale_offsets, mask=head_mask, other=0.0)
+    value = tl.load(pool_ptr + source, mask=mask, other=0.0).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + target, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_dequantized_kernel(key_pool_ptr, value_pool_ptr, key_scale_ptr, value_scale_ptr, slots_ptr, key_out_ptr,
+                               value_out_ptr, stride_pool, stride_head, stride_scale, stride_scale_head,
+                               KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr,
+                               DIM_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    heads, dims = tl.arange(0, HEADS_PAD), tl.arange(0, DIM_PAD)
+    head_mask = heads < KV_HEADS
+    mask = head_mask[:, None] & (dims[None, :] < DIM)
+    source = slot * stride_pool + heads[:, None] * stride_head + dims[None, :]
+    target = row * KV_HEADS * DIM + heads[:, None] * DIM + dims[None, :]
+    scale_offsets = slot * stride_scale + heads * stride_scale_head
+    _dequantize_rows(key_pool_ptr, key_scale_ptr, key_out_ptr, source, target, scale_offsets, mask, head_mask)
+    _dequantize_rows(value_pool_ptr, value_scale_ptr, value_out_ptr, source, target, scale_offsets, mask, head_mask)
+
+
+def gather_dequantized(cache: LayerKV, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LayerKV.gather` of an FP8 pool in one kernel: the K/V at ``slots`` (any shape ``S``) as ``[*S, Hkv, D]``
+    in ``dtype``, each vector times its scale (torch's arithmetic: the float32 product, rounded once). Torch
+    operations took ten kernels (gathers, widenings, products, narrowings) for a prefill's keys and values."""
+    keys, values = cache.keys, cache.values
+    kv_heads, dim = keys.shape[1], keys.shape[2]
+    flat = slots.reshape(-1)
+    key_out = torch.empty((flat.shape[0], kv_heads, dim), dtype=dtype, device=keys.device)
+    value_out = torch.empty_like(key_out)
+    if flat.shape[0]:
+        _gather_dequantized_kernel[(flat.shape[0],)](
+            keys, values, cache.key_scales, cache.value_scales, flat, key_out, value_out, keys.stride(0),
+            keys.stride(1), cache.key_scales.stride(0), cache.key_scales.stride(1), KV_HEADS=kv_heads,
+            HEADS_PAD=triton.next_power_of_2(kv_heads), DIM=dim, DIM_PAD=triton.next_power_of_2(dim), num_warps=4)
+    shape = (*slots.shape, kv_heads, dim)
+    return key_out.view(shape), value_out.view(shape)

@@ -1,0 +1,121 @@
+"""The FP8 rollout's pointwise kernels on one decoder layer of the Qwen3-4B shape, swept over their launch settings.
+
+A decode step of the FP8 engine at batch 256 spent 1.36 ms of its 7.2 ms of kernels on an H100 in four pointwise
+kernels a layer (the residual add + RMSNorm that quantises, the q/k-norm + rotary + K/V store, SiLU-mul, the
+row quantisation), each 6-8 us where its bytes take 1-3 (docs/engines.md). Each kernel is timed here at the
+decode step's rows (``--decode-rows``) and a prefill chunk's (``--prefill-rows``) for each launch setting (warps
+per program; SiLU-mul's block too), on the inputs the engine hands it (`ScaledProduct`s with their scales, an FP8
+KV pool), in CUDA graphs of ``--iterations`` launches (`fp8_gemm_gpu.time_ms`: the device's time, as the engine
+replays its decode steps). The JSON gives each setting's time, the best, and the best against the setting the
+engine uses (``speedup_over_default``). A prefill's K/V gather from an FP8 pool is timed too: the Triton kernel
+(`triton_ops.gather_dequantized`) against the torch operations it replaced (``gather_speedup``).
+
+    python -m benchmarks.fp8_pointwise_gpu [--decode-rows 256 --prefill-rows 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.fp8_gemm_gpu import time_ms
+from relax.backends.inference.engine_core.fp8_format import FP8_MAX, MIN_SCALE, ScaledProduct
+from relax.backends.inference.engine_core.kv_cache import KVPool
+from relax.backends.inference.engine_core.triton_ops import (add_rms_norm, qk_norm_rope_store, quantize_rows_fp8,
+                                                             silu_mul)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, DIM = 2560, 9728, 32, 8, 128  # Qwen3-4B
+
+
+def scaled_product(rows: int, columns: int) -> ScaledProduct:
+    return ScaledProduct((torch.randn(rows, columns, device="cuda") * 3e3).bfloat16(),
+                         torch.rand(rows, 1, device="cuda") * 1e-2, torch.rand(columns, device="cuda") * 1e-2)
+
+
+def kernels(rows: int, pool: KVPool) -> dict[str, tuple[dict[str, object], object]]:
+    """Each kernel: (its settings by name, ``run(settings) -> callable(i)``), with the engine's setting first."""
+    residual = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
+    weight = torch.randn(HIDDEN, device="cuda").bfloat16()
+    o_product = scaled_product(rows, HIDDEN)
+    qkv = scaled_product(rows, (HEADS + 2 * KV_HEADS) * DIM).split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM])
+    gate, up = scaled_product(rows, 2 * INTERMEDIATE).split([INTERMEDIATE, INTERMEDIATE])
+    attended, activated = (torch.randn(rows, width, device="cuda").bfloat16() for width in (HEADS * DIM,
+                                                                                           INTERMEDIATE))
+    cos, sin = (torch.randn(4096, DIM, device="cuda").bfloat16() for _ in range(2))
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(pool.layers[0].keys.shape[0], device="cuda")[:rows]
+    norm = torch.randn(DIM, device="cuda").bfloat16()
+    layer = pool.layers[0]
+    warps = {f"warps{w}": {"num_warps": w} for w in (1, 2, 4, 8, 16)}
+    return {
+        "add_rms_norm_quantize": (
+            {name: warps[name] for name in ("warps8", "warps2", "warps4", "warps16")},
+            lambda setting: lambda i: add_rms_norm(o_product, weight, 1e-6, residual=residual, quantize=True,
+                                                   **setting)),
+        "qk_norm_rope_store": (
+            {name: warps[name] for name in ("warps1", "warps2", "warps4")},
+            lambda setting: lambda i: qk_norm_rope_store(*qkv, norm, norm, 1e-6, cos, sin, positions, slots, layer,
+                                                         **setting)),
+        "silu_mul": (
+            {f"block{b}_warps{w}": {"block": b, "num_warps": w} for b, w in
+             ((1024, 4), (512, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))},
+            lambda setting: lambda i: silu_mul(gate, up, **setting)),
+        "quantize_attention_output": (
+            {name: warps[name] for name in ("warps8", "warps2", "warps4", "warps16")},
+            lambda setting: lambda i: quantize_rows_fp8(attended, FP8_MAX, MIN_SCALE, **setting)),
+        "quantize_silu_output": (
+            {name: {"num_warps": w} for name, w in (("warps8", 8), ("warps4", 4), ("warps16", 16), ("warps32", 32))},
+            lambda setting: lambda i: quantize_rows_fp8(activated, FP8_MAX, MIN_SCALE, **setting)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode-rows", type=int, default=256)
+    parser.add_argument("--prefill-rows", type=int, default=8192)
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fp8_pointwise_gpu.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    pool = KVPool(1, 2 * args.prefill_rows, KV_HEADS, DIM, torch.bfloat16, "fp8_e4m3", torch.device("cuda"))
+    report: dict = {"benchmark": "fp8_pointwise_gpu", "device": torch.cuda.get_device_name(), "shape": "qwen3-4b",
+                    "kernels": {}}
+    for phase, rows in (("decode", args.decode_rows), ("prefill", args.prefill_rows)):
+        for name, (settings, run) in kernels(rows, pool).items():
+            times = {}
+            for setting_name, setting in settings.items():
+                times[setting_name] = round(1000 * time_ms(run(setting), args.iterations), 2)
+                print(f"{phase:7s} {name:26s} {setting_name:18s} {times[setting_name]:8.2f} us", flush=True)
+            default = next(iter(times))
+            best = min(times, key=times.get)
+            report["kernels"][f"{phase}_{name}"] = {"rows": rows, "us": times, "default": default, "best": best,
+                                                    "speedup_over_default": round(times[default] / times[best], 3)}
+        report[f"{phase}_default_us_per_layer"] = round(sum(
+            k["us"][k["default"]] * (2 if k_name.endswith("add_rms_norm_quantize") else 1)
+            for k_name, k in report["kernels"].items() if k_name.startswith(phase)), 2)
+        report[f"{phase}_best_us_per_layer"] = round(sum(
+            k["us"][k["best"]] * (2 if k_name.endswith("add_rms_norm_quantize") else 1)
+            for k_name, k in report["kernels"].items() if k_name.startswith(phase)), 2)
+    layer = pool.layers[0]
+    slots = torch.randperm(layer.keys.shape[0], device="cuda")[:args.prefill_rows]
+    layer.write(slots, torch.randn(args.prefill_rows, KV_HEADS, DIM, device="cuda").bfloat16(),
+                torch.randn(args.prefill_rows, KV_HEADS, DIM, device="cuda").bfloat16())
+    torch_us = 1000 * time_ms(lambda i: layer.gather_with_torch(slots, torch.bfloat16), args.iterations)
+    triton_us = 1000 * time_ms(lambda i: layer.gather(slots, torch.bfloat16), args.iterations)
+    expected, got = layer.gather_with_torch(slots, torch.bfloat16), layer.gather(slots, torch.bfloat16)
+    report["gather"] = {"rows": args.prefill_rows, "torch_us": round(torch_us, 2), "triton_us": round(triton_us, 2),
+                        "equal": all(torch.equal(a, b) for a, b in zip(expected, got))}
+    report["gather_speedup"] = round(torch_us / triton_us, 2)
+    print(f"prefill K/V gather of {args.prefill_rows} slots: torch {torch_us:.1f} us, Triton {triton_us:.1f} us")
+    headline = {key: value for key, value in report.items() if not isinstance(value, dict)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**headline, **report}, indent=2) + "\n")
+    print(json.dumps(headline, indent=2))
+
+
+if __name__ == "__main__":
+    main()
