@@ -6,8 +6,9 @@ row quantisation), each 6-8 us where its bytes take 1-3 (docs/engines.md). Each 
 decode step's rows (``--decode-rows``) and a prefill chunk's (``--prefill-rows``) for each launch setting (warps
 per program; SiLU-mul's block too), on the inputs the engine hands it (`ScaledProduct`s with their scales, an FP8
 KV pool), in CUDA graphs of ``--iterations`` launches (`fp8_gemm_gpu.time_ms`: the device's time, as the engine
-replays its decode steps). The JSON gives each setting's time, the best, and the best against the setting the
-engine uses (``speedup_over_default``). A prefill's K/V gather from an FP8 pool is timed too: the Triton kernel
+replays its decode steps). The JSON gives each setting's time, the best, the engine's setting (``default``)
+against its setting before the sweep (``previous``: 8 warps for the norm and the wide rows' quantisation, one
+head a program for the q/k kernel), per kernel and per layer (``*_speedup_over_previous``). A prefill's K/V gather from an FP8 pool is timed too: the Triton kernel
 (`triton_ops.gather_dequantized`) against the torch operations it replaced (``gather_speedup``).
 
     python -m benchmarks.fp8_pointwise_gpu [--decode-rows 256 --prefill-rows 8192]
@@ -37,7 +38,8 @@ def scaled_product(rows: int, columns: int) -> ScaledProduct:
 
 
 def kernels(rows: int, pool: KVPool) -> dict[str, tuple[dict[str, object], object]]:
-    """Each kernel: (its settings by name, ``run(settings) -> callable(i)``), with the engine's setting first."""
+    """Each kernel: (its settings by name, ``run(settings) -> callable(i)``): the engine's (``default``) first, the
+    engine's before this benchmark's sweep (``previous``) where it differs."""
     residual = torch.randn(rows, HIDDEN, device="cuda").bfloat16()
     weight = torch.randn(HIDDEN, device="cuda").bfloat16()
     o_product = scaled_product(rows, HIDDEN)
@@ -50,25 +52,27 @@ def kernels(rows: int, pool: KVPool) -> dict[str, tuple[dict[str, object], objec
     slots = torch.randperm(pool.layers[0].keys.shape[0], device="cuda")[:rows]
     norm = torch.randn(DIM, device="cuda").bfloat16()
     layer = pool.layers[0]
-    warps = {f"warps{w}": {"num_warps": w} for w in (1, 2, 4, 8, 16)}
+    warps = {f"warps{w}": {"num_warps": w} for w in (1, 2, 4, 8, 16, 32)}
     return {
         "add_rms_norm_quantize": (
-            {name: warps[name] for name in ("warps8", "warps2", "warps4", "warps16")},
+            {"default": {}, "previous": warps["warps8"], **{name: warps[name] for name in ("warps2", "warps4")}},
             lambda setting: lambda i: add_rms_norm(o_product, weight, 1e-6, residual=residual, quantize=True,
                                                    **setting)),
         "qk_norm_rope_store": (
-            {name: warps[name] for name in ("warps1", "warps2", "warps4")},
+            {"default": {}, "previous": {"most_heads_per_program": 1, "num_warps": 1},
+             **{f"heads{h}_warps{w}": {"most_heads_per_program": h, "num_warps": w}
+                for h, w in ((8, 1), (8, 2), (8, 8), (4, 1), (4, 2), (2, 1))}},
             lambda setting: lambda i: qk_norm_rope_store(*qkv, norm, norm, 1e-6, cos, sin, positions, slots, layer,
                                                          **setting)),
         "silu_mul": (
-            {f"block{b}_warps{w}": {"block": b, "num_warps": w} for b, w in
-             ((1024, 4), (512, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))},
+            {"default": {}, **{f"block{b}_warps{w}": {"block": b, "num_warps": w} for b, w in
+                               ((512, 4), (2048, 4), (2048, 8), (4096, 8))}},
             lambda setting: lambda i: silu_mul(gate, up, **setting)),
         "quantize_attention_output": (
-            {name: warps[name] for name in ("warps8", "warps2", "warps4", "warps16")},
+            {"default": {}, **{name: warps[name] for name in ("warps4", "warps16")}},
             lambda setting: lambda i: quantize_rows_fp8(attended, FP8_MAX, MIN_SCALE, **setting)),
         "quantize_silu_output": (
-            {name: {"num_warps": w} for name, w in (("warps8", 8), ("warps4", 4), ("warps16", 16), ("warps32", 32))},
+            {"default": {}, "previous": warps["warps8"], "warps16": warps["warps16"]},
             lambda setting: lambda i: quantize_rows_fp8(activated, FP8_MAX, MIN_SCALE, **setting)),
     }
 
@@ -90,16 +94,18 @@ def main() -> None:
             for setting_name, setting in settings.items():
                 times[setting_name] = round(1000 * time_ms(run(setting), args.iterations), 2)
                 print(f"{phase:7s} {name:26s} {setting_name:18s} {times[setting_name]:8.2f} us", flush=True)
-            default = next(iter(times))
             best = min(times, key=times.get)
-            report["kernels"][f"{phase}_{name}"] = {"rows": rows, "us": times, "default": default, "best": best,
-                                                    "speedup_over_default": round(times[default] / times[best], 3)}
-        report[f"{phase}_default_us_per_layer"] = round(sum(
-            k["us"][k["default"]] * (2 if k_name.endswith("add_rms_norm_quantize") else 1)
-            for k_name, k in report["kernels"].items() if k_name.startswith(phase)), 2)
-        report[f"{phase}_best_us_per_layer"] = round(sum(
-            k["us"][k["best"]] * (2 if k_name.endswith("add_rms_norm_quantize") else 1)
-            for k_name, k in report["kernels"].items() if k_name.startswith(phase)), 2)
+            report["kernels"][f"{phase}_{name}"] = {
+                "rows": rows, "us": times, "best": best,
+                "speedup_of_best_over_default": round(times["default"] / times[best], 3),
+                "speedup_over_previous": round(times.get("previous", times["default"]) / times["default"], 3)}
+        # a layer's pointwise kernels: the norm twice, the rest once
+        for setting in ("default", "previous"):
+            report[f"{phase}_{setting}_us_per_layer"] = round(sum(
+                k["us"].get(setting, k["us"]["default"]) * (2 if k_name.endswith("add_rms_norm_quantize") else 1)
+                for k_name, k in report["kernels"].items() if k_name.startswith(phase)), 2)
+        report[f"{phase}_speedup_over_previous"] = round(report[f"{phase}_previous_us_per_layer"]
+                                                         / report[f"{phase}_default_us_per_layer"], 3)
     layer = pool.layers[0]
     slots = torch.randperm(layer.keys.shape[0], device="cuda")[:args.prefill_rows]
     layer.write(slots, torch.randn(args.prefill_rows, KV_HEADS, DIM, device="cuda").bfloat16(),

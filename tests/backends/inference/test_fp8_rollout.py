@@ -330,13 +330,16 @@ def test_the_silu_mul_kernel_applies_each_halfs_scales(width):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_the_qk_norm_rope_store_kernel_applies_each_projections_scales(cache_dtype):
+@pytest.mark.parametrize("heads, kv_heads, most_heads_per_program", [(8, 2, 8), (32, 8, 8), (32, 8, 1), (6, 2, 8)])
+def test_the_qk_norm_rope_store_kernel_applies_each_projections_scales(cache_dtype, heads, kv_heads,
+                                                                       most_heads_per_program):
     """q, k and v as parts of one stacked FP8 product: the kernel's rotated queries and stored keys and values are
-    those of the products with their scales applied (each part its own channels' scales), bit for bit."""
+    those of the products with their scales applied (each part its own channels' scales), bit for bit, whatever
+    the number of heads a program takes."""
     from relax.backends.inference.engine_core.kv_cache import LayerKV
     from relax.backends.inference.engine_core.triton_ops import qk_norm_rope_store
 
-    heads, kv_heads, dim, tokens = 8, 2, 128, 21
+    dim, tokens = 128, 21
     parts = _scaled_product(tokens, (heads + 2 * kv_heads) * dim, 7).split([heads * dim, kv_heads * dim,
                                                                           kv_heads * dim])
     cos, sin = (torch.randn(64, dim, device="cuda").bfloat16() for _ in range(2))
@@ -350,9 +353,10 @@ def test_the_qk_norm_rope_store_kernel_applies_each_projections_scales(cache_dty
                        torch.zeros(40, kv_heads, dim, device="cuda", dtype=cache_dtype), *scales)
 
     got, expected = pool(), pool()
-    queries = qk_norm_rope_store(*parts, *norms, 1e-6, cos, sin, positions, slots, got)
+    queries = qk_norm_rope_store(*parts, *norms, 1e-6, cos, sin, positions, slots, got,
+                                 most_heads_per_program=most_heads_per_program)
     expected_queries = qk_norm_rope_store(*(part.value().bfloat16() for part in parts), *norms, 1e-6, cos, sin,
-                                          positions, slots, expected)
+                                          positions, slots, expected, most_heads_per_program=1)
     assert torch.equal(queries, expected_queries)
     for name in ("keys", "values", "key_scales", "value_scales"):
         a, b = getattr(got, name), getattr(expected, name)
@@ -389,3 +393,14 @@ def test_the_fused_fp8_engine_decodes_as_its_fp8_linears_score(cache_dtype):
         mean = sum(values) / len(values)
         print(f"{cache_dtype} against {name}: mean gap {mean:.4f}, max |gap| {max(map(abs, values)):.4f}")
         assert abs(mean) < 0.05 and max(map(abs, values)) < 1.5, name
+
+
+@pytest.mark.parametrize("heads, kv_heads, most, expected", [(32, 8, 8, 8), (16, 8, 8, 8), (6, 2, 8, 2), (40, 8, 4, 4),
+                                                             (14, 2, 8, 2), (7, 1, 8, 1), (64, 64, 8, 8)])
+def test_a_qk_program_takes_the_largest_power_of_two_of_heads_that_divides_both_counts(heads, kv_heads, most,
+                                                                                      expected):
+    pytest.importorskip("triton")
+    from relax.backends.inference.engine_core.triton_ops import heads_per_program
+
+    group = heads_per_program(heads, kv_heads, most)
+    assert group == expected and heads % group == 0 and kv_heads % group == 0

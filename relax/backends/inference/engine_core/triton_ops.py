@@ -88,7 +88,8 @@ def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: flo
                  num_warps: int | None = None) -> torch.Tensor | Fp8Rows:
     """RMSNorm of ``x [T, H]`` (after ``residual += x`` in place when ``residual`` is given: then the norm is of
     the sum); returns the normalised rows, as `Fp8Rows` with ``quantize``. ``x`` may be an FP8 product's
-    `ScaledProduct` (rows contiguous). ``num_warps``: a program's (one row's) warps, for the benchmark's sweep
+    `ScaledProduct` (rows contiguous). ``num_warps``: a program's (one row's) warps; by default 16 on rows wider than
+    2,048, 1.3x faster than 8 at 256 rows of the 4B shape on an H100 and as fast at 8,192
     (`benchmarks.fp8_pointwise_gpu`)."""
     scaled = isinstance(x, ScaledProduct)
     product = x.product if scaled else x
@@ -106,7 +107,7 @@ def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: flo
             product, residual if residual is not None else product, weight, values, row_scales, column_scales,
             out_scales, eps, product.stride(0), values.stride(0), HIDDEN=hidden,
             BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None, SCALED=scaled, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps or (4 if hidden <= 2048 else 8))
+            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps or (4 if hidden <= 2048 else 16))
     return out
 
 
@@ -121,35 +122,40 @@ def _rope_half(x, partner, cos, sin, dtype, FIRST_HALF: tl.constexpr):
 
 @triton.jit
 def _head_norm(x1, x2, weight1, weight2, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """RMSNorm of each head vector (a row of the ``[heads, HALF]`` halves ``x1``, ``x2``) with its weight."""
     if NORM:
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        scale = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
-        x1 = ((a * scale).to(x1.dtype).to(tl.float32) * weight1.to(tl.float32)).to(x1.dtype)
-        x2 = ((b * scale).to(x2.dtype).to(tl.float32) * weight2.to(tl.float32)).to(x2.dtype)
+        scale = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        x1 = ((a * scale).to(x1.dtype).to(tl.float32) * weight1[None, :].to(tl.float32)).to(x1.dtype)
+        x2 = ((b * scale).to(x2.dtype).to(tl.float32) * weight2[None, :].to(tl.float32)).to(x2.dtype)
     return x1, x2
 
 
 @triton.jit
-def _store_head(target, scale_ptr, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr,
-                MIN_SCALE: tl.constexpr):
-    """One head vector (its two halves) into the pool; FP8 with its own scale (`kv_cache.quantize_heads`)."""
+def _store_heads(target, scale_ptr, heads, stride_scale_head, x1, x2, HALF: tl.constexpr, QUANTIZED: tl.constexpr,
+                 FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Head vectors (rows of the halves ``x1``, ``x2``; ``heads`` their indices) into one slot of the pool; FP8
+    with a scale of each vector's own (`kv_cache.quantize_heads`)."""
+    columns = heads[:, None] * 2 * HALF + tl.arange(0, HALF)[None, :]
     if QUANTIZED:
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(a1), axis=0), tl.max(tl.abs(a2), axis=0))
+        amax = tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1))
         scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr, scale)
+        tl.store(scale_ptr + heads * stride_scale_head, scale)
         kind = target.dtype.element_ty
-        tl.store(target + tl.arange(0, HALF), tl.clamp(a1 / scale, -FP8_MAX, FP8_MAX).to(kind))
-        tl.store(target + HALF + tl.arange(0, HALF), tl.clamp(a2 / scale, -FP8_MAX, FP8_MAX).to(kind))
+        tl.store(target + columns, tl.clamp(a1 / scale[:, None], -FP8_MAX, FP8_MAX).to(kind))
+        tl.store(target + HALF + columns, tl.clamp(a2 / scale[:, None], -FP8_MAX, FP8_MAX).to(kind))
     else:
-        tl.store(target + tl.arange(0, HALF), x1)
-        tl.store(target + HALF + tl.arange(0, HALF), x2)
+        tl.store(target + columns, x1)
+        tl.store(target + HALF + columns, x2)
 
 
 @triton.jit
-def _load_head(row_ptr, row_scale_ptr, token, column_scale_ptr, head, HALF: tl.constexpr, SCALED: tl.constexpr):
-    """The two halves of one head vector of a token's row (a `ScaledProduct`'s, scales applied, if ``SCALED``)."""
-    first, second = head * 2 * HALF + tl.arange(0, HALF), head * 2 * HALF + HALF + tl.arange(0, HALF)
+def _load_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, HALF: tl.constexpr, SCALED: tl.constexpr):
+    """The two halves ``[heads, HALF]`` of a token's head vectors ``heads`` (a `ScaledProduct`'s, scales applied, if
+    ``SCALED``)."""
+    first = heads[:, None] * 2 * HALF + tl.arange(0, HALF)[None, :]
+    second = first + HALF
     x1, x2 = tl.load(row_ptr + first), tl.load(row_ptr + second)
     if SCALED:
         row_scale = tl.load(row_scale_ptr + token)
@@ -165,50 +171,68 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
                                value_scale_ptr, row_scale_ptr, q_column_scale_ptr, k_column_scale_ptr,
                                v_column_scale_ptr, eps, stride_qt, stride_kt, stride_vt, stride_ot, stride_pool,
                                stride_scale, stride_scale_head, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                               HALF: tl.constexpr, NORM: tl.constexpr, QUANTIZED: tl.constexpr, SCALED: tl.constexpr,
-                               FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                               HALF: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, NORM: tl.constexpr,
+                               QUANTIZED: tl.constexpr, SCALED: tl.constexpr, FP8_MAX: tl.constexpr,
+                               MIN_SCALE: tl.constexpr):
+    # program (token, group): a group is HEADS_PER_PROGRAM query heads, or as many KV heads (their keys and values)
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    group = tl.program_id(1)
     half = tl.arange(0, HALF)
     position = tl.load(positions_ptr + token)
-    cos1 = tl.load(cos_ptr + position * 2 * HALF + half)
-    cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)
-    sin1 = tl.load(sin_ptr + position * 2 * HALF + half)
-    sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)
-    if head < HEADS:
-        x1, x2 = _load_head(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, head, HALF, SCALED)
+    cos1 = tl.load(cos_ptr + position * 2 * HALF + half)[None, :]
+    cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)[None, :]
+    sin1 = tl.load(sin_ptr + position * 2 * HALF + half)[None, :]
+    sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)[None, :]
+    if group < HEADS // HEADS_PER_PROGRAM:
+        heads = group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        x1, x2 = _load_heads(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, heads, HALF,
+                             SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(q_weight_ptr + half), tl.load(q_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
-        out = q_out_ptr + token * stride_ot + head * 2 * HALF
-        tl.store(out + half, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
-        tl.store(out + HALF + half, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
+        out = q_out_ptr + token * stride_ot + heads[:, None] * 2 * HALF + half[None, :]
+        tl.store(out, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
+        tl.store(out + HALF, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
     else:
-        kv_head = head - HEADS
-        x1, x2 = _load_head(k_ptr + token * stride_kt, row_scale_ptr, token, k_column_scale_ptr, kv_head, HALF,
-                            SCALED)
+        kv_heads = (group - HEADS // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        x1, x2 = _load_heads(k_ptr + token * stride_kt, row_scale_ptr, token, k_column_scale_ptr, kv_heads, HALF,
+                             SCALED)
         if NORM:
             x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
                                 NORM)
         slot = tl.load(slots_ptr + token)
-        scale_offset = slot * stride_scale + kv_head * stride_scale_head
-        _store_head(key_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, key_scale_ptr + scale_offset,
-                    _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False),
-                    HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
-        v1, v2 = _load_head(v_ptr + token * stride_vt, row_scale_ptr, token, v_column_scale_ptr, kv_head, HALF,
-                            SCALED)
-        _store_head(value_pool_ptr + slot * stride_pool + kv_head * 2 * HALF, value_scale_ptr + scale_offset,
-                    v1, v2, HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+        _store_heads(key_pool_ptr + slot * stride_pool, key_scale_ptr + slot * stride_scale, kv_heads,
+                     stride_scale_head, _rope_half(x1, x2, cos1, sin1, x1.dtype, True),
+                     _rope_half(x2, x1, cos2, sin2, x1.dtype, False), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+        v1, v2 = _load_heads(v_ptr + token * stride_vt, row_scale_ptr, token, v_column_scale_ptr, kv_heads, HALF,
+                             SCALED)
+        _store_heads(value_pool_ptr + slot * stride_pool, value_scale_ptr + slot * stride_scale, kv_heads,
+                     stride_scale_head, v1, v2, HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+
+
+def heads_per_program(heads: int, kv_heads: int, most: int = 8) -> int:
+    """The largest power of two up to ``most`` that divides both head counts: `qk_norm_rope_store`'s programs each
+    take that many query heads, or KV heads."""
+    count = 1
+    while count * 2 <= most and heads % (count * 2) == 0 and kv_heads % (count * 2) == 0:
+        count *= 2
+    return count
+
 
 def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
                        value: torch.Tensor | ScaledProduct, q_weight: torch.Tensor | None,
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV, num_warps: int = 1) -> torch.Tensor:
+                       positions: torch.Tensor, slots: torch.Tensor, cache: LayerKV, most_heads_per_program: int = 8,
+                       num_warps: int | None = None) -> torch.Tensor:
     """``query [T, Hq*D]``, ``key``/``value [T, Hkv*D]`` (the projections' outputs, or all three FP8 products'
     `ScaledProduct`s with one row scale): the rotated queries ``[T, Hq, D]``; the rotated keys and the values go
     to the layer's pool ``cache`` (``[slots, Hkv, D]``, FP8 with a scale per head vector if the pool is) at
     ``slots [T]``. ``cos``/``sin`` are the ``[positions, D]`` tables; per-head RMSNorm with
-    ``q_weight``/``k_weight`` if given."""
+    ``q_weight``/``k_weight`` if given.
+
+    Each program takes several heads of one token (`heads_per_program`, at most ``most_heads_per_program``): one
+    head a program (``most_heads_per_program=1``, the kernel before) made 10,240 one-warp programs for a 4B
+    decode step, latency-bound (`benchmarks.fp8_pointwise_gpu`)."""
     scaled = isinstance(query, ScaledProduct)
     if scaled:
         row_scales, column_scales = query.row_scales, (query.column_scales, key.column_scales, value.column_scales)
@@ -219,17 +243,19 @@ def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | 
     tokens = query.shape[0]
     kv_heads, dim = key_pool.shape[1], key_pool.shape[2]
     heads = query.shape[1] // dim
+    group = heads_per_program(heads, kv_heads, most_heads_per_program)
     q_out = torch.empty((tokens, heads, dim), dtype=query.dtype, device=query.device)
     norm = q_weight is not None
     key_scales = cache.key_scales if cache.quantized else key_pool  # unread when not quantized
     value_scales = cache.value_scales if cache.quantized else value_pool
-    _qk_norm_rope_store_kernel[(tokens, heads + kv_heads)](
-        query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions, slots,
-        key_pool, value_pool, key_scales, value_scales, row_scales, *column_scales, eps, query.stride(0),
-        key.stride(0), value.stride(0), q_out.stride(0), key_pool.stride(0), key_scales.stride(0),
-        key_scales.stride(1) if cache.quantized else 0, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-        NORM=norm, QUANTIZED=cache.quantized, SCALED=scaled, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps,
-    )
+    if tokens:
+        _qk_norm_rope_store_kernel[(tokens, (heads + kv_heads) // group)](
+            query, key, value, q_out, q_weight if norm else query, k_weight if norm else query, cos, sin, positions,
+            slots, key_pool, value_pool, key_scales, value_scales, row_scales, *column_scales, eps, query.stride(0),
+            key.stride(0), value.stride(0), q_out.stride(0), key_pool.stride(0), key_scales.stride(0),
+            key_scales.stride(1) if cache.quantized else 0, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+            HEADS_PER_PROGRAM=group, NORM=norm, QUANTIZED=cache.quantized, SCALED=scaled, FP8_MAX=FP8_MAX,
+            MIN_SCALE=_MIN_SCALE, num_warps=num_warps or max(1, min(4, group // 2)))
     return q_out
 
 
@@ -291,7 +317,9 @@ def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COL
 
 def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, H]`` (rows contiguous) as e4m3 ``[T, H]`` and float32 scales ``[T, 1]``, one kernel."""
+    """``x [T, H]`` (rows contiguous) as e4m3 ``[T, H]`` and float32 scales ``[T, 1]``, one kernel. Rows of more
+    than 8,192 entries get 32 warps a program (the 4B shape's 9,728: 1.17x faster than 8 at 256 rows on an H100,
+    `benchmarks.fp8_pointwise_gpu`)."""
     rows, columns = x.shape
     out = torch.empty((rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -299,7 +327,7 @@ def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
         block = triton.next_power_of_2(columns)
         _quantize_rows_fp8_kernel[(rows,)](x, out, scales, x.stride(0), out.stride(0), COLUMNS=columns, BLOCK=block,
                                            FP8_MAX=fp8_max, INV_FP8_MAX=1.0 / fp8_max, MIN_SCALE=min_scale,
-                                           num_warps=num_warps or (8 if block >= 4096 else 4))
+                                           num_warps=num_warps or (4 if block < 4096 else 8 if block <= 8192 else 32))
     return out, scales
 
 
