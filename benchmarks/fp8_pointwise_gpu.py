@@ -25,8 +25,12 @@ import torch
 from benchmarks.fp8_gemm_gpu import time_ms
 from relax.backends.inference.engine_core.fp8_format import FP8_MAX, MIN_SCALE, ScaledProduct
 from relax.backends.inference.engine_core.kv_cache import KVPool
-from relax.backends.inference.engine_core.triton_ops import (add_rms_norm, qk_norm_rope_store, quantize_rows_fp8,
-                                                             silu_mul)
+from relax.backends.inference.engine_core.triton_ops import (
+    add_rms_norm,
+    qk_norm_rope_store,
+    quantize_rows_fp8,
+    silu_mul,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, DIM = 2560, 9728, 32, 8, 128  # Qwen3-4B
