@@ -151,14 +151,17 @@ def test_the_fused_store_kernel_writes_what_the_pool_writes_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_gather_kernel_dequantizes_as_torch_does(kv_heads, dim, dtype):
     """A prefill's K/V from an FP8 pool (`triton_ops.gather_dequantized`, one kernel): the torch operations' values
-    bit for bit, for slots of any shape, head counts and widths that are not powers of two included."""
+    (`LayerKV.gather`) bit for bit, for slots of any shape, head counts and widths that are not powers of two
+    included."""
+    from relax.backends.inference.engine_core.triton_ops import gather_dequantized
+
     torch.manual_seed(kv_heads * dim)
     layer = KVPool(2, 300, kv_heads, dim, dtype, "fp8_e4m3", torch.device("cuda")).layers[1]
     written = torch.randperm(300, device="cuda")[:200]
     layer.write(written, torch.randn(200, kv_heads, dim, device="cuda", dtype=dtype) * 40,
                 torch.randn(200, kv_heads, dim, device="cuda", dtype=dtype) * 1e-3)
     for slots in (torch.randint(0, 300, (57,), device="cuda"), torch.randint(0, 300, (3, 11), device="cuda")):
-        for got, want in zip(layer.gather(slots, dtype), layer.gather_with_torch(slots, dtype)):
+        for got, want in zip(gather_dequantized(layer, slots, dtype), layer.gather(slots, dtype)):
             assert got.shape == want.shape and torch.equal(got, want)
 
 

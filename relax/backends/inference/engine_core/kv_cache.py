@@ -74,14 +74,7 @@ class LayerKV:
         """The K/V at ``slots`` (any shape ``S``): ``[*S, Hkv, D]`` in ``dtype``."""
         if not self.quantized:
             return self.keys[slots], self.values[slots]
-        if self.keys.is_cuda:
-            from relax.backends.inference.engine_core.triton_ops import gather_dequantized
-
-            return gather_dequantized(self, slots, dtype)
-        return self.gather_with_torch(slots, dtype)
-
-    def gather_with_torch(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """An FP8 pool's `gather` in torch operations (the CPU's; on CUDA the baseline of the Triton kernel)."""
+        # in torch operations; on CUDA the attention gathers an FP8 pool with `triton_ops.gather_dequantized`
         keys, values = self.keys.view(torch.uint8)[slots].view(FP8), self.values.view(torch.uint8)[slots].view(FP8)
         return ((keys.float() * self.key_scales[slots][..., None]).to(dtype),
                 (values.float() * self.value_scales[slots][..., None]).to(dtype))
