@@ -8,8 +8,9 @@ per program; SiLU-mul's block too), on the inputs the engine hands it (`ScaledPr
 KV pool), in CUDA graphs of ``--iterations`` launches (`fp8_gemm_gpu.time_ms`: the device's time, as the engine
 replays its decode steps). The JSON gives each setting's time, the best, the engine's setting (``default``)
 against its setting before the sweep (``previous``: 8 warps for the norm and the wide rows' quantisation, one
-head a program for the q/k kernel), per kernel and per layer (``*_speedup_over_previous``). A prefill's K/V gather from an FP8 pool is timed too: the Triton kernel
-(`triton_ops.gather_dequantized`) against the torch operations it replaced (``gather_speedup``).
+head a program for the q/k kernel), per kernel and per layer (``*_speedup_over_previous``). A prefill's K/V
+gather from an FP8 pool is timed too: the Triton kernel (`triton_ops.gather_dequantized`) against the torch
+operations it replaced (`LayerKV.gather`, ``gather_speedup``).
 
     python -m benchmarks.fp8_pointwise_gpu [--decode-rows 256 --prefill-rows 8192]
 """

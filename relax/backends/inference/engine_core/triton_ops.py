@@ -107,7 +107,8 @@ def add_rms_norm(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: flo
             product, residual if residual is not None else product, weight, values, row_scales, column_scales,
             out_scales, eps, product.stride(0), values.stride(0), HIDDEN=hidden,
             BLOCK=triton.next_power_of_2(hidden), ADD=residual is not None, SCALED=scaled, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=num_warps or (4 if hidden <= 2048 else 16))
+            FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX, MIN_SCALE=_MIN_SCALE,
+            num_warps=num_warps or (4 if hidden <= 2048 else 16))
     return out
 
 
@@ -284,8 +285,9 @@ def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduc
 
     Elementwise, in blocks across rows: under ``--rollout-fp8`` the down projection's quantisation stays a
     kernel of its own. A version that quantised in this kernel needed each row in one program (the row's largest
-    entry sets its scale); at the 4B shape's 9,728 columns that took 72 us a call on an H100, many times this
-    kernel and the quantisation together."""
+    entry sets its scale): at the 4B shape's 9,728 columns it averaged 72 us a call over an H100 generate call,
+    its prefill calls of 8,192 rows the bulk; the two kernels take 13 us at 256 rows and 340 us at 8,192
+    (`benchmarks.fp8_pointwise_gpu`)."""
     scaled = isinstance(gate, ScaledProduct)
     if scaled:
         row_scales, column_scales = gate.row_scales, (gate.column_scales, up.column_scales)
@@ -318,8 +320,8 @@ def _quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, stride, out_stride, COL
 def quantize_rows_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, H]`` (rows contiguous) as e4m3 ``[T, H]`` and float32 scales ``[T, 1]``, one kernel. Rows of more
-    than 8,192 entries get 32 warps a program (the 4B shape's 9,728: 1.17x faster than 8 at 256 rows on an H100,
-    `benchmarks.fp8_pointwise_gpu`)."""
+    than 8,192 entries get 32 warps a program (the 4B shape's 9,728: 1.2x faster than 8 at 256 rows on an H100, as
+    fast at 8,192; `benchmarks.fp8_pointwise_gpu`)."""
     rows, columns = x.shape
     out = torch.empty((rows, columns), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
