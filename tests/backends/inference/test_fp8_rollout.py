@@ -329,6 +329,21 @@ def test_the_silu_mul_kernel_applies_each_halfs_scales(width):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("width", [64, 1000, 3072, 9728])
+@pytest.mark.parametrize("block", [512, 1024])
+def test_silu_mul_quantized_is_quantize_rows_of_silu_mul_bit_for_bit(width, block):
+    """The down projection's input under the FP8 products: SiLU-mul's rows quantised from the block maxima SiLU-mul
+    writes are `quantize_rows` of its bf16 rows, bit for bit, scales included; a row of zeros keeps the floor."""
+    from relax.backends.inference.engine_core.triton_ops import silu_mul, silu_mul_quantized
+
+    gate_up = _scaled_product(29, 2 * width, width + block)
+    gate_up.product[4] = 0
+    gate, up = gate_up.split([width, width])
+    _same_rows(silu_mul_quantized(gate, up, block=block), quantize_rows(silu_mul(gate, up, block=block)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("heads, kv_heads, most_heads_per_program", [(8, 2, 8), (32, 8, 8), (32, 8, 1), (6, 2, 8)])
 def test_the_qk_norm_rope_store_kernel_applies_each_projections_scales(cache_dtype, heads, kv_heads,

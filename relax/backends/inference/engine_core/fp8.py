@@ -22,8 +22,8 @@ layer's four products at 256 rows: 59 against 80 us on the H200, `benchmarks.fp8
 `ScaledProduct`; the kernels that read the products (q/k-norm + rotary + store, SiLU-mul, the residual add +
 RMSNorm) apply each token's and each output channel's scale as they load it, in float32, so the quantisation is
 the same (per token, per channel) and only the order of one rounding changes. The RMSNorm kernel quantises its
-rows for the next products, so a layer launches two quantisation kernels (the attention's output, the SiLU-mul's),
-not four (docs/engines.md).
+rows for the next products and SiLU-mul's are quantised from the block maxima it writes, so a layer launches one
+row-wise quantisation kernel (the attention's output), not four (docs/engines.md).
 
 The engine keeps the model's bf16 weights as the target of weight syncs (names and shapes unchanged for every
 transport) and requantises them into the same FP8 buffers after every sync (`Fp8Linears.requantize`, from
@@ -136,11 +136,11 @@ class Fp8LayerProducts:
         return unscaled_product(rows, self.o_weight, self.o_scales, self.one, self.dtype)
 
     def mlp(self, hidden: Fp8Rows) -> ScaledProduct:
-        from relax.backends.inference.engine_core.triton_ops import silu_mul
+        from relax.backends.inference.engine_core.triton_ops import silu_mul_quantized
 
         gate_up = unscaled_product(hidden, self.gate_up_weight, self.gate_up_scales, self.one, self.dtype)
         width = gate_up.product.shape[1] // 2
-        rows = Fp8Rows(*quantize_activations(silu_mul(*gate_up.split([width, width]))))
+        rows = silu_mul_quantized(*gate_up.split([width, width]))
         return unscaled_product(rows, self.down_weight, self.down_scales, self.one, self.dtype)
 
 

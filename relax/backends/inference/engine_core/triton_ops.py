@@ -13,10 +13,11 @@ whatever its size: at batch 256 that was most of a step. These kernels do each s
   the same arithmetic as `engine_core.fp8.quantize_rows`, which it equals exactly).
 
 Under ``--rollout-fp8`` they also take the FP8 products' outputs as `ScaledProduct`s, applying the activations' and
-the weights' scales as they load them, and `add_rms_norm` (``quantize=True``) writes its rows quantised for the
-next products (`Fp8Rows`, the arithmetic of `quantize_rows_fp8`): a layer's FP8 products then need two
-quantisation kernels of their own (the attention's output, the SiLU-mul's), not four, and multiply with one scale
-per tensor (`engine_core.fp8`).
+the weights' scales as they load them; `add_rms_norm` (``quantize=True``) writes its rows quantised for the next
+products (`Fp8Rows`, the arithmetic of `quantize_rows_fp8`), and `silu_mul_quantized` quantises SiLU-mul's rows in
+a second, fully parallel kernel from the block maxima SiLU-mul writes: a layer's FP8 products then need one
+row-wise quantisation kernel of their own (the attention's output), not four, and multiply with one scale per
+tensor (`engine_core.fp8`).
 
 Each rounds to the model's dtype where the Hugging Face code does (the normalised value before the weight, each
 rotary product and the sum, the SiLU before the product), so the engine's log-probs stay those of the training
@@ -261,33 +262,30 @@ def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | 
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, row_scale_ptr, gate_column_scale_ptr, up_column_scale_ptr, n, width,
-                     gate_stride, up_stride, BLOCK: tl.constexpr, SCALED: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    rows, columns = offsets // width, offsets % width
-    gate = tl.load(gate_ptr + rows * gate_stride + columns, mask=mask, other=0.0)
-    up = tl.load(up_ptr + rows * up_stride + columns, mask=mask, other=0.0)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, row_scale_ptr, gate_column_scale_ptr, up_column_scale_ptr,
+                     partial_max_ptr, width, gate_stride, up_stride, BLOCK: tl.constexpr, SCALED: tl.constexpr,
+                     PARTIAL_MAX: tl.constexpr):
+    # program (row, chunk): BLOCK columns of one row; with PARTIAL_MAX also the chunk's largest magnitude
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    columns = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < width
+    gate = tl.load(gate_ptr + row * gate_stride + columns, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * up_stride + columns, mask=mask, other=0.0)
     if SCALED:
-        row_scale = tl.load(row_scale_ptr + rows, mask=mask, other=0.0)
+        row_scale = tl.load(row_scale_ptr + row)
         gate = _scaled(gate, row_scale, gate_column_scale_ptr, columns, mask)
         up = _scaled(up, row_scale, up_column_scale_ptr, columns, mask)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + offsets, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * width + columns, out, mask=mask)
+    if PARTIAL_MAX:
+        tl.store(partial_max_ptr + row * tl.num_programs(1) + chunk, tl.max(tl.abs(out.to(tl.float32)), axis=0))
 
 
-def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct, block: int = 1024,
-             num_warps: int = 4) -> torch.Tensor:
-    """``silu(gate) * up`` for ``[T, I]`` operands whose rows may be strided (the two halves of one merged
-    gate/up product, `merged_projections`, or of one FP8 product as `ScaledProduct`s, their scales applied as
-    they are read); a contiguous ``[T, I]`` result.
-
-    Elementwise, in blocks across rows: under ``--rollout-fp8`` the down projection's quantisation stays a
-    kernel of its own. A version that quantised in this kernel needed each row in one program (the row's largest
-    entry sets its scale): at the 4B shape's 9,728 columns it averaged 72 us a call over an H100 generate call,
-    its prefill calls of 8,192 rows the bulk; the two kernels take 13 us at 256 rows and 340 us at 8,192
-    (`benchmarks.fp8_pointwise_gpu`)."""
+def _silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct, block: int, num_warps: int,
+              partial_maxima: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     scaled = isinstance(gate, ScaledProduct)
     if scaled:
         row_scales, column_scales = gate.row_scales, (gate.column_scales, up.column_scales)
@@ -295,12 +293,61 @@ def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduc
     gate, up = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
     if not scaled:
         row_scales, column_scales = gate, (gate, gate)  # unread
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, row_scales, *column_scales, n, gate.shape[1],
-                                                   gate.stride(0), up.stride(0), BLOCK=block, SCALED=scaled,
-                                                   num_warps=num_warps)
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    chunks = triton.cdiv(width, block)
+    maxima = torch.empty((rows, chunks), dtype=torch.float32, device=gate.device) if partial_maxima else None
+    if rows:
+        _silu_mul_kernel[(rows, chunks)](gate, up, out, row_scales, *column_scales,
+                                         maxima if partial_maxima else out, width, gate.stride(0), up.stride(0),
+                                         BLOCK=block, SCALED=scaled, PARTIAL_MAX=partial_maxima, num_warps=num_warps)
+    return out, maxima
+
+
+def silu_mul(gate: torch.Tensor | ScaledProduct, up: torch.Tensor | ScaledProduct, block: int = 1024,
+             num_warps: int = 4) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[T, I]`` operands whose rows may be strided (the two halves of one merged
+    gate/up product, `merged_projections`, or of one FP8 product as `ScaledProduct`s, their scales applied as
+    they are read); a contiguous ``[T, I]`` result, in programs of ``block`` columns of a row."""
+    return _silu_mul(gate, up, block, num_warps, partial_maxima=False)[0]
+
+
+@triton.jit
+def _quantize_chunks_fp8_kernel(x_ptr, partial_max_ptr, out_ptr, scale_ptr, width, CHUNKS: tl.constexpr,
+                                CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                                INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    # program (row, chunk): the row's scale from its chunks' largest magnitudes, then BLOCK of its columns
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    largest = tl.max(tl.load(partial_max_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS, other=0.0), axis=0)
+    scale = tl.maximum(largest * INV_FP8_MAX, MIN_SCALE)  # `_quantize_row`'s arithmetic
+    columns = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < width
+    value = tl.load(x_ptr + row * width + columns, mask=mask, other=0.0).to(tl.float32)
+    quantized = tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + row * width + columns, quantized.to(out_ptr.dtype.element_ty), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+def silu_mul_quantized(gate: ScaledProduct, up: ScaledProduct, block: int = 1024) -> Fp8Rows:
+    """`silu_mul` of the FP8 gate/up product's halves, quantised per row for the down projection: `quantize_rows`'
+    result bit for bit, in two kernels whose programs each take ``block`` columns of a row. The SiLU-mul kernel
+    writes each block's largest magnitude beside the product; the quantisation kernel takes the row's scale from
+    those. One program a row instead (`quantize_rows_fp8`) is latency-bound on wide rows: the 4B shape's 9,728
+    columns took 7.3 us at 256 rows and 180 us at 8,192 on an H100, and fusing it into SiLU-mul averaged 72 us a
+    call over a generate call (`benchmarks.fp8_pointwise_gpu`)."""
+    activated, maxima = _silu_mul(gate, up, block, 4, partial_maxima=True)
+    rows, width = activated.shape
+    out = Fp8Rows(torch.empty((rows, width), dtype=FP8, device=activated.device),
+                  torch.empty((rows, 1), dtype=torch.float32, device=activated.device))
+    if rows:
+        chunks = maxima.shape[1]
+        _quantize_chunks_fp8_kernel[(rows, chunks)](activated, maxima, out.values, out.scales, width, CHUNKS=chunks,
+                                                    CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=block,
+                                                    FP8_MAX=FP8_MAX, INV_FP8_MAX=1.0 / FP8_MAX,
+                                                    MIN_SCALE=_MIN_SCALE, num_warps=4)
     return out
 
 
