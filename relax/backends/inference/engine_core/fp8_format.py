@@ -54,5 +54,6 @@ class ScaledProduct(NamedTuple):
                 zip(self.product.split(widths, dim=-1), self.column_scales.split(widths))]
 
     def value(self) -> torch.Tensor:
-        """The product with its scales applied, in float32 (what the kernels compute; for tests and the CPU)."""
+        """The product with its scales applied, in float32 (what the kernels compute before rounding; the tests'
+        and benchmarks' reference)."""
         return self.product.float() * self.row_scales * self.column_scales

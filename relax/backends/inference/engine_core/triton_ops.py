@@ -40,12 +40,19 @@ if TYPE_CHECKING:
 
 
 @triton.jit
-def _quantize_row(value, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """A float32 row as e4m3 values (still float32) and its scale, with `fp8_format.quantize_rows`' arithmetic.
-    torch's, for its results bit for bit: a division by a number is a product with its float32 reciprocal, one by
-    a tensor an IEEE-rounded division (Triton's `/` on float32 is an approximate one)."""
-    scale = tl.maximum(tl.max(tl.abs(value), axis=0) * INV_FP8_MAX, MIN_SCALE)
+def _quantize_with(value, largest, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Float32 entries of a row whose largest magnitude is ``largest`` as e4m3 values (still float32), and the
+    row's scale, with `fp8_format.quantize_rows`' arithmetic. torch's, for its results bit for bit: a division by a
+    number is a product with its float32 reciprocal, one by a tensor an IEEE-rounded division (Triton's `/` on
+    float32 is an approximate one)."""
+    scale = tl.maximum(largest * INV_FP8_MAX, MIN_SCALE)
     return tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX), scale
+
+
+@triton.jit
+def _quantize_row(value, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A whole float32 row as e4m3 values (still float32) and its scale (`_quantize_with`)."""
+    return _quantize_with(value, tl.max(tl.abs(value), axis=0), FP8_MAX, INV_FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
@@ -321,11 +328,10 @@ def _quantize_chunks_fp8_kernel(x_ptr, partial_max_ptr, out_ptr, scale_ptr, widt
     chunk = tl.program_id(1)
     chunks = tl.arange(0, CHUNKS_PAD)
     largest = tl.max(tl.load(partial_max_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS, other=0.0), axis=0)
-    scale = tl.maximum(largest * INV_FP8_MAX, MIN_SCALE)  # `_quantize_row`'s arithmetic
     columns = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = columns < width
     value = tl.load(x_ptr + row * width + columns, mask=mask, other=0.0).to(tl.float32)
-    quantized = tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -FP8_MAX), FP8_MAX)
+    quantized, scale = _quantize_with(value, largest, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
     tl.store(out_ptr + row * width + columns, quantized.to(out_ptr.dtype.element_ty), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
