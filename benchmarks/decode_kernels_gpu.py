@@ -5,8 +5,7 @@ median of many runs) against the bytes they must move, and checked against the H
   an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), each pool also stored head-major, and with
   the grid ordered by sequence (the kernel's default) or by KV head (the baseline), in GB/s of K/V (and scales) read;
   the FP8 pool's entries widened to bf16 by their bits (the kernel's default) or by the conversion instructions
-  (the baseline: ``fp8_widen_by_bits_speedup``); one or several
-  KV heads of a sequence a program (``heads_per_program``, against one: ``..._over_one_head_a_program_speedup``);
+  (the baseline: ``fp8_widen_by_bits_speedup``);
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -79,11 +78,9 @@ def main() -> None:
     # (pool, options, tiles): the grid by sequence (one sequence's KV heads side by side: the kernel's default)
     # against by KV head (one head's sequences side by side: the baseline); an FP8 pool widened to bf16 for the
     # products by the conversion instructions (the baseline) or by integer instructions on the bytes' bits
-    # (``widen_by_bits``, the kernel's default); and
-    # ``heads_per_program`` KV heads of a sequence one after the other in one program (1: the baseline)
+    # (``widen_by_bits``, the kernel's default)
     full = [(n, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (2, 3)]
     short = [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
-    fewer = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)]
     by_kv_head, by_sequence = {"heads_first": False}, {"heads_first": True}
     by_bits, by_conversion = {"widen_by_bits": True}, {"widen_by_bits": False}
     variants = [("bf16", by_kv_head, short), ("fp8_scales_slot_major", by_kv_head | by_conversion, short),
@@ -92,15 +89,10 @@ def main() -> None:
                 ("fp8_scales_slot_major", by_sequence | by_bits, full),
                 ("bf16_pool_head_major", by_sequence, short),
                 ("fp8_pool_head_major", by_sequence | by_conversion, short)]
-    for heads_per_program in (2, 4, 8):
-        if kv_heads % heads_per_program == 0:
-            hpp = {"heads_per_program": heads_per_program}
-            variants += [("bf16", by_sequence | hpp, fewer), ("fp8_scales_slot_major", by_sequence | by_bits | hpp, fewer)]
 
     def variant_name(pool_name: str, options: dict) -> str:
         name = pool_name + ("_heads_first" if options["heads_first"] else "")
-        name += "_widen_by_bits" if options.get("widen_by_bits") else ""
-        return name + (f"_heads{options['heads_per_program']}" if options.get("heads_per_program") else "")
+        return name + ("_widen_by_bits" if options.get("widen_by_bits") else "")
 
     for pool_name, options, tiles in variants:
         k_pool, v_pool, scales = pools[pool_name]
@@ -121,13 +113,14 @@ def main() -> None:
             error = relative_error(run(), reference)
             report["attention"][f"{name}_block{block_n}_warps{warps}_stages{stages}"] = {
                 "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
-            print(f"{name:48s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
+            print(f"{name:40s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
                   f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
     best = {}
     for key, value in report["attention"].items():
         name = key[:key.index("_block")]
         best[name] = min(best.get(name, (float("inf"), "")), (value["us"], key))
     report["best_attention_us"] = best
+
     def speedup(baseline: str, candidate: str) -> float | None:
         return round(best[baseline][0] / best[candidate][0], 3) if baseline in best and candidate in best else None
 
@@ -137,10 +130,6 @@ def main() -> None:
     report["fp8_over_bf16_speedup"] = speedup("bf16_heads_first", widened)  # the engine's FP8 kernel
     report["fp8_widen_by_bits_speedup"] = speedup(converted, widened)
     report["fp8_convert_over_bf16_speedup"] = speedup("bf16_heads_first", converted)
-    for name, (us, _) in best.items():  # each variant's several heads a program against one head a program
-        base, _, heads_per_program = name.rpartition("_heads")
-        if heads_per_program.isdigit() and base in best:
-            report[f"{name}_over_one_head_a_program_speedup"] = round(best[base][0] / us, 3)
     print("best:", best)
     print({k: v for k, v in report.items() if k.endswith("_speedup")})
     if args.attention_only:

@@ -15,9 +15,7 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
-  the baseline of that change;
-- ``core_one_head`` and ``core_fp8_one_head``: the core (bf16, FP8) with the decode kernel at one KV head a program
-  (before it took several, `triton_attention.decode_heads_per_program`); the baselines of that change.
+  the baseline of that change.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
@@ -161,18 +159,17 @@ def time_generate(model, prompts: list[list[int]], new_tokens: int, device: str)
 
 
 @contextlib.contextmanager
-def decode_kernel_with(**options):
-    """The decode kernel called with ``options`` over what the engine passes: a baseline of a kernel change (e.g.
-    ``widen_by_bits=False``, the FP8 pool widened by the conversion instructions as before; ``heads_per_program=1``,
-    one KV head a program as before). The engine's attention looks the kernel's entry point up at each call, so the
-    CUDA graphs captured inside this block hold that kernel."""
+def fp8_pool_widened_by_conversions():
+    """The decode kernel as it was before it widened FP8 entries by their bits: the conversion instructions. The
+    engine's attention looks the kernel's entry point up at each call, so the CUDA graphs captured inside this
+    block hold that kernel."""
     if not torch.cuda.is_available():  # the CPU path has no kernel to choose
         yield
         return
     from relax.backends.inference.engine_core import triton_attention
 
     kernel = triton_attention.paged_decode_attention
-    triton_attention.paged_decode_attention = functools.wraps(kernel)(lambda *a, **k: kernel(*a, **k | options))
+    triton_attention.paged_decode_attention = functools.partial(kernel, widen_by_bits=False)
     try:
         yield
     finally:
@@ -191,18 +188,6 @@ def fp8_products_in_the_linears():
         yield
     finally:
         Fp8Linears.layer_products = layer_products
-
-
-# the baselines of the engine's changes, each a block the engine is built and timed in (FP8 ones with ``--rollout-fp8``)
-BF16_BASELINES = {"core_one_head": functools.partial(decode_kernel_with, heads_per_program=1)}
-FP8_BASELINES = {"core_fp8_convert": functools.partial(decode_kernel_with, widen_by_bits=False),
-                 "core_fp8_rowwise": fp8_products_in_the_linears,
-                 "core_fp8_one_head": functools.partial(decode_kernel_with, heads_per_program=1)}
-# (engine, its baseline, the key of the ratio in the results)
-COMPARISONS = [("core_fp8", "core_fp8_convert", "speedup_fp8_over_previous_kernel"),
-               ("core_fp8", "core_fp8_rowwise", "speedup_fp8_over_rowwise_products"),
-               ("core", "core_one_head", "speedup_over_one_head_a_program"),
-               ("core_fp8", "core_fp8_one_head", "speedup_fp8_over_one_head_a_program")]
 
 
 def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
@@ -246,17 +231,20 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             torch.cuda.reset_peak_memory_stats()
         if name == "generate":
             timing = time_generate(model, prompts, args.new_tokens, device)
-        elif name in FP8_BASELINES or name == "core_fp8":
-            with FP8_BASELINES.get(name, contextlib.nullcontext)():
+        elif name == "core_fp8":
+            timing = time_fp8_core(model, tokenizer, prompts, batch, args)
+        elif name == "core_fp8_convert":
+            with fp8_pool_widened_by_conversions():
+                timing = time_fp8_core(model, tokenizer, prompts, batch, args)
+        elif name == "core_fp8_rowwise":
+            with fp8_products_in_the_linears():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
-            mode = "off" if name == "previous" else "on"
+            mode = "on" if name == "core" else "off"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            with BF16_BASELINES.get(name, contextlib.nullcontext)():
-                engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                                        core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
-                timing = time_engine(engine, prompts, args.new_tokens, device,
-                                     1 if name == "previous" else args.repeats)
+            engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                                    core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
+            timing = time_engine(engine, prompts, args.new_tokens, device, args.repeats if name == "core" else 1)
             del engine
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -270,9 +258,12 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     core = result.get("core", {}).get("tokens_per_s")
     if core and "core_fp8" in result:
         result["speedup_fp8_vs_bf16"] = result["core_fp8"]["tokens_per_s"] / core
-    for engine, baseline, key in COMPARISONS:
-        if engine in result and baseline in result:
-            result[key] = result[engine]["tokens_per_s"] / result[baseline]["tokens_per_s"]
+    if "core_fp8" in result and "core_fp8_convert" in result:
+        result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
+                                                      / result["core_fp8_convert"]["tokens_per_s"])
+    if "core_fp8" in result and "core_fp8_rowwise" in result:
+        result["speedup_fp8_over_rowwise_products"] = (result["core_fp8"]["tokens_per_s"]
+                                                       / result["core_fp8_rowwise"]["tokens_per_s"])
     for baseline, key in (("generate", "speedup_vs_generate"), ("previous", "speedup_vs_previous")):
         if core and baseline in result:
             result[key] = core / result[baseline]["tokens_per_s"]
@@ -304,7 +295,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_one_head", "core_fp8", *FP8_BASELINES, "previous", "generate"])
+                        choices=["core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous",
+                                 "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -340,13 +332,13 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_one_head", "core_fp8", *FP8_BASELINES, "previous", "generate"):
+        for name in ("core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    *(key for _, _, key in COMPARISONS)):
+                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products"):
             if key in row:
-                summary[f"{prefix}_{key}"] = round(row[key], 3)
+                summary[f"{prefix}_{key}"] = round(row[key], 2)
         if "core" in row:
             summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
             summary[f"{prefix}_core_fraction_of_roofline"] = round(row["core"]["fraction_of_roofline"], 3)

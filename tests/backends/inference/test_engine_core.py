@@ -419,56 +419,6 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
         assert error < 1e-2, (row, length, error)
 
 
-def _decode_kernel_inputs(heads: int, kv_heads: int, page: int, lens: list[int], magnitude: float = 3.0):
-    """A pool of random K/V in bf16, block tables over shuffled blocks for sequences of ``lens`` tokens, queries."""
-    dim, batch = 128, len(lens)
-    blocks = sum(-(-length // page) for length in lens) + 1
-    keys = torch.randn(blocks * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * magnitude
-    values = torch.randn_like(keys)
-    tables = torch.zeros(batch, max(-(-length // page) for length in lens), dtype=torch.int32, device="cuda")
-    order = (torch.randperm(blocks - 1, device="cuda") + 1).to(torch.int32)
-    used = 0
-    for row, length in enumerate(lens):
-        count = -(-length // page)
-        tables[row, :count] = order[used:used + count]
-        used += count
-    query = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    return query, keys, values, tables, torch.tensor(lens, dtype=torch.int32, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (32, 8), (8, 4)])
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize("heads_first", [False, True])
-def test_several_kv_heads_a_program_give_the_one_head_kernels_outputs_bit_for_bit(heads, kv_heads, cache_dtype,
-                                                                                  heads_first):
-    """A program that runs several KV heads of a sequence one after the other (one loop over (head, tile) pairs)
-    does, for each head, the one-head program's operations in the same order: the outputs are equal bit for bit,
-    at every count of heads a program that divides the KV heads, whatever the sequences' lengths."""
-    from relax.backends.inference.engine_core.kv_cache import quantize_heads
-    from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
-
-    torch.manual_seed(2)
-    page = 16
-    query, keys, values, tables, lens = _decode_kernel_inputs(heads, kv_heads, page, [1, 15, 16, 17, 129, 300, 511])
-    scales = {}
-    if cache_dtype == "fp8_e4m3":
-        (keys, scales["key_scales"]), (values, scales["value_scales"]) = quantize_heads(keys), quantize_heads(values)
-
-    def attend(heads_per_program: int) -> torch.Tensor:
-        return paged_decode_attention(query, keys, values, tables, lens, 128 ** -0.5, page, block_n=64,
-                                      heads_first=heads_first, heads_per_program=heads_per_program, **scales)
-
-    one = attend(1)
-    assert torch.isfinite(one).all()
-    for heads_per_program in (2, 4, 8):
-        if kv_heads % heads_per_program == 0:
-            assert torch.equal(attend(heads_per_program), one), heads_per_program
-    with pytest.raises(ValueError, match="does not divide"):
-        attend(3)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_widening_e4m3_by_its_bits_gives_every_finite_code_times_two_to_the_minus_120():

@@ -157,14 +157,11 @@ def attend(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: f
                                            metadata.max_query, metadata.max_key, scale).flatten(1)
         return _padded_attention(query, cache, metadata, scale)
     if metadata.use_triton:
-        from relax.backends.inference.engine_core import triton_attention
+        from relax.backends.inference.engine_core.triton_attention import paged_decode_attention
 
-        heads_per_program = triton_attention.decode_heads_per_program(query.shape[0], cache.keys.shape[1],
-                                                                     cache.quantized)
-        return triton_attention.paged_decode_attention(
-            query, cache.keys, cache.values, metadata.block_tables, metadata.context_lens, scale, metadata.block_size,
-            key_scales=cache.key_scales, value_scales=cache.value_scales,
-            heads_per_program=heads_per_program).flatten(1)
+        return paged_decode_attention(query, cache.keys, cache.values, metadata.block_tables, metadata.context_lens,
+                                      scale, metadata.block_size, key_scales=cache.key_scales,
+                                      value_scales=cache.value_scales).flatten(1)
     return _padded_attention(query, cache, metadata, scale)
 
 

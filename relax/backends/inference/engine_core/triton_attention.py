@@ -62,83 +62,47 @@ def _e4m3_bits_to_bf16(x):
 
 
 @triton.jit
-def _scores(q, k, k_scales, scale, QUANTIZED: tl.constexpr, WIDEN_BY_BITS: tl.constexpr):
-    """``q [GROUP_PAD, D]`` against a tile's keys ``[BLOCK_N, D]``, scaled."""
-    if QUANTIZED:  # FP8 entries times their vector's scale: the scale multiplies the scores
-        if WIDEN_BY_BITS:
-            k = _e4m3_bits_to_bf16(k.to(tl.uint8, bitcast=True))
-        else:
-            k = k.to(q.dtype)
-        return tl.dot(q, tl.trans(k)) * (k_scales * scale)[None, :]
-    return tl.dot(q, tl.trans(k)) * scale
-
-
-@triton.jit
-def _weighted_values(p, v, v_scales, dtype, QUANTIZED: tl.constexpr, WIDEN_BY_BITS: tl.constexpr):
-    """The probabilities ``p [GROUP_PAD, BLOCK_N]`` times a tile's values ``[BLOCK_N, D]`` (float32)."""
-    if QUANTIZED:  # the values' scales multiply the probabilities
-        if WIDEN_BY_BITS:
-            return tl.dot((p * (v_scales * _CARRY_UP)[None, :]).to(dtype),
-                          _e4m3_bits_to_bf16(v.to(tl.uint8, bitcast=True)))
-        return tl.dot((p * v_scales[None, :]).to(dtype), v.to(dtype))
-    return tl.dot(p.to(v.dtype), v)
-
-
-@triton.jit
-def _load_queries(q_ptr, seq, heads, dims, row_ok, stride_qb, stride_qh, CARRY: tl.constexpr):
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
-    if CARRY:  # the query carried 2**64 up for the keys widened by their bits
-        q = (q.to(tl.float32) * _CARRY_UP).to(q_ptr.dtype.element_ty)
-    return q
-
-
-@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, k_scale_ptr, v_scale_ptr, scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
     stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    WIDEN_BY_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr, WIDEN_BY_BITS: tl.constexpr,
 ):
     if HEADS_FIRST:  # a sequence's KV heads launch side by side: they read the same pages at the same time
-        head_group = tl.program_id(0)
+        kv_head = tl.program_id(0)
         seq = tl.program_id(1)
     else:
         seq = tl.program_id(0)
-        head_group = tl.program_id(1)
+        kv_head = tl.program_id(1)
     length = tl.load(lens_ptr + seq)
-    tiles = (length + BLOCK_N - 1) // BLOCK_N
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    row_ok = rows < GROUP
-    carry = QUANTIZED and WIDEN_BY_BITS
-    if carry:
-        scale = scale / (_CARRY_UP * _E4M3_IN_BF16)
-    kv_head = head_group * HEADS_PER_PROGRAM
     heads = kv_head * GROUP + rows
-    q = _load_queries(q_ptr, seq, heads, dims, row_ok, stride_qb, stride_qh, carry)
+    row_ok = rows < GROUP
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if QUANTIZED and WIDEN_BY_BITS:
+        q = (q.to(tl.float32) * _CARRY_UP).to(q.dtype)
+        scale = scale / (_CARRY_UP * _E4M3_IN_BF16)
     maximum = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    # one loop over (KV head, tile) pairs, so the pipeline loads the next head's first tile while this head's last
-    # one is computed: a program's prologue (lengths, table, first tile) is paid once for HEADS_PER_PROGRAM heads
-    for step in range(tiles * HEADS_PER_PROGRAM):
-        start = (step % tiles) * BLOCK_N
-        if HEADS_PER_PROGRAM > 1:
-            if (step > 0) & (start == 0):  # the next head: its queries, and its softmax afresh (the correction
-                kv_head += 1             # exp(-inf - max) then zeroes total and acc)
-                heads = kv_head * GROUP + rows
-                q = _load_queries(q_ptr, seq, heads, dims, row_ok, stride_qb, stride_qh, carry)
-                maximum = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    for start in range(0, length, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < length
         blocks = tl.load(tables_ptr + seq * stride_tb + positions // PAGE, mask=valid, other=0)
         slots = blocks.to(tl.int64) * PAGE + positions % PAGE
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :], mask=valid[:, None],
                     other=0.0)
-        k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid & QUANTIZED, other=0.0)
-        scores = _scores(q, k, k_scales, scale, QUANTIZED, WIDEN_BY_BITS)  # [GROUP_PAD, BLOCK_N]
+        if QUANTIZED:  # FP8 entries times their vector's scale: the scale multiplies the scores
+            k_scales = tl.load(k_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
+            if WIDEN_BY_BITS:
+                k = _e4m3_bits_to_bf16(k.to(tl.uint8, bitcast=True))
+            else:
+                k = k.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k)) * (k_scales * scale)[None, :]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(maximum, tl.max(scores, axis=1))
         correction = tl.exp(maximum - new_max)
@@ -146,66 +110,49 @@ def _paged_decode_kernel(
         total = total * correction + tl.sum(p, axis=1)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :], mask=valid[:, None],
                     other=0.0)
-        v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid & QUANTIZED, other=0.0)
-        acc = acc * correction[:, None] + _weighted_values(p, v, v_scales, q_ptr.dtype.element_ty, QUANTIZED,
-                                                           WIDEN_BY_BITS)
+        if QUANTIZED:  # and the values' scale the probabilities
+            v_scales = tl.load(v_scale_ptr + slots * stride_ss + kv_head * stride_sh, mask=valid, other=0.0)
+            if WIDEN_BY_BITS:
+                acc = acc * correction[:, None] + tl.dot((p * (v_scales * _CARRY_UP)[None, :]).to(q.dtype),
+                                                         _e4m3_bits_to_bf16(v.to(tl.uint8, bitcast=True)))
+            else:
+                acc = acc * correction[:, None] + tl.dot((p * v_scales[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         maximum = new_max
-        if start + BLOCK_N >= length:  # the head's last tile: its rows are done
-            out = acc
-            if carry:
-                out = out / (_CARRY_UP * _E4M3_IN_BF16)
-            out = out / total[:, None]
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-# the fewest programs a decode call over an FP8 pool keeps when it gives a program several KV heads
-LEAST_PROGRAMS = 256
-
-
-def decode_heads_per_program(batch: int, kv_heads: int, quantized: bool,
-                             least_programs: int = LEAST_PROGRAMS) -> int:
-    """The KV heads of a sequence one program runs one after the other. Over an FP8 pool, the most (a power of two
-    dividing ``kv_heads``) that still leaves ``least_programs`` programs: the kernel is bound by its widening
-    there, and a program's fixed cost (its prologue, its exposed first loads) is paid fewer times. Over a bf16 pool
-    one: several measured 0.98x in the kernel and 0.93x in the engine (H100)."""
-    count = 1
-    while quantized and kv_heads % (2 * count) == 0 and batch * kv_heads // (2 * count) >= least_programs:
-        count *= 2
-    return count
+    if QUANTIZED and WIDEN_BY_BITS:
+        acc = acc / (_CARRY_UP * _E4M3_IN_BF16)
+    out = acc / total[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True,
-                           heads_per_program: int = 1) -> torch.Tensor:
+                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
     ``page``-slot blocks, any strides, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
     sequence's KV heads run together instead of one KV head's sequences; ``widen_by_bits=False`` widens an FP8
-    pool's entries by the conversion instructions (the path before). ``heads_per_program`` KV heads of a sequence
-    run one after the other in one program (it divides the KV heads).
-    (Capping the registers at 96 with ptxas' maxnreg, five programs a multiprocessor instead of four, measured 0.94x
-    on an H100: `benchmarks/results/decode_kernels_fp8_register_cap_h100_gpu.json`.)"""
+    pool's entries by the conversion instructions (the path before). (Capping the registers at 96 with ptxas'
+    maxnreg, five programs a multiprocessor instead of four, measured 0.94x on an H100:
+    `benchmarks/results/decode_kernels_fp8_register_cap_h100_gpu.json`.)"""
     quantized = key_scales is not None
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
-    if kv_heads % heads_per_program:
-        raise ValueError(f"heads_per_program {heads_per_program} does not divide the {kv_heads} KV heads")
     group = heads // kv_heads
     out = torch.empty_like(query)
     k_scales = key_scales if quantized else context_lens  # unread when not quantized
     v_scales = value_scales if quantized else context_lens
-    programs = kv_heads // heads_per_program
-    _paged_decode_kernel[(programs, batch) if heads_first else (batch, programs)](
+    _paged_decode_kernel[(kv_heads, batch) if heads_first else (batch, kv_heads)](
         query, key_pool, value_pool, out, block_tables, context_lens, k_scales, v_scales, scale,
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
         k_scales.stride(-1) if quantized else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
-        BLOCK_N=block_n, HEADS_PER_PROGRAM=heads_per_program, QUANTIZED=quantized, HEADS_FIRST=heads_first,
+        BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first,
         WIDEN_BY_BITS=widen_by_bits, num_warps=num_warps, num_stages=num_stages,
     )
     return out
