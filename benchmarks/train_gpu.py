@@ -12,7 +12,10 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
   logits, inputs staged through pinned memory (no host synchronization inside the micro-batch loop),
   liger-kernel's RMSNorm/SwiGLU/RoPE, fused AdamW, float32 weights cast to bf16 once per step and weight
   gradients summed in float32 by the GEMMs (gradient-accumulation fusion, `relax/backends/training/master_weights.py`)
-  (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast).
+  (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast);
+- ``packed_keep_logits`` (named in ``--variants``): ``packed`` with ``--log-probs-keep-logits``, each head chunk's
+  logits kept from the forward for the backward instead of recomputed there (``keep_logits_speedup`` over
+  ``packed``).
 
 For each: seconds per optimizer step (after a warm-up step), real (unpadded) tokens/s, model FLOP/s counted as
 6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
@@ -178,6 +181,8 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                       gradient_checkpointing=base.gradient_checkpointing and not args.no_checkpointing,
                                       liger_kernel=cuda and not args.no_liger, fsdp_single_process=args.fsdp),
     }
+    # the packed trainer with the LM head's chunk logits kept for the backward (one head matmul a chunk less)
+    variants["packed_keep_logits"] = dataclasses.replace(variants["packed"], log_probs_keep_logits=True)
     # the packed trainer before the compiled RMSNorms and the grouped-query attention without repeated keys/values
     variants["packed_kernels_before"] = dataclasses.replace(variants["packed"], rms_norm_kernel="liger",
                                                             attention_repeat_kv=True,
@@ -188,6 +193,7 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
             continue
         results[variant] = {"settings": {"sequence_packing": settings.sequence_packing,
                                          "log_probs_chunk_size": settings.log_probs_chunk_size,
+                                         "log_probs_keep_logits": settings.log_probs_keep_logits,
                                          "micro_batch_size": None if settings.max_tokens_per_gpu else
                                          settings.micro_batch_size,
                                          "max_tokens_per_gpu": settings.max_tokens_per_gpu,
@@ -208,7 +214,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                                 "response_len_mean": sum(lengths) / len(lengths)},
             **results, **{f"speedup_over_{base}": round(results[base]["s_per_step"] / results["packed"]["s_per_step"], 2)
                           for base in ("previous", "hf_experts", "packed_kernels_before")
-                          if base in results and "packed" in results}}
+                          if base in results and "packed" in results},
+            **({"keep_logits_speedup": round(results["packed"]["s_per_step"]
+                                             / results["packed_keep_logits"]["s_per_step"], 3)}
+               if "packed" in results and "packed_keep_logits" in results else {})}
 
 
 def main() -> None:
@@ -231,7 +240,7 @@ def main() -> None:
                         help="comma-separated: previous, hf_experts (MoE: the packed trainer with transformers' own "
                              "experts, the path before grouped_experts), packed_kernels_before (packed with "
                              "liger's RMSNorm, keys/values repeated for grouped-query attention and a float32 "
-                             "residual stream), packed")
+                             "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits)")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
     parser.add_argument("--log-probs-chunk-size", type=int, default=4096, help="packed path's LM-head chunk")
     parser.add_argument("--fsdp", action="store_true",
@@ -254,6 +263,8 @@ def main() -> None:
                                    ("speedup_over_hf_experts", result.get("speedup_over_hf_experts")),
                                    ("speedup_over_kernels_before", result.get("speedup_over_packed_kernels_before")),
                                    ("mfu_989", result.get("packed", {}).get("mfu_989")),
+                                   ("keep_logits_mfu_989", result.get("packed_keep_logits", {}).get("mfu_989")),
+                                   ("keep_logits_speedup", result.get("keep_logits_speedup")),
                                    ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {
         "benchmark": "train_gpu", **headline,

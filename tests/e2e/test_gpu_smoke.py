@@ -311,6 +311,38 @@ def test_the_triton_head_kernels_match_the_torch_path(monkeypatch, temperature, 
         assert error < 1e-2, (name, error)
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_kept_logits_give_the_triton_heads_gradients_bit_for_bit_without_a_second_head_matmul(monkeypatch,
+                                                                                             entropy_grad):
+    """``keep_logits`` on the fused path: the backward writes the logit gradient over the forward's bf16 logits
+    instead of computing them again (no `_raw_logits` call in it), and the outputs and gradients are the recomputing
+    path's bit for bit (the same GEMM gave the same logits)."""
+    from relax.backends.training import log_probs as head
+
+    torch.manual_seed(1)
+    device = torch.device("cuda", 0)
+    tokens, width, vocab = 900, 256, 50_000
+    hidden = (torch.randn(tokens, width, device=device) * 0.5).to(torch.bfloat16)
+    weight = (torch.randn(vocab, width, device=device) * 0.05).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (tokens, 1), device=device)
+    grad_lp, grad_ent = torch.randn(tokens, 1, device=device), torch.randn(tokens, device=device)
+    calls = []
+    raw = head._raw_logits
+    monkeypatch.setattr(head, "_raw_logits", lambda *a, **k: calls.append(1) or raw(*a, **k))
+    results = {}
+    for keep in (False, True):
+        calls.clear()
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = head.token_log_probs(h, w, ids, chunk_size=256, entropy_grad=entropy_grad, keep_logits=keep)
+        forward_calls = len(calls)
+        loss = (out.log_probs * grad_lp).sum() + ((out.entropy * grad_ent).sum() if entropy_grad else 0.0)
+        loss.backward()
+        assert len(calls) - forward_calls == (0 if keep else forward_calls)
+        results[keep] = (out.log_probs, out.entropy, h.grad, w.grad)
+    for recomputed, kept in zip(results[False], results[True]):
+        assert torch.equal(recomputed, kept)
+
+
 def test_the_micro_batch_loop_never_waits_for_the_device(tiny_workspace):
     """Forward, loss and backward of every micro-batch queue behind each other with no host synchronization
     (torch's sync debug mode raises on one): inputs go through pinned memory, lengths stay on the host."""

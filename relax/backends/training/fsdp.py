@@ -428,7 +428,7 @@ class FSDPTrainBackend(TrainBackend):
             ids = torch.cat([ids, to_device(extra, self.settings.device)], dim=-1)
         return HeadRequest(ids, self.settings.temperature, self._suppressed_ids, self.settings.log_probs_chunk_size,
                            entropy_grad and torch.is_grad_enabled(), top_k, self.settings.compute_dtype,
-                           self._weight_casts)
+                           self._weight_casts, self.settings.log_probs_keep_logits)
 
     def _token_outputs(self, batch: TrainBatch, out: TokenLogProbs, context: ContextSlice | None) -> PerTokenOutputs:
         """The head's flat outputs for ``batch`` as ``[B, R]`` rows (every context slice's response positions)."""

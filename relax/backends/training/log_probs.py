@@ -5,7 +5,11 @@ so a micro-batch of 16k response tokens would hold 10 GB of logits, more for the
 their gradients. `token_log_probs` computes the head, the log-softmax, the log-probs at the asked ids and the
 entropy ``chunk_size`` tokens at a time, keeping only ``[M]``-sized results; its backward recomputes each
 chunk's logits from the saved hidden states (one more head matmul, a few % of a step) and turns the
-incoming gradients into the head's and the hidden states' gradients chunk by chunk.
+incoming gradients into the head's and the hidden states' gradients chunk by chunk. With ``keep_logits`` the
+forward keeps each chunk's logits for the backward instead, which (on CUDA) writes the logit gradient over them:
+one head matmul a chunk less, for the logits' bytes (2 x the vocabulary a response token on CUDA, in the compute
+dtype; 4 x on the torch path, in float32) held from the head's forward to its backward (the head is the last layer,
+so its backward comes first).
 
 Numerics match the unchunked path: the head runs in the compute dtype (bf16 on GPU, as under autocast), the
 softmax and everything after it in float32. On CUDA the float32 work on each chunk's logits is one pass of a
@@ -86,7 +90,7 @@ def _raw_logits(hidden: torch.Tensor, weight: torch.Tensor, suppressed_ids: torc
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k,
-                master):
+                master, keep_logits):
         num_tokens = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         log_probs = hidden.new_empty((num_tokens, ids.shape[1]), dtype=dtype)
@@ -96,6 +100,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         top_ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=hidden.device)
         fused = not top_k and _fused_head_available(hidden)
         ctx.fused = fused
+        # the chunks' logits for the backward (only where one will run: a forward for log-probs alone keeps none)
+        kept = [] if keep_logits and any(ctx.needs_input_grad) else None
         if fused:
             from relax.backends.training.triton_head import logsumexp_entropy
         for start in range(0, num_tokens, chunk_size):
@@ -106,8 +112,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 log_probs[rows] = logits.gather(-1, ids[rows]).to(dtype) / temperature - log_norm[rows].unsqueeze(-1)
                 if entropy:
                     ent[rows] = chunk_entropy
+                if kept is not None:
+                    kept.append(logits)
                 continue
             logits = _logits(hidden[rows], weight, temperature, suppressed_ids)
+            if kept is not None:
+                kept.append(logits)
             log_norm[rows] = logits.logsumexp(dim=-1)
             log_probs[rows] = logits.gather(-1, ids[rows]) - log_norm[rows].unsqueeze(-1)
             if entropy:
@@ -115,7 +125,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if top_k:
                 top_logits, top_ids[rows] = logits.topk(top_k, dim=-1)
                 top_log_probs[rows] = top_logits - log_norm[rows].unsqueeze(-1)
-        ctx.save_for_backward(hidden, weight, ids, log_norm, ent if entropy_grad else None, suppressed_ids)
+        ctx.save_for_backward(hidden, weight, ids, log_norm, ent if entropy_grad else None, suppressed_ids,
+                              *(kept or ()))
         ctx.settings = (temperature, chunk_size, entropy_grad)
         ctx.master = master  # a float32 parameter whose .grad takes the head's gradient directly, or None
         ctx.mark_non_differentiable(top_log_probs, top_ids)
@@ -125,20 +136,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, _grad_top, _grad_top_ids):
-        hidden, weight, ids, log_norm, ent, suppressed_ids = ctx.saved_tensors
+        hidden, weight, ids, log_norm, ent, suppressed_ids, *kept = ctx.saved_tensors
         temperature, chunk_size, entropy_grad = ctx.settings
         master = ctx.master if ctx.master is not None and ctx.needs_input_grad[9] else None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                   device=weight.device) \
             if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], chunk_size):
+        for chunk, start in enumerate(range(0, hidden.shape[0], chunk_size)):
             rows = slice(start, start + chunk_size)
             with_entropy = entropy_grad and grad_entropy is not None
-            grad_logits = (_fused_grad_logits if ctx.fused else _grad_logits)(
-                hidden[rows], weight, ids[rows], log_norm[rows], grad_log_probs[rows],
-                ent[rows] if with_entropy else None, grad_entropy[rows] if with_entropy else None, temperature,
-                suppressed_ids)
+            inputs = (hidden[rows], weight, ids[rows], log_norm[rows], grad_log_probs[rows],
+                      ent[rows] if with_entropy else None, grad_entropy[rows] if with_entropy else None, temperature,
+                      suppressed_ids)
+            grad_logits = (_fused_grad_logits if ctx.fused else _grad_logits)(*inputs,
+                                                                              kept=kept[chunk] if kept else None)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -147,26 +159,29 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 accumulate_grad(master, grad_logits.T, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
-def _fused_grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids):
-    """The chunk's logit gradient from `triton_head`'s one-pass kernel, in the compute dtype."""
+def _fused_grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids,
+                       kept=None):
+    """The chunk's logit gradient from `triton_head`'s one-pass kernel, in the compute dtype: written over the
+    forward's ``kept`` logits of the chunk where it kept them, else over the logits recomputed here."""
     from relax.backends.training.triton_head import grad_logits
 
-    logits = _raw_logits(hidden, weight, suppressed_ids)
-    result = grad_logits(logits, log_norm, ent, grad_log_probs, grad_entropy, ids, temperature)
+    logits = kept if kept is not None else _raw_logits(hidden, weight, suppressed_ids)
+    result = grad_logits(logits, log_norm, ent, grad_log_probs, grad_entropy, ids, temperature, out=logits)
     if suppressed_ids is not None:
         result.index_fill_(-1, suppressed_ids, 0.0)
     return result
 
 
 def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entropy, temperature, suppressed_ids,
-                 owned=None):
+                 owned=None, kept=None):
     """The torch path of the chunk's logit gradient (CPU, and top-k requests), in the hidden states' dtype.
     ``owned`` ``[c, K]``: which asked ids are among ``weight``'s rows (a slice of the vocabulary, `vocab_parallel`;
-    ``ids`` then index the slice), None: all."""
-    logits = _logits(hidden, weight, temperature, suppressed_ids)
+    ``ids`` then index the slice), None: all. ``kept``: the chunk's logits from the forward (`_logits`), else
+    recomputed here."""
+    logits = kept if kept is not None else _logits(hidden, weight, temperature, suppressed_ids)
     probs = torch.exp(logits - log_norm.unsqueeze(-1))
     # d log p(c) / d logit_v = 1[v = c] - p_v, for each asked id c
     grad = probs * -grad_log_probs.sum(dim=-1, keepdim=True)
@@ -184,14 +199,15 @@ def _grad_logits(hidden, weight, ids, log_norm, grad_log_probs, ent, grad_entrop
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0,
                     suppressed_ids: torch.Tensor | None = None, chunk_size: int = 1024, entropy: bool = True,
                     entropy_grad: bool = False, top_k: int = 0, compute_dtype: torch.dtype | None = None,
-                    weight_casts: MasterWeightCasts | None = None) -> TokenLogProbs:
+                    weight_casts: MasterWeightCasts | None = None, keep_logits: bool = False) -> TokenLogProbs:
     """Log-probs of the LM head ``weight`` ``[V, H]`` applied to ``hidden`` ``[M, H]`` at ``ids``
     ``[M, K]`` (the next token, and any extra ids such as a teacher's top-k), with the entropy ``[M]``
     (differentiable only with ``entropy_grad``) and optionally the ``top_k`` most likely tokens.
 
     The head runs in ``compute_dtype`` (default: the hidden states' dtype). With ``weight_casts`` (the chunked
     path), a float32 master ``weight`` is cast through them and its gradient is summed into ``weight.grad`` in
-    float32 chunk by chunk (`master_weights.accumulate_grad`) instead of flowing back through a cast."""
+    float32 chunk by chunk (`master_weights.accumulate_grad`) instead of flowing back through a cast.
+    ``keep_logits``: the chunks' logits are kept from the forward for the backward (module docstring)."""
     dtype = compute_dtype or hidden.dtype
     master = None
     if weight_casts is not None and chunk_size > 0 and weight.dtype != dtype:
@@ -201,5 +217,6 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
         if chunk_size <= 0:
             return _full_logit_path(hidden, weight, ids, temperature, suppressed_ids, entropy, entropy_grad, top_k)
         log_probs, ent, top_log_probs, top_ids = _ChunkedLogProbs.apply(
-            hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k, master)
+            hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy, entropy_grad, top_k, master,
+            keep_logits)
     return TokenLogProbs(log_probs, ent, top_log_probs if top_k else None, top_ids if top_k else None)

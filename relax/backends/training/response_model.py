@@ -30,6 +30,7 @@ class HeadRequest:
     top_k: int
     compute_dtype: torch.dtype
     weight_casts: MasterWeightCasts | None = None  # the head weight's casts and float32 gradient path
+    keep_logits: bool = False  # the chunks' logits kept for the backward (`token_log_probs`)
 
     def apply(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> TokenLogProbs:
         """The LM head ``head_weight`` on the response positions' last hidden states ``[M, H]``; a head split by
@@ -43,11 +44,12 @@ class HeadRequest:
             return vocab_parallel_token_log_probs(
                 hidden, head_weight.to_local(), self.ids, head_weight.shape[0], mesh.get_group(),
                 temperature=self.temperature, suppressed_ids=self.suppressed_ids, chunk_size=self.chunk_size,
-                entropy_grad=self.entropy_grad, top_k=self.top_k, compute_dtype=self.compute_dtype)
+                entropy_grad=self.entropy_grad, top_k=self.top_k, compute_dtype=self.compute_dtype,
+                keep_logits=self.keep_logits)
         return token_log_probs(
             hidden, head_weight, self.ids, temperature=self.temperature, suppressed_ids=self.suppressed_ids,
             chunk_size=self.chunk_size, entropy_grad=self.entropy_grad, top_k=self.top_k,
-            compute_dtype=self.compute_dtype, weight_casts=self.weight_casts,
+            compute_dtype=self.compute_dtype, weight_casts=self.weight_casts, keep_logits=self.keep_logits,
         )
 
 

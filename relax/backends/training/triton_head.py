@@ -86,11 +86,13 @@ def logsumexp_entropy(logits: torch.Tensor, temperature: float) -> tuple[torch.T
 
 
 def grad_logits(logits: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None, grad_log_probs: torch.Tensor,
-                grad_entropy: torch.Tensor | None, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+                grad_entropy: torch.Tensor | None, ids: torch.Tensor, temperature: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of ``sum(grad_log_probs * log_softmax(x)[ids]) + sum(grad_entropy * H(x))`` with respect to
-    the logits (``x = logits / temperature``), in the logits' dtype."""
+    the logits (``x = logits / temperature``), in the logits' dtype; ``out`` may be ``logits`` (each entry is read
+    before the same program writes it)."""
     rows, vocab = logits.shape
-    out = torch.empty_like(logits)
+    out = torch.empty_like(logits) if out is None else out
     with_entropy = grad_entropy is not None and entropy is not None
     if rows:
         _grad_logits_kernel[(rows, triton.cdiv(vocab, BLOCK))](

@@ -32,7 +32,7 @@ def vocabulary_slice(vocab: int, group: dist.ProcessGroup) -> tuple[int, int]:
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature, suppressed_ids, chunk_size, entropy_grad, top_k, group,
-                start):
+                start, keep_logits):
         num_tokens, size = hidden.shape[0], weight.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         local_ids = ids - start
@@ -47,9 +47,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ent = hidden.new_empty(num_tokens, dtype=dtype)
         top_log_probs = hidden.new_empty((num_tokens, top_k), dtype=dtype)
         top_ids = torch.empty((num_tokens, top_k), dtype=torch.long, device=hidden.device)
+        kept = [] if keep_logits and any(ctx.needs_input_grad) else None  # (as `log_probs._ChunkedLogProbs`)
         for begin in range(0, num_tokens, chunk_size):
             rows = slice(begin, begin + chunk_size)
             logits = _logits(hidden[rows], weight, temperature, local_suppressed)  # [c, V_r] float32
+            if kept is not None:
+                kept.append(logits)
             peak = logits.max(dim=-1).values if size else logits.new_full((logits.shape[0],), -torch.inf)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
             shifted = torch.exp(logits - peak.unsqueeze(-1))
@@ -76,7 +79,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 top_ids[rows] = torch.cat(candidate_ids, dim=-1).gather(-1, order)
                 top_log_probs[rows] = best - log_norm[rows].unsqueeze(-1)
         ctx.save_for_backward(hidden, weight, local_ids, owned, log_norm, ent if entropy_grad else None,
-                              local_suppressed)
+                              local_suppressed, *(kept or ()))
         ctx.settings = (temperature, chunk_size, entropy_grad, group)
         ctx.mark_non_differentiable(top_log_probs, top_ids)
         if not entropy_grad:
@@ -85,7 +88,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, _grad_top, _grad_top_ids):
-        hidden, weight, local_ids, owned, log_norm, ent, local_suppressed = ctx.saved_tensors
+        hidden, weight, local_ids, owned, log_norm, ent, local_suppressed, *kept = ctx.saved_tensors
         temperature, chunk_size, entropy_grad, group = ctx.settings
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
@@ -93,12 +96,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if grad_log_probs is None:
             grad_log_probs = log_norm.new_zeros(local_ids.shape)
         with_entropy = entropy_grad and grad_entropy is not None
-        for begin in range(0, hidden.shape[0] if weight.shape[0] else 0, chunk_size):  # (an empty slice adds 0)
-            rows = slice(begin, begin + chunk_size)
+        for chunk, begin in enumerate(range(0, hidden.shape[0] if weight.shape[0] else 0, chunk_size)):
+            rows = slice(begin, begin + chunk_size)  # (an empty slice adds 0)
             grad_logits = _grad_logits(hidden[rows], weight, local_ids[rows], log_norm[rows], grad_log_probs[rows],
                                        ent[rows] if with_entropy else None,
                                        grad_entropy[rows] if with_entropy else None, temperature, local_suppressed,
-                                       owned[rows])
+                                       owned[rows], kept=kept[chunk] if kept else None)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -107,18 +110,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             dist.all_reduce(grad_hidden, group=group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, vocab: int,
                                    group: dist.ProcessGroup, *, temperature: float = 1.0,
                                    suppressed_ids: torch.Tensor | None = None, chunk_size: int = 1024,
                                    entropy_grad: bool = False, top_k: int = 0,
-                                   compute_dtype: torch.dtype | None = None) -> TokenLogProbs:
+                                   compute_dtype: torch.dtype | None = None, keep_logits: bool = False) -> TokenLogProbs:
     """`log_probs.token_log_probs` with the head ``weight`` this rank's rows of the ``vocab`` ids (``[V_r, H]``,
     split over ``group`` as `vocabulary_slice` says) and ``hidden`` ``[M, H]`` the same on every rank of it; ``ids``
     are vocabulary ids. The entropy is always computed (one more column of the one sum). Every rank returns the
-    whole result. ``chunk_size`` 0: one chunk."""
+    whole result. ``chunk_size`` 0: one chunk. ``keep_logits``: each chunk's float32 logits of the slice kept for
+    the backward instead of recomputed."""
     dtype = compute_dtype or hidden.dtype
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     start, size = vocabulary_slice(vocab, group)
@@ -128,5 +132,5 @@ def vocab_parallel_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, i
     chunk = chunk_size if chunk_size > 0 else max(hidden.shape[0], 1)
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, ent, top_log_probs, top_ids = _VocabParallelLogProbs.apply(
-            hidden, weight, ids, temperature, suppressed_ids, chunk, entropy_grad, top_k, group, start)
+            hidden, weight, ids, temperature, suppressed_ids, chunk, entropy_grad, top_k, group, start, keep_logits)
     return TokenLogProbs(log_probs, ent, top_log_probs if top_k else None, top_ids if top_k else None)

@@ -84,8 +84,10 @@ class MemoryPlan:
                 f"{self.usable_bytes / GIB:.1f} GiB usable")
 
 
-def plan_memory(device: DeviceMemory, step: StepFootprint, tokens: int, can_release_kv: bool) -> MemoryPlan:
-    """The plan for a largest micro-batch of ``tokens`` tokens (module doc); raises `ConfigError` when none fits."""
+def plan_memory(device: DeviceMemory, step: StepFootprint, tokens: int, can_release_kv: bool,
+                kept_logits: bool = False) -> MemoryPlan:
+    """The plan for a largest micro-batch of ``tokens`` tokens (module doc); raises `ConfigError` when none fits.
+    ``kept_logits``: the trainer keeps its LM-head chunks' logits for the backward (a remedy is to stop)."""
     usable = int(device.total_bytes * (1 - HEADROOM))
     resident = device.held_bytes + device.pending_bytes
     peak = resident + step.peak_bytes(tokens)
@@ -103,6 +105,8 @@ def plan_memory(device: DeviceMemory, step: StepFootprint, tokens: int, can_rele
         remedies.append(f"the synchronous mode, which can release the pool while training (drop "
                         f"{flag('colocate_async')} / {flag('fully_async')})")
     remedies.append(f"{flag('gradient_checkpointing')} (activations recomputed in the backward)")
+    if kept_logits:
+        remedies.append(f"no {flag('log_probs_keep_logits')} (the LM head's logits recomputed in the backward)")
     raise ConfigError(
         f"the training step does not fit on the device: micro-batches of up to {tokens} tokens need "
         f"{step.peak_bytes(tokens) / GIB:.1f} GiB ({step.bytes_per_token / 1024:.0f} KiB per token + "

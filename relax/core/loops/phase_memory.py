@@ -195,7 +195,8 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
     device = DeviceMemory(total_bytes=torch.cuda.get_device_properties(roles.device).total_memory,
                           held_bytes=torch.cuda.memory_allocated(roles.device),
                           pending_bytes=sum(optimizer_state_bytes(t) for t in trainers), kv_pool_bytes=releasable)
-    plan = plan_memory(device, step, tokens, can_release_kv=can_release_kv or engine_released)
+    plan = plan_memory(device, step, tokens, can_release_kv=can_release_kv or engine_released,
+                       kept_logits=cfg.log_probs_keep_logits)
     if engine_released:  # --offload-rollout frees it all anyway
         plan = dataclasses.replace(plan, release_kv_while_training=False, engine_offloaded=True)
     logger.info("%s (micro-batches up to %d tokens: %.0f KiB per token%s)", plan.describe(), tokens,

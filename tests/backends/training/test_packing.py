@@ -126,6 +126,65 @@ def test_chunked_log_probs_equal_full_logits_with_gradients(tokens, vocab, chunk
     assert torch.equal(full.top_ids, chunked.top_ids)
 
 
+@given(st.integers(1, 30), st.integers(2, 20), st.integers(1, 9), st.integers(0, 2), st.booleans(), st.booleans(),
+       st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_kept_logits_give_the_recomputing_heads_outputs_and_gradients_without_recomputing(
+        tokens, vocab, chunk, extra_ids, entropy_grad, with_master, seed):
+    """``keep_logits``: the backward takes each chunk's logits from the forward instead of running the head again
+    (no `_logits` call in the backward), and every output and gradient (the hidden states', the head's, a float32
+    master weight's) is the recomputing path's bit for bit; a forward without gradients keeps none."""
+    from relax.backends.training import log_probs as head
+    from relax.backends.training.master_weights import MasterWeightCasts
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, 8, generator=generator)
+    weight = torch.randn(vocab, 8, generator=generator)
+    ids = torch.randint(0, vocab, (tokens, 1 + extra_ids), generator=generator)
+    grad_lp = torch.randn(tokens, 1 + extra_ids, generator=generator)
+    grad_ent = torch.randn(tokens, generator=generator)
+    chunks = -(-tokens // chunk)
+    calls = []
+    real_logits = head._logits
+
+    def counted(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return real_logits(*args, **kwargs)
+
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(head, "_logits", counted)
+        for keep in (False, True):
+            calls.clear()
+            h = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            # a float32 master weight whose gradient the head sums in itself (bf16 compute: the master path)
+            casts = MasterWeightCasts(torch.bfloat16) if with_master else None
+            out = head.token_log_probs(h, w, ids, chunk_size=chunk, entropy_grad=entropy_grad, keep_logits=keep,
+                                       compute_dtype=torch.bfloat16 if with_master else None, weight_casts=casts)
+            forward_calls = len(calls)
+            loss = (out.log_probs.float() * grad_lp).sum()
+            if entropy_grad:
+                loss = loss + (out.entropy.float() * grad_ent).sum()
+            loss.backward()
+            results[keep] = (out.log_probs, out.entropy, h.grad, w.grad)
+            assert forward_calls == chunks
+            assert len(calls) - forward_calls == (0 if keep else chunks)
+    for recomputed, kept in zip(results[False], results[True]):
+        assert torch.equal(recomputed, kept)
+    with torch.no_grad():  # nothing to keep for: the head's context is dropped with its outputs
+        out = head.token_log_probs(hidden.clone().requires_grad_(), weight, ids, chunk_size=chunk, keep_logits=True)
+    assert out.log_probs.grad_fn is None
+
+
+def test_kept_logits_need_a_chunked_head():
+    from relax.config import RelaxConfig
+
+    with pytest.raises(ValueError, match="--log-probs-keep-logits needs --log-probs-chunk-size above 0"):
+        RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits=True, log_probs_chunk_size=0)
+    assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits=True).log_probs_keep_logits
+
+
 def test_entropy_gets_no_gradient_unless_asked():
     hidden = torch.randn(5, 4, requires_grad=True)
     weight = torch.randn(7, 4)

@@ -1,7 +1,7 @@
 """The LM head split by vocabulary over a tensor-parallel group (`vocab_parallel`) gives the unsplit head's
 log-probs, entropies, top-k and gradients, on real gloo process groups: uneven slices (a vocabulary that does not
-divide by the ranks), ids owned by every rank, suppressed ids, several asked ids per token, chunking, and the
-entropy's gradient on and off."""
+divide by the ranks), ids owned by every rank, suppressed ids, several asked ids per token, chunking, the
+entropy's gradient on and off, and the chunks' logits kept for the backward or recomputed there."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _inputs(case, seed):
     return hidden, weight, ids, upstream
 
 
-def _run(case, hidden, weight, ids, upstream, group=None):
+def _run(case, hidden, weight, ids, upstream, group=None, keep_logits=False):
     vocab, _, _, _, chunk, top_k, entropy_grad, suppressed = case
     hidden = hidden.clone().requires_grad_(True)
     suppressed_ids = torch.tensor(suppressed) if suppressed else None
@@ -46,7 +46,7 @@ def _run(case, hidden, weight, ids, upstream, group=None):
         weight = weight[start:start + size].clone().requires_grad_(True)
         out = vocab_parallel_token_log_probs(hidden, weight, ids, vocab, group, suppressed_ids=suppressed_ids,
                                              chunk_size=chunk, entropy_grad=entropy_grad, top_k=top_k,
-                                             temperature=0.7)
+                                             temperature=0.7, keep_logits=keep_logits)
     loss = (out.log_probs * upstream[0]).sum() + ((out.entropy * upstream[1]).sum() if entropy_grad else 0.0)
     loss.backward()
     return {"log_probs": out.log_probs.detach(), "entropy": out.entropy.detach(),
@@ -62,7 +62,7 @@ def _on_rank(rank: int, world: int, port: int, root: str) -> None:
     results = {}
     for index, case in enumerate(CASES):
         for seed in range(3):
-            results[index, seed] = _run(case, *_inputs(case, seed), group=dist.group.WORLD)
+            results[index, seed] = _run(case, *_inputs(case, seed), group=dist.group.WORLD, keep_logits=seed == 1)
     torch.save(results, Path(root) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

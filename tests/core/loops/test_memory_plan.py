@@ -66,6 +66,10 @@ def test_a_refusal_suggests_a_smaller_pool_only_where_the_pool_stays_during_trai
     with pytest.raises(ConfigError) as resident:
         plan_memory(device, step, tokens=16384, can_release_kv=False)
     assert "--mem-fraction-static" in str(resident.value)
+    assert "--log-probs-keep-logits" not in str(resident.value)
+    with pytest.raises(ConfigError) as kept:  # the head's kept logits are a remedy only where they are kept
+        plan_memory(device, step, tokens=16384, can_release_kv=False, kept_logits=True)
+    assert "no --log-probs-keep-logits" in str(kept.value)
 
 
 def test_a_budget_that_fits_nowhere_names_a_smaller_model_when_no_token_fits():
