@@ -188,9 +188,11 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                                             attention_repeat_kv=True,
                                                             activations_in_compute_dtype=False)
     results = {}
-    for variant, settings in variants.items():
-        if variant not in args.variants.split(","):
-            continue
+    unknown = set(args.variants.split(",")) - set(variants)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {', '.join(variants)}")
+    for variant in dict.fromkeys(args.variants.split(",")):  # in the order given (the first runs on a cold card)
+        settings = variants[variant]
         results[variant] = {"settings": {"sequence_packing": settings.sequence_packing,
                                          "log_probs_chunk_size": settings.log_probs_chunk_size,
                                          "log_probs_keep_logits": settings.log_probs_keep_logits,
