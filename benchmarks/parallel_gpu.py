@@ -30,7 +30,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from benchmarks.grpo_step_gpu import active_params
-from benchmarks.train_gpu import DATASHEET_TFLOPS, LOSS, SHAPES, release, rl_batch, seconds_per_step
+from benchmarks.train_gpu import DATASHEET_TFLOPS, LOSS, SHAPES, release, rl_batch, step_seconds
 from relax.backends.training.fsdp import FSDPTrainBackend
 from relax.backends.training.settings import TrainSettings
 from relax.distributed.process_group import ensure_process_group, shutdown_process_group
@@ -60,7 +60,8 @@ def time_layout(model_dir: str, base: TrainSettings, layout: dict[str, int], bat
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
     backend.train_step(batch, LOSS)  # warm-up
-    seconds = seconds_per_step(backend, batch, steps, cuda)
+    times = step_seconds(backend, batch, steps, cuda)
+    seconds = sum(times) / len(times)
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=settings.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     release(backend, cuda)

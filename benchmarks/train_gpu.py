@@ -17,7 +17,7 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
   logits kept from the forward for the backward instead of recomputed there (``keep_logits_speedup`` over
   ``packed``).
 
-For each: seconds per optimizer step (after a warm-up step), real (unpadded) tokens/s, model FLOP/s counted as
+For each: seconds per optimizer step (after ``--warmup-steps`` untimed ones; each timed step's too), real (unpadded) tokens/s, model FLOP/s counted as
 6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
 and against what the card measures on bf16 matrix products (~790 TFLOP/s), and peak memory; then the speedup.
 Writes ``benchmarks/results/train_gpu.json``.
@@ -103,19 +103,22 @@ def profile_step(backend: FSDPTrainBackend, batch: TrainBatch, rows: int = 30, s
             "gpu_busy": round(kernel_s / wall, 3)}
 
 
-def seconds_per_step(backend: FSDPTrainBackend, batch: TrainBatch, steps: int, cuda: bool) -> float:
-    """The mean time of ``steps`` training steps, the peak-memory counter reset before them and every rank starting
-    together (the backend has taken its warm-up step)."""
+def step_seconds(backend: FSDPTrainBackend, batch: TrainBatch, steps: int, cuda: bool) -> list[float]:
+    """The time of each of ``steps`` training steps, the peak-memory counter reset before them and every rank
+    starting together (the backend has taken its warm-up steps). A step ends with the host reading its metrics, so
+    timing each one adds no synchronisation."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     barrier()
-    started = time.perf_counter()
+    times = []
     for _ in range(steps):
+        started = time.perf_counter()
         backend.train_step(batch, LOSS)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / steps
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def release(backend: FSDPTrainBackend, cuda: bool) -> None:
@@ -127,16 +130,18 @@ def release(backend: FSDPTrainBackend, cuda: bool) -> None:
 
 
 def run_variant(model_dir: Path, settings: TrainSettings, batch: TrainBatch, steps: int, num_params: int,
-                profile: str | None = None) -> dict:
+                profile: str | None = None, warmup_steps: int = 1) -> dict:
     cuda = settings.device.type == "cuda"
     backend = FSDPTrainBackend(model_dir, settings)
-    backend.train_step(batch, LOSS)  # warm-up: allocator, kernels' autotuning
+    for _ in range(warmup_steps):  # allocator, kernels' autotuning and compilation
+        backend.train_step(batch, LOSS)
     profiled = profile_step(backend, batch, stacks=profile == "stacks") if profile and cuda else {}
-    seconds = seconds_per_step(backend, batch, steps, cuda)
+    times = step_seconds(backend, batch, steps, cuda)
+    seconds = sum(times) / len(times)
     tokens = sum(len(t) for t in batch.tokens)
     flops = 6 * num_params * tokens / seconds
     result = {
-        "s_per_step": round(seconds, 3), "tokens_per_step": tokens, "tokens_per_s": round(tokens / seconds),
+        "s_per_step": round(seconds, 3), "step_seconds": [round(t, 3) for t in times], "tokens_per_step": tokens, "tokens_per_s": round(tokens / seconds),
         "model_tflops": round(flops / 1e12, 1),
         "mfu_989": round(flops / (DATASHEET_TFLOPS * 1e12), 4), "mfu_790": round(flops / (MEASURED_TFLOPS * 1e12), 4),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
@@ -208,7 +213,8 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "rms_norm_kernel": settings.rms_norm_kernel,
                                          "attention_repeat_kv": settings.attention_repeat_kv,
                                          "activations_in_compute_dtype": settings.activations_in_compute_dtype},
-                            **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile)}
+                            **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile,
+                                          args.warmup_steps)}
         print(name, variant, json.dumps(results[variant]), flush=True)
     lengths = batch.response_lengths
     return {"parameters": num_params, "batch": {"samples": len(batch), "prompt_len": args.prompt_len,
@@ -251,7 +257,8 @@ def main() -> None:
     parser.add_argument("--profile", nargs="?", const="tables", choices=["tables", "stacks"], default=None,
                         help="print torch-profiler tables of one step per variant (stacks: also the copies by the "
                              "Python lines that made them)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant (after the warm-up)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per variant before them")
     parser.add_argument("--output", type=Path, default=RESULTS / "train_gpu.json")
     args = parser.parse_args()
     shapes = ["tiny", "tiny-moe"] if args.tiny else args.shapes.split(",")
