@@ -54,7 +54,7 @@ class TrainingSettings(BaseModel):
     )
     log_probs_keep_logits: bool = setting(
         False, "Keep each LM-head chunk's logits from the forward for the backward instead of recomputing them: one "
-        "head matmul a chunk less (1.046x the Qwen3-0.6B shape's training step on an H100), for the logits of a "
+        "head matmul a chunk less (1.05x the Qwen3-0.6B shape's training step on H100s), for the logits of a "
         "micro-batch's response tokens held from the head's forward to its backward (bf16 on CUDA, 2 bytes x the "
         "vocabulary a token: 0.3 MB on that shape, 3.2 GiB more peak there); the memory plan of a colocated run "
         "measures it. Needs --log-probs-chunk-size above 0.", "batch"
