@@ -316,7 +316,7 @@ def test_kept_logits_give_the_triton_heads_gradients_bit_for_bit_without_a_secon
                                                                                              entropy_grad):
     """``keep_logits`` on the fused path: the backward writes the logit gradient over the forward's bf16 logits
     instead of computing them again (no `_raw_logits` call in it), and the outputs and gradients are the recomputing
-    path's bit for bit (the same GEMM gave the same logits)."""
+    path's bit for bit (the same GEMM gave the same logits); a second backward through the graph recomputes them."""
     from relax.backends.training import log_probs as head
 
     torch.manual_seed(1)
@@ -336,9 +336,14 @@ def test_kept_logits_give_the_triton_heads_gradients_bit_for_bit_without_a_secon
         out = head.token_log_probs(h, w, ids, chunk_size=256, entropy_grad=entropy_grad, keep_logits=keep)
         forward_calls = len(calls)
         loss = (out.log_probs * grad_lp).sum() + ((out.entropy * grad_ent).sum() if entropy_grad else 0.0)
-        loss.backward()
+        loss.backward(retain_graph=True)
         assert len(calls) - forward_calls == (0 if keep else forward_calls)
-        results[keep] = (out.log_probs, out.entropy, h.grad, w.grad)
+        results[keep] = (out.log_probs, out.entropy, h.grad.clone(), w.grad.clone())
+        # a second backward through the same graph: the first wrote the gradient over the kept logits, so this
+        # one recomputes them and gives the first's gradients again
+        h.grad, w.grad = None, None
+        loss.backward()
+        assert torch.equal(h.grad, results[keep][2]) and torch.equal(w.grad, results[keep][3])
     for recomputed, kept in zip(results[False], results[True]):
         assert torch.equal(recomputed, kept)
 

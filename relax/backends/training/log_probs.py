@@ -137,6 +137,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, _grad_top, _grad_top_ids):
         hidden, weight, ids, log_norm, ent, suppressed_ids, *kept = ctx.saved_tensors
+        if getattr(ctx, "kept_overwritten", False):  # a second backward (retain_graph): the first wrote over them
+            kept = []
         temperature, chunk_size, entropy_grad = ctx.settings
         master = ctx.master if ctx.master is not None and ctx.needs_input_grad[9] else None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -157,6 +159,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_weight += grad_logits.T @ hidden[rows]
             if master is not None:
                 accumulate_grad(master, grad_logits.T, hidden[rows])
+        ctx.kept_overwritten = bool(kept) and ctx.fused
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
