@@ -38,13 +38,25 @@ def holder_chain(obj: object, depth: int = 5, skip: tuple = ()) -> list[str]:
     return chain
 
 
+def _storage_bytes(tensor: torch.Tensor) -> int | None:
+    """The bytes of a real tensor's storage; None for one without real storage (the fake tensors with symbolic
+    sizes that `torch.compile` keeps in its caches: comparing their sizes evaluates guards, which failed)."""
+    try:
+        size = tensor.untyped_storage().nbytes()
+    except Exception:  # noqa: BLE001 - a tensor subclass without a storage
+        return None
+    return size if type(size) is int else None
+
+
 def live_tensor_report(keep: Callable[[torch.Tensor], bool], limit: int = 3) -> list[str]:
     """The ``limit`` largest live tensors that ``keep`` selects (by their storage's bytes), each with what holds
     it."""
     gc.collect()
     # (type(), not isinstance: isinstance reads `__class__`, which some proxies of torch answer with a warning)
-    largest = sorted((o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and keep(o)),
-                     key=lambda t: -t.untyped_storage().nbytes())[:limit]
+    candidates = [(size, o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and keep(o)
+                  if (size := _storage_bytes(o)) is not None]
+    largest = [tensor for _, tensor in sorted(candidates, key=lambda pair: -pair[0])[:limit]]
+    del candidates
     lines = []
     while largest:  # popped, so that this list is no holder of the tensor asked about
         tensor = largest.pop(0)

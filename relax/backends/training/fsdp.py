@@ -655,11 +655,7 @@ class FSDPTrainBackend(TrainBackend):
         generator = torch.Generator().manual_seed(0)
 
         def forward_backward(count: int) -> None:
-            ids = torch.randint(self.hf_config.vocab_size, (count,), generator=generator).tolist()
-            batch = TrainBatch(tokens=[ids], response_lengths=[count - 1], loss_masks=[[1] * (count - 1)])
-            with rope_scope(self._liger), self._cast_once():
-                outputs = self._per_token_outputs(batch, self.settings.entropy_grad)
-                (outputs.primary.float().sum() * 0.0).backward()
+            self._probe_pass(count, generator)
 
         self.model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
@@ -683,6 +679,18 @@ class FSDPTrainBackend(TrainBackend):
                 self.model.set_requires_gradient_sync(True)
             self.model.zero_grad(set_to_none=True)
         return peaks
+
+    def _probe_pass(self, count: int, generator: torch.Generator) -> None:
+        """`measure_step_memory`'s forward and backward of one text sample of ``count`` random tokens (every
+        response token but the first), its loss zero. The ids are drawn from the input embedding's rows: a
+        multimodal family's top-level config holds no vocabulary size (Qwen2.5-VL's is in its text config), and the
+        probe that read it there failed on them, which left their runs unplanned."""
+        vocab = self.model.hf_model.get_input_embeddings().num_embeddings
+        ids = torch.randint(vocab, (count,), generator=generator).tolist()
+        batch = TrainBatch(tokens=[ids], response_lengths=[count - 1], loss_masks=[[1] * (count - 1)])
+        with rope_scope(self._liger), self._cast_once():
+            outputs = self._per_token_outputs(batch, self.settings.entropy_grad)
+            (outputs.primary.float().sum() * 0.0).backward()
 
     def _accumulate_gradients(self, batch: TrainBatch, micro_batches, loss_fn: LossFn, counts: StepCounts,
                               reduce: bool) -> dict[str, torch.Tensor]:

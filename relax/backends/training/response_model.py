@@ -145,7 +145,8 @@ class ResponseValueModel(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf_model = hf_model.base_model
-        self.value_head = nn.Linear(self.hf_model.config.hidden_size, 1)
+        # (a multimodal family's top-level config holds no hidden size: its text config does)
+        self.value_head = nn.Linear(self.hf_model.config.get_text_config().hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
         use_packed_attention(self.hf_model)

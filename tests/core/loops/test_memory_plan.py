@@ -220,3 +220,44 @@ def test_the_probe_line_bounds_a_step_whose_micro_batches_fill_the_budget(tmp_pa
     predicted = line.peak_bytes(budget)
     assert peak <= predicted * 1.05, (peak / 2**20, predicted / 2**20)
     assert predicted <= peak * 1.5, (peak / 2**20, predicted / 2**20)
+
+
+@pytest.mark.parametrize("family", ["text", "vision-language", "omni"])
+def test_the_memory_probes_pass_runs_on_every_familys_model(family, tmp_path):
+    """The probe's forward and backward (`FSDPTrainBackend._probe_pass`, what `measure_step_memory` times on CUDA)
+    on a text model, Qwen2.5-VL and Qwen2.5-Omni: its token ids come from the input embedding's rows, since a
+    multimodal family's top-level config has no vocabulary size (the probe that read it failed on Qwen2.5-VL on the
+    GPU, and the run went on unplanned). It makes every trained weight's gradient and leaves the weights alone."""
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from relax.backends.training.settings import TrainSettings
+    from tests.support.tiny_assets import build_tiny_model_dir
+    from tests.support.tiny_mm_assets import build_tiny_omni, build_tiny_vl
+
+    builders = {"text": lambda path: build_tiny_model_dir(path / "model"), "vision-language": build_tiny_vl,
+                "omni": build_tiny_omni}
+    settings = TrainSettings(device=torch.device("cpu"), compute_dtype=torch.float32, micro_batch_size=1,
+                             temperature=1.0, pad_token_id=0, lr=1e-4, total_optimizer_steps=1)
+    backend = FSDPTrainBackend(builders[family](tmp_path), settings)
+    before = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+    backend._probe_pass(33, torch.Generator().manual_seed(0))
+    embedding = backend.model.hf_model.get_input_embeddings().weight
+    assert embedding.grad is not None and torch.count_nonzero(embedding.grad) == 0  # a zero loss
+    assert all(torch.equal(p, before[name]) for name, p in backend.model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["vision-language", "omni"])
+def test_a_critic_on_a_multimodal_checkpoint_reads_its_text_configs_width(family, tmp_path):
+    """The same class of fault as the probe's: the critic's value head took its width from the top-level config,
+    which a multimodal family leaves without one. It trains on the text samples of such a checkpoint."""
+    from relax.backends.training.fsdp import FSDPTrainBackend
+    from relax.backends.training.settings import TrainSettings
+    from tests.support.tiny_mm_assets import build_tiny_omni, build_tiny_vl
+
+    model_dir = (build_tiny_omni if family == "omni" else build_tiny_vl)(tmp_path)
+    settings = TrainSettings(device=torch.device("cpu"), compute_dtype=torch.float32, micro_batch_size=1,
+                             temperature=1.0, pad_token_id=0, lr=1e-4, total_optimizer_steps=1)
+    backend = FSDPTrainBackend(model_dir, settings, value_head=True)
+    width = backend.model.hf_model.config.get_text_config().hidden_size
+    assert backend.model.value_head.in_features == width
+    backend._probe_pass(9, torch.Generator().manual_seed(0))
+    assert backend.model.value_head.weight.grad is not None
