@@ -37,6 +37,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
+def write_report(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
@@ -133,9 +139,7 @@ def main() -> None:
     print("best:", best)
     print({k: v for k, v in report.items() if k.endswith("_speedup")})
     if args.attention_only:
-        if args.out:
-            with open(args.out, "w") as handle:
-                json.dump(report, handle, indent=1)
+        write_report(report, args.out)
         return
     heads, kv_heads = 16, 8  # the 0.6B layer below
     vocab = 151936
@@ -187,9 +191,7 @@ def main() -> None:
     gate, up = torch.randn(batch, 3072, device=device, dtype=dtype), torch.randn(batch, 3072, device=device, dtype=dtype)
     report["silu_mul_error"] = relative_error(triton_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
     print(json.dumps({k: v for k, v in report.items() if k != "attention"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -653,10 +653,6 @@ class FSDPTrainBackend(TrainBackend):
         if device.type != "cuda" or self.pipeline is not None or not self.trainable:
             return None
         generator = torch.Generator().manual_seed(0)
-
-        def forward_backward(count: int) -> None:
-            self._probe_pass(count, generator)
-
         self.model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         held = torch.cuda.memory_allocated(device)  # between steps: no gradients
@@ -664,16 +660,16 @@ class FSDPTrainBackend(TrainBackend):
         try:
             if self.fsdp:
                 self.model.set_requires_gradient_sync(False)
-            forward_backward(min(token_counts))  # the gradients a step's first micro-batch leaves
+            self._probe_pass(min(token_counts), generator)  # the gradients a step's first micro-batch leaves
             for count in token_counts:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-                forward_backward(count)
+                self._probe_pass(count, generator)
                 torch.cuda.synchronize(device)
                 peaks.append(torch.cuda.max_memory_allocated(device) - held)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(True)
-                forward_backward(min(token_counts))
+                self._probe_pass(min(token_counts), generator)
         finally:
             if self.fsdp:
                 self.model.set_requires_gradient_sync(True)

@@ -112,19 +112,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 log_probs[rows] = logits.gather(-1, ids[rows]).to(dtype) / temperature - log_norm[rows].unsqueeze(-1)
                 if entropy:
                     ent[rows] = chunk_entropy
-                if kept is not None:
-                    kept.append(logits)
-                continue
-            logits = _logits(hidden[rows], weight, temperature, suppressed_ids)
+            else:
+                logits = _logits(hidden[rows], weight, temperature, suppressed_ids)
+                log_norm[rows] = logits.logsumexp(dim=-1)
+                log_probs[rows] = logits.gather(-1, ids[rows]) - log_norm[rows].unsqueeze(-1)
+                if entropy:
+                    ent[rows] = _entropy(logits, log_norm[rows])
+                if top_k:
+                    top_logits, top_ids[rows] = logits.topk(top_k, dim=-1)
+                    top_log_probs[rows] = top_logits - log_norm[rows].unsqueeze(-1)
             if kept is not None:
                 kept.append(logits)
-            log_norm[rows] = logits.logsumexp(dim=-1)
-            log_probs[rows] = logits.gather(-1, ids[rows]) - log_norm[rows].unsqueeze(-1)
-            if entropy:
-                ent[rows] = _entropy(logits, log_norm[rows])
-            if top_k:
-                top_logits, top_ids[rows] = logits.topk(top_k, dim=-1)
-                top_log_probs[rows] = top_logits - log_norm[rows].unsqueeze(-1)
         ctx.save_for_backward(hidden, weight, ids, log_norm, ent if entropy_grad else None, suppressed_ids,
                               *(kept or ()))
         ctx.settings = (temperature, chunk_size, entropy_grad)
