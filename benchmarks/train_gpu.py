@@ -15,7 +15,10 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
   (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast);
 - ``packed_keep_logits`` (named in ``--variants``): ``packed`` with ``--log-probs-keep-logits``, each head chunk's
   logits kept from the forward for the backward instead of recomputed there (``keep_logits_speedup`` over
-  ``packed``).
+  ``packed``);
+- ``packed_qk_separate`` and ``packed_qk_separate_keep_logits``: ``packed`` (with kept logits) with Qwen3's per-head
+  query/key norms and the RoPE after them as three kernels each way instead of one compiled kernel
+  (`relax/backends/training/fused_qk_rope.py`; ``fused_qk_speedup[_keep_logits]``: the fused path over them).
 
 For each: seconds per optimizer step (after ``--warmup-steps`` untimed ones; each timed step's too), real (unpadded) tokens/s, model FLOP/s counted as
 6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
@@ -188,6 +191,11 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
     }
     # the packed trainer with the LM head's chunk logits kept for the backward (one head matmul a chunk less)
     variants["packed_keep_logits"] = dataclasses.replace(variants["packed"], log_probs_keep_logits=True)
+    # the packed trainer with Qwen3's query/key norms and RoPE as three kernels each way (the path before
+    # `fused_qk_rope`), with and without kept logits
+    variants["packed_qk_separate"] = dataclasses.replace(variants["packed"], fused_qk_norm_rope=False)
+    variants["packed_qk_separate_keep_logits"] = dataclasses.replace(variants["packed_qk_separate"],
+                                                                     log_probs_keep_logits=True)
     # the packed trainer before the compiled RMSNorms and the grouped-query attention without repeated keys/values
     variants["packed_kernels_before"] = dataclasses.replace(variants["packed"], rms_norm_kernel="liger",
                                                             attention_repeat_kv=True,
@@ -211,6 +219,7 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "bf16_parameters_fsdp": settings.fsdp_single_process and cuda,
                                          "moe_grouped_gemm": settings.moe_grouped_gemm,
                                          "rms_norm_kernel": settings.rms_norm_kernel,
+                                         "fused_qk_norm_rope": settings.fused_qk_norm_rope,
                                          "attention_repeat_kv": settings.attention_repeat_kv,
                                          "activations_in_compute_dtype": settings.activations_in_compute_dtype},
                             **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile,
@@ -225,7 +234,11 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                           if base in results and "packed" in results},
             **({"keep_logits_speedup": round(results["packed"]["s_per_step"]
                                              / results["packed_keep_logits"]["s_per_step"], 3)}
-               if "packed" in results and "packed_keep_logits" in results else {})}
+               if "packed" in results and "packed_keep_logits" in results else {}),
+            **{f"fused_qk_speedup{suffix}": round(results[f"packed_qk_separate{suffix}"]["s_per_step"]
+                                                  / results[f"packed{suffix}"]["s_per_step"], 3)
+               for suffix in ("", "_keep_logits")
+               if f"packed{suffix}" in results and f"packed_qk_separate{suffix}" in results}}
 
 
 def main() -> None:
@@ -248,7 +261,8 @@ def main() -> None:
                         help="comma-separated: previous, hf_experts (MoE: the packed trainer with transformers' own "
                              "experts, the path before grouped_experts), packed_kernels_before (packed with "
                              "liger's RMSNorm, keys/values repeated for grouped-query attention and a float32 "
-                             "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits)")
+                             "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits), "
+                             "packed_qk_separate[_keep_logits] (Qwen3's query/key norms and RoPE unfused)")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
     parser.add_argument("--log-probs-chunk-size", type=int, default=4096, help="packed path's LM-head chunk")
     parser.add_argument("--fsdp", action="store_true",
@@ -274,6 +288,8 @@ def main() -> None:
                                    ("mfu_989", result.get("packed", {}).get("mfu_989")),
                                    ("keep_logits_mfu_989", result.get("packed_keep_logits", {}).get("mfu_989")),
                                    ("keep_logits_speedup", result.get("keep_logits_speedup")),
+                                   ("fused_qk_speedup", result.get("fused_qk_speedup")),
+                                   ("fused_qk_speedup_keep_logits", result.get("fused_qk_speedup_keep_logits")),
                                    ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {
         "benchmark": "train_gpu", **headline,

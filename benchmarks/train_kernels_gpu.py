@@ -6,7 +6,9 @@ Qwen3-0.6B micro-batch (32,768 tokens; 16 query and 8 KV heads of 128; hidden 1,
   bandwidth it reaches (bytes: read x, write y; read x and dy, write dx), and the largest error of y, dx and dw
   against the reference computed in float32;
 - packed causal attention forward + backward with grouped-query heads: keys and values repeated to the query
-  heads (the path before) against the FlashAttention kernel reading them per group (`flash_varlen._flash_gqa`).
+  heads (the path before) against the FlashAttention kernel reading them per group (`flash_varlen._flash_gqa`);
+- Qwen3's per-head query/key norms and RoPE forward + backward: the compiled norms then liger's RoPE (the path
+  before), `torch.compile` of the same math in one graph, and the Triton kernels of `triton_qk_rope`.
 
 Every variant runs in this one process on one card; times are medians of CUDA-event timings after warm-up.
 Writes ``benchmarks/results/train_kernels_gpu.json`` (headline speedups at the top level).
@@ -119,6 +121,55 @@ def bench_gqa(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: int 
     return results
 
 
+def bench_qk_rope(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> dict:
+    """Qwen3's per-head query/key norms and RoPE, forward + backward: the separate kernels (the compiled norms, then
+    liger's RoPE: the path before), `torch.compile` of the same math in one graph, and the Triton kernels of
+    `triton_qk_rope`; the bandwidth each reaches (bytes: read q, k and write them, forward; read q, k and the two
+    gradients and write two, backward) and the largest error against float32."""
+    from liger_kernel.transformers.functional import liger_rope
+
+    from relax.backends.training.fused_qk_rope import fused_qk_norm_rope, qk_norm_rope_reference
+
+    torch.manual_seed(0)
+    q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    weights = [1 + 0.1 * torch.randn(dim, device="cuda") for _ in range(2)]
+    angles = torch.arange(tokens, device="cuda").float()[:, None] * 1e6 ** -torch.linspace(0, 1, dim // 2, device="cuda")
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[None].to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def separate(q, k, q_weight, k_weight, cos, sin, eps):
+        q, k = compiled_rms_norm(q, q_weight, eps), compiled_rms_norm(k, k_weight, eps)
+        q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    def grads(fn, *inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves[:2], *leaves[2:], cos, sin, 1e-6)
+        torch.autograd.backward(out, (dq.to(out[0].dtype), dk.to(out[1].dtype)))
+        return [t.detach().float() for t in out] + [t.grad.float() for t in leaves]
+
+    reference = grads(qk_norm_rope_reference, q.float(), k.float(), *weights)
+    moved = (q.numel() + k.numel()) * 2 * 5  # forward: read + write; backward: read x, dy, write dx
+    out: dict = {"tokens": tokens, "heads": heads, "kv_heads": kv_heads}
+    for name, fn in (("separate", separate), ("compiled", torch.compile(qk_norm_rope_reference, dynamic=True)),
+                     ("triton", fused_qk_norm_rope)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, *weights)]
+
+        def step(fn=fn, leaves=leaves):
+            for leaf in leaves:
+                leaf.grad = None
+            torch.autograd.backward(fn(*leaves[:2], *leaves[2:], cos, sin, 1e-6), (dq, dk))
+
+        ms = median_ms(step)
+        got = grads(fn, q, k, *weights)
+        out[name] = {"ms": round(ms, 4), "bandwidth_fraction": round(moved / (ms / 1e3) / BANDWIDTH, 3),
+                     "max_err": {n: (a - b).abs().max().item() for n, a, b in
+                                 zip(("q", "k", "dq", "dk", "dq_weight", "dk_weight"), got, reference)}}
+    out["speedup_triton_vs_separate"] = round(out["separate"]["ms"] / out["triton"]["ms"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=RESULTS / "train_kernels_gpu.json")
@@ -132,10 +183,16 @@ def main() -> None:
     gqa = bench_gqa()
     print(f"gqa attention: repeat_kv {gqa['repeat_kv']['ms']:.3f} ms, grouped {gqa['grouped']['ms']:.3f} ms: "
           f"{gqa['speedup_grouped_vs_repeat_kv']}x; max diffs {gqa['max_abs_diff']}", flush=True)
-    out = {"benchmark": "train_kernels_gpu",
+    qk = bench_qk_rope()
+    print(f"qk norm + rope: separate {qk['separate']['ms']:.3f} ms, compiled {qk['compiled']['ms']:.3f} ms, triton "
+          f"{qk['triton']['ms']:.3f} ms ({qk['triton']['bandwidth_fraction']:.0%} of HBM): "
+          f"{qk['speedup_triton_vs_separate']}x; errors {qk['separate']['max_err']} / {qk['triton']['max_err']}",
+          flush=True)
+    out = {"benchmark": "train_kernels_gpu", "qk_norm_rope_speedup_triton_vs_separate": qk["speedup_triton_vs_separate"],
            **{f"rmsnorm_{key}_speedup_compiled_vs_liger": row["speedup_compiled_vs_liger"] for key, row in norms.items()},
            "gqa_speedup_grouped_vs_repeat_kv": gqa["speedup_grouped_vs_repeat_kv"],
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rmsnorm": norms, "gqa_attention": gqa}
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rmsnorm": norms, "gqa_attention": gqa,
+           "qk_norm_rope": qk}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))

@@ -8,13 +8,17 @@ micro-batch as the trainer packs it (``--tokens`` tokens of sequences of ``--min
 seed), each kernel's time (CUDA events, the median of ``--repeats`` after warm-up) and its outputs' and gradients'
 error against FlashAttention-2's. cuDNN is tried with the keys and values as they are (grouped-query) and
 repeated to the query heads; a variant the installed PyTorch or cuDNN refuses is reported with its error.
+``flex`` is FlexAttention compiled with a document-causal block mask (``flex_autotuned``: in the compiler's
+max-autotune mode), its mask's build time reported apart (once a micro-batch in a trainer). The first of
+``--variants`` is the baseline.
 
-    python -m benchmarks.varlen_attention_gpu [--shapes 0.6b,4b]
+    python -m benchmarks.varlen_attention_gpu [--shapes 0.6b,4b] [--variants flash2,cudnn_gqa,cudnn_repeated,flex]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -50,6 +54,42 @@ def cudnn_repeated(q, k, v, cu, max_len, scale):
     return cudnn(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, max_len, scale)
 
 
+@functools.lru_cache(maxsize=2)
+def _compiled_flex(mode: str | None):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False, mode=mode)
+
+
+@functools.lru_cache(maxsize=4)
+def document_causal_mask(cu_host: tuple[int, ...], device: str):
+    """FlexAttention's block mask for a packed row: a query sees the keys of its own sequence up to itself."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lengths = torch.tensor(cu_host[1:]) - torch.tensor(cu_host[:-1])
+    document = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+
+    def mask(batch, head, query, key):
+        return (document[query] == document[key]) & (query >= key)
+
+    return create_block_mask(mask, None, None, cu_host[-1], cu_host[-1], device=device, _compile=True)
+
+
+def _flex(q, k, v, cu, max_len, scale, mode=None):
+    block_mask = document_causal_mask(tuple(cu.tolist()), str(q.device))
+    out = _compiled_flex(mode)(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=block_mask,
+                               scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def flex(q, k, v, cu, max_len, scale):
+    return _flex(q, k, v, cu, max_len, scale)
+
+
+def flex_autotuned(q, k, v, cu, max_len, scale):
+    return _flex(q, k, v, cu, max_len, scale, mode="max-autotune-no-cudagraphs")
+
+
 def median_ms(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
@@ -80,7 +120,10 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict:
     result: dict = {"heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": args.tokens,
                     "sequences": len(lengths), "max_len": max_len}
     reference = None
-    for variant, fn in (("flash2", flash), ("cudnn_gqa", cudnn), ("cudnn_repeated", cudnn_repeated)):
+    variants = {"flash2": flash, "cudnn_gqa": cudnn, "cudnn_repeated": cudnn_repeated, "flex": flex,
+                "flex_autotuned": flex_autotuned}
+    for variant in args.variants.split(","):
+        fn = variants[variant]
         try:
             out = fn(q, k, v, cu, max_len, scale)
             out.backward(grad)
@@ -115,9 +158,15 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict:
         print(f"{name} {variant}: {entry}", flush=True)
         for t in (q, k, v):
             t.grad = None
-    for variant in ("cudnn_gqa", "cudnn_repeated"):
-        if "forward_backward_ms" in result.get(variant, {}) and "forward_backward_ms" in result["flash2"]:
-            result[f"{variant}_speedup"] = round(result["flash2"]["forward_backward_ms"]
+    if "flex" in args.variants:  # the block mask is made once a micro-batch (every layer shares it)
+        cu_host = tuple(cu.tolist())
+        document_causal_mask.cache_clear()
+        result["flex_block_mask_ms"] = round(median_ms(lambda: document_causal_mask.__wrapped__(cu_host, "cuda"),
+                                                       args.repeats), 3)
+    baseline, *others = args.variants.split(",")
+    for variant in others:
+        if "forward_backward_ms" in result.get(variant, {}) and "forward_backward_ms" in result.get(baseline, {}):
+            result[f"{variant}_speedup"] = round(result[baseline]["forward_backward_ms"]
                                                  / result[variant]["forward_backward_ms"], 3)
     return result
 
@@ -129,6 +178,8 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=288, help="prompt 256 + the shortest response, 32")
     parser.add_argument("--max-len", type=int, default=1280, help="prompt 256 + the longest response, 1024")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--variants", default="flash2,cudnn_gqa,cudnn_repeated,flex",
+                        help="the first is the baseline the others' errors and speedups are against")
     parser.add_argument("--out", type=Path, default=RESULTS / "varlen_attention_gpu.json")
     args = parser.parse_args()
     shapes = {name: bench_shape(name, args) for name in args.shapes.split(",")}

@@ -43,8 +43,8 @@ class ModelSettings(BaseModel):
     )
     liger_kernel: Literal["auto", "on", "off"] = setting(
         "auto", "Fused kernels in the trainer's language model (Qwen2/3, Llama, Mistral families): liger-kernel's "
-        "SwiGLU and RoPE, and RMSNorms compiled by torch.compile. `auto` uses them on CUDA when liger-kernel is "
-        "installed, `on` requires them.",
+        "SwiGLU and RoPE, RMSNorms compiled by torch.compile, and on Qwen3 the per-head query/key norms and RoPE in "
+        "one Triton pass. `auto` uses them on CUDA when liger-kernel is installed, `on` requires them.",
         "model",
     )
 

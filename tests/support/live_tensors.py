@@ -60,7 +60,7 @@ def live_tensor_report(keep: Callable[[torch.Tensor], bool], limit: int = 3) -> 
     lines = []
     while largest:  # popped, so that this list is no holder of the tensor asked about
         tensor = largest.pop(0)
-        chain = holder_chain(tensor, skip=(largest,))
+        chain = holder_chain(tensor, depth=10, skip=(largest,))
         lines.append(f"{tuple(tensor.shape)} {tensor.dtype} {tensor.untyped_storage().nbytes() / 2**30:.2f} GiB "
                      f"<- {' <- '.join(chain) or '(no referrer found)'}")
     return lines

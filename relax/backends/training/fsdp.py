@@ -52,6 +52,7 @@ from relax.backends.training.base import LogProbs, PerTokenOutputs, TrainBackend
 from relax.backends.training.checkpoint_state import load_state, save_state
 from relax.backends.training.compiled_norm import rms_norm_forward
 from relax.backends.training.context_parallel import ContextSlice, gather_response_outputs, split_packed
+from relax.backends.training.fused_qk_rope import fuse_qk_norm_rope
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
 from relax.backends.training.liger import (
     apply_liger_kernels,
@@ -165,8 +166,11 @@ class FSDPTrainBackend(TrainBackend):
             counts = apply_liger_kernels(language_model(hf_model),
                                          rms_norm_forward if settings.rms_norm_kernel == "compiled" else None)
             self._liger = bool(counts["rope"])
-            logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s)", counts["swiglu"],
-                        ", RoPE" if counts["rope"] else "", counts["rms_norm"], settings.rms_norm_kernel)
+            fused = fuse_qk_norm_rope(language_model(hf_model)) \
+                if settings.fused_qk_norm_rope and settings.rms_norm_kernel == "compiled" else 0
+            logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s); %d attention layers' query/key norms and "
+                        "RoPE fused", counts["swiglu"], ", RoPE" if counts["rope"] else "", counts["rms_norm"],
+                        settings.rms_norm_kernel, fused)
         self._warned_oversized = False
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []

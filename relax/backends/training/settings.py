@@ -57,6 +57,9 @@ class TrainSettings:
     # With liger_kernel: the RMSNorms from torch.compile ("compiled", `compiled_norm`: faster on the H200) or from
     # liger-kernel ("liger", the path before, kept as `benchmarks/train_gpu.py`'s baseline).
     rms_norm_kernel: Literal["compiled", "liger"] = "compiled"
+    # With liger_kernel and the compiled norms: Qwen3's per-head query/key norms and the RoPE after them as one
+    # compiled kernel (`fused_qk_rope`). False: three kernels each way (the path before; the benchmark's baseline).
+    fused_qk_norm_rope: bool = True
     # Grouped-query attention with the keys and values repeated to the query heads before the packed attention
     # kernel (the path before; `benchmarks/train_gpu.py`'s baseline). False: the kernel reads them per group.
     attention_repeat_kv: bool = False
