@@ -7,9 +7,35 @@ from __future__ import annotations
 
 import gc
 import inspect
+import sys
+import threading
 from collections.abc import Callable
 
 import torch
+
+
+def _thread_of(frame) -> str | None:
+    """The name of the thread whose stack holds ``frame`` (a running frame is kept by its thread, not by an object)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    for ident, top in sys._current_frames().items():
+        while top is not None:
+            if top is frame:
+                return names.get(ident, str(ident))
+            top = top.f_back
+    return None
+
+
+def _running_frame_local(obj: object, own_stack: set[int]) -> list[str]:
+    """Where a thread's running frame holds ``obj`` in a local: ``["local NAME of frame ..."]``, or nothing."""
+    for top in sys._current_frames().values():
+        frame = top
+        while frame is not None:
+            if id(frame) not in own_stack:
+                name = next((key for key, value in frame.f_locals.items() if value is obj), None)
+                if name is not None:
+                    return [f"local {name} of {_describe(frame)}"]
+            frame = frame.f_back
+    return []
 
 
 def _describe(holder: object) -> str:
@@ -20,17 +46,30 @@ def _describe(holder: object) -> str:
         return f"{type(holder).__name__} of {len(holder)}"
     if inspect.isfunction(holder) or inspect.ismethod(holder):
         return f"{type(holder).__name__} {getattr(holder, '__qualname__', '?')}"
+    if inspect.isframe(holder):
+        thread = _thread_of(holder)
+        return (f"frame {holder.f_code.co_qualname} ({holder.f_code.co_filename}:{holder.f_lineno})"
+                + (f" running on thread {thread}" if thread else ""))
+    if inspect.isgenerator(holder) or inspect.iscoroutine(holder) or inspect.isasyncgen(holder):
+        return f"{type(holder).__name__} {holder.__qualname__}"
     return type(holder).__qualname__
 
 
 def holder_chain(obj: object, depth: int = 5, skip: tuple = ()) -> list[str]:
-    """The first referrer of ``obj``, then that one's, ``depth`` deep (frames and the ``skip`` objects left out)."""
+    """The first referrer of ``obj``, then that one's, ``depth`` deep (the frames of this call's own stack and the
+    ``skip`` objects left out). A frame off that stack (a suspended generator's, a stored traceback's, another
+    thread's) is named with its function, line and thread, and the chain goes on from it."""
+    own_stack, frame = set(), inspect.currentframe()
+    while frame is not None:
+        own_stack.add(id(frame))
+        frame = frame.f_back
     chain, seen = [], {id(obj)}
     for _ in range(depth):
         # no list of referrers is kept from one step to the next: it would be the next object's first referrer
         holder = next((r for r in gc.get_referrers(obj)
-                       if id(r) not in seen and not inspect.isframe(r) and not any(r is s for s in skip)), None)
-        if holder is None:
+                       if id(r) not in seen and id(r) not in own_stack and not any(r is s for s in skip)), None)
+        if holder is None:  # a running frame's locals have no referrer object: look through the threads' stacks
+            chain.extend(_running_frame_local(obj, own_stack))
             break
         obj = holder
         seen.add(id(obj))

@@ -3,6 +3,8 @@ live tensors the predicate selects and the objects that hold them, here on CPU t
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tests.support.live_tensors import live_tensor_report
@@ -40,3 +42,33 @@ def test_the_report_passes_over_fake_tensors_with_symbolic_sizes():
     lines = live_tensor_report(lambda t: t.shape[-1] == 259, limit=3)
     assert len(lines) == 1 and lines[0].startswith("(512, 259)"), lines
     del fakes, real
+
+
+def test_a_frame_off_the_stack_is_named_with_its_function_and_thread():
+    """A leak held by a suspended generator or by a local of a thread still running names them: the GPU smoke test's
+    engine was held by a frame, which the report used to leave out, stopping short of the culprit."""
+
+    def keeper():
+        pool = torch.zeros(1024, 261)  # noqa: F841 - the suspended frame's local is the leak
+        yield
+
+    suspended = keeper()
+    next(suspended)
+    started, release = threading.Event(), threading.Event()
+
+    def worker():
+        pool = torch.zeros(2048, 261)  # noqa: F841 - the running frame's local is the leak
+        started.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=worker, name="leaky-worker")
+    thread.start()
+    try:
+        assert started.wait(30)
+        lines = live_tensor_report(lambda t: t.shape[-1] == 261, limit=2)
+    finally:
+        release.set()
+        thread.join()
+        suspended.close()
+    assert "local pool of frame" in lines[0] and "worker" in lines[0] and "thread leaky-worker" in lines[0], lines
+    assert "generator" in lines[1] and "keeper" in lines[1], lines

@@ -85,6 +85,11 @@ def packed_mask_placeholder(device: torch.device) -> torch.Tensor:
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
+def _has_head(module: nn.Module) -> bool:
+    get_head = getattr(module, "get_output_embeddings", None)
+    return get_head is not None and get_head() is not None
+
+
 def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                      predict_index: torch.Tensor, packing: PackedAttention | None,
@@ -98,9 +103,12 @@ def _response_hidden(hf_model: nn.Module, body: nn.Module, input_ids: torch.Tens
         extra["position_ids"] = position_ids
     if router_logits:
         extra["output_router_logits"] = True
-    if media:
+    # A body that is the whole model (`base_model` falls back to the model itself where its `base_model_prefix`
+    # names no attribute: Qwen2.5-Omni's thinker under transformers 5.17) returns the head's output, not hidden states
+    if media or _has_head(body):
         with _head_bypassed(hf_model):
-            output = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra, **media)
+            output = hf_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra,
+                              **(media or {}))
         hidden = output.logits
     else:
         if packing is not None and attention_mask is None:

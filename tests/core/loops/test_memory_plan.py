@@ -261,3 +261,41 @@ def test_a_critic_on_a_multimodal_checkpoint_reads_its_text_configs_width(family
     assert backend.model.value_head.in_features == width
     backend._probe_pass(9, torch.Generator().manual_seed(0))
     assert backend.model.value_head.weight.grad is not None
+
+
+def test_a_failed_probe_is_logged_as_text_that_holds_no_frame(tmp_path, caplog, monkeypatch):
+    """A probe that raises leaves the run unplanned with a warning naming the error and where it came from. The
+    record holds text only: with the exception among its arguments, its traceback kept the planning frame and the
+    engine's 31 GiB KV pool alive for as long as a handler kept the record (pytest's log capture, on the GPU)."""
+    import gc
+    import logging
+    import weakref
+    from types import SimpleNamespace
+
+    from relax.core.loops.phase_memory import plan_for_run
+    from tests.backends.training.test_fsdp_backend import make_backend
+    from tests.support.tiny_assets import build_tiny_model_dir
+
+    class Pool:  # stands in for the engine's KV pool: what the frame must not keep
+        kv_pool_bytes = 1
+
+    backend = make_backend(build_tiny_model_dir(tmp_path / "model"))
+
+    def probe(token_counts):
+        raise AttributeError("'ThinkerOutput' object has no attribute 'last_hidden_state'")
+
+    monkeypatch.setattr(backend, "measure_step_memory", probe)
+    roles = SimpleNamespace(device=torch.device("cuda"), rollout=SimpleNamespace(engine=Pool()),
+                            actor=SimpleNamespace(backend=backend), reference=None, critic=None, distillation=None)
+    cfg = RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", micro_batch_size=2, rollout_max_response_len=8,
+                      rollout_max_prompt_len=8)
+    with caplog.at_level(logging.WARNING, logger="relax"):
+        assert plan_for_run(cfg, roles, can_release_kv=True, engine_released=False) is None
+    (record,) = [r for r in caplog.records if "memory plan skipped" in r.getMessage()]
+    assert "AttributeError: 'ThinkerOutput' object has no attribute 'last_hidden_state', at " in record.getMessage()
+    assert "test_memory_plan.py:" in record.getMessage()
+    assert all(isinstance(arg, str | int) for arg in record.args)
+    held = weakref.ref(roles.rollout.engine)
+    del roles
+    gc.collect()
+    assert held() is None, "the record (still in caplog) keeps the engine"
