@@ -18,7 +18,9 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
   ``packed``);
 - ``packed_qk_separate`` and ``packed_qk_separate_keep_logits``: ``packed`` (with kept logits) with Qwen3's per-head
   query/key norms and the RoPE after them as three kernels each way instead of one compiled kernel
-  (`relax/backends/training/fused_qk_rope.py`; ``fused_qk_speedup[_keep_logits]``: the fused path over them).
+  (`relax/backends/training/fused_qk_rope.py`; ``fused_qk_speedup[_keep_logits]``: the fused path over them);
+- ``packed_keep_logits_unshared``: ``packed_keep_logits`` with the input gradient of the projections of one input
+  added by autograd instead of inside their GEMMs (``shared_input_linears_speedup``: the shared path over it).
 
 For each: seconds per optimizer step (after ``--warmup-steps`` untimed ones; each timed step's too), real (unpadded) tokens/s, model FLOP/s counted as
 6 * parameters * tokens, MFU against the H200's dense bf16 datasheet figure (989 TFLOP/s, what the field quotes)
@@ -196,6 +198,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
     variants["packed_qk_separate"] = dataclasses.replace(variants["packed"], fused_qk_norm_rope=False)
     variants["packed_qk_separate_keep_logits"] = dataclasses.replace(variants["packed_qk_separate"],
                                                                      log_probs_keep_logits=True)
+    # kept logits, the projections of one input each adding its input gradient by autograd (the path before
+    # `master_weights.shared_input_linears`)
+    variants["packed_keep_logits_unshared"] = dataclasses.replace(variants["packed_keep_logits"],
+                                                                  shared_input_linears=False)
     # the packed trainer before the compiled RMSNorms and the grouped-query attention without repeated keys/values
     variants["packed_kernels_before"] = dataclasses.replace(variants["packed"], rms_norm_kernel="liger",
                                                             attention_repeat_kv=True,
@@ -220,6 +226,7 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
                                          "moe_grouped_gemm": settings.moe_grouped_gemm,
                                          "rms_norm_kernel": settings.rms_norm_kernel,
                                          "fused_qk_norm_rope": settings.fused_qk_norm_rope,
+                                         "shared_input_linears": settings.shared_input_linears,
                                          "attention_repeat_kv": settings.attention_repeat_kv,
                                          "activations_in_compute_dtype": settings.activations_in_compute_dtype},
                             **run_variant(model_dir, settings, batch, args.steps, num_params, args.profile,
@@ -238,7 +245,10 @@ def bench_shape(name: str, args: argparse.Namespace, root: Path) -> dict:
             **{f"fused_qk_speedup{suffix}": round(results[f"packed_qk_separate{suffix}"]["s_per_step"]
                                                   / results[f"packed{suffix}"]["s_per_step"], 3)
                for suffix in ("", "_keep_logits")
-               if f"packed{suffix}" in results and f"packed_qk_separate{suffix}" in results}}
+               if f"packed{suffix}" in results and f"packed_qk_separate{suffix}" in results},
+            **({"shared_input_linears_speedup": round(results["packed_keep_logits_unshared"]["s_per_step"]
+                                                      / results["packed_keep_logits"]["s_per_step"], 3)}
+               if "packed_keep_logits" in results and "packed_keep_logits_unshared" in results else {})}
 
 
 def main() -> None:
@@ -262,7 +272,8 @@ def main() -> None:
                              "experts, the path before grouped_experts), packed_kernels_before (packed with "
                              "liger's RMSNorm, keys/values repeated for grouped-query attention and a float32 "
                              "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits), "
-                             "packed_qk_separate[_keep_logits] (Qwen3's query/key norms and RoPE unfused)")
+                             "packed_qk_separate[_keep_logits] (Qwen3's query/key norms and RoPE unfused), "
+                             "packed_keep_logits_unshared (projections' input gradients added by autograd)")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")
     parser.add_argument("--log-probs-chunk-size", type=int, default=4096, help="packed path's LM-head chunk")
     parser.add_argument("--fsdp", action="store_true",
@@ -290,6 +301,7 @@ def main() -> None:
                                    ("keep_logits_speedup", result.get("keep_logits_speedup")),
                                    ("fused_qk_speedup", result.get("fused_qk_speedup")),
                                    ("fused_qk_speedup_keep_logits", result.get("fused_qk_speedup_keep_logits")),
+                                   ("shared_input_linears_speedup", result.get("shared_input_linears_speedup")),
                                    ("tokens_per_s", result.get("packed", {}).get("tokens_per_s")))}
     out = {
         "benchmark": "train_gpu", **headline,

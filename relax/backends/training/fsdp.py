@@ -215,7 +215,7 @@ class FSDPTrainBackend(TrainBackend):
                                    for p in m.parameters(recurse=False)]
         self._weight_casts: MasterWeightCasts | None = None
         if trainable and low_precision and not self.fsdp and settings.gradient_accumulation_fusion:
-            self._weight_casts = MasterWeightCasts(settings.compute_dtype)
+            self._weight_casts = MasterWeightCasts(settings.compute_dtype, settings.shared_input_linears)
             use_master_weight_linears(self.model, self._weight_casts)
             if settings.moe_grouped_gemm:
                 set_master_weight_casts(self.model, self._weight_casts)

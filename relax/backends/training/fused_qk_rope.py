@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from relax.backends.training.compiled_norm import rms_norm_reference
+from relax.backends.training.master_weights import shared_input_linears
 from relax.backends.training.varlen_attention import PACKING_KWARG, packed_attention_forward
 
 # attention classes whose q_norm/k_norm normalise each head (Olmo2's normalise all heads together: not these)
@@ -63,9 +64,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
         return self.relax_unfused_forward(hidden_states, position_embeddings=position_embeddings,
                                           attention_mask=attention_mask, **kwargs)
     heads = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(heads)
-    k = self.k_proj(hidden_states).view(heads)
-    v = self.v_proj(hidden_states).view(heads)
+    q, k, v = (projection.view(heads) for projection in
+               shared_input_linears(hidden_states, (self.q_proj, self.k_proj, self.v_proj)))
     cos, sin = position_embeddings
     q, k = fused_qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
     out, weights = packed_attention_forward(

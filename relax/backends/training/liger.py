@@ -22,6 +22,8 @@ import types
 import torch
 from torch import nn
 
+from relax.backends.training.master_weights import shared_input_linears
+
 # RMSNorms computing weight * (x / rms(x)) in float32 then cast back ("llama" casting); not Gemma's (1 + weight).
 RMS_NORM_CLASSES = frozenset({"Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"})
 # MLPs computing down(act(gate(x)) * up(x)).
@@ -54,7 +56,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_swiglu
 
-    return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(liger_swiglu(*shared_input_linears(x, (self.gate_proj, self.up_proj))))
 
 
 def _silu_gated(module: nn.Module) -> bool:

@@ -31,8 +31,11 @@ from torch import nn
 class MasterWeightCasts:
     """Low-precision copies of float32 parameters: cached inside `scope`, made per call outside it."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, share_input_gradients: bool = True):
         self.dtype = dtype
+        # `shared_input_linears` sums the input gradient of linears of one input inside the GEMMs (False: autograd
+        # adds them, the path before; `benchmarks/train_gpu.py`'s baseline)
+        self.share_input_gradients = share_input_gradients
         self._cache: dict[int, torch.Tensor] | None = None  # by id: the parameters outlive any scope
 
     @contextlib.contextmanager
@@ -102,6 +105,52 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     else:
         out = F.linear(x, low_weight)
     return out if self.bias is None else out + self.bias.to(casts.dtype)  # autograd's cast: the bias learns
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """`_MasterWeightLinear` for several linears of one input (a layer's q/k/v projections, its gate and up
+    projections): the input gradient is summed inside the GEMMs (``addmm`` with beta 1 into the first product)
+    instead of by autograd, which adds the linears' input gradients one by one: on the 0.6B shape's H100 profile,
+    three of the five bf16 adds of hidden-state gradients a layer made in the backward (55 us each a micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        count = len(weights) // 2
+        masters, lows = weights[:count], weights[count:]
+        ctx.save_for_backward(x, *lows)
+        ctx.masters = masters  # leaf parameters: kept for their .grad, not saved as activations
+        return tuple(F.linear(x, low) for low in lows)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *lows = ctx.saved_tensors
+        flat = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(flat[0], lows[0])
+            for grad, low in zip(flat[1:], lows[1:]):
+                grad_x.addmm_(grad, low)
+            grad_x = grad_x.view(x.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        for master, grad in zip(ctx.masters, flat):
+            accumulate_grad(master, grad.T, rows)
+        return grad_x, *([None] * (2 * len(lows)))
+
+
+def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``; through `_SharedInputLinears` when every one is a master-weight
+    linear of the same casts (`use_master_weight_linears`) whose weight trains, else each by its own forward (LoRA's
+    adapters, FSDP's hooks, a frozen model)."""
+    casts = getattr(linears[0], "relax_master_weight_casts", None)
+    shared = casts is not None and casts.share_input_gradients and torch.is_grad_enabled() and all(
+        getattr(linear, "relax_master_weight_casts", None) is casts and linear.weight.requires_grad
+        and getattr(linear.forward, "__func__", None) is _linear_forward for linear in linears)
+    if not shared:
+        return tuple(linear(x) for linear in linears)
+    x = x.to(casts.dtype)
+    outs = _SharedInputLinears.apply(x, *(linear.weight for linear in linears),
+                                     *(casts.cast(linear.weight) for linear in linears))
+    return tuple(out if linear.bias is None else out + linear.bias.to(casts.dtype) for out, linear in zip(outs, linears))
 
 
 def use_master_weight_linears(model: nn.Module, casts: MasterWeightCasts) -> int:

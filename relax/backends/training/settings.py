@@ -57,9 +57,12 @@ class TrainSettings:
     # With liger_kernel: the RMSNorms from torch.compile ("compiled", `compiled_norm`: faster on the H200) or from
     # liger-kernel ("liger", the path before, kept as `benchmarks/train_gpu.py`'s baseline).
     rms_norm_kernel: Literal["compiled", "liger"] = "compiled"
-    # With liger_kernel and the compiled norms: Qwen3's per-head query/key norms and the RoPE after them as one
-    # compiled kernel (`fused_qk_rope`). False: three kernels each way (the path before; the benchmark's baseline).
+    # With liger_kernel and the compiled norms: Qwen3's per-head query/key norms and the RoPE after them in one
+    # Triton pass each way (`fused_qk_rope`). False: three kernels each way (the path before; the benchmark's).
     fused_qk_norm_rope: bool = True
+    # Under gradient-accumulation fusion: the input gradient of a layer's q/k/v (and gate/up) projections summed
+    # inside their GEMMs (`master_weights.shared_input_linears`). False: autograd adds them (the path before).
+    shared_input_linears: bool = True
     # Grouped-query attention with the keys and values repeated to the query heads before the packed attention
     # kernel (the path before; `benchmarks/train_gpu.py`'s baseline). False: the kernel reads them per group.
     attention_repeat_kv: bool = False
