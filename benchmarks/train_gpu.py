@@ -13,7 +13,7 @@ seed) uniformly between 32 and 1024 tokens, as RL responses vary. Two trainer se
   liger-kernel's RMSNorm/SwiGLU/RoPE, fused AdamW, float32 weights cast to bf16 once per step and weight
   gradients summed in float32 by the GEMMs (gradient-accumulation fusion, `relax/backends/training/master_weights.py`)
   (``--fsdp``: bf16 parameters through FSDP2's mixed precision instead of float32 ones under autocast);
-- ``packed_keep_logits`` (named in ``--variants``): ``packed`` with ``--log-probs-keep-logits``, each head chunk's
+- ``packed_keep_logits`` (named in ``--variants``): ``packed`` with ``--log-probs-keep-logits on``, each head chunk's
   logits kept from the forward for the backward instead of recomputed there (``keep_logits_speedup`` over
   ``packed``);
 - ``packed_qk_separate`` and ``packed_qk_separate_keep_logits``: ``packed`` (with kept logits) with Qwen3's per-head
@@ -271,7 +271,7 @@ def main() -> None:
                         help="comma-separated: previous, hf_experts (MoE: the packed trainer with transformers' own "
                              "experts, the path before grouped_experts), packed_kernels_before (packed with "
                              "liger's RMSNorm, keys/values repeated for grouped-query attention and a float32 "
-                             "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits), "
+                             "residual stream), packed, packed_keep_logits (packed with --log-probs-keep-logits on), "
                              "packed_qk_separate[_keep_logits] (Qwen3's query/key norms and RoPE unfused), "
                              "packed_keep_logits_unshared (projections' input gradients added by autograd)")
     parser.add_argument("--no-liger", action="store_true", help="packed path without liger-kernel's kernels")

@@ -52,12 +52,13 @@ class TrainingSettings(BaseModel):
         "(0: compute the logits of a micro-batch at once, the previous path). 4096 measured 4 percent faster than 1024 "
         "per training step on an H200 (Qwen3-0.6B shape) for 2.6 GB more peak memory.", "batch", ge=0,
     )
-    log_probs_keep_logits: bool = setting(
-        False, "Keep each LM-head chunk's logits from the forward for the backward instead of recomputing them: one "
-        "head matmul a chunk less (1.05x the Qwen3-0.6B shape's training step on H100s), for the logits of a "
+    log_probs_keep_logits: Literal["auto", "on", "off"] = setting(
+        "auto", "Keep each LM-head chunk's logits from the forward for the backward instead of recomputing them: one "
+        "head matmul a chunk less (1.04-1.05x the Qwen3-0.6B shape's training step on H100s), for the logits of a "
         "micro-batch's response tokens held from the head's forward to its backward (bf16 on CUDA, 2 bytes x the "
-        "vocabulary a token: 0.3 MB on that shape, 3.2 GiB more peak there); the memory plan of a colocated run "
-        "measures it. Needs --log-probs-chunk-size above 0.", "batch"
+        "vocabulary a token: 3.2 GiB more peak on that shape). `auto`: kept where the memory plan of a run whose "
+        "trainer and embedded engine share one GPU measures room for them, recomputed elsewhere; `on`: kept (the plan "
+        "names turning it off among its remedies); `off`: recomputed. Needs --log-probs-chunk-size above 0.", "batch"
     )
     num_rollout: int | None = setting(None, "Rollout steps to train for.", "batch", ge=1)
     num_epoch: int | None = setting(
@@ -77,9 +78,9 @@ class TrainingSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_kept_logits(self) -> Self:
-        if self.log_probs_keep_logits and not self.log_probs_chunk_size:
-            raise ValueError(f"{flag('log_probs_keep_logits')} needs {flag('log_probs_chunk_size')} above 0 (0 computes "
-                             "a micro-batch's whole logits at once and keeps them anyway)")
+        if self.log_probs_keep_logits == "on" and not self.log_probs_chunk_size:
+            raise ValueError(f"{flag('log_probs_keep_logits')} on needs {flag('log_probs_chunk_size')} above 0 (0 "
+                             "computes a micro-batch's whole logits at once and keeps them anyway)")
         return self
     lr: float = setting(1e-6, "Peak learning rate (AdamW).", "optimizer", gt=0)
     moe_aux_loss_coef: float | None = setting(

@@ -126,5 +126,7 @@ def train_settings(cfg: RelaxConfig, device: torch.device, dtype: torch.dtype, p
         "max_tokens_per_gpu": cfg.max_tokens_per_gpu if budget else None,
         "log_probs_max_tokens_per_gpu": cfg.log_probs_max_tokens_per_gpu if budget else None,
         "liger_kernel": use_liger_kernel(cfg, device),
+        # `auto` starts off: the memory plan turns it on where it measures room (`phase_memory.plan_for_run`)
+        "log_probs_keep_logits": cfg.log_probs_keep_logits == "on",
         "lora": lora_settings(cfg) if cfg.lora_rank else None,
     })

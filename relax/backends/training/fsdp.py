@@ -680,6 +680,13 @@ class FSDPTrainBackend(TrainBackend):
             self.model.zero_grad(set_to_none=True)
         return peaks
 
+    def keep_logits(self, enabled: bool) -> None:
+        """Whether the LM head keeps its chunks' logits for the backward from the next forward on (the memory plan
+        decides `--log-probs-keep-logits auto`)."""
+        if enabled and not self.settings.log_probs_chunk_size:
+            raise ValueError("kept logits need a log-probs chunk size above 0")
+        self.settings = dataclasses.replace(self.settings, log_probs_keep_logits=enabled)
+
     def _probe_pass(self, count: int, generator: torch.Generator) -> None:
         """`measure_step_memory`'s forward and backward of one text sample of ``count`` random tokens (every
         response token but the first), its loss zero. The ids are drawn from the input embedding's rows: a

@@ -106,7 +106,8 @@ def plan_memory(device: DeviceMemory, step: StepFootprint, tokens: int, can_rele
                         f"{flag('colocate_async')} / {flag('fully_async')})")
     remedies.append(f"{flag('gradient_checkpointing')} (activations recomputed in the backward)")
     if kept_logits:
-        remedies.append(f"no {flag('log_probs_keep_logits')} (the LM head's logits recomputed in the backward)")
+        remedies.append(f"{flag('log_probs_keep_logits')} off or auto (the LM head's logits recomputed in the "
+                        "backward)")
     raise ConfigError(
         f"the training step does not fit on the device: micro-batches of up to {tokens} tokens need "
         f"{step.peak_bytes(tokens) / GIB:.1f} GiB ({step.bytes_per_token / 1024:.0f} KiB per token + "

@@ -19,6 +19,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from relax.backends.inference.base import InferenceEngine
@@ -164,13 +165,53 @@ def build_phase_memory(cfg, roles) -> PhaseMemory:
 def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> MemoryPlan | None:
     """The memory plan of a run whose trainer and embedded engine share this process's GPU (None elsewhere: on
     CPU, with engines or roles in other processes, for SFT). ``engine_released``: --offload-rollout frees the
-    engine's weights and pool while training already."""
+    engine's weights and pool while training already. With `--log-probs-keep-logits auto` the trainers keep their
+    LM-head logits for the backward where the plan has room for them: the step is measured with them first, and
+    without them only when that plan does not fit."""
     engine = getattr(roles.rollout, "engine", None) if roles.rollout is not None else None
     if roles.device.type != "cuda" or cfg.placement != "in_process" or cfg.trains_on_dataset \
             or not hasattr(engine, "kv_pool_bytes"):
         return None
     trainers = trainer_backends(roles)
+    trainable = [trainer for trainer in trainers if trainer.trainable]
     tokens = largest_micro_batch_tokens(cfg)
+    auto = cfg.log_probs_keep_logits == "auto" and cfg.log_probs_chunk_size > 0 and bool(trainable)
+    kept = cfg.log_probs_keep_logits == "on" or auto
+    for trainer in trainable if auto else ():
+        trainer.keep_logits(True)
+    try:
+        plan, fits = _measured_plan(cfg, roles, engine, trainers, tokens, can_release_kv, engine_released, kept), True
+    except ConfigError:
+        if not auto:
+            raise
+        plan, fits = None, False
+    if auto:
+        # every rank decides alike: a rank that measured again alone would run its probe's collectives alone
+        fits = _on_every_rank(fits, roles.device)
+        if not fits or plan is None:  # no room for them, or no plan at all: the logits are recomputed
+            for trainer in trainable:
+                trainer.keep_logits(False)
+            kept = False
+        if not fits:
+            plan = _measured_plan(cfg, roles, engine, trainers, tokens, can_release_kv, engine_released, False)
+    if auto and plan is not None:
+        logger.info("%s auto: the LM head's logits are %s", flag("log_probs_keep_logits"),
+                    "kept for the backward (the plan has room for them)" if kept else
+                    "recomputed in the backward (no room for them beside the rest)")
+    return plan
+
+
+def _on_every_rank(value: bool, device: torch.device) -> bool:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag_tensor = torch.tensor([int(value)], device=device)
+    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MIN)
+    return bool(flag_tensor.item())
+
+
+def _measured_plan(cfg, roles, engine, trainers, tokens: int, can_release_kv: bool, engine_released: bool,
+                   kept_logits: bool) -> MemoryPlan | None:
+    """`plan_memory` over the trainers' step as the probe measures it now; None where it cannot be measured."""
     probe = (max(64, tokens // 8), max(128, tokens // 4))
     try:
         peaks = [trainer.measure_step_memory(probe) for trainer in trainers if trainer.trainable]
@@ -200,11 +241,12 @@ def plan_for_run(cfg, roles, can_release_kv: bool, engine_released: bool) -> Mem
                           held_bytes=torch.cuda.memory_allocated(roles.device),
                           pending_bytes=sum(optimizer_state_bytes(t) for t in trainers), kv_pool_bytes=releasable)
     plan = plan_memory(device, step, tokens, can_release_kv=can_release_kv or engine_released,
-                       kept_logits=cfg.log_probs_keep_logits)
+                       kept_logits=kept_logits)
     if engine_released:  # --offload-rollout frees it all anyway
         plan = dataclasses.replace(plan, release_kv_while_training=False, engine_offloaded=True)
-    logger.info("%s (micro-batches up to %d tokens: %.0f KiB per token%s)", plan.describe(), tokens,
-                step.bytes_per_token / 1024, "" if cfg.rollout_max_prompt_len or cfg.rollout_max_context_len else
+    logger.info("%s (micro-batches up to %d tokens: %.0f KiB per token%s%s)", plan.describe(), tokens,
+                step.bytes_per_token / 1024, ", the LM head's logits kept" if kept_logits else "",
+                "" if cfg.rollout_max_prompt_len or cfg.rollout_max_context_len else
                 "; prompts counted as empty: set --rollout-max-prompt-len for a bound on them")
     return plan
 

@@ -180,9 +180,11 @@ def test_kept_logits_give_the_recomputing_heads_outputs_and_gradients_without_re
 def test_kept_logits_need_a_chunked_head():
     from relax.config import RelaxConfig
 
-    with pytest.raises(ValueError, match="--log-probs-keep-logits needs --log-probs-chunk-size above 0"):
-        RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits=True, log_probs_chunk_size=0)
-    assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits=True).log_probs_keep_logits
+    with pytest.raises(ValueError, match="--log-probs-keep-logits on needs --log-probs-chunk-size above 0"):
+        RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits="on", log_probs_chunk_size=0)
+    assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits="on").log_probs_keep_logits == "on"
+    # auto (the default) with an unchunked head recomputes: nothing to refuse
+    assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_chunk_size=0).log_probs_keep_logits == "auto"
 
 
 def test_entropy_gets_no_gradient_unless_asked():

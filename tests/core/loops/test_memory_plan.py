@@ -69,7 +69,7 @@ def test_a_refusal_suggests_a_smaller_pool_only_where_the_pool_stays_during_trai
     assert "--log-probs-keep-logits" not in str(resident.value)
     with pytest.raises(ConfigError) as kept:  # the head's kept logits are a remedy only where they are kept
         plan_memory(device, step, tokens=16384, can_release_kv=False, kept_logits=True)
-    assert "no --log-probs-keep-logits" in str(kept.value)
+    assert "--log-probs-keep-logits off or auto" in str(kept.value)
 
 
 def test_a_budget_that_fits_nowhere_names_a_smaller_model_when_no_token_fits():
@@ -299,3 +299,66 @@ def test_a_failed_probe_is_logged_as_text_that_holds_no_frame(tmp_path, caplog, 
     del roles
     gc.collect()
     assert held() is None, "the record (still in caplog) keeps the engine"
+
+
+def _planned_run(tmp_path, monkeypatch, keep: str, bytes_per_token_kept: int, bytes_per_token: int,
+                 total_gib: float = 10.0):
+    """`plan_for_run` on a CPU trainer whose probe reports a line per token (more with kept logits) on a device of
+    ``total_gib``, the CUDA queries answered for it; the trainers' kept-logits setting after it, and the plan."""
+    from types import SimpleNamespace
+
+    from relax.core.loops import phase_memory
+    from tests.backends.training.test_fsdp_backend import make_backend
+    from tests.support.tiny_assets import build_tiny_model_dir
+
+    backend = make_backend(build_tiny_model_dir(tmp_path / "model"))
+    backend.keep_logits(keep == "on")  # as `run_settings.train_settings` starts it
+    probed = []
+
+    def probe(token_counts):
+        kept = backend.settings.log_probs_keep_logits
+        probed.append(kept)
+        per_token = bytes_per_token_kept if kept else bytes_per_token
+        return [count * per_token for count in token_counts]
+
+    monkeypatch.setattr(backend, "measure_step_memory", probe)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(total_gib * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(phase_memory, "optimizer_state_bytes", lambda trainer: 0)
+    roles = SimpleNamespace(device=torch.device("cuda"), rollout=SimpleNamespace(engine=SimpleNamespace(kv_pool_bytes=0)),
+                            actor=SimpleNamespace(backend=backend), reference=None, critic=None, distillation=None)
+    cfg = RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
+                      rollout_max_response_len=64, rollout_max_prompt_len=64, log_probs_keep_logits=keep)
+    plan = phase_memory.plan_for_run(cfg, roles, can_release_kv=True, engine_released=False)
+    return backend.settings.log_probs_keep_logits, plan, probed
+
+
+def test_auto_keeps_the_logits_where_the_plan_has_room_for_them(tmp_path, monkeypatch):
+    kept, plan, probed = _planned_run(tmp_path, monkeypatch, "auto", bytes_per_token_kept=1 << 20,
+                                      bytes_per_token=1 << 19)
+    assert kept and plan is not None and probed == [True]
+
+
+def test_auto_recomputes_them_where_only_the_step_without_them_fits(tmp_path, monkeypatch):
+    # 4096 tokens: 12 GiB with the logits kept, 4 GiB without, on a 10 GiB device
+    kept, plan, probed = _planned_run(tmp_path, monkeypatch, "auto", bytes_per_token_kept=3 << 20,
+                                      bytes_per_token=1 << 20)
+    assert not kept and plan is not None and probed == [True, False]
+
+
+def test_on_is_refused_with_the_remedy_and_off_never_keeps_them(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="--log-probs-keep-logits off or auto"):
+        _planned_run(tmp_path, monkeypatch, "on", bytes_per_token_kept=3 << 20, bytes_per_token=1 << 20)
+    kept, plan, probed = _planned_run(tmp_path, monkeypatch, "off", bytes_per_token_kept=1 << 20,
+                                      bytes_per_token=1 << 19)
+    assert not kept and plan is not None and probed == [False]
+
+
+def test_auto_recomputes_them_where_the_step_cannot_be_measured(tmp_path, monkeypatch):
+    kept, plan, _ = _planned_run(tmp_path, monkeypatch, "auto", bytes_per_token_kept=1, bytes_per_token=1)
+    assert kept and plan is not None  # (measured)
+    from relax.core.loops import phase_memory
+
+    monkeypatch.setattr(phase_memory, "_measured_plan", lambda *args: None)
+    kept, plan, _ = _planned_run(tmp_path / "again", monkeypatch, "auto", bytes_per_token_kept=1, bytes_per_token=1)
+    assert not kept and plan is None
