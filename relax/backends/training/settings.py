@@ -40,7 +40,9 @@ class TrainSettings:
     moe_grouped_gemm: bool = True
     routing_replay: bool = False  # forwards route tokens to a batch's recorded experts (`routing_replay`, R3)
     log_probs_chunk_size: int = 4096  # response tokens per LM-head chunk (0: full logits at once)
-    log_probs_keep_logits: bool = False  # the chunks' logits kept for the backward instead of recomputed
+    # the chunks' logits kept for the backward instead of recomputed (`--log-probs-keep-logits on`; `auto`: the memory
+    # plan turns it on where it has room, `FSDPTrainBackend.keep_logits`)
+    log_probs_keep_logits: bool = False
     max_tokens_per_gpu: int | None = None  # a token budget per training micro-batch instead of micro_batch_size
     log_probs_max_tokens_per_gpu: int | None = None  # the same for forwards without gradient
     tensor_model_parallel_size: int = 1  # ranks that split each layer's heads and MLP columns (`mesh`)
