@@ -90,6 +90,7 @@ def _backward_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, grad_out_ptr, gra
 def _programs(rows: int, device: torch.device) -> int:
     # a few programs per multiprocessor, each walking its share of the blocks (the weight gradient's partial sums
     # stay one row a program)
+    # (off CUDA: Triton's interpreter, where the kernels are checked on CPU tensors)
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     return max(1, min(triton.cdiv(rows, BLOCK_ROWS), 4 * processors))
 
