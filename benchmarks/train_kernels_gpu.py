@@ -140,7 +140,8 @@ def bench_qk_rope(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: 
     q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     weights = [1 + 0.1 * torch.randn(dim, device="cuda") for _ in range(2)]
-    angles = torch.arange(tokens, device="cuda").float()[:, None] * 1e6 ** -torch.linspace(0, 1, dim // 2, device="cuda")
+    frequencies = 1e6 ** -torch.linspace(0, 1, dim // 2, device="cuda")
+    angles = torch.arange(tokens, device="cuda").float()[:, None] * frequencies
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[None].to(torch.bfloat16) for f in (torch.cos, torch.sin))
     dq, dk = torch.randn_like(q), torch.randn_like(k)
 
@@ -194,7 +195,8 @@ def main() -> None:
           f"{qk['triton']['ms']:.3f} ms ({qk['triton']['bandwidth_fraction']:.0%} of HBM): "
           f"{qk['speedup_triton_vs_separate']}x; errors {qk['separate']['max_err']} / {qk['triton']['max_err']}",
           flush=True)
-    out = {"benchmark": "train_kernels_gpu", "qk_norm_rope_speedup_triton_vs_separate": qk["speedup_triton_vs_separate"],
+    out = {"benchmark": "train_kernels_gpu",
+           "qk_norm_rope_speedup_triton_vs_separate": qk["speedup_triton_vs_separate"],
            **{f"rmsnorm_{key}_speedup_compiled_vs_liger": row["speedup_compiled_vs_liger"] for key, row in norms.items()},
            "gqa_speedup_grouped_vs_repeat_kv": gqa["speedup_grouped_vs_repeat_kv"],
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rmsnorm": norms, "gqa_attention": gqa,

@@ -150,7 +150,8 @@ def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tup
     x = x.to(casts.dtype)
     outs = _SharedInputLinears.apply(x, *(linear.weight for linear in linears),
                                      *(casts.cast(linear.weight) for linear in linears))
-    return tuple(out if linear.bias is None else out + linear.bias.to(casts.dtype) for out, linear in zip(outs, linears))
+    return tuple(out if linear.bias is None else out + linear.bias.to(casts.dtype)
+                 for out, linear in zip(outs, linears))
 
 
 def use_master_weight_linears(model: nn.Module, casts: MasterWeightCasts) -> int:

@@ -182,7 +182,8 @@ def test_kept_logits_need_a_chunked_head():
 
     with pytest.raises(ValueError, match="--log-probs-keep-logits on needs --log-probs-chunk-size above 0"):
         RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits="on", log_probs_chunk_size=0)
-    assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits="on").log_probs_keep_logits == "on"
+    kept = RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_keep_logits="on")
+    assert kept.log_probs_keep_logits == "on"
     # auto (the default) with an unchunked head recomputes: nothing to refuse
     assert RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", log_probs_chunk_size=0).log_probs_keep_logits == "auto"
 

@@ -322,10 +322,12 @@ def _planned_run(tmp_path, monkeypatch, keep: str, bytes_per_token_kept: int, by
         return [count * per_token for count in token_counts]
 
     monkeypatch.setattr(backend, "measure_step_memory", probe)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(total_gib * GIB)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(total_gib * GIB)))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     monkeypatch.setattr(phase_memory, "optimizer_state_bytes", lambda trainer: 0)
-    roles = SimpleNamespace(device=torch.device("cuda"), rollout=SimpleNamespace(engine=SimpleNamespace(kv_pool_bytes=0)),
+    roles = SimpleNamespace(device=torch.device("cuda"),
+                            rollout=SimpleNamespace(engine=SimpleNamespace(kv_pool_bytes=0)),
                             actor=SimpleNamespace(backend=backend), reference=None, critic=None, distillation=None)
     cfg = RelaxConfig(hf_checkpoint="m", prompt_data="p.jsonl", use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
                       rollout_max_response_len=64, rollout_max_prompt_len=64, log_probs_keep_logits=keep)
