@@ -127,39 +127,52 @@ def bench_gqa(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: int 
     return results
 
 
+def qk_rope_inputs(tokens: int, heads: int, kv_heads: int, dim: int, base: float = 1e6):
+    """Queries, keys (bf16, ``[1, T, H, D]``), the two norm weights, bf16 cos/sin of positions 0..T-1 and the
+    incoming gradients of the queries and keys, seeded."""
+    torch.manual_seed(0)
+    q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    weights = [1 + 0.1 * torch.randn(dim, device="cuda") for _ in range(2)]
+    angles = torch.arange(tokens, device="cuda").float()[:, None] * base ** -torch.linspace(0, 1, dim // 2,
+                                                                                           device="cuda")
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[None].to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    return q, k, weights, cos, sin, torch.randn_like(q), torch.randn_like(k)
+
+
+def separate_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+    """The path before `triton_qk_rope`: the compiled per-head norms, then liger's RoPE."""
+    from liger_kernel.transformers.functional import liger_rope
+
+    q, k = compiled_rms_norm(q, q_weight, eps), compiled_rms_norm(k, k_weight, eps)
+    q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1)
+    return q.transpose(1, 2), k.transpose(1, 2)
+
+
+def qk_outputs_and_grads(fn, inputs, cos, sin, dq, dk) -> list[torch.Tensor]:
+    """``fn``'s queries and keys and the gradients of ``inputs`` (q, k and the two weights), in float32."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves, cos, sin, 1e-6)
+    torch.autograd.backward(out, (dq.to(out[0].dtype), dk.to(out[1].dtype)))
+    return [t.detach().float() for t in out] + [t.grad.float() for t in leaves]
+
+
 def bench_qk_rope(tokens: int = 32768, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> dict:
     """Qwen3's per-head query/key norms and RoPE, forward + backward: the separate kernels (the compiled norms, then
     liger's RoPE: the path before), `torch.compile` of the same math in one graph, and the Triton kernels of
     `triton_qk_rope`; the bandwidth each reaches (bytes: read q, k and write them, forward; read q, k and the two
     gradients and write two, backward) and the largest error against float32."""
-    from liger_kernel.transformers.functional import liger_rope
-
     from relax.backends.training.fused_qk_rope import fused_qk_norm_rope, qk_norm_rope_reference
 
-    torch.manual_seed(0)
-    q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    weights = [1 + 0.1 * torch.randn(dim, device="cuda") for _ in range(2)]
-    frequencies = 1e6 ** -torch.linspace(0, 1, dim // 2, device="cuda")
-    angles = torch.arange(tokens, device="cuda").float()[:, None] * frequencies
-    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[None].to(torch.bfloat16) for f in (torch.cos, torch.sin))
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
-
-    def separate(q, k, q_weight, k_weight, cos, sin, eps):
-        q, k = compiled_rms_norm(q, q_weight, eps), compiled_rms_norm(k, k_weight, eps)
-        q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1)
-        return q.transpose(1, 2), k.transpose(1, 2)
+    q, k, weights, cos, sin, dq, dk = qk_rope_inputs(tokens, heads, kv_heads, dim)
 
     def grads(fn, *inputs):
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        out = fn(*leaves[:2], *leaves[2:], cos, sin, 1e-6)
-        torch.autograd.backward(out, (dq.to(out[0].dtype), dk.to(out[1].dtype)))
-        return [t.detach().float() for t in out] + [t.grad.float() for t in leaves]
+        return qk_outputs_and_grads(fn, inputs, cos, sin, dq, dk)
 
     reference = grads(qk_norm_rope_reference, q.float(), k.float(), *weights)
     moved = (q.numel() + k.numel()) * 2 * 5  # forward: read + write; backward: read x, dy, write dx
     out: dict = {"tokens": tokens, "heads": heads, "kv_heads": kv_heads}
-    for name, fn in (("separate", separate), ("compiled", torch.compile(qk_norm_rope_reference, dynamic=True)),
+    for name, fn in (("separate", separate_qk_norm_rope), ("compiled", torch.compile(qk_norm_rope_reference, dynamic=True)),
                      ("triton", fused_qk_norm_rope)):
         leaves = [t.clone().requires_grad_() for t in (q, k, *weights)]
 

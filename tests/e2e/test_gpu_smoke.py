@@ -161,36 +161,20 @@ def test_the_compiled_rms_norm_matches_the_float32_reference_on_cuda(rows, width
 
 @pytest.mark.parametrize("tokens", [4099, 1])
 def test_the_fused_qk_norm_rope_is_as_exact_as_the_separate_kernels_on_cuda(tokens):
-    """`fused_qk_rope.fused_qk_norm_rope` (Inductor's Triton kernels) on the 0.6B shape's heads against the path
+    """`fused_qk_rope.fused_qk_norm_rope` (`triton_qk_rope`'s kernels) on the 0.6B shape's heads against the path
     before it (the compiled per-head norms, then liger's RoPE) and both against the same math in float32: outputs,
     input and weight gradients no further from float32 than the separate kernels' (plus a rounding's slack)."""
-    from liger_kernel.transformers.functional import liger_rope
-
-    from relax.backends.training.compiled_norm import compiled_rms_norm
+    from benchmarks.train_kernels_gpu import qk_outputs_and_grads, qk_rope_inputs, separate_qk_norm_rope
     from relax.backends.training.fused_qk_rope import fused_qk_norm_rope, qk_norm_rope_reference
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    q = torch.randn(1, tokens, 16, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, tokens, 8, 128, device="cuda", dtype=torch.bfloat16)
-    weights = [1 + 0.1 * torch.randn(128, device="cuda") for _ in range(2)]
-    angles = torch.arange(tokens, device="cuda").float()[:, None] * 10000 ** -torch.linspace(0, 1, 64, device="cuda")
-    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[None].to(torch.bfloat16) for f in (torch.cos, torch.sin))
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    q, k, weights, cos, sin, dq, dk = qk_rope_inputs(tokens, 16, 8, 128, base=10000.0)
 
     def run(fn, *inputs):
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        out = fn(*leaves[:2], *leaves[2:], cos, sin, 1e-6)
-        torch.autograd.backward(out, (dq.to(out[0].dtype), dk.to(out[1].dtype)))
-        return [t.detach().float() for t in out] + [t.grad.float() for t in leaves]
-
-    def separate(q, k, q_weight, k_weight, cos, sin, eps):
-        q, k = compiled_rms_norm(q, q_weight, eps), compiled_rms_norm(k, k_weight, eps)
-        q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 1)
-        return q.transpose(1, 2), k.transpose(1, 2)
+        return qk_outputs_and_grads(fn, inputs, cos, sin, dq, dk)
 
     reference = run(qk_norm_rope_reference, q.float(), k.float(), *weights)
-    fused, before = run(fused_qk_norm_rope, q, k, *weights), run(separate, q, k, *weights)
+    fused, before = run(fused_qk_norm_rope, q, k, *weights), run(separate_qk_norm_rope, q, k, *weights)
     for name, want, got, old in zip(("q", "k", "dq", "dk", "dq_weight", "dk_weight"), reference, fused, before):
         scale = want.abs().max()
         assert (got - want).abs().max() <= (old - want).abs().max() + 1e-2 * scale, name

@@ -78,40 +78,12 @@ def accumulate_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
         param.grad.add_(product)
 
 
-class _MasterWeightLinear(torch.autograd.Function):
-    """``x @ low_weight.T``; the backward writes the weight gradient into ``weight.grad`` (float32) itself."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, low_weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, low_weight)
-        ctx.master = weight  # a leaf parameter: kept for its .grad, not saved as an activation
-        return F.linear(x, low_weight)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, low_weight = ctx.saved_tensors
-        grad_x = grad_out @ low_weight if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            accumulate_grad(ctx.master, grad_out.reshape(-1, grad_out.shape[-1]).T, x.reshape(-1, x.shape[-1]))
-        return grad_x, None, None
-
-
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    casts: MasterWeightCasts = self.relax_master_weight_casts
-    x = x.to(casts.dtype)
-    low_weight = casts.cast(self.weight)
-    if torch.is_grad_enabled() and self.weight.requires_grad:
-        out = _MasterWeightLinear.apply(x, self.weight, low_weight)
-    else:
-        out = F.linear(x, low_weight)
-    return out if self.bias is None else out + self.bias.to(casts.dtype)  # autograd's cast: the bias learns
-
-
-class _SharedInputLinears(torch.autograd.Function):
-    """`_MasterWeightLinear` for several linears of one input (a layer's q/k/v projections, its gate and up
-    projections): the input gradient is summed inside the GEMMs (``addmm`` with beta 1 into the first product)
-    instead of by autograd, which adds the linears' input gradients one by one: on the 0.6B shape's H100 profile,
-    three of the five bf16 adds of hidden-state gradients a layer made in the backward (55 us each a micro-batch)."""
+class _MasterWeightLinears(torch.autograd.Function):
+    """``x @ low_weight.T`` for one or more linears of the input ``x``; the backward writes each weight gradient into
+    its float32 ``weight.grad`` itself. With several (a layer's q/k/v projections, its gate and up projections) the
+    input gradient is summed inside the GEMMs (``addmm`` with beta 1 into the first product) instead of by autograd,
+    which adds the linears' input gradients one by one: on the 0.6B shape's H100 profile, three of the five bf16 adds
+    of hidden-state gradients a layer made in the backward (55 us each a micro-batch)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -137,21 +109,34 @@ class _SharedInputLinears(torch.autograd.Function):
         return grad_x, *([None] * (2 * len(lows)))
 
 
+def _master_weight_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...],
+                           casts: MasterWeightCasts) -> tuple[torch.Tensor, ...]:
+    x = x.to(casts.dtype)
+    lows = [casts.cast(linear.weight) for linear in linears]
+    if torch.is_grad_enabled() and all(linear.weight.requires_grad for linear in linears):
+        outs = _MasterWeightLinears.apply(x, *(linear.weight for linear in linears), *lows)
+    else:
+        outs = tuple(F.linear(x, low) for low in lows)
+    # (autograd's cast of the bias: the bias learns)
+    return tuple(out if linear.bias is None else out + linear.bias.to(casts.dtype)
+                 for out, linear in zip(outs, linears))
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _master_weight_linears(x, (self,), self.relax_master_weight_casts)[0]
+
+
 def shared_input_linears(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """``tuple(linear(x) for linear in linears)``; through `_SharedInputLinears` when every one is a master-weight
-    linear of the same casts (`use_master_weight_linears`) whose weight trains, else each by its own forward (LoRA's
-    adapters, FSDP's hooks, a frozen model)."""
+    """``tuple(linear(x) for linear in linears)``; their input gradient summed inside the GEMMs (`_MasterWeightLinears`)
+    when every one is a master-weight linear of the same casts (`use_master_weight_linears`) whose weight trains, else
+    each by its own forward (LoRA's adapters, FSDP's hooks, a frozen model)."""
     casts = getattr(linears[0], "relax_master_weight_casts", None)
     shared = casts is not None and casts.share_input_gradients and torch.is_grad_enabled() and all(
         getattr(linear, "relax_master_weight_casts", None) is casts and linear.weight.requires_grad
         and getattr(linear.forward, "__func__", None) is _linear_forward for linear in linears)
     if not shared:
         return tuple(linear(x) for linear in linears)
-    x = x.to(casts.dtype)
-    outs = _SharedInputLinears.apply(x, *(linear.weight for linear in linears),
-                                     *(casts.cast(linear.weight) for linear in linears))
-    return tuple(out if linear.bias is None else out + linear.bias.to(casts.dtype)
-                 for out, linear in zip(outs, linears))
+    return _master_weight_linears(x, linears, casts)
 
 
 def use_master_weight_linears(model: nn.Module, casts: MasterWeightCasts) -> int:
