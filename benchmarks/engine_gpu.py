@@ -15,13 +15,17 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
-  the baseline of that change.
+  the baseline of that change;
+- ``core_rope_apart`` / ``core_fp8_rope_apart``: ``core`` / ``core_fp8`` with each decode step's q/k norms,
+  rotary positions and K/V store in a kernel of their own before the attention kernel, as before
+  `triton_attention.rope_store_decode_attention` (the baseline of that change).
 
 Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
 wall time of the call (prefill included). The HBM bound of a setting is the decode-only time of reading, at
-every step, the weights once and every sequence's K/V so far, at ``--bandwidth`` bytes/s (4.3 TB/s measured
-copy bandwidth on the H200); the JSON gives each engine's fraction of it. That bound is not reachable on every
+every step, the weights once and every sequence's K/V so far, at ``--bandwidth`` bytes/s (by default the card's
+measured copy rate, `benchmarks.cards`: 4.3 TB/s on the H200, 3.0 on the H100; the run measures it again and the
+JSON gives both); the JSON gives each engine's fraction of it. That bound is not reachable on every
 shape: at batch 256 the 4B shape's linear layers are compute-bound, and the wall time holds a prefill the bound
 leaves out. So the JSON also gives the fraction of the roofline (`roofline_tokens_per_s`): the prefill's products at
 ``--flops``, each decode step's linears at the slower of their weights' reads and their products, its K/V reads at
@@ -48,6 +52,7 @@ import torch
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from benchmarks.cards import COPY_BYTES_PER_S, copy_bytes_per_s, measure_copy_bytes_per_s
 from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY, word_tokenizer
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
@@ -190,6 +195,20 @@ def fp8_products_in_the_linears():
         Fp8Linears.layer_products = layer_products
 
 
+@contextlib.contextmanager
+def rope_apart_from_attention():
+    """A decode step's q/k norms, rotary positions and K/V store in a kernel of their own before the attention
+    kernel, as before `triton_attention.rope_store_decode_attention` (read by the decoder at each call, so the
+    CUDA graphs captured inside this block hold the two kernels)."""
+    from relax.backends.inference.engine_core import attention
+
+    attention.ROPE_IN_DECODE_KERNEL = False
+    try:
+        yield
+    finally:
+        attention.ROPE_IN_DECODE_KERNEL = True
+
+
 def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
     """The core with FP8 linears, and its samples' log-probs against the bf16 model's (the rollout/trainer
     mismatch); the model's linears are restored afterwards."""
@@ -239,12 +258,18 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         elif name == "core_fp8_rowwise":
             with fp8_products_in_the_linears():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
+        elif name == "core_fp8_rope_apart":
+            with rope_apart_from_attention():
+                timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
-            mode = "on" if name == "core" else "off"
+            mode = "off" if name == "previous" else "on"
+            apart = rope_apart_from_attention() if name == "core_rope_apart" else contextlib.nullcontext()
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                                    core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
-            timing = time_engine(engine, prompts, args.new_tokens, device, args.repeats if name == "core" else 1)
+            with apart:
+                engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                                        core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
+                timing = time_engine(engine, prompts, args.new_tokens, device,
+                                     1 if name == "previous" else args.repeats)
             del engine
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -261,6 +286,11 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
+    if core and "core_rope_apart" in result:
+        result["speedup_rope_in_attention"] = core / result["core_rope_apart"]["tokens_per_s"]
+    if "core_fp8" in result and "core_fp8_rope_apart" in result:
+        result["speedup_fp8_rope_in_attention"] = (result["core_fp8"]["tokens_per_s"]
+                                                   / result["core_fp8_rope_apart"]["tokens_per_s"])
     if "core_fp8" in result and "core_fp8_rowwise" in result:
         result["speedup_fp8_over_rowwise_products"] = (result["core_fp8"]["tokens_per_s"]
                                                        / result["core_fp8_rowwise"]["tokens_per_s"])
@@ -295,12 +325,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous",
-                                 "generate"])
+                        choices=["core", "core_rope_apart", "core_fp8", "core_fp8_convert", "core_fp8_rowwise",
+                                 "core_fp8_rope_apart", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s: the card's measured copy rate")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="bytes/s the bounds assume (default: the card's measured copy rate, `cards`: the H200's "
+                             "4.3e12, the H100's 3.0e12; the run measures it again and reports both)")
     parser.add_argument("--flops", type=float, default=790e12,
                         help="bf16 FLOP/s the roofline assumes: the H200's measured dense rate (989e12 datasheet)")
     parser.add_argument("--out", default=str(RESULTS / "engine_gpu.json"))
@@ -310,6 +342,9 @@ def main() -> None:
                         help="timed calls of the core engines (their median is reported; the baselines run once)")
     parser.add_argument("--profile", default=None, help="write a torch-profiler table of core decode steps here")
     args = parser.parse_args()
+    args.measured_bandwidth = measure_copy_bytes_per_s() if args.device == "cuda" else None
+    if args.bandwidth is None:
+        args.bandwidth = copy_bytes_per_s() if args.device == "cuda" else COPY_BYTES_PER_S["H200"]
     if args.tiny:
         settings = [("tiny", 8)]
     elif args.settings:
@@ -329,16 +364,19 @@ def write_result(rows: list[dict], args) -> dict:
     summary = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
+        "bandwidth_bytes_per_s": args.bandwidth, "copy_bytes_per_s_measured_in_this_run": args.measured_bandwidth,
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous", "generate"):
+        for name in ("core", "core_rope_apart", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "core_fp8_rope_apart",
+                     "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products"):
+                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products",
+                    "speedup_rope_in_attention", "speedup_fp8_rope_in_attention"):
             if key in row:
-                summary[f"{prefix}_{key}"] = round(row[key], 2)
+                summary[f"{prefix}_{key}"] = round(row[key], 3)
         if "core" in row:
             summary[f"{prefix}_core_fraction_of_hbm_bound"] = round(row["core"]["fraction_of_hbm_bound"], 3)
             summary[f"{prefix}_core_fraction_of_roofline"] = round(row["core"]["fraction_of_roofline"], 3)

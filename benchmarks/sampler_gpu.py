@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.cards import copy_bytes_per_s
 from relax.backends.inference.base import SamplingParams
 from relax.backends.inference.sampling import BatchSampling, CounterNoise, sample_next_tokens
 from relax.backends.inference.triton_sampling import sample_tokens
@@ -25,7 +26,6 @@ from relax.backends.inference.triton_sampling import sample_tokens
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 151936
 # Copy bandwidth measured on the lent cards (bytes read and written per second): H200 4.3 TB/s, H100 3.0 TB/s.
-COPY_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.0e12}
 
 
 # ---- the baseline: the exponential race (relax/backends/inference/triton_sampling.py until 2026-12-05) ----------
@@ -140,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     name = torch.cuda.get_device_name()
-    bandwidth = args.bandwidth or next((rate for card, rate in COPY_BYTES_PER_S.items() if card in name), 4.3e12)
+    bandwidth = args.bandwidth or copy_bytes_per_s(name)
     torch.manual_seed(0)
     report = {"benchmark": "sampler_gpu", "device": name, "copy_bytes_per_s": bandwidth, "vocab": VOCAB,
               "logits_dtype": "bfloat16", "date": time.strftime("%Y-%m-%d"), "settings": {}}

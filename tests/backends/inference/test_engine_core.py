@@ -421,6 +421,74 @@ def test_the_triton_decode_kernel_matches_attention_over_the_gathered_keys(heads
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, kv_heads, norm", [(16, 8, True), (32, 8, True), (4, 4, False), (24, 8, True)])
+@pytest.mark.parametrize("cache_dtype, scaled", [("auto", False), ("fp8_e4m3", False), ("fp8_e4m3", True)])
+def test_the_decode_kernel_that_stores_the_steps_token_equals_the_two_kernels(heads, kv_heads, norm, cache_dtype,
+                                                                               scaled):
+    """`rope_store_decode_attention` (q/k norms, rotary positions and the K/V store inside the attention kernel)
+    against `qk_norm_rope_store` and then `paged_decode_attention`: the same keys and values at the tokens'
+    slots and nothing written elsewhere, the same attention; over a bf16 and an FP8 pool, from bf16 projections
+    and from FP8 products' `ScaledProduct`s, a group of 3 query heads included. The per-head norms' float32
+    sums may run in another order in the two kernels, so a stored entry may be one rounding step off."""
+    from relax.backends.inference.engine_core.kv_cache import LayerKV, quantize_heads
+    from relax.backends.inference.engine_core.triton_attention import (
+        StepToken,
+        paged_decode_attention,
+        rope_store_decode_attention,
+    )
+    from relax.backends.inference.engine_core.triton_ops import qk_norm_rope_store
+    from tests.backends.inference.test_fp8_rollout import _scaled_product
+
+    torch.manual_seed(0)
+    dim, page, blocks = 128, 16, 80
+    lens = torch.tensor([1, 2, 16, 17, 64, 300, 511], dtype=torch.int32)
+    batch = lens.numel()
+    tables = torch.zeros(batch, 40, dtype=torch.int32)
+    order, used = torch.randperm(blocks - 1) + 1, 0
+    for row, length in enumerate(lens.tolist()):
+        count = -(-length // page)
+        tables[row, :count] = order[used:used + count].int()
+        used += count
+    last = (lens - 1).long()
+    slots = (tables.long().gather(1, (last // page)[:, None]).squeeze(1) * page + last % page).cuda()
+    tables, lens = tables.cuda(), lens.cuda()
+    widths = [heads * dim, kv_heads * dim, kv_heads * dim]
+    if scaled:
+        parts = _scaled_product(batch, sum(widths), 3).split(widths)
+    else:
+        parts = list(torch.randn(batch, sum(widths), device="cuda").bfloat16().split(widths, dim=1))
+    cos, sin = (torch.randn(600, dim, device="cuda").bfloat16() for _ in range(2))
+    positions = (lens - 1).long() + 7  # rope positions need not be the token's index (a media prompt's delta)
+    weights = [torch.randn(dim, device="cuda").bfloat16() for _ in range(2)] if norm else [None, None]
+    start = torch.randn(blocks * page, kv_heads, dim, device="cuda") * 2
+
+    def pool() -> LayerKV:
+        if cache_dtype == "fp8_e4m3":
+            (keys, key_scales), (values, value_scales) = quantize_heads(start), quantize_heads(start.flip(0))
+            return LayerKV(keys, values, key_scales, value_scales)
+        return LayerKV(start.bfloat16(), start.flip(0).bfloat16())
+
+    apart, fused = pool(), pool()
+    rotated = qk_norm_rope_store(*parts, *weights, 1e-6, cos, sin, positions, slots, apart)
+    expected = paged_decode_attention(rotated, apart.keys, apart.values, tables, lens, dim ** -0.5, page,
+                                      key_scales=apart.key_scales, value_scales=apart.value_scales)
+    token = StepToken(*parts, *weights, 1e-6, cos, sin, positions, slots)
+    got = rope_store_decode_attention(token, fused, tables, lens, dim ** -0.5, page)
+    untouched = torch.ones(blocks * page, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    written_apart, written_fused = apart.gather(slots, torch.float32), fused.gather(slots, torch.float32)
+    for name, index in (("keys", 0), ("values", 1)):
+        assert torch.equal(getattr(apart, name)[untouched].view(torch.uint8),
+                           getattr(fused, name)[untouched].view(torch.uint8)), name
+        a, b = written_apart[index].float(), written_fused[index].float()
+        step = 2 ** -3 if cache_dtype == "fp8_e4m3" else 2 ** -7  # one rounding step of the vector's largest entry
+        assert ((b - a).abs() <= step * a.abs().amax(-1, keepdim=True)).all(), name
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_widening_e4m3_by_its_bits_gives_every_finite_code_times_two_to_the_minus_120():
     """The FP8 decode kernel's integer widening of e4m3 bytes to bf16, over all 254 finite codes (subnormals, both
     zeros, both signs), each code in each of the four positions of a register."""
