@@ -36,10 +36,10 @@ import triton.language as tl
 from relax.backends.inference.engine_core.fp8_format import FP8_MAX, ScaledProduct
 from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
 from relax.backends.inference.engine_core.triton_ops import (
-    _rope_tables,
-    _rotated_heads,
-    _store_token_kv,
     projection_operands,
+    rope_tables,
+    rotated_heads,
+    store_token_kv,
 )
 
 if TYPE_CHECKING:
@@ -101,16 +101,16 @@ def _paged_decode_kernel(
     if ROPE_STORE:  # the step's own token first: its queries rotated into q, its key and value into the pool
         HALF: tl.constexpr = HEAD_DIM // 2
         token = seq.to(tl.int64)
-        cos1, cos2, sin1, sin2 = _rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
+        cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
         # the padding rows repeat the group's last head (in bounds) and are not stored
-        q1, q2 = _rotated_heads(new_q_ptr + token * stride_nq, row_scale_ptr, token, q_column_scale_ptr,
+        q1, q2 = rotated_heads(new_q_ptr + token * stride_nq, row_scale_ptr, token, q_column_scale_ptr,
                                 kv_head * GROUP + tl.minimum(rows, GROUP - 1), q_weight_ptr, eps, cos1, cos2, sin1,
                                 sin2, HALF, NORM, SCALED)
         rotated = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HALF)[None, :]
         tl.store(rotated, q1, mask=row_ok[:, None])
         tl.store(rotated + HALF, q2, mask=row_ok[:, None])
         slot = tl.load(slots_ptr + token)
-        _store_token_kv(new_k_ptr + token * stride_nk, new_v_ptr + token * stride_nv, row_scale_ptr, token,
+        store_token_kv(new_k_ptr + token * stride_nk, new_v_ptr + token * stride_nv, row_scale_ptr, token,
                         k_column_scale_ptr, v_column_scale_ptr, kv_head + tl.arange(0, 1), k_weight_ptr, eps, cos1,
                         cos2, sin1, sin2, k_ptr + slot * stride_ks, v_ptr + slot * stride_vs,
                         k_scale_ptr + slot * stride_ss, v_scale_ptr + slot * stride_ss, stride_sh, HALF, NORM,

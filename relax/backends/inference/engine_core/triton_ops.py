@@ -175,7 +175,7 @@ def _load_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, HALF: tl
 
 
 @triton.jit
-def _rope_tables(cos_ptr, sin_ptr, position, HALF: tl.constexpr):
+def rope_tables(cos_ptr, sin_ptr, position, HALF: tl.constexpr):
     """The two halves of the cos and sin rows of ``position`` (``[1, HALF]`` each): cos1, cos2, sin1, sin2."""
     half = tl.arange(0, HALF)
     row = position * 2 * HALF
@@ -184,7 +184,7 @@ def _rope_tables(cos_ptr, sin_ptr, position, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotated_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, weight_ptr, eps, cos1, cos2, sin1, sin2,
+def rotated_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, weight_ptr, eps, cos1, cos2, sin1, sin2,
                    HALF: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
     """A token's head vectors ``heads`` of a q or k projection (`_load_heads`), normalised per head with the
     weight at ``weight_ptr`` if ``NORM`` and rotated: their two halves ``[heads, HALF]``."""
@@ -196,12 +196,12 @@ def _rotated_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, weigh
 
 
 @triton.jit
-def _store_token_kv(k_row_ptr, v_row_ptr, row_scale_ptr, token, k_column_scale_ptr, v_column_scale_ptr, kv_heads,
+def store_token_kv(k_row_ptr, v_row_ptr, row_scale_ptr, token, k_column_scale_ptr, v_column_scale_ptr, kv_heads,
                     k_weight_ptr, eps, cos1, cos2, sin1, sin2, key_slot_ptr, value_slot_ptr, key_scale_slot_ptr,
                     value_scale_slot_ptr, stride_scale_head, HALF: tl.constexpr, NORM: tl.constexpr,
                     SCALED: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """A token's keys ``kv_heads`` (normalised, rotated) and values into the pool's slot (FP8 if ``QUANTIZED``)."""
-    k1, k2 = _rotated_heads(k_row_ptr, row_scale_ptr, token, k_column_scale_ptr, kv_heads, k_weight_ptr, eps, cos1,
+    k1, k2 = rotated_heads(k_row_ptr, row_scale_ptr, token, k_column_scale_ptr, kv_heads, k_weight_ptr, eps, cos1,
                             cos2, sin1, sin2, HALF, NORM, SCALED)
     _store_heads(key_slot_ptr, key_scale_slot_ptr, kv_heads, stride_scale_head, k1, k2, HALF, QUANTIZED, FP8_MAX,
                  MIN_SCALE)
@@ -222,10 +222,10 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     # program (token, group): a group is HEADS_PER_PROGRAM query heads, or as many KV heads (their keys and values)
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    cos1, cos2, sin1, sin2 = _rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
+    cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
     if group < HEADS // HEADS_PER_PROGRAM:
         heads = group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        q1, q2 = _rotated_heads(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, heads,
+        q1, q2 = rotated_heads(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, heads,
                                 q_weight_ptr, eps, cos1, cos2, sin1, sin2, HALF, NORM, SCALED)
         out = q_out_ptr + token * stride_ot + heads[:, None] * 2 * HALF + tl.arange(0, HALF)[None, :]
         tl.store(out, q1)
@@ -233,7 +233,7 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     else:
         kv_heads = (group - HEADS // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
         slot = tl.load(slots_ptr + token)
-        _store_token_kv(k_ptr + token * stride_kt, v_ptr + token * stride_vt, row_scale_ptr, token,
+        store_token_kv(k_ptr + token * stride_kt, v_ptr + token * stride_vt, row_scale_ptr, token,
                         k_column_scale_ptr, v_column_scale_ptr, kv_heads, k_weight_ptr, eps, cos1, cos2, sin1, sin2,
                         key_pool_ptr + slot * stride_pool, value_pool_ptr + slot * stride_pool,
                         key_scale_ptr + slot * stride_scale, value_scale_ptr + slot * stride_scale,
