@@ -15,10 +15,7 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
-  the baseline of that change;
-- ``core_rope_apart`` / ``core_fp8_rope_apart``: ``core`` / ``core_fp8`` with each decode step's q/k norms,
-  rotary positions and K/V store in a kernel of their own before the attention kernel, as before
-  `triton_attention.rope_store_decode_attention` (the baseline of that change).
+  the baseline of that change.
 
 Each is timed after a warm-up call (kernels compiled, graphs captured); the core engines report the median of
 ``--repeats`` calls on fresh prompts (the card's run-to-run spread was 15% on one call). Tokens/s counts new tokens over the
@@ -195,20 +192,6 @@ def fp8_products_in_the_linears():
         Fp8Linears.layer_products = layer_products
 
 
-@contextlib.contextmanager
-def rope_apart_from_attention():
-    """A decode step's q/k norms, rotary positions and K/V store in a kernel of their own before the attention
-    kernel, as before `triton_attention.rope_store_decode_attention` (read by the decoder at each call, so the
-    CUDA graphs captured inside this block hold the two kernels)."""
-    from relax.backends.inference.engine_core import attention
-
-    attention.ROPE_IN_DECODE_KERNEL = False
-    try:
-        yield
-    finally:
-        attention.ROPE_IN_DECODE_KERNEL = True
-
-
 def time_fp8_core(model, tokenizer, prompts: list[list[int]], batch: int, args) -> dict:
     """The core with FP8 linears, and its samples' log-probs against the bf16 model's (the rollout/trainer
     mismatch); the model's linears are restored afterwards."""
@@ -258,18 +241,12 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         elif name == "core_fp8_rowwise":
             with fp8_products_in_the_linears():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
-        elif name == "core_fp8_rope_apart":
-            with rope_apart_from_attention():
-                timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
-            mode = "off" if name == "previous" else "on"
-            apart = rope_apart_from_attention() if name == "core_rope_apart" else contextlib.nullcontext()
+            mode = "on" if name == "core" else "off"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            with apart:
-                engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                                        core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
-                timing = time_engine(engine, prompts, args.new_tokens, device,
-                                     1 if name == "previous" else args.repeats)
+            engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                                    core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
+            timing = time_engine(engine, prompts, args.new_tokens, device, args.repeats if name == "core" else 1)
             del engine
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -286,11 +263,6 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
-    if core and "core_rope_apart" in result:
-        result["speedup_rope_in_attention"] = core / result["core_rope_apart"]["tokens_per_s"]
-    if "core_fp8" in result and "core_fp8_rope_apart" in result:
-        result["speedup_fp8_rope_in_attention"] = (result["core_fp8"]["tokens_per_s"]
-                                                   / result["core_fp8_rope_apart"]["tokens_per_s"])
     if "core_fp8" in result and "core_fp8_rowwise" in result:
         result["speedup_fp8_over_rowwise_products"] = (result["core_fp8"]["tokens_per_s"]
                                                        / result["core_fp8_rowwise"]["tokens_per_s"])
@@ -325,8 +297,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_rope_apart", "core_fp8", "core_fp8_convert", "core_fp8_rowwise",
-                                 "core_fp8_rope_apart", "previous", "generate"])
+                        choices=["core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous",
+                                 "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -368,13 +340,11 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_rope_apart", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "core_fp8_rope_apart",
-                     "previous", "generate"):
+        for name in ("core", "core_fp8", "core_fp8_convert", "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products",
-                    "speedup_rope_in_attention", "speedup_fp8_rope_in_attention"):
+                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_rowwise_products"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 3)
         if "core" in row:

@@ -165,31 +165,6 @@ def attend(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: f
     return _padded_attention(query, cache, metadata, scale)
 
 
-# Whether a decode step on the Triton kernel rotates and stores its own token inside the attention kernel
-# (`triton_attention.rope_store_decode_attention`); False: `triton_ops.qk_norm_rope_store` first, then the kernel
-# (the path before, which `benchmarks/engine_gpu.py` measures beside it).
-ROPE_IN_DECODE_KERNEL = True
-
-
-def rotate_store_attend(query, key, value, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                        eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: LayerKV,
-                        metadata: StepMetadata, scale: float) -> torch.Tensor:
-    """The fused decoder's attention from the q/k/v projections (``[T, H*D]`` tensors or FP8 `ScaledProduct`s):
-    per-head q/k norms, rotary positions at ``positions`` of the ``cos``/``sin`` tables, the new K/V into the
-    pool, attention; ``[T, Hq * D]`` (CUDA: Triton kernels)."""
-    if not metadata.is_prefill and metadata.use_triton and ROPE_IN_DECODE_KERNEL:
-        from relax.backends.inference.engine_core.triton_attention import StepToken, rope_store_decode_attention
-
-        token = StepToken(query, key, value, q_weight, k_weight, eps, cos, sin, positions, metadata.slot_mapping)
-        return rope_store_decode_attention(token, cache, metadata.block_tables, metadata.context_lens, scale,
-                                           metadata.block_size).flatten(1)
-    from relax.backends.inference.engine_core.triton_ops import qk_norm_rope_store
-
-    rotated = qk_norm_rope_store(query, key, value, q_weight, k_weight, eps, cos, sin, positions,
-                                 metadata.slot_mapping, cache)
-    return attend(rotated, cache, metadata, scale)
-
-
 def _gathered(cache: LayerKV, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V at ``slots`` in ``dtype``: an FP8 pool on CUDA in one Triton kernel (`LayerKV.gather`'s torch
     operations were ten kernels, 8.7x its time for a prefill chunk on an H100)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from relax.backends.inference.engine_core.attention import StepMetadata, attend, rotate_store_attend
+from relax.backends.inference.engine_core.attention import StepMetadata, attend
 from relax.backends.inference.engine_core.kv_cache import LayerKV
 from relax.backends.inference.engine_core.merged_projections import MergedLinears, layer_groups
 from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
@@ -187,11 +187,10 @@ class TextDecoder:
                        metadata: StepMetadata, embeds: torch.Tensor | None,
                        rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """The same forward with the pointwise stages fused (`triton_ops`): a residual add and the next RMSNorm
-        in one kernel; q/k norms, rotary positions and the K/V store in one, on a decode step inside the attention
-        kernel itself (`attention.rotate_store_attend`). The products are the layers'
+        in one kernel; q/k norms, rotary positions and the K/V store in one. The products are the layers'
         `products`; FP8 ones take their inputs quantised by the kernels before them and hand back products whose
         scales the kernels after them apply (`engine_core.fp8`)."""
-        from relax.backends.inference.engine_core.triton_ops import add_rms_norm
+        from relax.backends.inference.engine_core.triton_ops import add_rms_norm, qk_norm_rope_store
 
         residual = self.embed_tokens(input_ids) if embeds is None else embeds  # updated in place below
         cos, sin = self.cos, self.sin
@@ -201,12 +200,12 @@ class TextDecoder:
         hidden = add_rms_norm(residual, self.layers[0].input_layernorm.weight, self.eps, quantize=quantized)
         for index, (layer, products, cache) in enumerate(zip(self.layers, self.products, caches)):
             attention = layer.self_attn
-            attended = rotate_store_attend(
+            query = qk_norm_rope_store(
                 *products.qkv(hidden),
                 attention.q_norm.weight if self.has_qk_norm else None,
-                attention.k_norm.weight if self.has_qk_norm else None, self.eps, cos, sin, positions, cache,
-                metadata, self.scale)
-            out = products.o(attended)
+                attention.k_norm.weight if self.has_qk_norm else None, self.eps, cos, sin, positions,
+                metadata.slot_mapping, cache)
+            out = products.o(attend(query, cache, metadata, self.scale))
             hidden = add_rms_norm(out, layer.post_attention_layernorm.weight, self.eps, residual=residual,
                                   quantize=quantized)
             out = products.mlp(hidden)

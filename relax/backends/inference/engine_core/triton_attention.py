@@ -27,23 +27,9 @@ resulting factor of 2**-120 into the scales: 198.1 -> 169.0 us per 4B layer at b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-
-from relax.backends.inference.engine_core.fp8_format import FP8_MAX, ScaledProduct
-from relax.backends.inference.engine_core.fp8_format import MIN_SCALE as _MIN_SCALE
-from relax.backends.inference.engine_core.triton_ops import (
-    projection_operands,
-    rope_tables,
-    rotated_heads,
-    store_token_kv,
-)
-
-if TYPE_CHECKING:
-    from relax.backends.inference.engine_core.kv_cache import LayerKV
 
 # An FP8 e4m3 byte's bits placed in a bf16 (sign to bit 15, exponent and mantissa to bits 10..4) read as that bf16
 # are the byte's value times 2**-120, subnormals included; the kernel folds the factor into the scales
@@ -80,12 +66,8 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, k_scale_ptr, v_scale_ptr, scale,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh, stride_tb, stride_ss,
     stride_sh,
-    new_q_ptr, new_k_ptr, new_v_ptr, row_scale_ptr, q_column_scale_ptr, k_column_scale_ptr, v_column_scale_ptr,
-    q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, eps, stride_nq, stride_nk, stride_nv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, HEADS_FIRST: tl.constexpr, WIDEN_BY_BITS: tl.constexpr,
-    ROPE_STORE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr, FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
 ):
     if HEADS_FIRST:  # a sequence's KV heads launch side by side: they read the same pages at the same time
         kv_head = tl.program_id(0)
@@ -98,24 +80,6 @@ def _paged_decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
-    if ROPE_STORE:  # the step's own token first: its queries rotated into q, its key and value into the pool
-        HALF: tl.constexpr = HEAD_DIM // 2
-        token = seq.to(tl.int64)
-        cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
-        # the padding rows repeat the group's last head (in bounds) and are not stored
-        q1, q2 = rotated_heads(new_q_ptr + token * stride_nq, row_scale_ptr, token, q_column_scale_ptr,
-                                kv_head * GROUP + tl.minimum(rows, GROUP - 1), q_weight_ptr, eps, cos1, cos2, sin1,
-                                sin2, HALF, NORM, SCALED)
-        rotated = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HALF)[None, :]
-        tl.store(rotated, q1, mask=row_ok[:, None])
-        tl.store(rotated + HALF, q2, mask=row_ok[:, None])
-        slot = tl.load(slots_ptr + token)
-        store_token_kv(new_k_ptr + token * stride_nk, new_v_ptr + token * stride_nv, row_scale_ptr, token,
-                        k_column_scale_ptr, v_column_scale_ptr, kv_head + tl.arange(0, 1), k_weight_ptr, eps, cos1,
-                        cos2, sin1, sin2, k_ptr + slot * stride_ks, v_ptr + slot * stride_vs,
-                        k_scale_ptr + slot * stride_ss, v_scale_ptr + slot * stride_ss, stride_sh, HALF, NORM,
-                        SCALED, QUANTIZED, FP8_MAX, MIN_SCALE)
-        tl.debug_barrier()  # every thread of the program reads what the others wrote
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
     if QUANTIZED and WIDEN_BY_BITS:
         q = (q.to(tl.float32) * _CARRY_UP).to(q.dtype)
@@ -163,38 +127,18 @@ def _paged_decode_kernel(
              mask=row_ok[:, None])
 
 
-class StepToken(NamedTuple):
-    """The decode step's own token as `rope_store_decode_attention` takes it: the q/k/v projections' rows (``[B,
-    Hq*D]``, ``[B, Hkv*D]``; tensors or FP8 `ScaledProduct`s), the per-head norms' weights (None: no q/k norm),
-    the rotary tables ``[positions, D]``, each row's rope position and pool slot ``[B]``."""
-
-    query: object
-    key: object
-    value: object
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-
-
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
                            block_n: int = 128, key_scales: torch.Tensor | None = None,
                            value_scales: torch.Tensor | None = None, num_warps: int = 4,
-                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True,
-                           token: StepToken | None = None) -> torch.Tensor:
+                           num_stages: int = 2, heads_first: bool = True, widen_by_bits: bool = True) -> torch.Tensor:
     """``query [B, Hq, D]`` over each sequence's first ``context_lens[b]`` slots (pool ``[slots, Hkv, D]`` of
     ``page``-slot blocks, any strides, ``block_tables [B, W]`` int32); ``[B, Hq, D]``. An FP8 pool comes with its
     ``key_scales``/``value_scales [slots, Hkv]`` (`kv_cache`). ``heads_first`` orders the grid so that one
     sequence's KV heads run together instead of one KV head's sequences; ``widen_by_bits=False`` widens an FP8
     pool's entries by the conversion instructions (the path before). (Capping the registers at 96 with ptxas'
     maxnreg, five programs a multiprocessor instead of four, measured 0.94x on an H100:
-    `benchmarks/results/decode_kernels_fp8_register_cap_h100_gpu.json`.)
-
-    With ``token`` (`rope_store_decode_attention`), ``query`` is where the kernel writes the rotated queries."""
+    `benchmarks/results/decode_kernels_fp8_register_cap_h100_gpu.json`.)"""
     quantized = key_scales is not None
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
@@ -202,41 +146,13 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
     out = torch.empty_like(query)
     k_scales = key_scales if quantized else context_lens  # unread when not quantized
     v_scales = value_scales if quantized else context_lens
-    if token is not None:
-        (new_q, new_k, new_v), row_scales, column_scales, scaled = projection_operands(token.query, token.key,
-                                                                                        token.value)
-        norm = token.q_weight is not None
-        step = (new_q, new_k, new_v, row_scales, *column_scales, token.q_weight if norm else new_q,
-                token.k_weight if norm else new_q, token.cos, token.sin, token.positions, token.slots, token.eps,
-                new_q.stride(0), new_k.stride(0), new_v.stride(0))
-    else:  # unread
-        norm = scaled = False
-        step = (query,) * 13 + (0.0, 0, 0, 0)
     _paged_decode_kernel[(kv_heads, batch) if heads_first else (batch, kv_heads)](
         query, key_pool, value_pool, out, block_tables, context_lens, k_scales, v_scales, scale,
         query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_scales.stride(0),
-        k_scales.stride(-1) if quantized else 0, *step,
+        k_scales.stride(-1) if quantized else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
         BLOCK_N=block_n, QUANTIZED=quantized, HEADS_FIRST=heads_first,
-        WIDEN_BY_BITS=widen_by_bits, ROPE_STORE=token is not None, NORM=norm, SCALED=scaled, FP8_MAX=FP8_MAX,
-        MIN_SCALE=_MIN_SCALE, num_warps=num_warps, num_stages=num_stages,
+        WIDEN_BY_BITS=widen_by_bits, num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-def rope_store_decode_attention(token: StepToken, cache: LayerKV, block_tables: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float, page: int, **options) -> torch.Tensor:
-    """A decode step's attention with its own token's work in the same kernel: `triton_ops.qk_norm_rope_store`
-    (per-head q/k norms, rotary positions, the key and value into the pool at the token's slot, FP8 with a scale
-    per vector in an FP8 pool) and then `paged_decode_attention`, the same arithmetic and results, one launch a
-    layer instead of two. Each program (one sequence's KV head) first rotates its query heads and writes them
-    where its attention loop reads them, stores its key and value, and waits for its threads at a barrier; the
-    programs share nothing, so no other wait is needed. ``[B, Hq, D]``."""
-    dim = cache.keys.shape[2]
-    query_rows = token.query.product if isinstance(token.query, ScaledProduct) else token.query
-    rotated = torch.empty((query_rows.shape[0], query_rows.shape[1] // dim, dim), dtype=query_rows.dtype,
-                          device=query_rows.device)
-    return paged_decode_attention(rotated, cache.keys, cache.values, block_tables, context_lens, scale, page,
-                                  key_scales=cache.key_scales, value_scales=cache.value_scales, token=token,
-                                  **options)

@@ -175,42 +175,6 @@ def _load_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, HALF: tl
 
 
 @triton.jit
-def rope_tables(cos_ptr, sin_ptr, position, HALF: tl.constexpr):
-    """The two halves of the cos and sin rows of ``position`` (``[1, HALF]`` each): cos1, cos2, sin1, sin2."""
-    half = tl.arange(0, HALF)
-    row = position * 2 * HALF
-    return (tl.load(cos_ptr + row + half)[None, :], tl.load(cos_ptr + row + HALF + half)[None, :],
-            tl.load(sin_ptr + row + half)[None, :], tl.load(sin_ptr + row + HALF + half)[None, :])
-
-
-@triton.jit
-def rotated_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, weight_ptr, eps, cos1, cos2, sin1, sin2,
-                   HALF: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
-    """A token's head vectors ``heads`` of a q or k projection (`_load_heads`), normalised per head with the
-    weight at ``weight_ptr`` if ``NORM`` and rotated: their two halves ``[heads, HALF]``."""
-    x1, x2 = _load_heads(row_ptr, row_scale_ptr, token, column_scale_ptr, heads, HALF, SCALED)
-    if NORM:
-        half = tl.arange(0, HALF)
-        x1, x2 = _head_norm(x1, x2, tl.load(weight_ptr + half), tl.load(weight_ptr + HALF + half), eps, HALF, NORM)
-    return _rope_half(x1, x2, cos1, sin1, x1.dtype, True), _rope_half(x2, x1, cos2, sin2, x1.dtype, False)
-
-
-@triton.jit
-def store_token_kv(k_row_ptr, v_row_ptr, row_scale_ptr, token, k_column_scale_ptr, v_column_scale_ptr, kv_heads,
-                    k_weight_ptr, eps, cos1, cos2, sin1, sin2, key_slot_ptr, value_slot_ptr, key_scale_slot_ptr,
-                    value_scale_slot_ptr, stride_scale_head, HALF: tl.constexpr, NORM: tl.constexpr,
-                    SCALED: tl.constexpr, QUANTIZED: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """A token's keys ``kv_heads`` (normalised, rotated) and values into the pool's slot (FP8 if ``QUANTIZED``)."""
-    k1, k2 = rotated_heads(k_row_ptr, row_scale_ptr, token, k_column_scale_ptr, kv_heads, k_weight_ptr, eps, cos1,
-                            cos2, sin1, sin2, HALF, NORM, SCALED)
-    _store_heads(key_slot_ptr, key_scale_slot_ptr, kv_heads, stride_scale_head, k1, k2, HALF, QUANTIZED, FP8_MAX,
-                 MIN_SCALE)
-    v1, v2 = _load_heads(v_row_ptr, row_scale_ptr, token, v_column_scale_ptr, kv_heads, HALF, SCALED)
-    _store_heads(value_slot_ptr, value_scale_slot_ptr, kv_heads, stride_scale_head, v1, v2, HALF, QUANTIZED, FP8_MAX,
-                 MIN_SCALE)
-
-
-@triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr,
                                positions_ptr, slots_ptr, key_pool_ptr, value_pool_ptr, key_scale_ptr,
                                value_scale_ptr, row_scale_ptr, q_column_scale_ptr, k_column_scale_ptr,
@@ -222,22 +186,37 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, q_weight_ptr, k_w
     # program (token, group): a group is HEADS_PER_PROGRAM query heads, or as many KV heads (their keys and values)
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    cos1, cos2, sin1, sin2 = rope_tables(cos_ptr, sin_ptr, tl.load(positions_ptr + token), HALF)
+    half = tl.arange(0, HALF)
+    position = tl.load(positions_ptr + token)
+    cos1 = tl.load(cos_ptr + position * 2 * HALF + half)[None, :]
+    cos2 = tl.load(cos_ptr + position * 2 * HALF + HALF + half)[None, :]
+    sin1 = tl.load(sin_ptr + position * 2 * HALF + half)[None, :]
+    sin2 = tl.load(sin_ptr + position * 2 * HALF + HALF + half)[None, :]
     if group < HEADS // HEADS_PER_PROGRAM:
         heads = group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
-        q1, q2 = rotated_heads(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, heads,
-                                q_weight_ptr, eps, cos1, cos2, sin1, sin2, HALF, NORM, SCALED)
-        out = q_out_ptr + token * stride_ot + heads[:, None] * 2 * HALF + tl.arange(0, HALF)[None, :]
-        tl.store(out, q1)
-        tl.store(out + HALF, q2)
+        x1, x2 = _load_heads(q_ptr + token * stride_qt, row_scale_ptr, token, q_column_scale_ptr, heads, HALF,
+                             SCALED)
+        if NORM:
+            x1, x2 = _head_norm(x1, x2, tl.load(q_weight_ptr + half), tl.load(q_weight_ptr + HALF + half), eps, HALF,
+                                NORM)
+        out = q_out_ptr + token * stride_ot + heads[:, None] * 2 * HALF + half[None, :]
+        tl.store(out, _rope_half(x1, x2, cos1, sin1, x1.dtype, True))
+        tl.store(out + HALF, _rope_half(x2, x1, cos2, sin2, x1.dtype, False))
     else:
         kv_heads = (group - HEADS // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
+        x1, x2 = _load_heads(k_ptr + token * stride_kt, row_scale_ptr, token, k_column_scale_ptr, kv_heads, HALF,
+                             SCALED)
+        if NORM:
+            x1, x2 = _head_norm(x1, x2, tl.load(k_weight_ptr + half), tl.load(k_weight_ptr + HALF + half), eps, HALF,
+                                NORM)
         slot = tl.load(slots_ptr + token)
-        store_token_kv(k_ptr + token * stride_kt, v_ptr + token * stride_vt, row_scale_ptr, token,
-                        k_column_scale_ptr, v_column_scale_ptr, kv_heads, k_weight_ptr, eps, cos1, cos2, sin1, sin2,
-                        key_pool_ptr + slot * stride_pool, value_pool_ptr + slot * stride_pool,
-                        key_scale_ptr + slot * stride_scale, value_scale_ptr + slot * stride_scale,
-                        stride_scale_head, HALF, NORM, SCALED, QUANTIZED, FP8_MAX, MIN_SCALE)
+        _store_heads(key_pool_ptr + slot * stride_pool, key_scale_ptr + slot * stride_scale, kv_heads,
+                     stride_scale_head, _rope_half(x1, x2, cos1, sin1, x1.dtype, True),
+                     _rope_half(x2, x1, cos2, sin2, x1.dtype, False), HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
+        v1, v2 = _load_heads(v_ptr + token * stride_vt, row_scale_ptr, token, v_column_scale_ptr, kv_heads, HALF,
+                             SCALED)
+        _store_heads(value_pool_ptr + slot * stride_pool, value_scale_ptr + slot * stride_scale, kv_heads,
+                     stride_scale_head, v1, v2, HALF, QUANTIZED, FP8_MAX, MIN_SCALE)
 
 
 def heads_per_program(heads: int, kv_heads: int, most: int = 8) -> int:
@@ -247,17 +226,6 @@ def heads_per_program(heads: int, kv_heads: int, most: int = 8) -> int:
     while count * 2 <= most and heads % (count * 2) == 0 and kv_heads % (count * 2) == 0:
         count *= 2
     return count
-
-
-def projection_operands(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
-                        value: torch.Tensor | ScaledProduct) -> tuple[tuple, torch.Tensor, tuple, bool]:
-    """The q/k/v projections' tensors as the kernels take them: ``(q, k, v)``, the row scales, the three column
-    scales and whether they are `ScaledProduct`s (FP8 products sharing one row scale; else the scales are
-    placeholders the kernels never read)."""
-    if isinstance(query, ScaledProduct):
-        return ((query.product, key.product, value.product), query.row_scales,
-                (query.column_scales, key.column_scales, value.column_scales), True)
-    return (query, key, value), query, (query, query, query), False
 
 
 def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | ScaledProduct,
@@ -274,7 +242,12 @@ def qk_norm_rope_store(query: torch.Tensor | ScaledProduct, key: torch.Tensor | 
     Each program takes several heads of one token (`heads_per_program`, at most ``most_heads_per_program``): one
     head a program (``most_heads_per_program=1``, the kernel before) made 10,240 one-warp programs for a 4B
     decode step, latency-bound (`benchmarks.fp8_pointwise_gpu`)."""
-    (query, key, value), row_scales, column_scales, scaled = projection_operands(query, key, value)
+    scaled = isinstance(query, ScaledProduct)
+    if scaled:
+        row_scales, column_scales = query.row_scales, (query.column_scales, key.column_scales, value.column_scales)
+        query, key, value = query.product, key.product, value.product
+    else:
+        row_scales, column_scales = query, (query, query, query)  # unread
     key_pool, value_pool = cache.keys, cache.values
     tokens = query.shape[0]
     kv_heads, dim = key_pool.shape[1], key_pool.shape[2]
