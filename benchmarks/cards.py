@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-# device-to-device copies of a few GiB, measured on the lent cards (sampler_gpu, engine_gpu's `copy_bandwidth`)
+# device-to-device copies of a few GiB (as `measure_copy_bytes_per_s` does), measured on the lent cards
 COPY_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.0e12}
 
 

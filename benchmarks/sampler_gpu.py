@@ -25,7 +25,6 @@ from relax.backends.inference.triton_sampling import sample_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 151936
-# Copy bandwidth measured on the lent cards (bytes read and written per second): H200 4.3 TB/s, H100 3.0 TB/s.
 
 
 # ---- the baseline: the exponential race (relax/backends/inference/triton_sampling.py until 2026-12-05) ----------
