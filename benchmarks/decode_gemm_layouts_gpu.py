@@ -2,9 +2,10 @@
 stored as the model stores it (``[out, in]``, what `F.linear` reads) against stored transposed (``[in, out]``
 contiguous, a plain ``x @ W``), and with cuBLAS' reduced-precision split-K reductions switched the other way.
 
-Each variant runs every layer's projection with the layer's own weight (36 layers of the 4B shape, 28 of the 0.6B:
-together past the L2 cache, as in a decode step) inside one CUDA graph, whose replay is timed with CUDA events; the
-figure is microseconds a layer and the TFLOP/s that makes.
+The projections are `fp8_gemm_gpu`'s, stacked as the engine runs them (`fp8_gemm_gpu.stacked`). Each variant runs
+every layer's projection with the layer's own weight (36 layers of the 4B shape, 28 of the 0.6B: together past the
+L2 cache, as in a decode step) inside one CUDA graph, whose replay is timed with CUDA events
+(`fp8_gemm_gpu.time_ms`); the figure is microseconds a layer and the TFLOP/s that makes.
 
     python -m benchmarks.decode_gemm_layouts_gpu [--rows 256] [--out benchmarks/results/decode_gemm_layouts_gpu.json]
 """
@@ -17,43 +18,21 @@ import json
 import torch
 import torch.nn.functional as F
 
-# (input width, output width) of each product the engine runs (q/k/v and gate/up stacked, `merged_projections`)
-SHAPES = {"4b": (36, {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}),
-          "0.6b": (28, {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)})}
+from benchmarks.fp8_gemm_gpu import SHAPES, stacked, time_ms
 
-
-def graph_us(fn, replays: int = 10) -> float:
-    """Device microseconds of ``fn``'s kernels, captured in a CUDA graph and replayed back to back."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1000
+LAYERS = {"0.6b": 28, "4b": 36}  # decoder layers of each shape: one weight each, together past the L2 cache
 
 
 def layer_us(product, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """Microseconds a layer of ``product(x, weight)`` over every layer's weight in one graph."""
-    return graph_us(lambda: [product(x, weight) for weight in weights]) / len(weights)
+    """Microseconds a layer of ``product(x, weight)`` over every layer's weight in one CUDA graph."""
+    return 1000 * time_ms(lambda i: product(x, weights[i]), len(weights))
 
 
 def measure(rows: int) -> dict:
     matmul = torch.backends.cuda.matmul
     report = {"device": torch.cuda.get_device_name(), "rows": rows, "us_per_layer": {}}
-    for shape, (layers, projections) in SHAPES.items():
-        for name, (width_in, width_out) in projections.items():
+    for shape, layers in LAYERS.items():
+        for name, (width_in, width_out) in stacked(SHAPES[shape]).items():
             x = torch.randn(rows, width_in, device="cuda", dtype=torch.bfloat16)
             weights = [torch.randn(width_out, width_in, device="cuda", dtype=torch.bfloat16) * 0.02
                        for _ in range(layers)]
