@@ -5,8 +5,8 @@ median of many runs) against the bytes they must move, and checked against the H
   an FP8 one (``--kv-cache-dtype fp8_e4m3``, its scales in two layouts), each pool also stored head-major, and with
   the grid ordered by sequence (the kernel's default) or by KV head (the baseline), in GB/s of K/V (and scales) read;
   the FP8 pool's entries widened to bf16 by their bits (the kernel's default) or by the conversion instructions
-  (the baseline: ``fp8_widen_by_bits_speedup``); and the FP8 pool in the CUDA kernel (`cuda_attention`) for a few
-  block sizes, against the Triton kernel's best tile (``fp8_cuda_over_triton_speedup``);
+  (the baseline: ``fp8_widen_by_bits_speedup``); and both pools in the CUDA kernel (`cuda_attention`) for a few
+  launches, against the Triton kernel's best tile (``fp8_cuda_over_triton_speedup``, ``bf16_cuda_over_triton_speedup``);
 - the fused sampler over a [batch, 151936] logits tensor;
 - the fused RMSNorm, q/k-norm + rotary + K/V store and SiLU-mul against the modules they replace.
 
@@ -122,20 +122,25 @@ def main() -> None:
                 "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
             print(f"{name:40s} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms * 1000:7.1f} us, "
                   f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
-    fp8_keys_pool, fp8_values_pool, _ = pools["fp8_scales_slot_major"]
-    name = "fp8_scales_slot_major_cuda"  # the CUDA kernel (`cuda_attention`): (warps a block, blocks a multiprocessor)
-    if not args.variants or any(part in name for part in args.variants):
-        kv_bytes = 2 * batch * context * kv_heads * (dim + 4)
-        for warps, min_blocks in ((4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2), (2, 8)):
+    # the CUDA kernel (`cuda_attention`) over both pools: (16-token tiles a trip, warps a block, blocks an SM)
+    launches = {"fp8_scales_slot_major_cuda": [(2, 4, 4), (2, 4, 1), (2, 8, 2), (1, 4, 4), (4, 4, 1), (2, 2, 8)],
+                "bf16_cuda": [(1, 4, 4), (1, 4, 1), (1, 8, 2), (2, 4, 1), (1, 2, 8)]}
+    for name, configurations in launches.items():
+        if args.variants and not any(part in name for part in args.variants):
+            continue
+        k_pool, v_pool, scales = pools[name.removesuffix("_cuda")]
+        kv_bytes = 2 * batch * context * kv_heads * (dim * k_pool.element_size() + (4 if scales else 0))
+        for tiles, warps, min_blocks in configurations:
+            launch = cuda_attention.Launch(tiles, warps, min_blocks)
+
             def run():
-                return cuda_attention.paged_decode_attention(query, fp8_keys_pool, fp8_values_pool, tables, lens,
-                                                             dim ** -0.5, page, key_scales, value_scales,
-                                                             warps=warps, min_blocks=min_blocks)
+                return cuda_attention.paged_decode_attention(query, k_pool, v_pool, tables, lens, dim ** -0.5, page,
+                                                             launch=launch, **scales)
             ms = median_ms(run)
             error = relative_error(run(), reference)
-            report["attention"][f"{name}_block32_warps{warps}_blocks{min_blocks}"] = {
+            report["attention"][f"{name}_block{16 * tiles}_warps{warps}_blocks{min_blocks}"] = {
                 "us": round(ms * 1000, 1), "gb_per_s": round(kv_bytes / ms / 1e6), "error": round(error, 4)}
-            print(f"{name:40s} warps {warps} min blocks {min_blocks}: {ms * 1000:7.1f} us, "
+            print(f"{name:40s} tiles {tiles} warps {warps} min blocks {min_blocks}: {ms * 1000:7.1f} us, "
                   f"{kv_bytes / ms / 1e6:7.0f} GB/s, error {error:.4f}", flush=True)
     best = {}
     for key, value in report["attention"].items():
@@ -154,6 +159,7 @@ def main() -> None:
     report["fp8_convert_over_bf16_speedup"] = speedup("bf16_heads_first", converted)
     report["fp8_cuda_over_triton_speedup"] = speedup(widened, "fp8_scales_slot_major_cuda")
     report["fp8_cuda_over_bf16_speedup"] = speedup("bf16_heads_first", "fp8_scales_slot_major_cuda")
+    report["bf16_cuda_over_triton_speedup"] = speedup("bf16_heads_first", "bf16_cuda")
     print("best:", best)
     print({k: v for k, v in report.items() if k.endswith("_speedup")})
     if args.attention_only:

@@ -13,8 +13,8 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   first 32 sequences): the figure ``--use-tis`` reports in training;
 - ``core_fp8_convert``: the same with the decode kernel as it was before it widened the FP8 pool's entries by their
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
-- ``core_fp8_triton``: the same with the FP8 pool's decode attention in the Triton kernel instead of the CUDA one
-  (`cuda_attention`); the baseline of that kernel;
+- ``core_triton``, ``core_fp8_triton``: ``core`` and ``core_fp8`` with decode attention in the Triton kernel instead
+  of the CUDA one (`cuda_attention`); the baselines of that kernel;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
   the baseline of that change.
@@ -181,9 +181,9 @@ def fp8_pool_widened_by_conversions():
 
 
 @contextlib.contextmanager
-def fp8_pool_in_the_triton_kernel():
-    """The FP8 pool's decode attention in the Triton kernel, as before the CUDA kernel (`cuda_attention`) took it:
-    the engine asks `cuda_attention.supported` at each call, so graphs captured inside this block hold Triton's."""
+def attention_in_the_triton_kernel():
+    """Decode attention in the Triton kernel, as before the CUDA kernel (`cuda_attention`) took it: the engine asks
+    `cuda_attention.supported` at each call, so graphs captured inside this block hold Triton's."""
     from relax.backends.inference.engine_core import cuda_attention
 
     supported = cuda_attention.supported
@@ -255,17 +255,19 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             with fp8_pool_widened_by_conversions():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         elif name == "core_fp8_triton":
-            with fp8_pool_in_the_triton_kernel():
+            with attention_in_the_triton_kernel():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         elif name == "core_fp8_rowwise":
             with fp8_products_in_the_linears():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         else:
-            mode = "on" if name == "core" else "off"
+            mode = "off" if name == "previous" else "on"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
-                                    core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
-            timing = time_engine(engine, prompts, args.new_tokens, device, args.repeats if name == "core" else 1)
+            with attention_in_the_triton_kernel() if name == "core_triton" else contextlib.nullcontext():
+                engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
+                                        core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
+                repeats = 1 if name == "previous" else args.repeats
+                timing = time_engine(engine, prompts, args.new_tokens, device, repeats)
             del engine
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -282,6 +284,8 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
+    if core and "core_triton" in result:
+        result["speedup_over_triton_attention"] = core / result["core_triton"]["tokens_per_s"]
     if "core_fp8" in result and "core_fp8_triton" in result:
         result["speedup_fp8_over_triton_attention"] = (result["core_fp8"]["tokens_per_s"]
                                                        / result["core_fp8_triton"]["tokens_per_s"])
@@ -319,8 +323,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_fp8", "core_fp8_convert", "core_fp8_triton", "core_fp8_rowwise", "previous",
-                                 "generate"])
+                        choices=["core", "core_triton", "core_fp8", "core_fp8_convert", "core_fp8_triton",
+                                 "core_fp8_rowwise", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -362,12 +366,13 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_fp8", "core_fp8_convert", "core_fp8_triton", "core_fp8_rowwise", "previous",
-                     "generate"):
+        for name in ("core", "core_triton", "core_fp8", "core_fp8_convert", "core_fp8_triton", "core_fp8_rowwise",
+                     "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_fp8_over_previous_kernel", "speedup_fp8_over_triton_attention",
+                    "speedup_over_triton_attention", "speedup_fp8_over_previous_kernel",
+                    "speedup_fp8_over_triton_attention",
                     "speedup_fp8_over_rowwise_products"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 3)

@@ -45,11 +45,13 @@ def test_operands_outside_the_kernels_shapes_are_refused_with_the_reason(heads, 
     assert reason is not None and why in reason
 
 
-def test_a_model_dtype_pool_a_strided_query_and_the_cpu_are_refused():
+def test_a_bf16_pool_fits_a_float32_pool_a_strided_query_and_the_cpu_do_not():
     cache = _pool(64, 8, 128, "cpu")
     query = torch.randn(2, 32, 128, dtype=torch.bfloat16)
     bf16 = torch.randn(64, 8, 128, dtype=torch.bfloat16)
-    assert "not FP8" in cuda_attention.unfit(query, bf16, bf16, 16, None, None)
+    assert cuda_attention.unfit(query, bf16, bf16, 16, None, None) is None
+    assert "neither FP8 nor bf16" in cuda_attention.unfit(query, bf16.float(), bf16.float(), 16, None, None)
+    assert "missing" in cuda_attention.unfit(query, cache.keys, cache.values, 16, cache.key_scales, None)
     assert "contiguous" in _unfit(torch.randn(2, 32, 256, dtype=torch.bfloat16)[..., ::2], cache, 16)
     assert "aligned" in _unfit(torch.randn(2, 32, 130, dtype=torch.bfloat16)[..., 1:129], cache, 16)
     assert not cuda_attention.supported(query, cache.keys, cache.values, 16, cache.key_scales, cache.value_scales)
@@ -74,7 +76,7 @@ def _reference(query, cache: LayerKV, tables, lens, page):
     for row, length in enumerate(lens.tolist()):
         positions = torch.arange(length, device=query.device)
         slots = tables[row].long()[positions // page] * page + positions % page
-        keys, values = cache.gather(slots, torch.float32)
+        keys, values = (x.float() for x in cache.gather(slots, torch.float32))
         keys = keys.repeat_interleave(heads // kv_heads, dim=1)
         values = values.repeat_interleave(heads // kv_heads, dim=1)
         probs = (torch.einsum("hd,lhd->hl", query[row].float(), keys) * dim ** -0.5).softmax(-1)
@@ -87,12 +89,15 @@ def _reference(query, cache: LayerKV, tables, lens, page):
 @pytest.mark.parametrize("heads, kv_heads, page", [
     (32, 8, 16), (16, 8, 16), (8, 8, 16), (64, 8, 32), (6, 2, 16), (12, 4, 16), (7, 1, 16)])
 @pytest.mark.parametrize("layout", ["slot_major", "head_major"])
-def test_the_cuda_kernel_matches_attention_over_the_dequantized_pool(heads, kv_heads, page, layout):
+@pytest.mark.parametrize("pool", ["fp8", "bf16"])
+def test_the_cuda_kernel_matches_attention_over_the_dequantized_pool(heads, kv_heads, page, layout, pool):
     """Query groups of 1 to 8 heads (not only powers of two), fewer KV heads than a block's warps, pages of 16 and
     32 slots, lengths around the 16-token tiles and the 32-token trips, and a pool stored head-major."""
     torch.manual_seed(0)
     dim, blocks = 128, 400
     cache = _pool(blocks * page, kv_heads, dim, "cuda")
+    if pool == "bf16":
+        cache = LayerKV(*cache.gather(torch.arange(blocks * page, device="cuda"), torch.bfloat16))
     lens_list = [1, 2, 7, 15, 16, 17, 31, 32, 33, 48, 64, 65, 300, 777]
     lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
     tables = _tables(lens_list, page, blocks, "cuda")
@@ -100,7 +105,8 @@ def test_the_cuda_kernel_matches_attention_over_the_dequantized_pool(heads, kv_h
     keys, values, key_scales, value_scales = cache.keys, cache.values, cache.key_scales, cache.value_scales
     if layout == "head_major":  # the same values, [Hkv, slots, D] in memory
         keys, values = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (keys, values))
-        key_scales, value_scales = (x.t().contiguous().t() for x in (key_scales, value_scales))
+        if pool == "fp8":
+            key_scales, value_scales = (x.t().contiguous().t() for x in (key_scales, value_scales))
     assert cuda_attention.supported(query, keys, values, page, key_scales, value_scales)
     out = cuda_attention.paged_decode_attention(query, keys, values, tables, lens, dim ** -0.5, page, key_scales,
                                                 value_scales)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +49,18 @@ typedef unsigned int u32;
 #define PAGE __PAGE__
 #define WARPS __WARPS__
 #define MIN_BLOCKS __MIN_BLOCKS__
+#define QUANTIZED __QUANTIZED__
+#define TILES __TILES__
 #define NEG_INF __int_as_float(0xFF800000)
+#if QUANTIZED  // a thread's 16-byte loads of a token's key (two runs 64 bytes apart) and value
+#define KEY_LOADS 2
+#define KEY_HALF 64
+#define VALUE_LOADS 1
+#else
+#define KEY_LOADS 4
+#define KEY_HALF 128
+#define VALUE_LOADS 2
+#endif
 #define CARRY 18446744073709551616.0f  // 2**64
 #define UNCARRY 72057594037927936.0f   // 2**56: 2**120 (the widening) over 2**64 (the carry)
 
@@ -60,13 +72,18 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// bytes of a and b (0-3 and 4-7) picked by a prmt selector: the low and high halves of two bf16 pairs, say
+__device__ __forceinline__ u32 halves(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
 // Two e4m3 bytes picked by a prmt selector into a bf16x2, each the byte's value times 2**-120: the selector puts
 // each byte in the low half of a 16-bit lane with its sign replicated above it, the shift moves the exponent and
 // mantissa to bits 10..4 and the sign to bit 15, the mask keeps those.
 __device__ __forceinline__ u32 widen(u32 a, u32 b, u32 selector) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-    return (d << 4) & 0x87F087F0u;
+    return (halves(a, b, selector) << 4) & 0x87F087F0u;
 }
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -111,14 +128,14 @@ __device__ __forceinline__ float sum_over_rows(float x) {
 // One warp per (sequence, KV head). Products transposed, so that the tile's tokens (and the head dimension) fill
 // the 16 rows of the m16n8k16 operands and the query group the 8 columns: S^T = K Q^T, then O^T = V^T P^T.
 // Thread 4g + c holds, of each 16-token tile, tokens g and g + 8 of the keys and scores, and the two query heads
-// 2c, 2c + 1 as columns.
+// 2c, 2c + 1 as columns. A trip takes TILES tiles (their loads issued together). Strides are in bytes.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *__restrict__ key_pool,
-                 const unsigned char *__restrict__ value_pool, unsigned short *__restrict__ out,
-                 const int *__restrict__ tables, const int *__restrict__ lens,
-                 const float *__restrict__ key_scales, const float *__restrict__ value_scales, double scale,
-                 int stride_qb, int stride_qh, int stride_ks, int stride_kh, int stride_vs, int stride_vh,
-                 int stride_ob, int stride_oh, int stride_tb, int stride_ss, int stride_sh, int kv_heads) {
+paged_decode(const unsigned char *__restrict__ query, const unsigned char *__restrict__ key_pool,
+             const unsigned char *__restrict__ value_pool, unsigned char *__restrict__ out,
+             const int *__restrict__ tables, const int *__restrict__ lens,
+             const float *__restrict__ key_scales, const float *__restrict__ value_scales, double scale,
+             int stride_qb, int stride_qh, int stride_ks, int stride_kh, int stride_vs, int stride_vh,
+             int stride_ob, int stride_oh, int stride_tb, int stride_ss, int stride_sh, int kv_heads) {
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int seq = blockIdx.y;
@@ -127,35 +144,41 @@ fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *
     const int c = lane & 3;
     const int length = lens[seq];
 
-    // Q^T's B fragments: query head g of the group at the dimensions this thread's key words hold,
-    // 16c..16c+15 and 64+16c..64+16c+15, as bf16 pairs 2**64 up; k-step s takes pairs 2s and 2s + 1.
+    // Q^T's B fragments: query head g of the group at the dimensions this thread's key words hold, pairs
+    // m = 0..15 at 16c + 2m (m < 8) and 64 + 16c + 2(m - 8); k-step s takes pairs 2s and 2s + 1. Over an FP8 pool
+    // 2**64 up (the keys come 2**-120 down).
     u32 q[16];
     if (g < GROUP) {
-        const unsigned char *row = reinterpret_cast<const unsigned char *>(
-            query + (long long)seq * stride_qb + (long long)(head * GROUP + g) * stride_qh);
+        const unsigned char *row = query + (long long)seq * stride_qb + (long long)(head * GROUP + g) * stride_qh;
         #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int part = 0; part < 4; ++part) {
+            const uint4 v = load16(row + 2 * (64 * (part >> 1) + 16 * c) + 16 * (part & 1));
             #pragma unroll
-            for (int part = 0; part < 2; ++part) {
-                const uint4 v = load16(row + 2 * (64 * half + 16 * c) + 16 * part);
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const u32 w = word(v, i);
-                    q[8 * half + 4 * part + i] = pack_bf16(__uint_as_float(w << 16) * CARRY,
-                                                           __uint_as_float(w & 0xFFFF0000u) * CARRY);
-                }
+            for (int i = 0; i < 4; ++i) {
+                const u32 w = word(v, i);
+#if QUANTIZED
+                q[4 * part + i] = pack_bf16(__uint_as_float(w << 16) * CARRY, __uint_as_float(w & 0xFFFF0000u) * CARRY);
+#else
+                q[4 * part + i] = w;
+#endif
             }
         }
     } else {
         #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = 0u;
     }
-    // scores in log2 units, the softmax scale and the carries folded in
-    const float score_factor = (float)(scale * 1.4426950408889634) * UNCARRY;
+#if QUANTIZED
+    const float score_factor = (float)(scale * 1.4426950408889634) * UNCARRY;  // log2 units, carries folded in
+    // a token's key bytes at 16c.. and 64 + 16c..: 16 each; its value bytes at 16g..: 16
     const unsigned char *keys = key_pool + (long long)head * stride_kh + 16 * c;
     const unsigned char *values = value_pool + (long long)head * stride_vh + 16 * g;
     const float *k_scales = key_scales + (long long)head * stride_sh;
     const float *v_scales = value_scales + (long long)head * stride_sh;
+#else
+    const float score_factor = (float)(scale * 1.4426950408889634);
+    const unsigned char *keys = key_pool + (long long)head * stride_kh + 32 * c;  // 32 bytes at each
+    const unsigned char *values = value_pool + (long long)head * stride_vh + 32 * g;
+#endif
     const int *table = tables + (long long)seq * stride_tb;
 
     float maximum[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};  // query heads 2c, 2c + 1
@@ -164,72 +187,84 @@ fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *
     #pragma unroll
     for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
-    for (int start = 0; start < length; start += 32) {
-        // the trip's two 16-token tiles, each inside one page (pages are a multiple of 16 slots)
-        long long slot[2];
+    for (int start = 0; start < length; start += 16 * TILES) {
+        // the trip's 16-token tiles, each inside one page (pages are a multiple of 16 slots)
+        long long slot[TILES];
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             const int first = start + 16 * t;
             slot[t] = first < length ? (long long)table[first / PAGE] * PAGE + first % PAGE : 0;
         }
-        // keys: tokens g and g + 8 of each tile, this thread's 32 bytes of each; their scales
-        uint4 k[2][2][2];
-        float ks[2][2];
+        // keys: tokens g and g + 8 of each tile (rows g and g + 8 of K), this thread's dimensions of each;
+        // values: tokens 2c, 2c + 1, 2c + 8, 2c + 9 (V^T's k-columns), dimensions 16g..16g+15
+        uint4 k[TILES][2][KEY_LOADS], v[TILES][4][VALUE_LOADS];
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int offset = 8 * r + g;
-                if (start + 16 * t + offset < length) {
-                    const unsigned char *p = keys + (slot[t] + offset) * stride_ks;
-                    k[t][r][0] = load16(p);
-                    k[t][r][1] = load16(p + 64);
-                    ks[t][r] = k_scales[(slot[t] + offset) * stride_ss];
-                } else {
-                    k[t][r][0] = k[t][r][1] = make_uint4(0, 0, 0, 0);
-                    ks[t][r] = 0.f;
-                }
+                const bool valid = start + 16 * t + 8 * r + g < length;
+                const unsigned char *p = keys + (slot[t] + 8 * r + g) * stride_ks;
+                #pragma unroll
+                for (int i = 0; i < KEY_LOADS; ++i)
+                    k[t][r][i] = valid ? load16(p + KEY_HALF * (i / (KEY_LOADS / 2)) + 16 * (i % (KEY_LOADS / 2)))
+                                       : make_uint4(0, 0, 0, 0);
             }
-        }
-        // values: tokens 2c, 2c + 1, 2c + 8, 2c + 9 of each tile (V^T's A fragments), dimensions 16g..16g+15;
-        // their scales multiply the probabilities, whose tokens are the keys' (g, g + 8)
-        uint4 v[2][4];
-        float vs[2][2];
-        #pragma unroll
-        for (int t = 0; t < 2; ++t) {
             #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int offset = 2 * c + (u & 1) + 8 * (u >> 1);
-                v[t][u] = start + 16 * t + offset < length ? load16(values + (slot[t] + offset) * stride_vs)
-                                                           : make_uint4(0, 0, 0, 0);
-            }
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int offset = 8 * r + g;
-                vs[t][r] = start + 16 * t + offset < length ? v_scales[(slot[t] + offset) * stride_ss] : 0.f;
+                const bool valid = start + 16 * t + offset < length;
+                #pragma unroll
+                for (int i = 0; i < VALUE_LOADS; ++i)
+                    v[t][u][i] = valid ? load16(values + (slot[t] + offset) * stride_vs + 16 * i)
+                                       : make_uint4(0, 0, 0, 0);
             }
         }
-        // S^T = K Q^T: k-step s takes key word s of tokens g (rows g) and g + 8 (rows g + 8)
-        float s[2][4];
+#if QUANTIZED
+        // the scales of tokens g and g + 8: the keys' multiply the scores, the values' the probabilities
+        float ks[TILES][2], vs[TILES][2];
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const bool valid = start + 16 * t + 8 * r + g < length;
+                const long long at = (slot[t] + 8 * r + g) * stride_ss;
+                ks[t][r] = valid ? k_scales[at] : 0.f;
+                vs[t][r] = valid ? v_scales[at] : 0.f;
+            }
+        }
+#endif
+        // S^T = K Q^T
+        float s[TILES][4];
+        #pragma unroll
+        for (int t = 0; t < TILES; ++t) {
             s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
             #pragma unroll
             for (int step = 0; step < 8; ++step) {
+#if QUANTIZED  // key word s holds pairs 2s and 2s + 1 as four bytes
                 const u32 lo = word(k[t][0][step >> 2], step & 3), hi = word(k[t][1][step >> 2], step & 3);
                 mma(s[t], widen(lo, 0u, 0x9180u), widen(hi, 0u, 0x9180u), widen(lo, 0u, 0xB3A2u),
                     widen(hi, 0u, 0xB3A2u), q[2 * step], q[2 * step + 1]);
+#else  // key words 2s and 2s + 1 are the pairs
+                const int m = 2 * step;
+                mma(s[t], word(k[t][0][m >> 2], m & 3), word(k[t][1][m >> 2], m & 3),
+                    word(k[t][0][(m + 1) >> 2], (m + 1) & 3), word(k[t][1][(m + 1) >> 2], (m + 1) & 3),
+                    q[m], q[m + 1]);
+#endif
             }
         }
         // online softmax per query head (a column): scores of masked tokens are -inf
         float tile_max[2] = {NEG_INF, NEG_INF};
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
                 const bool valid = start + 16 * t + 8 * r + g < length;
+#if QUANTIZED
                 s[t][e] = valid ? s[t][e] * ks[t][r] * score_factor : NEG_INF;
+#else
+                s[t][e] = valid ? s[t][e] * score_factor : NEG_INF;
+#endif
                 tile_max[e & 1] = fmaxf(tile_max[e & 1], s[t][e]);
             }
         }
@@ -246,32 +281,44 @@ fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *
             o[i][0] *= correction[0]; o[i][2] *= correction[0];
             o[i][1] *= correction[1]; o[i][3] *= correction[1];
         }
-        // P^T (times the values' scales, 2**64 up) as B fragments: rows g (tokens 0-7) and g + 8 (8-15) of a
-        // tile are 8 x 8 blocks whose transposes hold tokens 2c, 2c + 1 (and 2c + 8, 2c + 9) of query head g
-        u32 p[2][2];
+        // P^T as B fragments: rows g (tokens 0-7) and g + 8 (8-15) of a tile are 8 x 8 blocks whose transposes
+        // hold tokens 2c, 2c + 1 (and 2c + 8, 2c + 9) of query head g. Over an FP8 pool times the values' scales,
+        // 2**64 up.
+        u32 p[TILES][2];
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float p0 = exp2_approx(s[t][2 * r] - maximum[0]);
                 const float p1 = exp2_approx(s[t][2 * r + 1] - maximum[1]);
                 total[0] += p0;
                 total[1] += p1;
+#if QUANTIZED
                 p[t][r] = transpose8x8(pack_bf16(p0 * vs[t][r] * CARRY, p1 * vs[t][r] * CARRY));
+#else
+                p[t][r] = transpose8x8(pack_bf16(p0, p1));
+#endif
             }
         }
-        // O^T += V^T P^T: m-tile i takes bytes 2i % 4 (rows g) and 2i % 4 + 1 (rows g + 8) of value word i / 2
+        // O^T += V^T P^T: m-tile i takes dimension 16g + 2i (rows g) and 16g + 2i + 1 (rows g + 8) of the four tokens
         #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             #pragma unroll
             for (int i = 0; i < 8; ++i) {
+#if QUANTIZED  // bytes 2i % 4 and 2i % 4 + 1 of word i / 2
                 const u32 b = 2 * (i & 1);
                 const u32 sel_g = b | ((b | 8u) << 4) | ((b + 4u) << 8) | (((b + 4u) | 8u) << 12);
                 const u32 sel_g8 = sel_g + 0x1111u;
-                const u32 w0 = word(v[t][0], i >> 1), w1 = word(v[t][1], i >> 1);
-                const u32 w8 = word(v[t][2], i >> 1), w9 = word(v[t][3], i >> 1);
+                const u32 w0 = word(v[t][0][0], i >> 1), w1 = word(v[t][1][0], i >> 1);
+                const u32 w8 = word(v[t][2][0], i >> 1), w9 = word(v[t][3][0], i >> 1);
                 mma(o[i], widen(w0, w1, sel_g), widen(w0, w1, sel_g8), widen(w8, w9, sel_g), widen(w8, w9, sel_g8),
                     p[t][0], p[t][1]);
+#else  // the low and high halves of word i
+                const u32 w0 = word(v[t][0][i >> 2], i & 3), w1 = word(v[t][1][i >> 2], i & 3);
+                const u32 w8 = word(v[t][2][i >> 2], i & 3), w9 = word(v[t][3][i >> 2], i & 3);
+                mma(o[i], halves(w0, w1, 0x5410u), halves(w0, w1, 0x7632u), halves(w8, w9, 0x5410u),
+                    halves(w8, w9, 0x7632u), p[t][0], p[t][1]);
+#endif
             }
         }
     }
@@ -280,9 +327,13 @@ fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *
     for (int h = 0; h < 2; ++h) {
         const float sum = sum_over_rows(total[h]);
         if (2 * c + h >= GROUP) continue;
+#if QUANTIZED
         const float factor = UNCARRY / sum;
-        unsigned char *row = reinterpret_cast<unsigned char *>(
-            out + (long long)seq * stride_ob + (long long)(head * GROUP + 2 * c + h) * stride_oh + 16 * g);
+#else
+        const float factor = 1.f / sum;
+#endif
+        unsigned char *row = out + (long long)seq * stride_ob + (long long)(head * GROUP + 2 * c + h) * stride_oh
+                             + 32 * g;
         u32 packed[8];
         #pragma unroll
         for (int i = 0; i < 8; ++i) packed[i] = pack_bf16(o[i][h] * factor, o[i][h + 2] * factor);
@@ -293,34 +344,53 @@ fp8_paged_decode(const unsigned short *__restrict__ query, const unsigned char *
 """
 
 
-def kernel_source(group: int, page: int, warps: int, min_blocks: int = 1) -> str:
-    return (_SOURCE.replace("__GROUP__", str(group)).replace("__PAGE__", str(page))
-            .replace("__WARPS__", str(warps)).replace("__MIN_BLOCKS__", str(min_blocks)))
+@dataclass(frozen=True)
+class Launch:
+    """The kernel's constants: ``tiles`` 16-token tiles a trip (their loads issued together), ``warps`` KV heads a
+    block (one sequence's heads read the same pages together), ``min_blocks`` blocks a multiprocessor must hold
+    (caps the registers)."""
+
+    tiles: int
+    warps: int = 4
+    min_blocks: int = 4
 
 
-WARPS = 4  # KV heads (warps) a block: one sequence's heads read the same pages together
-MIN_BLOCKS = 4  # blocks a multiprocessor must hold: caps the registers at 128 (122 used, none spilled)
+# Over an FP8 pool two tiles a trip fit 128 registers (122 used, none spilled) and four blocks a multiprocessor;
+# a bf16 pool's tile is twice the bytes, so one.
+LAUNCH = {True: Launch(tiles=2), False: Launch(tiles=1)}
+
+
+def kernel_source(quantized: bool, group: int, page: int, launch: Launch) -> str:
+    constants = {"__QUANTIZED__": int(quantized), "__TILES__": launch.tiles, "__GROUP__": group, "__PAGE__": page,
+                 "__WARPS__": launch.warps, "__MIN_BLOCKS__": launch.min_blocks}
+    source = _SOURCE
+    for name, value in constants.items():
+        source = source.replace(name, str(value))
+    return source
 
 
 @functools.cache
-def _compiled(group: int, page: int, warps: int, min_blocks: int):
+def _compiled(quantized: bool, group: int, page: int, launch: Launch):
     """The kernel for these constants, or None where NVRTC cannot build it (then the Triton kernel runs)."""
     try:
-        return torch.cuda._compile_kernel(kernel_source(group, page, warps, min_blocks), "fp8_paged_decode")
+        return torch.cuda._compile_kernel(kernel_source(quantized, group, page, launch), "paged_decode")
     except (RuntimeError, OSError, AttributeError) as error:  # no NVRTC library, or a torch without the API
-        logger.warning("FP8 decode attention: the CUDA kernel could not be built (%s); the Triton kernel runs", error)
+        logger.warning("decode attention: the CUDA kernel could not be built (%s); the Triton kernel runs", error)
         return None
 
 
 def unfit(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, page: int,
           key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these operands (None if it can), on any device."""
-    if key_scales is None or value_scales is None:
-        return "the pool is not FP8"
-    if key_pool.element_size() != 1 or value_pool.element_size() != 1:
-        return "the pool's entries are not one byte"
-    if key_scales.stride() != value_scales.stride():
-        return "the keys' and values' scales are laid out differently"
+    if (key_scales is None) != (value_scales is None):
+        return "one of the keys' and values' scales is missing"
+    if key_scales is not None:
+        if key_pool.element_size() != 1 or value_pool.element_size() != 1:
+            return "an FP8 pool's entries are not one byte"
+        if key_scales.stride() != value_scales.stride():
+            return "the keys' and values' scales are laid out differently"
+    elif key_pool.dtype != torch.bfloat16 or value_pool.dtype != torch.bfloat16:
+        return "the pool is neither FP8 nor bf16"
     if query.dtype != torch.bfloat16 or query.dim() != 3:
         return "the queries are not [batch, heads, dim] bf16"
     heads, dim = query.shape[1:]
@@ -333,8 +403,9 @@ def unfit(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
         return f"pages of {page} slots, not a multiple of 16"
     if query.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
         return "a head vector is not contiguous"
-    aligned = (query.stride(0) * 2, query.stride(1) * 2, key_pool.stride(0), key_pool.stride(1),
-               value_pool.stride(0), value_pool.stride(1), query.data_ptr(), key_pool.data_ptr(),
+    aligned = (query.stride(0) * 2, query.stride(1) * 2, key_pool.stride(0) * key_pool.element_size(),
+               key_pool.stride(1) * key_pool.element_size(), value_pool.stride(0) * value_pool.element_size(),
+               value_pool.stride(1) * value_pool.element_size(), query.data_ptr(), key_pool.data_ptr(),
                value_pool.data_ptr())
     if any(x % 16 for x in aligned):
         return "rows not 16-byte aligned"
@@ -342,32 +413,39 @@ def unfit(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
 
 
 def supported(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, page: int,
-              key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> bool:
+              key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None) -> bool:
     """Whether `paged_decode_attention` takes this call: CUDA tensors that the kernel fits (`unfit`) and a kernel
     NVRTC could build."""
     if not query.is_cuda or unfit(query, key_pool, value_pool, page, key_scales, value_scales) is not None:
         return False
-    return _compiled(query.shape[1] // key_pool.shape[1], page, WARPS, MIN_BLOCKS) is not None
+    quantized = key_scales is not None
+    return _compiled(quantized, query.shape[1] // key_pool.shape[1], page, LAUNCH[quantized]) is not None
 
 
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, page: int,
-                           key_scales: torch.Tensor, value_scales: torch.Tensor, warps: int = WARPS,
-                           min_blocks: int = MIN_BLOCKS) -> torch.Tensor:
-    """``query [B, Hq, 128]`` bf16 over each sequence's first ``context_lens[b]`` (at least 1) slots of an FP8
-    pool (``[slots, Hkv, 128]`` of ``page``-slot blocks, ``key_scales``/``value_scales [slots, Hkv]`` float32,
-    ``block_tables [B, W]`` int32); ``[B, Hq, 128]``. The caller checks `supported`."""
+                           key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
+                           launch: Launch | None = None) -> torch.Tensor:
+    """``query [B, Hq, 128]`` bf16 over each sequence's first ``context_lens[b]`` (at least 1) slots of the pool
+    (``[slots, Hkv, 128]`` of ``page``-slot blocks, bf16, or FP8 with its ``key_scales``/``value_scales [slots,
+    Hkv]`` float32; ``block_tables [B, W]`` int32); ``[B, Hq, 128]``. The caller checks `supported`."""
     batch, heads, dim = query.shape
     kv_heads = key_pool.shape[1]
     out = torch.empty(batch, heads, dim, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    kernel = _compiled(heads // kv_heads, page, warps, min_blocks)
+    quantized = key_scales is not None
+    launch = launch or LAUNCH[quantized]
+    kernel = _compiled(quantized, heads // kv_heads, page, launch)
     block_tables = block_tables.to(torch.int32).contiguous()  # no copy when they are (the engine's are)
     context_lens = context_lens.to(torch.int32).contiguous()
-    kernel(grid=(-(-kv_heads // warps), batch, 1), block=(32 * warps, 1, 1),
+    if not quantized:  # unread
+        key_scales = value_scales = context_lens
+    scale_strides = (key_scales.stride(0), key_scales.stride(1)) if quantized else (0, 0)
+    k_bytes, v_bytes = key_pool.element_size(), value_pool.element_size()
+    kernel(grid=(-(-kv_heads // launch.warps), batch, 1), block=(32 * launch.warps, 1, 1),
            args=[query, key_pool, value_pool, out, block_tables, context_lens, key_scales, value_scales,
-                 float(scale), query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1),
-                 value_pool.stride(0), value_pool.stride(1), out.stride(0), out.stride(1),
-                 block_tables.stride(0), key_scales.stride(0), key_scales.stride(1), kv_heads])
+                 float(scale), 2 * query.stride(0), 2 * query.stride(1), k_bytes * key_pool.stride(0),
+                 k_bytes * key_pool.stride(1), v_bytes * value_pool.stride(0), v_bytes * value_pool.stride(1),
+                 2 * out.stride(0), 2 * out.stride(1), block_tables.stride(0), *scale_strides, kv_heads])
     return out
