@@ -6,8 +6,8 @@ the new tokens' K/V into their slots (`LayerKV.write`), then attends:
 
 - decode (one query per sequence): `decode_attention` reads each sequence's valid blocks only. On CUDA it is a
   Triton kernel (`relax.backends.inference.engine_core.triton_attention`) that walks the block table, so it has fixed
-  shapes and runs inside CUDA graphs; over an FP8 pool a CUDA kernel (`cuda_attention`, built by NVRTC) where it
-  takes the shapes; elsewhere the sequences' K/V are gathered and padded for SDPA.
+  shapes and runs inside CUDA graphs (`cuda_attention` is a CUDA kernel for the same, not yet the engine's: see
+  its `ENGINE_TAKES_IT`); elsewhere the sequences' K/V are gathered and padded for SDPA.
 - prefill (packed prompts, no padding in the projections and MLP) attends each prompt's new tokens to every
   earlier token of the sequence, the ones already in the pool (a shared prompt prefix) included. On CUDA in
   bf16/fp16 the K/V of each sequence are gathered from the pool, packed, into FlashAttention-2's varlen kernel
@@ -162,8 +162,8 @@ def attend(query: torch.Tensor, cache: LayerKV, metadata: StepMetadata, scale: f
 
         arguments = (query, cache.keys, cache.values, metadata.block_tables, metadata.context_lens, scale,
                      metadata.block_size)
-        if cuda_attention.supported(query, cache.keys, cache.values, metadata.block_size, cache.key_scales,
-                                    cache.value_scales):
+        if cuda_attention.ENGINE_TAKES_IT and cuda_attention.supported(
+                query, cache.keys, cache.values, metadata.block_size, cache.key_scales, cache.value_scales):
             return cuda_attention.paged_decode_attention(*arguments, cache.key_scales, cache.value_scales).flatten(1)
         return triton_attention.paged_decode_attention(*arguments, key_scales=cache.key_scales,
                                                        value_scales=cache.value_scales).flatten(1)

@@ -1,32 +1,34 @@
-"""Decode attention over an FP8 paged KV pool as a CUDA kernel, compiled at run time by NVRTC through PyTorch.
+"""Decode attention over the paged KV pool (FP8 or bf16) as a CUDA kernel, compiled at run time by NVRTC through
+PyTorch (`torch.cuda._compile_kernel`: no build step).
 
-Why not Triton, which runs the bf16 pool's decode attention (`triton_attention`): over an FP8 pool the Triton
-kernel read at 75% of the H100's copy rate where the bf16 one reads at 91%
+Why not Triton, which runs the engine's decode attention (`triton_attention`): over an FP8 pool the Triton kernel
+reads at 75% of the H100's copy rate where it reads a bf16 pool at 91%
 (`benchmarks/results/decode_gemm_layouts_h100_gpu.json`), and the levers Triton leaves (tiles, warps, stages,
 register caps, FP8 tensor-core products, several heads a program, layouts; docs/engines.md) were spent. Its
 tensor-core operands go through shared memory, and FP8 has no transposing `ldmatrix` on Hopper, so the values'
-tile was read back byte by byte; the widening to bf16 then ran on those bytes.
+tile was read back byte by byte.
 
-This kernel keeps the tiles in registers, loaded straight from global memory in the layout of the `mma.sync`
-operands, with no shared memory at all. Each warp attends one (sequence, KV head); a block holds ``WARPS`` KV heads
-of one sequence, which read the same pages at the same time. The query group (up to 8 query heads a KV head) fills
-rows 0-7 of the m16n8k16 products; rows 8-15 are zeros that are never stored.
+This kernel keeps its tiles in registers, loaded straight from global memory in the layout of the `mma.sync`
+m16n8k16 operands, with no shared memory. One warp attends one (sequence, KV head); a block holds `Launch.warps` KV
+heads of one sequence, which read the same pages at the same time. The products are transposed, ``S^T = K Q^T``
+and ``O^T = V^T P^T``, so that a tile's 16 tokens (and the head dimension) fill the operands' 16 rows and the query
+group (up to 8 heads a KV head) their 8 columns:
 
-- Scores: ``S = Q K^T`` over the head dimension. The sum may run over the dimensions in any order as long as the
-  query and the keys agree, so each thread takes the key bytes it loads as they lie (16 contiguous bytes twice a
-  token, one 64-byte run per four threads) and the query's matching dimensions as its A fragment.
-- Output: ``O = P V`` over the tile's tokens. The score fragments (a thread holds two adjacent tokens of each
-  8-token tile) are already the A fragments of this product (FlashAttention-2's register reuse), and each thread
-  loads 16 contiguous value bytes of the four tokens its B fragments need; the output's dimensions come out
-  permuted by that choice and are written back in order.
+- Keys: a sum over the head dimension may take the dimensions in any order as long as the query and the keys
+  agree, so each thread's key fragments are the bytes it loaded as they lie (two 16-byte runs of a token, whole
+  32-byte sectors across its quad) and its query fragments the matching dimensions.
+- Probabilities: the scores' fragments (thread 4g + c: tokens g and g + 8, query heads 2c and 2c + 1) reach the
+  second product's B fragments through one `movmatrix` transpose per 8 x 8 block.
+- Values: each thread loads 16 contiguous bytes of the four tokens its A fragments take and builds them with one
+  `prmt` per two entries; the output's dimensions come out in 16-wide runs per thread and are stored as such.
 - FP8 entries become bf16 by their bits (``prmt``, a shift and a mask per two entries), which gives the value
-  times 2**-120; as in the Triton kernel the query and the probabilities are carried 2**64 up so that the
-  products stay well inside float32's normal range, and the factors are folded into the scales.
+  times 2**-120; as in the Triton kernel the query and the probabilities are carried 2**64 up so that the products
+  stay well inside float32's normal range, and the factors are folded into the scales. The keys' scale multiplies
+  the scores and the values' scale the probabilities.
 
-The keys' scale multiplies the scores and the values' scale the probabilities, as in `triton_attention`. Shapes
-are fixed by the batch and the table width and the lengths are read from device memory, so the kernel runs inside
-CUDA graphs. What it takes: bf16 queries, a head dimension of 128, up to 8 query heads a KV head, pages of a
-multiple of 16 slots, 16-byte aligned rows; `supported` says whether a call qualifies (else the Triton kernel).
+Shapes are fixed by the batch and the table width and the lengths are read from device memory, so the kernel runs
+inside CUDA graphs. What it takes: bf16 queries, a head dimension of 128, up to 8 query heads a KV head, pages of a
+multiple of 16 slots, 16-byte aligned rows; `unfit` says why a call does not qualify, `supported` whether it does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 HEAD_DIM = 128
 MAX_GROUP = 8
+# Whether the engine's decode steps take this kernel where it fits (`attention.attend`). Off until it is measured on
+# a GPU: it was written, and its fragments' index mapping checked in a lane-level emulation on CPU, in a session
+# that got no GPU. `benchmarks.engine_gpu`'s ``core_cuda_attention`` and ``core_fp8_cuda_attention`` turn it on.
+ENGINE_TAKES_IT = False
 
 _SOURCE = r"""
 typedef unsigned int u32;
