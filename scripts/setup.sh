@@ -45,6 +45,10 @@ case ",$extras," in
 esac
 case ",$extras," in
   *,test,*) python -c "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s, trl" >> "$log" 2>&1 \
-              || fail "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s, trl (the test extra)" ;;
+              || fail "import pytest, xdist, schemathesis, importlinter, openai, anthropic, bm25s, trl (the test extra)"
+            if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then  # the tests compile the CUDA kernels with it
+              python -c "from relax.backends.inference.engine_core import nvrtc; nvrtc.library()" >> "$log" 2>&1 \
+                || fail "the NVRTC library (nvidia-cuda-nvrtc, the test extra)"
+            fi ;;
 esac
 echo "setup: done ($(relax --version); pip's output in $log)" >&2

@@ -57,6 +57,40 @@ def test_a_bf16_pool_fits_a_float32_pool_a_strided_query_and_the_cpu_do_not():
     assert not cuda_attention.supported(query, cache.keys, cache.values, 16, cache.key_scales, cache.value_scales)
 
 
+def _nvrtc_or_skip():
+    from relax.backends.inference.engine_core import nvrtc
+
+    try:
+        nvrtc.library()
+    except nvrtc.NvrtcError as error:  # the test extra installs nvidia-cuda-nvrtc on Linux x86_64
+        pytest.skip(str(error))
+    return nvrtc
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("group, page", [(4, 16), (1, 16), (8, 32), (3, 48)])
+def test_the_kernel_compiles_for_hopper_within_its_launch_bound_without_spilling(quantized, group, page):
+    """NVRTC needs no GPU: the engine's launch of the real source, built for sm_90 as on an H100/H200, with ptxas'
+    report. Its registers must let `Launch.min_blocks` blocks share a multiprocessor, and nothing may spill to local
+    memory (a spill in the loop would put the tile through memory the kernel exists to avoid)."""
+    import re
+
+    nvrtc = _nvrtc_or_skip()
+    launch = cuda_attention.LAUNCH[quantized]
+    cubin, log = nvrtc.compile_cubin(cuda_attention.kernel_source(quantized, group, page, launch), "paged_decode",
+                                     "sm_90", ("--ptxas-options=-v",))
+    assert cubin[:4] == b"\x7fELF"
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert registers <= 65536 // (32 * launch.warps * launch.min_blocks), log
+    assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+
+
+def test_a_source_that_does_not_compile_raises_with_nvrtcs_log():
+    nvrtc = _nvrtc_or_skip()
+    with pytest.raises(nvrtc.NvrtcError, match="undefined"):
+        nvrtc.compile_cubin('extern "C" __global__ void k() { not_declared(); }', "k", "sm_90")
+
+
 def _tables(lens: list[int], page: int, blocks: int, device: str) -> torch.Tensor:
     tables = torch.zeros(len(lens), 64, dtype=torch.int32, device=device)
     order = (torch.randperm(blocks - 1, device=device) + 1).to(torch.int32)

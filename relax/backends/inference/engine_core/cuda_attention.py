@@ -1,5 +1,5 @@
-"""Decode attention over the paged KV pool (FP8 or bf16) as a CUDA kernel, compiled at run time by NVRTC through
-PyTorch (`torch.cuda._compile_kernel`: no build step).
+"""Decode attention over the paged KV pool (FP8 or bf16) as a CUDA kernel, compiled at run time by NVRTC
+(`engine_core.nvrtc`: no build step, no CUDA toolkit) and loaded by PyTorch.
 
 Why not Triton, which runs the engine's decode attention (`triton_attention`): over an FP8 pool the Triton kernel
 reads at 75% of the H100's copy rate where it reads a bf16 pool at 91%
@@ -38,6 +38,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from relax.backends.inference.engine_core import nvrtc
 
 logger = logging.getLogger(__name__)
 
@@ -377,10 +379,15 @@ def kernel_source(quantized: bool, group: int, page: int, launch: Launch) -> str
 
 @functools.cache
 def _compiled(quantized: bool, group: int, page: int, launch: Launch):
-    """The kernel for these constants, or None where NVRTC cannot build it (then the Triton kernel runs)."""
+    """The kernel for these constants, built for this device, or None where it cannot be (the Triton kernel runs)."""
+    from torch.cuda._utils import _cuda_load_module
+
+    major, minor = torch.cuda.get_device_capability()
     try:
-        return torch.cuda._compile_kernel(kernel_source(quantized, group, page, launch), "paged_decode")
-    except (RuntimeError, OSError, AttributeError) as error:  # no NVRTC library, or a torch without the API
+        cubin, _ = nvrtc.compile_cubin(kernel_source(quantized, group, page, launch), "paged_decode",
+                                       f"sm_{major}{minor}")
+        return _cuda_load_module(cubin, ["paged_decode"])["paged_decode"]
+    except (nvrtc.NvrtcError, RuntimeError, OSError) as error:  # no library, or a device it cannot build for
         logger.warning("decode attention: the CUDA kernel could not be built (%s); the Triton kernel runs", error)
         return None
 
