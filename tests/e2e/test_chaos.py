@@ -86,10 +86,15 @@ def _compare(mine: list[dict], theirs: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray-chaos")
 def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, tmp_path):
+    def held(run_dir, *extra):  # the reward waits while the harness holds the run (see run_with_faults)
+        argv = tiny_train_args(tiny_workspace, run_dir, *extra, "--reward-timeout", "300")
+        argv[argv.index("--custom-rm-path") + 1] = "tests.support.e2e_rewards:digit_fraction_held"
+        return argv
+
     reference_dir = tmp_path / "reference"
     in_process = list(MODE)
     in_process[in_process.index("--placement") + 1] = "in_process"
-    reference = run_relax("train", *tiny_train_args(tiny_workspace, reference_dir, *in_process))
+    reference = run_relax("train", *held(reference_dir, *in_process), env={"RELAX_CHAOS_HOLD": str(tmp_path / "none")})
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     run_dir = tmp_path / "chaos"
@@ -97,10 +102,12 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
               Fault("rollout", "SIGSTOP", 7), Fault("storage", "SIGKILL", 9), Fault("run", "SIGSTOP", 11),
               Fault("actor", "SIGSTOP", 13)]
     command = [sys.executable, "-m", "relax.cli.main", "train",
-               *tiny_train_args(tiny_workspace, run_dir, *MODE, *HEALTH, "--max-global-restart", str(len(faults)))]
+               *held(run_dir, *MODE, *HEALTH, "--max-global-restart", str(len(faults)))]
     # Seven restarts: 4 min on two idle cores, about 40 beside two CPU burners; the limit only ends a hung run.
+    # Held: a tiny step takes ~0.1 s, and a restarted run outran the harness (on a loaded machine the fault due at
+    # step 1 reached the run at step 7, the one due at 7 after the last step, and was never detected).
     report = run_with_faults(command, run_dir, faults, timeout_s=2 * SUBPROCESS_TIMEOUT_S,
-                             env={"PYTHONPATH": str(ROOT)})
+                             env={"PYTHONPATH": str(ROOT)}, hold=tmp_path / "hold")
     assert report.returncode == 0, report.stderr_tail
     for fault in faults:  # each detected with a message naming what failed, and recovered from
         assert fault.sent_at is not None and fault.recovered, (fault, report.warnings)
