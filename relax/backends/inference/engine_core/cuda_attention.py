@@ -378,15 +378,17 @@ def kernel_source(quantized: bool, group: int, page: int, launch: Launch) -> str
 
 
 @functools.cache
-def _compiled(quantized: bool, group: int, page: int, launch: Launch):
-    """The kernel for these constants, built for this device, or None where it cannot be (the Triton kernel runs)."""
+def _compiled(quantized: bool, group: int, page: int, launch: Launch, device: int):
+    """The kernel for these constants, built for and loaded on CUDA device ``device`` (a module belongs to the
+    context it was loaded in), or None where it cannot be (the Triton kernel runs)."""
     from torch.cuda._utils import _cuda_load_module
 
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     try:
         cubin, _ = nvrtc.compile_cubin(kernel_source(quantized, group, page, launch), "paged_decode",
                                        f"sm_{major}{minor}")
-        return _cuda_load_module(cubin, ["paged_decode"])["paged_decode"]
+        with torch.cuda.device(device):
+            return _cuda_load_module(cubin, ["paged_decode"])["paged_decode"]
     except (nvrtc.NvrtcError, RuntimeError, OSError) as error:  # no library, or a device it cannot build for
         logger.warning("decode attention: the CUDA kernel could not be built (%s); the Triton kernel runs", error)
         return None
@@ -432,7 +434,8 @@ def supported(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
     if not query.is_cuda or unfit(query, key_pool, value_pool, page, key_scales, value_scales) is not None:
         return False
     quantized = key_scales is not None
-    return _compiled(quantized, query.shape[1] // key_pool.shape[1], page, LAUNCH[quantized]) is not None
+    return _compiled(quantized, query.shape[1] // key_pool.shape[1], page, LAUNCH[quantized],
+                     query.device.index) is not None
 
 
 def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -449,7 +452,7 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
         return out
     quantized = key_scales is not None
     launch = launch or LAUNCH[quantized]
-    kernel = _compiled(quantized, heads // kv_heads, page, launch)
+    kernel = _compiled(quantized, heads // kv_heads, page, launch, query.device.index)
     block_tables = block_tables.to(torch.int32).contiguous()  # no copy when they are (the engine's are)
     context_lens = context_lens.to(torch.int32).contiguous()
     if not quantized:  # unread
