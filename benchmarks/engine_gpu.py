@@ -15,6 +15,8 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
 - ``core_cuda_attention``, ``core_fp8_cuda_attention``: ``core`` and ``core_fp8`` with decode attention in the
   CUDA kernel (`cuda_attention`) instead of the Triton one, the candidates against those baselines;
+- ``core_weights_as_stored``: ``core`` with every product's weight as the model stores it, not laid out as it
+  measured fastest at engine start (`engine_core.weight_layouts`): the baseline of that choice;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
   the baseline of that change.
@@ -195,6 +197,20 @@ def attention_in_the_cuda_kernel():
 
 
 @contextlib.contextmanager
+def weights_as_stored():
+    """No layout chosen for the products' weights (`weight_layouts.MEASURE` off): the engine built inside this block
+    keeps them as the model stores them."""
+    from relax.backends.inference.engine_core import weight_layouts
+
+    measure = weight_layouts.MEASURE
+    weight_layouts.MEASURE = False
+    try:
+        yield
+    finally:
+        weight_layouts.MEASURE = measure
+
+
+@contextlib.contextmanager
 def fp8_products_in_the_linears():
     """The FP8 products as they were before the fused forward took `Fp8LayerProducts`: no layer products, so the
     fused forward calls the linears' own FP8 forwards (row-wise scales in the GEMM, one quantisation each)."""
@@ -263,12 +279,17 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         else:
             mode = "off" if name == "previous" else "on"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            with attention_in_the_cuda_kernel() if name == "core_cuda_attention" else contextlib.nullcontext():
+            variant = {"core_cuda_attention": attention_in_the_cuda_kernel,
+                       "core_weights_as_stored": weights_as_stored}.get(name, contextlib.nullcontext)
+            with variant():
                 engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
                                         core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
                 repeats = 1 if name == "previous" else args.repeats
                 timing = time_engine(engine, prompts, args.new_tokens, device, repeats)
-            del engine
+            decoder = getattr(getattr(engine.core, "runner", None), "decoder", None)
+            if getattr(decoder, "weight_layouts", None):
+                timing["weight_layouts"] = {kind: t._asdict() for kind, t in decoder.weight_layouts.items()}
+            del engine, decoder
         if device == "cuda":
             timing["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         timing["fraction_of_hbm_bound"] = timing["tokens_per_s"] / bound
@@ -284,6 +305,8 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
+    if core and "core_weights_as_stored" in result:
+        result["speedup_weight_layouts"] = core / result["core_weights_as_stored"]["tokens_per_s"]
     if core and "core_cuda_attention" in result:
         result["speedup_cuda_attention"] = result["core_cuda_attention"]["tokens_per_s"] / core
     if "core_fp8" in result and "core_fp8_cuda_attention" in result:
@@ -325,7 +348,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_cuda_attention", "core_fp8", "core_fp8_convert",
+                        choices=["core", "core_cuda_attention", "core_weights_as_stored", "core_fp8", "core_fp8_convert",
                                  "core_fp8_cuda_attention", "core_fp8_rowwise", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -368,12 +391,12 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_cuda_attention", "core_fp8", "core_fp8_convert", "core_fp8_cuda_attention",
+        for name in ("core", "core_cuda_attention", "core_weights_as_stored", "core_fp8", "core_fp8_convert", "core_fp8_cuda_attention",
                      "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_cuda_attention", "speedup_fp8_over_previous_kernel", "speedup_fp8_cuda_attention",
+                    "speedup_cuda_attention", "speedup_weight_layouts", "speedup_fp8_over_previous_kernel", "speedup_fp8_cuda_attention",
                     "speedup_fp8_cuda_attention_vs_bf16",
                     "speedup_fp8_over_rowwise_products"):
             if key in row:

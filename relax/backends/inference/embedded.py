@@ -232,7 +232,7 @@ class EmbeddedEngine(InferenceEngine):
         blocks_per_sequence = -(-max_positions // page)
         runner = PagedRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
                              cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch,
-                             kv_cache_dtype=settings.kv_cache_dtype)
+                             max_batch=running, kv_cache_dtype=settings.kv_cache_dtype)
         blocks = BlockManager(num_blocks, page)
         scheduler = Scheduler(blocks, max_running=running, max_prefill_tokens=settings.max_prefill_tokens,
                               reserve_tokens=page, session_idle_s=settings.session_idle_s)

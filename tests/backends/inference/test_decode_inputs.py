@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from relax.backends.inference.engine_core.scheduler import Scheduler
 from relax.backends.inference.engine_core.sequence import Sequence
 from relax.backends.inference.engine_core.step_runner import StepOutput
 from relax.backends.inference.engine_core.table_rows import BlockTableRows
+from tests.backends.inference.test_embedded_engine import make_model
 
 PAGE, WIDTH = 4, 12
 
@@ -177,6 +179,65 @@ def test_merged_projections_stack_again_after_the_weights_were_released_and_load
     x = torch.randn(3, 8)
     for out, (weight, bias) in zip(group(x), loaded):
         torch.testing.assert_close(out, x @ weight.T + bias)
+
+
+@pytest.mark.parametrize("widths", [(6, 4, 4), (5,)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_group_laid_out_column_major_computes_the_same_and_weight_updates_reach_it(widths, bias):
+    """Any group (three stacked linears, or one alone as o and down are) re-laid column-major and back: the same
+    products, no second copy, each parameter a view of the layout, in-place weight updates reaching the product,
+    and the layout kept across a release and reload (`release_memory_occupation`)."""
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    torch.manual_seed(len(widths))
+    linears = [torch.nn.Linear(8, width, bias=bias) for width in widths]
+    x = torch.randn(5, 8)
+    expected = [linear(x).detach() for linear in linears]
+    group = MergedLinears(linears)
+    for column_major in (True, False, True):
+        group.lay_out(column_major)
+        assert group.weight.t().is_contiguous() == column_major and group.weight.is_contiguous() != column_major
+        storage = group.weight.untyped_storage().data_ptr()
+        assert all(linear.weight.untyped_storage().data_ptr() == storage for linear in linears)
+        for out, want, linear in zip(group(x), expected, linears):
+            torch.testing.assert_close(out, want)
+            torch.testing.assert_close(linear(x), want)  # the linear's own forward over the strided view
+    with torch.no_grad():
+        new = torch.randn(widths[-1], 8)
+        linears[-1].weight.copy_(new)
+        expected[-1] = x @ new.T + (linears[-1].bias if bias else 0)
+    torch.testing.assert_close(group(x)[-1], expected[-1])
+    group.release()
+    loaded = [linear.weight.detach().clone() for linear in linears]
+    for linear in linears:
+        linear.weight.data = linear.weight.data.new_empty(0)
+        linear.weight.data = linear.weight.data.new_zeros(linear.out_features, 8)
+    group.merge()
+    assert group.column_major and group.weight.t().is_contiguous()
+    with torch.no_grad():
+        for linear, weight in zip(linears, loaded):
+            linear.weight.copy_(weight)
+    for out, want in zip(group(x), expected):
+        torch.testing.assert_close(out, want)
+
+
+def test_a_lone_linear_as_the_model_stores_it_is_not_copied():
+    from relax.backends.inference.engine_core.merged_projections import MergedLinears
+
+    linear = torch.nn.Linear(8, 5)
+    pointer = linear.weight.data_ptr()
+    group = MergedLinears([linear])
+    assert group.merged and group.weight.data_ptr() == pointer == linear.weight.data_ptr()
+
+
+def test_the_decoder_groups_every_product_of_a_layer():
+    from relax.backends.inference.engine_core.merged_projections import layer_groups
+
+    layer = make_model(seed=0).model.layers[0]
+    groups = layer_groups(layer)
+    assert [group.linears for group in groups] == [
+        [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], [layer.self_attn.o_proj],
+        [layer.mlp.gate_proj, layer.mlp.up_proj], [layer.mlp.down_proj]]
 
 
 def test_a_linear_with_its_own_forward_keeps_it():

@@ -347,6 +347,13 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
     core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096,
                                                               kv_cache_dtype=cache_dtype))
     assert core.core.runner.graphs and core.core.runner.decoder.fused
+    gaps = _log_prob_gaps_to_the_training_forward(model, core, temperature, cache_dtype)
+    print(f"{cache_dtype} T={temperature}: mean gap {sum(gaps) / len(gaps):.4f}, max |gap| {max(map(abs, gaps)):.4f}")
+    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < (0.5 if cache_dtype == "auto" else 1.0)
+
+
+def _log_prob_gaps_to_the_training_forward(model, core: EmbeddedEngine, temperature: float,
+                                           cache_dtype: str = "auto") -> list[float]:
     requests = [request(f"r{i}", [5 + i] * (4 + i), max_new_tokens=24, temperature=temperature, seed=i,
                         ignore_eos=True) for i in range(20)]
     outputs = asyncio.run(core.generate(requests))
@@ -364,8 +371,33 @@ def test_on_cuda_the_core_agrees_with_the_training_forward(tokenizer, temperatur
             # within a few bf16 steps of the top logit (the forward of the whole sequence rounds differently)
             rounding = 0.125 if cache_dtype == "auto" else 0.5
             assert torch.all((chosen >= top2[:, 0]) | (top2[:, 0] - chosen < rounding))
-    print(f"{cache_dtype} T={temperature}: mean gap {sum(gaps) / len(gaps):.4f}, max |gap| {max(map(abs, gaps)):.4f}")
-    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < (0.5 if cache_dtype == "auto" else 1.0)
+    return gaps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_weights_laid_out_column_major_decode_as_the_training_forward(tokenizer, monkeypatch):
+    """Every product's weight column-major (taken whatever the timing says): the decode graphs still agree with
+    the training forward, before and after a weight update (an in-place copy into the strided parameters) and a
+    release and reload of the engine's memory, and the parameters keep their layout through both."""
+    from relax.backends.inference.engine_core import weight_layouts
+
+    monkeypatch.setattr(weight_layouts, "MARGIN", -1.0)  # column-major however it times
+    model = make_model(seed=0).to("cuda", torch.bfloat16)
+    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096))
+    layouts = core.core.runner.decoder.weight_layouts
+    assert set(layouts) == {"qkv", "o", "gate_up", "down"} and all(t.column_major for t in layouts.values())
+    assert all(t.as_stored_us > 0 and t.column_major_us > 0 for t in layouts.values())
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert down.t().is_contiguous() and not down.is_contiguous()
+    for step in range(2):
+        gaps = _log_prob_gaps_to_the_training_forward(model, core, temperature=0.0)
+        assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < 0.5
+        new_weights = make_model(seed=step + 1).to("cuda", torch.bfloat16)
+        asyncio.run(core.release_memory_occupation())
+        asyncio.run(core.resume_memory_occupation())
+        asyncio.run(core.update_weights(new_weights.state_dict().items(), version=step + 1))
+        assert model.model.layers[0].mlp.down_proj.weight.t().is_contiguous()
 
 
 @pytest.mark.gpu

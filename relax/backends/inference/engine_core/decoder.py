@@ -23,7 +23,7 @@ from torch import nn
 
 from relax.backends.inference.engine_core.attention import StepMetadata, attend
 from relax.backends.inference.engine_core.kv_cache import LayerKV
-from relax.backends.inference.engine_core.merged_projections import MergedLinears, layer_groups
+from relax.backends.inference.engine_core.merged_projections import LayerGroups, layer_groups
 from relax.backends.models.registry import ENGINE_CORE_MODEL_TYPES, ENGINE_CORE_MULTIMODAL_TYPES
 
 POSITION_ONLY_ROPE_TYPES = ("default", "linear", "llama3")
@@ -80,8 +80,8 @@ class LayerProducts:
 
     quantized = False  # the RMSNorm kernel hands `qkv` and `mlp` rows in the model's dtype
 
-    def __init__(self, layer: nn.Module, qkv: MergedLinears, gate_up: MergedLinears) -> None:
-        self.layer, self.qkv, self.gate_up = layer, qkv, gate_up
+    def __init__(self, layer: nn.Module, groups: LayerGroups) -> None:
+        self.layer, self.qkv, self.gate_up = layer, groups.qkv, groups.gate_up
 
     def o(self, attended: torch.Tensor) -> torch.Tensor:
         return self.layer.self_attn.o_proj(attended)  # looked up each call, as the model's forward does
@@ -127,11 +127,13 @@ class TextDecoder:
             cos, sin = inner.rotary_emb(parameter[:1].to(parameter.dtype), positions)
         self.cos, self.sin = cos[0], sin[0]  # [max_positions, head_dim], in the model dtype as in its forward
         self.suppressed_ids = suppressed_ids if suppressed_ids is not None and suppressed_ids.numel() else None
-        # q/k/v (and, on the fused path, gate/up) of each layer as one product over stacked weights
+        # each layer's products by the input they read: q/k/v (and, on the fused path, gate/up) one product over
+        # stacked weights; each group owns its weights' layout (`choose_weight_layouts`)
         self.groups = [layer_groups(layer) for layer in self.layers]
         # the fused forward's products, a strategy: the model dtype's, or FP8 ones (`use_products`)
-        self.products = [LayerProducts(layer, *groups) for layer, groups in zip(self.layers, self.groups)] \
+        self.products = [LayerProducts(layer, groups) for layer, groups in zip(self.layers, self.groups)] \
             if self.fused else []
+        self.weight_layouts: dict = {}  # kind -> `weight_layouts.LayoutTiming`, once chosen
 
     def use_products(self, products: list) -> None:
         """Each layer's products in the fused forward from now on (`engine_core.fp8.Fp8LayerProducts`); before
@@ -139,6 +141,16 @@ class TextDecoder:
         if not self.fused or len(products) != len(self.layers):
             raise ValueError("products replace the fused forward's, one per layer")
         self.products = products
+
+    def choose_weight_layouts(self, rows: int) -> dict:
+        """Lay each kind of the fused forward's bf16 products out as it runs fastest at ``rows`` rows on this card
+        (`weight_layouts.choose`); the timings by kind. Nothing to choose for FP8 products or the unfused forward."""
+        from relax.backends.inference.engine_core import weight_layouts
+
+        if not self.fused or self.products[0].quantized:
+            return {}
+        self.weight_layouts = weight_layouts.choose(self.groups, rows)
+        return self.weight_layouts
 
     def merge_projections(self) -> None:
         """Stack each layer's projection groups again where the weights were given storage of their own
@@ -165,11 +177,11 @@ class TextDecoder:
         cos, sin = (self.cos[positions], self.sin[positions]) if rope is None else rope
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]
         tokens = hidden.shape[0]
-        for layer, (qkv, _), cache in zip(self.layers, self.groups, caches):
+        for layer, groups, cache in zip(self.layers, self.groups, caches):
             attention = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            query, key, value = qkv(hidden)
+            query, key, value = groups.qkv(hidden)
             query = query.reshape(tokens, self.num_heads, self.head_dim)
             key = key.reshape(tokens, self.num_kv_heads, self.head_dim)
             value = value.reshape(tokens, self.num_kv_heads, self.head_dim)

@@ -10,9 +10,17 @@ matrix, so the CUDA graphs captured on it stay valid, and no weight is held twic
 go (`release_memory_occupation`) the parameters get storage of their own again; `merge` stacks them anew before
 the next graphs are captured. A linear whose forward was replaced (FP8 rollout, a LoRA wrapper) keeps its own
 product: the group is then computed one projection at a time.
+
+A group also owns the layout its weights are stored in (`lay_out`): as the model stores them (``[out, in]``, row
+after row) or column-major (the same shape, each input's column contiguous: what a plain ``x @ W`` reads). cuBLAS
+picks a different kernel for each, and at decode batch sizes one can be faster by a fifth for a given shape and card
+(`weight_layouts` measures which). The parameters stay views of the group's storage in either layout, so a weight
+update's in-place copy reaches it and the captured graphs. A group of one linear (o, down) only lays it out.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -23,8 +31,9 @@ class MergedLinears:
     """``linears`` as one product; calling it returns their outputs. Linears of different input widths, some with
     a bias and some without, or not plain `nn.Linear`s are called one by one."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], column_major: bool = False) -> None:
         self.linears = linears
+        self.column_major = column_major
         self.widths = [getattr(linear, "out_features", 0) for linear in linears]
         # Only plain linears are stacked: a subclass or wrapper (a LoRA layer) computes more than its weight's product
         self.mergeable = (all(type(linear) is nn.Linear for linear in linears)
@@ -33,6 +42,15 @@ class MergedLinears:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.merge()
+
+    def lay_out(self, column_major: bool) -> None:
+        """Store the weights row-major (as the model does) or column-major from now on (and after every `merge`)."""
+        if column_major == self.column_major:
+            return
+        self.column_major = column_major
+        if self.weight is not None:  # re-stacked in the new layout; the old storage goes with its last reference
+            self.weight = None
+            self.merge()
 
     @property
     def merged(self) -> bool:
@@ -60,7 +78,12 @@ class MergedLinears:
 
     def _stack(self, name: str) -> torch.Tensor:
         parts = [getattr(linear, name) for linear in self.linears]
+        column_major = self.column_major and name == "weight"
+        if len(parts) == 1 and not column_major and parts[0].is_contiguous():
+            return parts[0].detach()  # nothing to stack or lay out: the parameter's own storage
         stacked = torch.cat([part.detach() for part in parts])
+        if column_major:  # [out, in] with strides (1, out): each row of a linear's weight is still a view
+            stacked = stacked.t().contiguous().t()
         offset = 0
         for part, width in zip(parts, self.widths):
             part.data = stacked[offset:offset + width]  # the old storage goes with its last reference
@@ -68,10 +91,21 @@ class MergedLinears:
         return stacked
 
 
-def layer_groups(layer: nn.Module) -> tuple[MergedLinears, MergedLinears | None]:
-    """The q/k/v group and the gate/up group (None when the MLP has no gate and up projections) of ``layer``."""
+class LayerGroups(NamedTuple):
+    """A decoder layer's products by the input they read: q/k/v (the normed hidden states), o (the attention's
+    output), gate/up (the normed hidden states) and down (the gated product). None where the MLP has no such
+    projections."""
+
+    qkv: MergedLinears
+    o: MergedLinears
+    gate_up: MergedLinears | None
+    down: MergedLinears | None
+
+
+def layer_groups(layer: nn.Module) -> LayerGroups:
     attention, mlp = layer.self_attn, layer.mlp
-    qkv = MergedLinears([attention.q_proj, attention.k_proj, attention.v_proj])
-    gate_up = MergedLinears([mlp.gate_proj, mlp.up_proj]) if hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") \
-        else None
-    return qkv, gate_up
+    gated = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    return LayerGroups(MergedLinears([attention.q_proj, attention.k_proj, attention.v_proj]),
+                       MergedLinears([attention.o_proj]),
+                       MergedLinears([mlp.gate_proj, mlp.up_proj]) if gated else None,
+                       MergedLinears([mlp.down_proj]) if gated else None)

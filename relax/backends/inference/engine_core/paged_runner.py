@@ -56,9 +56,11 @@ class PagedRunner(StepRunner):
         self._pool_shape = (decoder.num_layers, num_blocks * block_size, decoder.num_kv_heads, decoder.head_dim)
         self._kv_dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
-        self._allocate_pool()
-        self.graph_sizes = graph_sizes
         self._cuda_graphs = cuda_graphs
+        self.graph_sizes = graph_sizes
+        if self._graphs_wanted:  # at the fullest batch the graphs run; before the pool (the timing's copies go)
+            decoder.choose_weight_layouts(min(max_batch, graph_sizes[-1]))
+        self._allocate_pool()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = 0  # tokens computed by prefill steps (a shared prompt prefix is computed once)
         self._buffers: dict[str, torch.Tensor] = {}
