@@ -15,8 +15,9 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
 - ``core_cuda_attention``, ``core_fp8_cuda_attention``: ``core`` and ``core_fp8`` with decode attention in the
   CUDA kernel (`cuda_attention`) instead of the Triton one, the candidates against those baselines;
-- ``core_weights_as_stored``: ``core`` with every product's weight as the model stores it, not laid out as it
-  measured fastest at engine start (`engine_core.weight_layouts`): the baseline of that choice;
+- ``core_weight_layouts``, ``core_weights_as_stored``: ``core`` with each kind of product's weight laid out as it
+  measured fastest at engine start (`engine_core.weight_layouts`), and with every weight as the model stores it:
+  the candidate and its baseline, whatever the engine's default;
 - ``core_fp8_rowwise``: the same with the FP8 products as they were before the fused forward took
   `Fp8LayerProducts`: each linear's own forward (a quantisation kernel per product, GEMMs with row-wise scales);
   the baseline of that change.
@@ -57,6 +58,7 @@ from benchmarks.cards import COPY_BYTES_PER_S, copy_bytes_per_s, measure_copy_by
 from benchmarks.grpo_step_gpu import QWEN3_0_6B, TINY, word_tokenizer
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.backends.inference.engine_core import weight_layouts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -197,13 +199,11 @@ def attention_in_the_cuda_kernel():
 
 
 @contextlib.contextmanager
-def weights_as_stored():
-    """No layout chosen for the products' weights (`weight_layouts.MEASURE` off): the engine built inside this block
-    keeps them as the model stores them."""
-    from relax.backends.inference.engine_core import weight_layouts
-
+def weight_layouts_measured(measured: bool):
+    """The engine built inside this block lays its products' weights out as they time fastest (`weight_layouts`),
+    or keeps them as the model stores them."""
     measure = weight_layouts.MEASURE
-    weight_layouts.MEASURE = False
+    weight_layouts.MEASURE = measured
     try:
         yield
     finally:
@@ -280,7 +280,9 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             mode = "off" if name == "previous" else "on"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
             variant = {"core_cuda_attention": attention_in_the_cuda_kernel,
-                       "core_weights_as_stored": weights_as_stored}.get(name, contextlib.nullcontext)
+                       "core_weight_layouts": functools.partial(weight_layouts_measured, True),
+                       "core_weights_as_stored": functools.partial(weight_layouts_measured, False),
+                       }.get(name, contextlib.nullcontext)
             with variant():
                 engine = EmbeddedEngine(model, tokenizer, max_batch_size=batch,
                                         core=CoreSettings(mode=mode, max_total_tokens=pool, max_graph_batch=512))
@@ -305,8 +307,10 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
-    if core and "core_weights_as_stored" in result:
-        result["speedup_weight_layouts"] = core / result["core_weights_as_stored"]["tokens_per_s"]
+    # the weights as stored: that variant, or ``core`` while the engine does not choose layouts by default
+    as_stored = result.get("core_weights_as_stored", None if weight_layouts.MEASURE else result.get("core"))
+    if "core_weight_layouts" in result and as_stored:
+        result["speedup_weight_layouts"] = result["core_weight_layouts"]["tokens_per_s"] / as_stored["tokens_per_s"]
     if core and "core_cuda_attention" in result:
         result["speedup_cuda_attention"] = result["core_cuda_attention"]["tokens_per_s"] / core
     if "core_fp8" in result and "core_fp8_cuda_attention" in result:
@@ -348,7 +352,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_cuda_attention", "core_weights_as_stored", "core_fp8", "core_fp8_convert",
+                        choices=["core", "core_cuda_attention", "core_weight_layouts", "core_weights_as_stored",
+                                 "core_fp8", "core_fp8_convert",
                                  "core_fp8_cuda_attention", "core_fp8_rowwise", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -391,7 +396,8 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_cuda_attention", "core_weights_as_stored", "core_fp8", "core_fp8_convert", "core_fp8_cuda_attention",
+        for name in ("core", "core_cuda_attention", "core_weight_layouts", "core_weights_as_stored", "core_fp8",
+                     "core_fp8_convert", "core_fp8_cuda_attention",
                      "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])

@@ -382,6 +382,7 @@ def test_on_cuda_weights_laid_out_column_major_decode_as_the_training_forward(to
     release and reload of the engine's memory, and the parameters keep their layout through both."""
     from relax.backends.inference.engine_core import weight_layouts
 
+    monkeypatch.setattr(weight_layouts, "MEASURE", True)
     monkeypatch.setattr(weight_layouts, "MARGIN", -1.0)  # column-major however it times
     model = make_model(seed=0).to("cuda", torch.bfloat16)
     core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096))
