@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from relax.backends.inference.engine_core import weight_layouts
 from relax.backends.inference.engine_core.attention import StepMetadata, attend
 from relax.backends.inference.engine_core.kv_cache import LayerKV
 from relax.backends.inference.engine_core.merged_projections import LayerGroups, layer_groups
@@ -145,8 +146,6 @@ class TextDecoder:
     def choose_weight_layouts(self, rows: int) -> dict:
         """Lay each kind of the fused forward's bf16 products out as it runs fastest at ``rows`` rows on this card
         (`weight_layouts.choose`); the timings by kind. Nothing to choose for FP8 products or the unfused forward."""
-        from relax.backends.inference.engine_core import weight_layouts
-
         if not self.fused or self.products[0].quantized:
             return {}
         self.weight_layouts = weight_layouts.choose(self.groups, rows)
