@@ -13,8 +13,8 @@ distinct, so no prefix is shared) get ``--new-tokens`` sampled tokens each (temp
   first 32 sequences): the figure ``--use-tis`` reports in training;
 - ``core_fp8_convert``: the same with the decode kernel as it was before it widened the FP8 pool's entries by their
   bits (`triton_attention`): the conversion instructions; the baseline of that change;
-- ``core_cuda_attention``, ``core_fp8_cuda_attention``: ``core`` and ``core_fp8`` with decode attention in the
-  CUDA kernel (`cuda_attention`) instead of the Triton one, the candidates against those baselines;
+- ``core_triton_attention``, ``core_fp8_triton_attention``: ``core`` and ``core_fp8`` with decode attention in the
+  Triton kernel (`triton_attention`) instead of the CUDA one (`cuda_attention`): the baselines of that kernel;
 - ``core_weight_layouts``, ``core_weights_as_stored``: ``core`` with each kind of product's weight laid out as it
   measured fastest at engine start (`engine_core.weight_layouts`), and with every weight as the model stores it:
   the candidate and its baseline, whatever the engine's default;
@@ -185,13 +185,12 @@ def fp8_pool_widened_by_conversions():
 
 
 @contextlib.contextmanager
-def attention_in_the_cuda_kernel():
-    """Decode attention in the CUDA kernel (`cuda_attention`) where it fits, instead of the Triton kernel: the engine
-    reads `cuda_attention.ENGINE_TAKES_IT` at each call, so graphs captured inside this block hold the CUDA one."""
+def attention_in_the_cuda_kernel(taken: bool):
+    """Decode attention in the CUDA kernel (`cuda_attention`) where it fits, or in the Triton kernel: the engine
+    reads `cuda_attention.ENGINE_TAKES_IT` at each call, so graphs captured inside this block hold that kernel."""
     from relax.backends.inference.engine_core import cuda_attention
 
-    taken = cuda_attention.ENGINE_TAKES_IT
-    cuda_attention.ENGINE_TAKES_IT = True
+    taken, cuda_attention.ENGINE_TAKES_IT = cuda_attention.ENGINE_TAKES_IT, taken
     try:
         yield
     finally:
@@ -270,8 +269,8 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         elif name == "core_fp8_convert":
             with fp8_pool_widened_by_conversions():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
-        elif name == "core_fp8_cuda_attention":
-            with attention_in_the_cuda_kernel():
+        elif name == "core_fp8_triton_attention":
+            with attention_in_the_cuda_kernel(False):
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         elif name == "core_fp8_rowwise":
             with fp8_products_in_the_linears():
@@ -279,7 +278,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         else:
             mode = "off" if name == "previous" else "on"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            variant = {"core_cuda_attention": attention_in_the_cuda_kernel,
+            variant = {"core_triton_attention": functools.partial(attention_in_the_cuda_kernel, False),
                        "core_weight_layouts": functools.partial(weight_layouts_measured, True),
                        "core_weights_as_stored": functools.partial(weight_layouts_measured, False),
                        }.get(name, contextlib.nullcontext)
@@ -307,17 +306,16 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
     if "core_fp8" in result and "core_fp8_convert" in result:
         result["speedup_fp8_over_previous_kernel"] = (result["core_fp8"]["tokens_per_s"]
                                                       / result["core_fp8_convert"]["tokens_per_s"])
-    # the weights as stored: that variant, or ``core`` while the engine does not choose layouts by default
+    # each side: its variant, or ``core`` where that is the engine's default
+    laid_out = result.get("core_weight_layouts", result.get("core") if weight_layouts.MEASURE else None)
     as_stored = result.get("core_weights_as_stored", None if weight_layouts.MEASURE else result.get("core"))
-    if "core_weight_layouts" in result and as_stored:
-        result["speedup_weight_layouts"] = result["core_weight_layouts"]["tokens_per_s"] / as_stored["tokens_per_s"]
-    if core and "core_cuda_attention" in result:
-        result["speedup_cuda_attention"] = result["core_cuda_attention"]["tokens_per_s"] / core
-    if "core_fp8" in result and "core_fp8_cuda_attention" in result:
-        result["speedup_fp8_cuda_attention"] = (result["core_fp8_cuda_attention"]["tokens_per_s"]
-                                                / result["core_fp8"]["tokens_per_s"])
-        if core:
-            result["speedup_fp8_cuda_attention_vs_bf16"] = result["core_fp8_cuda_attention"]["tokens_per_s"] / core
+    if laid_out and as_stored:
+        result["speedup_weight_layouts"] = laid_out["tokens_per_s"] / as_stored["tokens_per_s"]
+    if core and "core_triton_attention" in result:
+        result["speedup_cuda_attention"] = core / result["core_triton_attention"]["tokens_per_s"]
+    if "core_fp8" in result and "core_fp8_triton_attention" in result:
+        result["speedup_fp8_cuda_attention"] = (result["core_fp8"]["tokens_per_s"]
+                                                / result["core_fp8_triton_attention"]["tokens_per_s"])
     if "core_fp8" in result and "core_fp8_rowwise" in result:
         result["speedup_fp8_over_rowwise_products"] = (result["core_fp8"]["tokens_per_s"]
                                                        / result["core_fp8_rowwise"]["tokens_per_s"])
@@ -352,9 +350,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test of the script)")
     parser.add_argument("--only", nargs="*", default=["core", "previous", "generate"],
-                        choices=["core", "core_cuda_attention", "core_weight_layouts", "core_weights_as_stored",
+                        choices=["core", "core_triton_attention", "core_weight_layouts", "core_weights_as_stored",
                                  "core_fp8", "core_fp8_convert",
-                                 "core_fp8_cuda_attention", "core_fp8_rowwise", "previous", "generate"])
+                                 "core_fp8_triton_attention", "core_fp8_rowwise", "previous", "generate"])
     parser.add_argument("--settings", nargs="*", default=None, help="shape:batch, e.g. qwen3-0.6b:256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -396,14 +394,14 @@ def write_result(rows: list[dict], args) -> dict:
     }
     for row in rows:
         prefix = f"{row['shape']}_bs{row['batch']}"
-        for name in ("core", "core_cuda_attention", "core_weight_layouts", "core_weights_as_stored", "core_fp8",
-                     "core_fp8_convert", "core_fp8_cuda_attention",
+        for name in ("core", "core_triton_attention", "core_weight_layouts", "core_weights_as_stored", "core_fp8",
+                     "core_fp8_convert", "core_fp8_triton_attention",
                      "core_fp8_rowwise", "previous", "generate"):
             if name in row:
                 summary[f"{prefix}_{name}_tokens_per_s"] = round(row[name]["tokens_per_s"])
         for key in ("speedup_vs_generate", "speedup_vs_previous", "speedup_fp8_vs_bf16",
-                    "speedup_cuda_attention", "speedup_weight_layouts", "speedup_fp8_over_previous_kernel", "speedup_fp8_cuda_attention",
-                    "speedup_fp8_cuda_attention_vs_bf16",
+                    "speedup_cuda_attention", "speedup_weight_layouts", "speedup_fp8_over_previous_kernel",
+                    "speedup_fp8_cuda_attention",
                     "speedup_fp8_over_rowwise_products"):
             if key in row:
                 summary[f"{prefix}_{key}"] = round(row[key], 3)

@@ -376,6 +376,39 @@ def _log_prob_gaps_to_the_training_forward(model, core: EmbeddedEngine, temperat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_decode_in_the_cuda_attention_kernel_agrees_with_the_training_forward(tokenizer, cache_dtype,
+                                                                                     monkeypatch):
+    """The engine's decode through `cuda_attention` (head dimension 128, groups of 2 query heads: the shapes it
+    takes; the other tests' models have 16-dimensional heads and run the Triton kernel), inside the decode graphs,
+    over a bf16 and an FP8 pool: each token's log-prob is the training forward's up to rounding."""
+    from relax.backends.inference.engine_core import cuda_attention
+
+    assert cuda_attention.ENGINE_TAKES_IT
+    launched = []
+    kernel = cuda_attention.paged_decode_attention
+    monkeypatch.setattr(cuda_attention, "paged_decode_attention",
+                        lambda *args, **kwargs: launched.append(args[1].dtype) or kernel(*args, **kwargs))
+    model = _model_with_heads_of(128).to("cuda", torch.bfloat16)
+    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096,
+                                                              kv_cache_dtype=cache_dtype))
+    assert launched  # captured into the decode graphs
+    gaps = _log_prob_gaps_to_the_training_forward(model, core, 0.0, cache_dtype)
+    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < (0.5 if cache_dtype == "auto" else 1.0)
+
+
+def _model_with_heads_of(head_dim: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    reference = make_model(seed=0).config
+    config = Qwen3Config(**{**reference.to_dict(), "head_dim": head_dim, "hidden_size": 128,
+                            "intermediate_size": 256})
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_weights_laid_out_column_major_decode_as_the_training_forward(tokenizer, monkeypatch):
     """Every product's weight column-major (taken whatever the timing says): the decode graphs still agree with
     the training forward, before and after a weight update (an in-place copy into the strided parameters) and a

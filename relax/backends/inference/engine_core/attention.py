@@ -5,9 +5,9 @@ LayerKV`); a sequence's tokens live at the slots its block table gives (`block_m
 the new tokens' K/V into their slots (`LayerKV.write`), then attends:
 
 - decode (one query per sequence): `decode_attention` reads each sequence's valid blocks only. On CUDA it is a
-  Triton kernel (`relax.backends.inference.engine_core.triton_attention`) that walks the block table, so it has fixed
-  shapes and runs inside CUDA graphs (`cuda_attention` is a CUDA kernel for the same, not yet the engine's: see
-  its `ENGINE_TAKES_IT`); elsewhere the sequences' K/V are gathered and padded for SDPA.
+  kernel that walks the block table, so it has fixed shapes and runs inside CUDA graphs: `cuda_attention` (CUDA C
+  built by NVRTC) where the shapes fit it (head dimension 128, up to 8 query heads a KV head, pages of 16k slots),
+  else `triton_attention`; elsewhere the sequences' K/V are gathered and padded for SDPA.
 - prefill (packed prompts, no padding in the projections and MLP) attends each prompt's new tokens to every
   earlier token of the sequence, the ones already in the pool (a shared prompt prefix) included. On CUDA in
   bf16/fp16 the K/V of each sequence are gathered from the pool, packed, into FlashAttention-2's varlen kernel
