@@ -81,7 +81,10 @@ def test_wandb_offline_writes_a_run_without_secrets(tmp_path, monkeypatch):
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run_file.stat().st_size > 0
     written = [path.read_bytes() for path in (tmp_path / "wandb").rglob("*") if path.is_file()]
-    assert any(b'"OPENAI_API_KEY":"***"' in content for content in written)
+    # The config wandb was handed, redacted: its client logs it to debug.log as it starts the run, and its service
+    # writes it into the .wandb record, which on a loaded machine may still lack it when finish() returns (seen
+    # once in a full-suite run). Either shows the key reached W&B masked; the secret must be in neither.
+    assert any(b'"OPENAI_API_KEY":"***"' in content or b"'OPENAI_API_KEY': '***'" in content for content in written)
     assert not any(b"sk-do-not-log-me" in content for content in written)
 
 
