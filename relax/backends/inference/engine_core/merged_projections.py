@@ -31,9 +31,9 @@ class MergedLinears:
     """``linears`` as one product; calling it returns their outputs. Linears of different input widths, some with
     a bias and some without, or not plain `nn.Linear`s are called one by one."""
 
-    def __init__(self, linears: list[nn.Linear], column_major: bool = False) -> None:
+    def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = linears
-        self.column_major = column_major
+        self.column_major = False  # the model's own layout until `lay_out`
         self.widths = [getattr(linear, "out_features", 0) for linear in linears]
         # Only plain linears are stacked: a subclass or wrapper (a LoRA layer) computes more than its weight's product
         self.mergeable = (all(type(linear) is nn.Linear for linear in linears)
@@ -81,11 +81,14 @@ class MergedLinears:
         column_major = self.column_major and name == "weight"
         if len(parts) == 1 and not column_major and parts[0].is_contiguous():
             return parts[0].detach()  # nothing to stack or lay out: the parameter's own storage
-        stacked = torch.cat([part.detach() for part in parts])
-        if column_major:  # [out, in] with strides (1, out): each row of a linear's weight is still a view
-            stacked = stacked.t().contiguous().t()
+        # [out, in] as the model stores it, or with strides (1, out): each linear's rows are a view either way
+        shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+        stacked = torch.empty(shape[::-1], dtype=parts[0].dtype, device=parts[0].device).t() if column_major \
+            else torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
         offset = 0
-        for part, width in zip(parts, self.widths):
+        for part in parts:
+            width = part.shape[0]
+            stacked[offset:offset + width].copy_(part.detach())
             part.data = stacked[offset:offset + width]  # the old storage goes with its last reference
             offset += width
         return stacked
