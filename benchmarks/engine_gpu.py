@@ -185,12 +185,12 @@ def fp8_pool_widened_by_conversions():
 
 
 @contextlib.contextmanager
-def attention_in_the_cuda_kernel(taken: bool):
-    """Decode attention in the CUDA kernel (`cuda_attention`) where it fits, or in the Triton kernel: the engine
-    reads `cuda_attention.ENGINE_TAKES_IT` at each call, so graphs captured inside this block hold that kernel."""
+def attention_in_the_triton_kernel():
+    """Decode attention in the Triton kernel, as before the CUDA kernel (`cuda_attention`) took it: the engine reads
+    `cuda_attention.ENGINE_TAKES_IT` at each call, so graphs captured inside this block hold Triton's."""
     from relax.backends.inference.engine_core import cuda_attention
 
-    taken, cuda_attention.ENGINE_TAKES_IT = cuda_attention.ENGINE_TAKES_IT, taken
+    taken, cuda_attention.ENGINE_TAKES_IT = cuda_attention.ENGINE_TAKES_IT, False
     try:
         yield
     finally:
@@ -270,7 +270,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
             with fp8_pool_widened_by_conversions():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         elif name == "core_fp8_triton_attention":
-            with attention_in_the_cuda_kernel(False):
+            with attention_in_the_triton_kernel():
                 timing = time_fp8_core(model, tokenizer, prompts, batch, args)
         elif name == "core_fp8_rowwise":
             with fp8_products_in_the_linears():
@@ -278,7 +278,7 @@ def run_setting(shape_name: str, batch: int, args, engines: list[str]) -> dict:
         else:
             mode = "off" if name == "previous" else "on"
             pool = batch * (args.prompt_len + args.new_tokens + 16) + 4096
-            variant = {"core_triton_attention": functools.partial(attention_in_the_cuda_kernel, False),
+            variant = {"core_triton_attention": attention_in_the_triton_kernel,
                        "core_weight_layouts": functools.partial(weight_layouts_measured, True),
                        "core_weights_as_stored": functools.partial(weight_layouts_measured, False),
                        }.get(name, contextlib.nullcontext)
