@@ -377,11 +377,15 @@ def _log_prob_gaps_to_the_training_forward(model, core: EmbeddedEngine, temperat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-def test_on_cuda_decode_in_the_cuda_attention_kernel_agrees_with_the_training_forward(tokenizer, cache_dtype,
-                                                                                     monkeypatch):
+def test_on_cuda_decode_in_the_cuda_attention_kernel_agrees_with_the_triton_kernel(tokenizer, cache_dtype,
+                                                                                  monkeypatch):
     """The engine's decode through `cuda_attention` (head dimension 128, groups of 2 query heads: the shapes it
     takes; the other tests' models have 16-dimensional heads and run the Triton kernel), inside the decode graphs,
-    over a bf16 and an FP8 pool: each token's log-prob is the training forward's up to rounding."""
+    over a bf16 and an FP8 pool, against the same engine with decode attention in the Triton kernel over the same
+    pool: the kernels differ only in the order they add in, so greedy decoding takes the same tokens until a
+    near-tie, and the log-probs up to and including a first difference agree up to rounding. Over a bf16
+    pool each token's log-prob is also the training forward's up to rounding (over an FP8 one the forward reads
+    unrounded keys and values, which `test_on_cuda_the_core_agrees_with_the_training_forward` bounds loosely)."""
     from relax.backends.inference.engine_core import cuda_attention
 
     assert cuda_attention.ENGINE_TAKES_IT
@@ -390,11 +394,36 @@ def test_on_cuda_decode_in_the_cuda_attention_kernel_agrees_with_the_training_fo
     monkeypatch.setattr(cuda_attention, "paged_decode_attention",
                         lambda *args, **kwargs: launched.append(args[1].dtype) or kernel(*args, **kwargs))
     model = _model_with_heads_of(128).to("cuda", torch.bfloat16)
-    core = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096,
-                                                              kv_cache_dtype=cache_dtype))
+    requests = [request(f"r{i}", [5 + i] * (4 + i), max_new_tokens=24, temperature=0.0, ignore_eos=True)
+                for i in range(20)]
+
+    def decoded() -> list:
+        engine = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096,
+                                                                    kv_cache_dtype=cache_dtype))
+        return asyncio.run(engine.generate(requests))
+
+    in_cuda = decoded()
     assert launched  # captured into the decode graphs
-    gaps = _log_prob_gaps_to_the_training_forward(model, core, 0.0, cache_dtype)
-    assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < (0.5 if cache_dtype == "auto" else 1.0)
+    launched.clear()
+    monkeypatch.setattr(cuda_attention, "ENGINE_TAKES_IT", False)
+    in_triton = decoded()
+    assert not launched
+    gaps, differing = [], 0
+    for a, b in zip(in_cuda, in_triton):
+        same = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(a.output_ids))
+        differing += same < len(a.output_ids)
+        compared = min(same + 1, len(a.output_ids))  # a first difference is a near-tie: the best log-probs agree
+        gaps += [abs(x - y) for x, y in zip(a.output_log_probs[:compared], b.output_log_probs[:compared])]
+    print(f"{cache_dtype}: {differing} of {len(requests)} greedy outputs differ; log-prob gaps: mean "
+          f"{sum(gaps) / len(gaps):.5f}, largest {max(gaps):.4f}")
+    # one bf16 step of an attention output moves a log-prob by a few hundredths at most in this model
+    assert sum(gaps) / len(gaps) < 0.02 and max(gaps) < 0.15
+    assert differing <= len(requests) // 2  # mostly the same tokens: a gap that moved every argmax would fail here
+    if cache_dtype == "auto":
+        monkeypatch.setattr(cuda_attention, "ENGINE_TAKES_IT", True)
+        engine = EmbeddedEngine(model, tokenizer, core=CoreSettings(mode="on", max_total_tokens=4096))
+        gaps = _log_prob_gaps_to_the_training_forward(model, engine, 0.0)
+        assert abs(sum(gaps) / len(gaps)) < 0.05 and max(abs(g) for g in gaps) < 0.5
 
 
 def _model_with_heads_of(head_dim: int):
