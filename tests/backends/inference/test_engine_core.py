@@ -403,7 +403,8 @@ def test_on_cuda_decode_in_the_cuda_attention_kernel_agrees_with_the_triton_kern
         return asyncio.run(engine.generate(requests))
 
     in_cuda = decoded()
-    assert launched  # captured into the decode graphs
+    # captured into the decode graphs, over the pool asked for: one byte an entry over FP8, two over bf16
+    assert launched and {dtype.itemsize for dtype in launched} == {1 if cache_dtype == "fp8_e4m3" else 2}
     launched.clear()
     monkeypatch.setattr(cuda_attention, "ENGINE_TAKES_IT", False)
     in_triton = decoded()
