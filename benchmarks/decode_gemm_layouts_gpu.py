@@ -5,13 +5,16 @@ contiguous, a plain ``x @ W``), and with cuBLAS' reduced-precision split-K reduc
 (`torch.backends.cuda.preferred_blas_library`), the product computed transposed (``W @ x^T``, the output
 ``[out, rows]``: what a consumer reading the output transposed would take), and a plain Triton ``tl.dot`` kernel
 over a sweep of tiles (the best tile reported): whether any of them beats cuBLAS at decode batch sizes.
+``--inductor`` adds the product as `torch.compile` with ``mode="max-autotune"`` picks it: cuBLAS or the best of
+inductor's Triton GEMM templates (its persistent TMA template on Hopper included), each timed by inductor for this
+shape (the autotuning's seconds reported): what a tuned Triton kernel, not a hand-picked tile, makes of it.
 
 The projections are `fp8_gemm_gpu`'s, stacked as the engine runs them (`fp8_gemm_gpu.stacked`). Each variant runs
 every layer's projection with the layer's own weight (36 layers of the 4B shape, 28 of the 0.6B: together past the
 L2 cache, as in a decode step) inside one CUDA graph, whose replay is timed with CUDA events
 (`fp8_gemm_gpu.time_ms`); the figure is microseconds a layer and the TFLOP/s that makes.
 
-    python -m benchmarks.decode_gemm_layouts_gpu [--rows 256] [--more]
+    python -m benchmarks.decode_gemm_layouts_gpu [--rows 256] [--more] [--inductor]
         [--out benchmarks/results/decode_gemm_layouts_gpu.json]
 """
 
@@ -91,12 +94,32 @@ def more_variants(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     return row
 
 
+def inductor_variant(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    """The product compiled by inductor in max-autotune (`--inductor`), microseconds a layer, and how long choosing
+    its kernel took."""
+    import time
+
+    import torch._inductor.config as inductor
+
+    settings = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON",
+                "triton.enable_persistent_tma_matmul": True}
+    with inductor.patch(settings):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w: F.linear(x, w), dynamic=False, fullgraph=True)
+        started = time.perf_counter()
+        reference = F.linear(x, weights[0]).float()
+        error = (compiled(x, weights[0]).float() - reference).abs().max().item() / reference.abs().max().item()
+        tuning_s = time.perf_counter() - started
+        return {"inductor_max_autotune": layer_us(compiled, x, weights), "inductor_tuning_s": round(tuning_s, 1),
+                "inductor_relative_error": f"{error:.1e}"}
+
+
 def layer_us(product, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     """Microseconds a layer of ``product(x, weight)`` over every layer's weight in one CUDA graph."""
     return 1000 * time_ms(lambda i: product(x, weights[i]), len(weights))
 
 
-def measure(rows: int, more: bool = False) -> dict:
+def measure(rows: int, more: bool = False, inductor: bool = False) -> dict:
     matmul = torch.backends.cuda.matmul
     report = {"device": torch.cuda.get_device_name(), "rows": rows, "us_per_layer": {}}
     for shape, layers in LAYERS.items():
@@ -114,12 +137,17 @@ def measure(rows: int, more: bool = False) -> dict:
                 matmul.allow_bf16_reduced_precision_reduction = reduced
             if more:
                 row.update(more_variants(x, weights))
+            if inductor:
+                row.update(inductor_variant(x, weights))
             flops = 2 * rows * width_in * width_out
             row = {key: round(value, 1) if isinstance(value, float) else value for key, value in row.items()}
-            cublas = [value for key, value in row.items() if isinstance(value, float) and key != "triton_best"]
+            cublas = [value for key, value in row.items()
+                      if isinstance(value, float) and not key.startswith(("triton", "inductor"))]
             row["tflops_as_stored"] = round(flops / row["as_stored"] / 1e6, 1)
             row["tflops_best"] = round(flops / min(cublas) / 1e6, 1)  # of the cuBLAS calls timed
             row["transposed_speedup"] = round(row["as_stored"] / row["transposed"], 3)
+            if inductor:
+                row["inductor_speedup_over_best_cublas"] = round(min(cublas) / row["inductor_max_autotune"], 3)
             report["us_per_layer"][f"{shape}_{name}"] = row
             print(shape, name, row, flush=True)
     return report
@@ -129,9 +157,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256, help="the decode batch")
     parser.add_argument("--more", action="store_true", help="also cuBLASLt, the transposed product and Triton tiles")
+    parser.add_argument("--inductor", action="store_true", help="also torch.compile's max-autotune choice")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report = measure(args.rows, args.more)
+    report = measure(args.rows, args.more, args.inductor)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)
