@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -97,8 +98,6 @@ def more_variants(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
 def inductor_variant(x: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     """The product compiled by inductor in max-autotune (`--inductor`), microseconds a layer, and how long choosing
     its kernel took."""
-    import time
-
     import torch._inductor.config as inductor
 
     settings = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON",
