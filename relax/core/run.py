@@ -125,7 +125,7 @@ def start_health_monitor(cfg: RelaxConfig, run_dir: Path, placement, loop, notif
     return HealthMonitor(run_dir, placement.beating_roles(), cfg.heartbeat_timeout_s,
                          actors=placement.watched_actors(), phase_of=loop.phases.current, notifier=notifier,
                          restarts=int(os.environ.get(RESTARTS_ENV, "0")),
-                         engine_stats=engine_stats_of(placement.roles)).start()
+                         engine_stats=engine_stats_of(placement.roles), end_process=placement.end_process).start()
 
 
 def first_eval_accuracy(run_dir: Path) -> float | None:

@@ -116,6 +116,14 @@ def test_a_fully_async_ray_run_survives_a_fault_in_each_process(tiny_workspace, 
              "run": "run's process"}
     for fault in faults:
         assert names[fault.target] in fault.detected_by, fault
+    # a stopped Ray process was killed at the verdict, so the teardown did not wait on it (the run's own process is
+    # the supervisor's to kill)
+    run_log = (run_dir / "run.log").read_text()
+    processes = {"rollout": "rollout", "actor": "actor",
+                 "storage": "TransferQueue storage unit TransferQueueStorageUnit#0"}
+    for fault in faults:
+        if fault.signal == "SIGSTOP" and fault.target != "run":
+            assert f"{processes[fault.target]}'s process killed" in run_log, fault
 
     mine, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference_dir / "metrics.jsonl")
     assert version_violations(mine, max_staleness=0) == []  # no sample from weights outside the bound

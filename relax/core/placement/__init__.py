@@ -37,6 +37,10 @@ class Placement(Protocol):
     def watched_actors(self) -> dict[str, Any]:
         """Ray actors the health monitor pings (the data plane's)."""
 
+    def end_process(self, name: str) -> None:
+        """End the process of ``name`` (a beating role or a watched actor) that the health check found stopped,
+        hung or dead, so that the run's teardown fails fast on it instead of waiting out its timeouts."""
+
     def close(self) -> None:
         """Tear down what the placement started (processes, engines, threads)."""
 

@@ -57,6 +57,9 @@ class InProcessPlacement:
     def watched_actors(self) -> dict[str, Any]:
         return {}
 
+    def end_process(self, name: str) -> None:
+        raise KeyError(f"no process of its own: {name}")  # nothing beats or is watched in one process
+
     def close(self) -> None:
         """End what the rollout's engines started (a Serve deployment and its Ray, HTTP clients) and the compute
         thread."""

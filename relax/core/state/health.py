@@ -14,8 +14,10 @@ Who beats and who watches:
 
 A role that sent no beat for ``--heartbeat-timeout-s`` (upstream's HealthManager: 120 s), whose process is gone, or
 an actor Ray reports dead, is fatal (a role of this machine that is silent but observed computing, starved of CPU on
-a loaded machine, is waited for longer: `relax.core.state.liveness`): the monitor logs which role and why, tells ``--notify-urls``, and cancels the
-training loop, which then fails with that reason (exit 1: the supervisor of ``--max-global-restart`` restarts it).
+a loaded machine, is waited for longer: `relax.core.state.liveness`): the monitor logs which role and why, tells
+``--notify-urls``, kills the processes it named (the placement's `end_process`: ``ray.kill``, so the teardown's
+calls to a stopped process fail at once instead of each waiting out its timeout), and cancels the training loop,
+which then fails with that reason (exit 1: the supervisor of ``--max-global-restart`` restarts it).
 If the loop does not end within a grace (`FATAL_GRACE_S`, or twice the heartbeat timeout where that is shorter, at
 least `MIN_FATAL_GRACE_S`: a call that cannot be cancelled, a teardown waiting on a stopped process), the process
 exits.
@@ -123,7 +125,8 @@ class HealthMonitor:
     def __init__(self, run_dir: str | Path, roles: list[str], heartbeat_timeout_s: float,
                  actors: dict[str, Any] | None = None, phase_of: Callable[[], dict] | None = None,
                  notifier=None, restarts: int = 0, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 engine_stats: Callable[[], list[dict]] | None = None) -> None:
+                 engine_stats: Callable[[], list[dict]] | None = None,
+                 end_process: Callable[[str], None] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.beat_dir = self.run_dir / HEARTBEAT_DIR
         self.roles = list(roles)
@@ -132,6 +135,7 @@ class HealthMonitor:
         self.phase_of = phase_of
         self.engine_stats = engine_stats  # the router's engines, when they are behind one in this process
         self.notifier = notifier
+        self.end_process = end_process  # the placement's: kills a role's or actor's process by its name here
         self.restarts = restarts
         self.interval_s = interval_s
         self.state: dict[str, RoleHealth] = {name: RoleHealth() for name in [*self.roles, *self.actors]}
@@ -299,9 +303,26 @@ class HealthMonitor:
                      " (--max-global-restart restarts it)" if os.environ.get("RELAX_SUPERVISED") else "")
         if self.notifier is not None:
             self.notifier.send("unhealthy", reason, failure=True)
+        self._end_failed_processes()
         if self._cancel is not None:
             self._cancel()
         threading.Thread(target=self._exit_if_stuck, name="relax-health-exit", daemon=True).start()
+
+    def _end_failed_processes(self) -> None:
+        """Kill the processes the verdict names before the loop is cancelled: a stopped or hung one would
+        otherwise hold the teardown (its calls time out one after the other, then the grace ends the run), and
+        the run restarts without it either way. A dead one's kill is a no-op."""
+        if self.end_process is None:
+            return
+        for name, health in self.snapshot().items():
+            if health["healthy"]:
+                continue
+            try:
+                self.end_process(name)
+                logger.warning("health check: %s's process killed (if it was not gone already), so that the "
+                               "teardown does not wait on it", name)
+            except Exception as err:  # noqa: BLE001 - the grace still ends a teardown that waits on it
+                logger.warning("health check: could not end %s's process: %s", name, err)
 
     def _exit_if_stuck(self) -> None:
         """The loop was cancelled; neither a call that ignores cancellation nor a teardown waiting on the failed

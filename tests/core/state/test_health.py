@@ -39,8 +39,15 @@ def _wait_for(predicate, timeout_s: float = PROCESS_PATIENCE_S) -> None:
 @pytest.mark.parametrize("fault, expected", [("SIGSTOP", "sent no heartbeat for"), ("SIGKILL", "is gone")])
 def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expected):
     role = _start_role(tmp_path)
+    ended = []
+
+    def end_process(name):  # the placement's strategy; Ray placement's is ray.kill of the role's actor
+        ended.append(name)
+        os.kill(role.pid, signal.SIGKILL)
+
     monitor = HealthMonitor(tmp_path, ["rollout"], heartbeat_timeout_s=1.5, interval_s=0.1,
-                            phase_of=lambda: {"step": 3, "phase": "rollout", "since": time.time()})
+                            phase_of=lambda: {"step": 3, "phase": "rollout", "since": time.time()},
+                            end_process=end_process)
     try:
         _wait_for(lambda: (tmp_path / HEARTBEAT_DIR / "rollout.json").exists())
         monitor.start()
@@ -60,6 +67,8 @@ def test_a_stopped_or_killed_role_ends_the_run_naming_it(tmp_path, fault, expect
         monitor.stop()
         state = read_state(tmp_path)
         assert not state["roles"]["rollout"]["healthy"] and expected in state["fatal"]
+        # the process it named was ended before the loop was cancelled: a stopped one no longer holds the teardown
+        assert ended == ["rollout"] and role.wait(10) == -signal.SIGKILL
 
         # `relax health` shows it and exits 1; --json gives the file
         shown = run_relax("health", str(tmp_path))
@@ -115,7 +124,10 @@ import asyncio, sys, tempfile, time
 from pathlib import Path
 import relax.core.state.health as health
 health.FATAL_GRACE_S = health.MIN_FATAL_GRACE_S = 1.0
-monitor = health.HealthMonitor(Path(tempfile.mkdtemp()), ["ghost"], heartbeat_timeout_s=0.3, interval_s=0.1).start()
+def end_process(name):  # the ghost has no process to end: the verdict stands, the grace still runs
+    raise KeyError(name)
+monitor = health.HealthMonitor(Path(tempfile.mkdtemp()), ["ghost"], heartbeat_timeout_s=0.3, interval_s=0.1,
+                               end_process=end_process).start()
 async def training():
     await asyncio.sleep(30)
 try:
@@ -133,6 +145,7 @@ print("survived")
 def test_a_verdict_ends_the_process_unless_the_run_ends_within_the_grace(ends):
     result = subprocess.run([sys.executable, "-c", VERDICT, ends], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=False)
+    assert "could not end ghost's process: 'ghost'" in result.stderr
     if ends == "stop":
         assert result.returncode == 0 and "survived" in result.stdout, result.stderr
     else:

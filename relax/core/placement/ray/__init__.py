@@ -114,5 +114,8 @@ class RayPlacement:
     def watched_actors(self) -> dict[str, Any]:
         return self.service.transfer_queue_actors()
 
+    def end_process(self, name: str) -> None:
+        self.service.end_process(name)
+
     def close(self) -> None:
         self.service.shutdown()

@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class RayService:
         self.placement_group = None
         self.started_ray = False
         self.started_transfer_queue = False
+        self.transfer_queue_handles: dict[str, Any] = {}
         self.sync_dtype: torch.dtype | None = None
         self.weight_root = Path(cfg.output_dir) / "weight_sync"
         # This run's name in the versions it publishes there; the engines follow only these (a resumed run's
@@ -136,9 +138,7 @@ class RayService:
             check_ray_address(cfg.ray_address)
         try:
             self._start_ray(roles)
-            self._start_workers(roles)
-            if self.async_mode:
-                self._start_transfer_queue()
+            self._start_workers_and_transfer_queue(roles)
             if cfg.resolved_weight_sync_transport == "broadcast" and cfg.loss_type != "rm":  # (rm: no engine)
                 self._join_weight_sync_group()
             if cfg.rollout_api_port is not None:  # the engines live in the rollout's process: it serves the API
@@ -185,6 +185,21 @@ class RayService:
                             + (self.cfg.rollout_serve_replicas + 1 if self.cfg.rollout_serve_replicas else 0))
                 start_local_ray(max(8, int(reserved + 0.999)), runtime_env={"env_vars": env})
             self.started_ray = True
+
+    def _start_workers_and_transfer_queue(self, roles: list[str]) -> None:
+        """The role processes and (async modes) TransferQueue's controller and storage unit start at once: each is
+        mostly a Python process importing torch, and TransferQueue starts its two one after the other (5 of a
+        12 s start on two cores); the workers attach to it only when they first stream."""
+        if not self.async_mode:
+            self._start_workers(roles)
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="relax-transfer-queue-start") as pool:
+            transfer_queue = pool.submit(self._start_transfer_queue)
+            try:
+                self._start_workers(roles)
+            finally:
+                wait([transfer_queue])  # the shutdown of a failed start must see what it started
+        transfer_queue.result()
 
     def _bundle(self, name: str) -> dict[str, float]:
         _, per_replica = self.cfg.resource.get(name, [1, 1])
@@ -233,6 +248,8 @@ class RayService:
     def _start_transfer_queue(self) -> None:
         start_local_transfer_queue(num_storage_units=1)  # Ray is up: this starts the TQ controller only
         self.started_transfer_queue = True
+        # Looked up now, while they answer: a lookup asks the controller, which may be the process that stopped
+        self.transfer_queue_handles = transfer_queue_actors()
 
     def _join_weight_sync_group(self) -> None:
         actor, rollout = self.workers["actor"], self.workers["rollout"]
@@ -291,12 +308,17 @@ class RayService:
     def health(self) -> dict[str, dict]:
         return {name: self._wait(worker.health.remote()) for name, worker in self.workers.items()}
 
+    def end_process(self, name: str) -> None:
+        """Kill the process of role worker or TransferQueue actor ``name`` through Ray: calls to it fail at once
+        from then on (Ray reaps a stopped process a few seconds later), so the teardown never waits on it."""
+        handle = self.workers.get(name) or self.transfer_queue_handles.get(name)
+        if handle is None:
+            raise KeyError(f"no Ray process named {name!r} in this run")
+        ray.kill(handle, no_restart=True)
+
     def transfer_queue_actors(self) -> dict[str, object]:
         """TransferQueue's controller and storage-unit actors by name (for `relax.core.state.health.HealthMonitor`)."""
-        if not self.started_transfer_queue:
-            return {}
-
-        return transfer_queue_actors()
+        return dict(self.transfer_queue_handles)
 
     @staticmethod
     def _wait(ref: Any, timeout: float = START_TIMEOUT_S) -> Any:
@@ -325,6 +347,7 @@ class RayService:
             except Exception:
                 logger.warning("TransferQueue did not close cleanly", exc_info=True)
             self.started_transfer_queue = False
+            self.transfer_queue_handles = {}
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
