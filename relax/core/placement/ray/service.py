@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,12 +193,11 @@ class RayService:
         if not self.async_mode:
             self._start_workers(roles)
             return
+        # Leaving the pool waits for TransferQueue's start, also when a worker failed: the shutdown of a failed
+        # start must see what it started.
         with ThreadPoolExecutor(1, thread_name_prefix="relax-transfer-queue-start") as pool:
             transfer_queue = pool.submit(self._start_transfer_queue)
-            try:
-                self._start_workers(roles)
-            finally:
-                wait([transfer_queue])  # the shutdown of a failed start must see what it started
+            self._start_workers(roles)
         transfer_queue.result()
 
     def _bundle(self, name: str) -> dict[str, float]:
