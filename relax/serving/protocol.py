@@ -3,7 +3,7 @@
 Unknown fields are ignored (clients of SGLang and vLLM send options this server has no use for,
 such as ``no_stop_trim`` or ``skip_special_tokens``); known fields are checked strictly (no bool
 for an int, no string for a number), and a bad value is answered with HTTP 400 naming the field path
-(see `relax.serving.app`).
+(see `relax.serving.sglang_routes` and `relax.serving.openai_routes`).
 """
 
 from __future__ import annotations

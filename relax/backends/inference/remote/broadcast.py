@@ -3,7 +3,7 @@
 The trainer is rank 0 of a `WeightSyncGroup` (gloo on CPU, NCCL on GPU) and every server of the
 router is one of ranks 1..N; servers join through SGLang's ``/init_weights_update_group`` and
 receive each version through ``/update_weights_from_distributed`` (`relax serve` implements both;
-see `relax.serving.app`). One update is: post ``/update_weights_from_distributed`` to every
+see `relax.serving.sglang_routes`). One update is: post ``/update_weights_from_distributed`` to every
 server (each starts waiting on the group), broadcast the manifest and the buckets from a worker
 thread, and wait for every server's answer. Nothing touches the disk, so this is the transport for
 engines on other GPUs of the same host or on hosts without a shared filesystem.
