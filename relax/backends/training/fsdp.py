@@ -139,38 +139,14 @@ class FSDPTrainBackend(TrainBackend):
                            unpackable)
             self.settings = settings = dataclasses.replace(settings, sequence_packing=False)
         self.lora = settings.lora if trainable else None
-        if self.lora is not None and self.dims.tp > 1:
-            raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
-                             "would wrap the projections the plan splits")
-        if self.lora is not None:
-            adapters = inject(hf_model, self.lora)
-            total = sum(p.numel() for p in hf_model.parameters())
-            logger.info("LoRA rank %d on %s (--lora-scope %s): %d adapter parameters, %.2f%% of %d",
-                        self.lora.rank, self.lora.hf_targets(), self.lora.scope, adapters, 100 * adapters / total,
-                        total)
+        self._add_adapters(hf_model)
         if settings.gradient_checkpointing and trainable:
             # non-reentrant, so that a block's recomputation can be given the context its forward had
             hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context})
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need inputs that require grad
                 hf_model.enable_input_require_grads()
-        self._liger = False
-        if settings.liger_kernel and self.dims.tp > 1:
-            logger.warning("liger-kernel's kernels are not used under tensor parallelism (they take no DTensors)")
-        elif settings.liger_kernel:
-            reason = liger_unavailable_reason(settings.device)
-            if reason:
-                raise RuntimeError(f"liger kernels asked for, but {reason}")
-            if settings.rms_norm_kernel not in ("compiled", "liger"):
-                raise ValueError(f"rms_norm_kernel must be 'compiled' or 'liger', not {settings.rms_norm_kernel!r}")
-            counts = apply_liger_kernels(language_model(hf_model),
-                                         rms_norm_forward if settings.rms_norm_kernel == "compiled" else None)
-            self._liger = bool(counts["rope"])
-            fused = fuse_qk_norm_rope(language_model(hf_model)) \
-                if settings.fused_qk_norm_rope and settings.rms_norm_kernel == "compiled" else 0
-            logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s); %d attention layers' query/key norms and "
-                        "RoPE fused", counts["swiglu"], ", RoPE" if counts["rope"] else "", counts["rms_norm"],
-                        settings.rms_norm_kernel, fused)
+        self._liger = self._use_kernels(hf_model)
         self._warned_oversized = False
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []
@@ -204,12 +180,7 @@ class FSDPTrainBackend(TrainBackend):
         # every activation and residual stays float32).
         self.fsdp = self.sharded or (trainable and low_precision and settings.device.type == "cuda"
                                      and settings.fsdp_single_process)
-        if self.dims.tp > 1:
-            apply_tensor_parallel(hf_model, self.dims, settings.sequence_parallel)
-        if self.dims.ep > 1:
-            apply_expert_parallel(hf_model, self.dims)
-        if self.fsdp:
-            shard_model(self.model, settings.compute_dtype, self.dims if self.sharded else None)
+        self._distribute(hf_model)
         # (after FSDP2, which puts parameters of its own in place of the module's)
         self._expert_parameters = [p for m in hf_model.modules() if getattr(m, "relax_expert_group", None)
                                    for p in m.parameters(recurse=False)]
@@ -221,16 +192,7 @@ class FSDPTrainBackend(TrainBackend):
                 set_master_weight_casts(self.model, self._weight_casts)
         if trainable and low_precision and not self.fsdp and settings.activations_in_compute_dtype:
             embed_in_compute_dtype(hf_model, settings.compute_dtype)
-        self.model.train(trainable)
-        if self.lora is not None:
-            for name, parameter in self.model.named_parameters():
-                parameter.requires_grad_(is_adapter(name))
-        else:
-            self.model.requires_grad_(trainable)
-        if trainable:
-            frozen = freeze_towers(hf_model, settings.freeze_vision_tower, settings.freeze_audio_tower)
-            if frozen:
-                logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
+        self._set_trainable(hf_model)
         self.pipeline: PipelineRunner | None = None
         if self.dims.pp > 1:
             # a head tied to the embedding: its two copies (first and last stage) exchange gradients; every rank
@@ -243,6 +205,64 @@ class FSDPTrainBackend(TrainBackend):
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(self.model, settings)
         release_before_shutdown(self.release)
+
+    def _add_adapters(self, hf_model: torch.nn.Module) -> None:
+        """LoRA's adapters on the projections ``self.lora`` targets (none without ``--lora-rank``)."""
+        if self.lora is None:
+            return
+        if self.dims.tp > 1:
+            raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
+                             "would wrap the projections the plan splits")
+        adapters = inject(hf_model, self.lora)
+        total = sum(p.numel() for p in hf_model.parameters())
+        logger.info("LoRA rank %d on %s (--lora-scope %s): %d adapter parameters, %.2f%% of %d",
+                    self.lora.rank, self.lora.hf_targets(), self.lora.scope, adapters, 100 * adapters / total, total)
+
+    def _use_kernels(self, hf_model: torch.nn.Module) -> bool:
+        """liger-kernel's SwiGLU, RoPE and RMSNorm (or the compiled RMSNorm) and the fused query/key norms + RoPE in
+        place of the model's modules, where ``--liger-kernel`` resolved on; whether liger's RoPE took over."""
+        settings = self.settings
+        if not settings.liger_kernel:
+            return False
+        if self.dims.tp > 1:
+            logger.warning("liger-kernel's kernels are not used under tensor parallelism (they take no DTensors)")
+            return False
+        reason = liger_unavailable_reason(settings.device)
+        if reason:
+            raise RuntimeError(f"liger kernels asked for, but {reason}")
+        if settings.rms_norm_kernel not in ("compiled", "liger"):
+            raise ValueError(f"rms_norm_kernel must be 'compiled' or 'liger', not {settings.rms_norm_kernel!r}")
+        counts = apply_liger_kernels(language_model(hf_model),
+                                     rms_norm_forward if settings.rms_norm_kernel == "compiled" else None)
+        fused = fuse_qk_norm_rope(language_model(hf_model)) \
+            if settings.fused_qk_norm_rope and settings.rms_norm_kernel == "compiled" else 0
+        logger.info("liger-kernel: %d SwiGLU MLPs%s; %d RMSNorms (%s); %d attention layers' query/key norms and "
+                    "RoPE fused", counts["swiglu"], ", RoPE" if counts["rope"] else "", counts["rms_norm"],
+                    settings.rms_norm_kernel, fused)
+        return bool(counts["rope"])
+
+    def _distribute(self, hf_model: torch.nn.Module) -> None:
+        """The parallel layout: tensor-parallel plans, experts over their group, then FSDP2's shards."""
+        if self.dims.tp > 1:
+            apply_tensor_parallel(hf_model, self.dims, self.settings.sequence_parallel)
+        if self.dims.ep > 1:
+            apply_expert_parallel(hf_model, self.dims)
+        if self.fsdp:
+            shard_model(self.model, self.settings.compute_dtype, self.dims if self.sharded else None)
+
+    def _set_trainable(self, hf_model: torch.nn.Module) -> None:
+        """Training mode and which parameters take gradients: the adapters alone under LoRA, none when frozen, and
+        the encoders of ``--freeze-vision-tower`` / ``--freeze-audio-tower`` never."""
+        self.model.train(self.trainable)
+        if self.lora is not None:
+            for name, parameter in self.model.named_parameters():
+                parameter.requires_grad_(is_adapter(name))
+        else:
+            self.model.requires_grad_(self.trainable)
+        if self.trainable:
+            frozen = freeze_towers(hf_model, self.settings.freeze_vision_tower, self.settings.freeze_audio_tower)
+            if frozen:
+                logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
 
     def _refuse(self, prefix: str, padded: bool = False, media: bool = False, replay: bool = False,
                 aux_loss: bool = False, extra: dict[str, bool] | None = None) -> None:
