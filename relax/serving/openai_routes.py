@@ -43,8 +43,8 @@ def openai_router(served: ServedModel) -> APIRouter:
         elif prompt and all(isinstance(item, int) for item in prompt):
             prompt = [list(prompt)]  # type: ignore[arg-type]
         admission.check([1] * len(prompt), body.n, 0, "prompt")
-        prompts = [await served.encode(item, "prompt") if isinstance(item, str) else list(item)  # type: ignore[union-attr]
-                   for item in prompt]
+        prompts = [await served.encode(item, "prompt") if isinstance(item, str)
+                   else list(item) for item in prompt]  # type: ignore[union-attr]
         if not prompts or any(not p for p in prompts):
             raise BadRequest("prompt: empty prompt", "prompt")
         params = body.to_engine(body.max_tokens or 16)

@@ -47,8 +47,8 @@ class ServedModel:
     tokenizer: Any
     limits: ModelLimits  # what the model can take (context, vocabulary)
     admission: Admission  # what one request may ask and the server hold in flight
-    model_name: str = "default"
-    model_path: str | None = None
+    model_name: str  # the name /v1/models lists and answers carry
+    model_path: str | None  # where the weights were loaded from (/get_model_info)
 
     async def encode(self, text: str, field: str) -> list[int]:
         """Token ids of ``text``, tokenized in a worker thread (a long text would hold the event loop)."""

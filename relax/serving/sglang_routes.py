@@ -68,7 +68,8 @@ def sglang_router(served: ServedModel, control: Sequence[Depends], weight_update
         else:
             base = body.rid or uuid.uuid4().hex
             rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        requests = [GenerationRequest(rid, list(prompt), p.to_engine(), return_routed_experts=body.return_routed_experts)
+        requests = [GenerationRequest(rid, list(prompt), p.to_engine(),
+                                      return_routed_experts=body.return_routed_experts)
                     for rid, prompt, p in zip(rids, prompts, params)]
         started = time.perf_counter()
         with admission.admit(len(requests)):
