@@ -143,9 +143,13 @@ def read_yaml_settings(path: str | Path) -> dict[str, Any]:
     """Settings from a YAML file, keys normalised to field names; unknown keys are errors."""
     path = Path(path)
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError as err:
         raise ConfigError(f"--config: file not found: {path}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+    except OSError as err:  # a folder, a file without read permission
+        raise ConfigError(f"--config: {path}: cannot be read ({err.strerror or err})") from err
     except yaml.YAMLError as err:
         raise ConfigError(f"--config: {path} is not valid YAML: {err}") from err
     if not isinstance(loaded, dict):

@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from relax.backends.models.family import is_qwen3_omni, model_config_problem, model_files_problem, model_from_config
+from relax.backends.models.family import (
+    is_qwen3_omni,
+    model_config_problem,
+    model_files_problem,
+    model_folder_problem,
+    model_from_config,
+)
 from relax.backends.models.registry import UnsupportedModelError, check_supported
 from relax.backends.models.routing_replay import routing_shape
 from relax.backends.training.lora import inject
@@ -24,6 +30,7 @@ from relax.core.rollout_parts import (
 from relax.core.run_settings import algorithm_spec, custom_policy_loss, lora_settings
 from relax.core.state import checkpoint
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
+from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.data.dataset import DatasetError, parse_data_spec
 from relax.telemetry.notify import invalid_url_positions, split_urls
 
@@ -139,6 +146,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
         eval_rewards.close()
     build_dynamic_sampling(cfg)
     load_generate_function(cfg)
+    check_user_tools(cfg)
     algorithm_spec(cfg)  # the custom advantage and policy-loss functions import
     custom_policy_loss(cfg)
     check_notify_urls(cfg)
@@ -170,6 +178,17 @@ def check_optional_dependencies(cfg: RelaxConfig) -> None:
                               "otherwise)")
 
 
+def check_user_tools(cfg: RelaxConfig) -> None:
+    """Every user tool of --tools imports and can be described to the model (its failure used to surface at the
+    first prompt that offered it, as a traceback)."""
+    for entry in cfg.tools:
+        if entry not in BUILTIN_TOOLS:
+            try:
+                load_user_tool(entry)
+            except (ValueError, ImportError) as err:
+                raise ConfigError(str(err)) from None
+
+
 def check_notify_urls(cfg: RelaxConfig) -> None:
     urls = split_urls(cfg.notify_urls)
     if not urls:
@@ -182,8 +201,9 @@ def check_notify_urls(cfg: RelaxConfig) -> None:
 
 def check_teacher_path(cfg: RelaxConfig, tokenizer) -> Path:
     path = Path(cfg.teacher_hf_checkpoint)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: not a Hugging Face model folder (no config.json)")
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {problem}")
     teacher_vocab = AutoConfig.from_pretrained(path).vocab_size
     if teacher_vocab != AutoConfig.from_pretrained(cfg.hf_checkpoint).vocab_size:
         raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: vocabulary of {teacher_vocab} tokens differs from "

@@ -72,8 +72,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    try:
+        handle = path.open("rb")  # bytes: a line that is not UTF-8 is named by its number, as a JSON error is
+    except OSError as err:
+        raise DatasetError(f"{path}: cannot be read ({err.strerror or err})") from None
+    with handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}: line {line_number}: not UTF-8 text (byte {err.start} of the line: "
+                                   f"{err.reason})") from None
             if not line.strip():
                 continue
             try:

@@ -11,6 +11,13 @@ from typing import Any
 
 logger = logging.getLogger("relax")
 
+
+class NotAFunctionError(ImportError, TypeError):
+    """The path names something that is not callable. An ImportError, as every other failure to get the function
+    is (the callers that turn those into a refusal naming the flag catch ImportError and ValueError), and a
+    TypeError, as it was first raised."""
+
+
 def _split_dotted_path(path: str, flag: str) -> tuple[str, str]:
     """``"pkg.module:fn"`` or ``"pkg.module.fn"`` -> ``("pkg.module", "fn")``."""
     module_name, separator, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
@@ -56,5 +63,5 @@ def load_dotted_function(path: str, flag: str) -> Callable[..., Any]:
     except AttributeError:
         raise ImportError(f"{flag} {path!r}: module {module_name!r} has no attribute {attribute!r}") from None
     if not callable(function):
-        raise TypeError(f"{flag} {path!r}: {attribute!r} is a {type(function).__name__}, not a function")
+        raise NotAFunctionError(f"{flag} {path!r}: {attribute!r} is a {type(function).__name__}, not a function")
     return function

@@ -145,7 +145,8 @@ def test_model_folder_problems_are_named(tiny_workspace, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink(missing_ok=True)
     cases = {str(no_weights): "holds no weights", str(no_tokenizer): "holds no tokenizer",
-             str(tmp_path / "nowhere"): "no such folder", "Qwen/Qwen3-0.6B": "Relax never downloads"}
+             str(tmp_path / "nowhere"): "no such folder", "Qwen/Qwen3-0.6B": "Relax never downloads",
+             **_damaged_model_folders(tiny_workspace / "model", tmp_path)}
     for path, message in cases.items():
         args = tiny_train_args(tiny_workspace, tmp_path / "never", "--num-rollout", "1")
         args[args.index("--hf-checkpoint") + 1] = path
@@ -153,6 +154,70 @@ def test_model_folder_problems_are_named(tiny_workspace, tmp_path, capsys):
         assert code == 2 and message in err and "Traceback" not in err, (path, err)
         code, _, err = _relax(capsys, "serve", "--hf-checkpoint", path, "--port", "1")
         assert code == 2 and message in err, (path, err)
+
+
+def _damaged_model_folders(model, root) -> dict[str, str]:
+    """Copies of a good model folder with one file damaged as downloads and disks damage them, each with what the
+    refusal must say (the damage used to surface as a library's traceback and exit status 1, which a supervised
+    run takes for a machine fault and restarts)."""
+    weights = (model / "model.safetensors").read_bytes()
+    damage = {
+        "config-not-json": ("config.json", b'{"model_type": "qwen3", ', "its config.json cannot be read"),
+        "config-not-utf8": ("config.json", b"\xff\xfe{}", "its config.json cannot be read"),
+        "config-unknown-type": ("config.json", json.dumps({"model_type": "no-such-family"}).encode(),
+                                "its config.json cannot be read"),
+        "tokenizer-not-json": ("tokenizer.json", b'{"version": ', "its tokenizer cannot be loaded"),
+        "weights-truncated": ("model.safetensors", weights[:-100], "model.safetensors: not a readable safetensors"),
+        "weights-garbage": ("model.safetensors", bytes(range(256)) * 4, "model.safetensors: not a readable"),
+        "index-names-a-missing-shard": ("model.safetensors.index.json",
+                                        json.dumps({"weight_map": {"lm_head.weight": "model-2.safetensors"}}).encode(),
+                                        "names 1 missing weight file(s): model-2.safetensors"),
+    }
+    cases = {}
+    for name, (file, content, message) in damage.items():
+        folder = root / name
+        shutil.copytree(model, folder)
+        (folder / file).write_bytes(content)
+        cases[str(folder)] = message
+    return cases
+
+
+_PLUGIN_FLAGS = ("--custom-rm-path", "--custom-advantage-function-path", "--custom-policy-loss-function-path",
+                 "--dynamic-sampling-filter-path", "--custom-generate-function-path", "--rollout-interaction-env-path",
+                 "--tools")
+
+
+def test_every_plugin_flag_refuses_every_kind_of_bad_plugin_naming_itself(tiny_workspace, tmp_path, capsys,
+                                                                          monkeypatch):
+    """A module that does not parse, one that raises on import, a name that is not a function, a missing name, a
+    path without a module: each flag that names user code refuses each of them before a run directory exists, with
+    exit status 2 and the flag in the message (--tools named a non-function in a traceback, and --custom-rm-path
+    too, with exit status 1)."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "relax_test_unparsable.py").write_text("def build_env(:\n    pass\n")
+    (plugins / "relax_test_raising.py").write_text("raise RuntimeError('at import')\n")
+    (plugins / "relax_test_constants.py").write_text("build_env = 3\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    bad = {"relax_test_unparsable:build_env": "SyntaxError", "relax_test_raising:build_env": "at import",
+           "relax_test_constants:build_env": "not a function", "relax_test_constants:absent": "no attribute",
+           "nomodule": "expected 'package.module:function'"}
+    for flag_name in _PLUGIN_FLAGS:
+        for path, reason in bad.items():
+            if flag_name == "--rollout-interaction-env-path":  # a module (its build_env) or a module:function
+                path = path.removesuffix(":build_env")
+                reason = {"not a function": "not a function", "no attribute": "no attribute"}.get(reason, reason)
+                if path == "nomodule":
+                    reason = "No module named 'nomodule'"
+            extra = ("--rm-type", "none") if flag_name == "--custom-rm-path" else ()
+            args = tiny_train_args(tiny_workspace, tmp_path / "never", *extra)
+            if flag_name == "--custom-rm-path":
+                args[args.index("--custom-rm-path") + 1] = path
+            else:
+                args += [flag_name, path]
+            code, _, err = _relax(capsys, "train", *args)
+            assert code == 2 and flag_name in err and reason in err and "Traceback" not in err, (flag_name, path, err)
+            assert not (tmp_path / "never").exists()
 
 
 def test_eval_of_a_missing_load_says_so(capsys, tmp_path):
@@ -176,6 +241,15 @@ def test_every_unknown_yaml_key_is_reported_at_once(tmp_path):
     message = str(error.value)
     assert "'learning_rate'; did you mean 'lr'" in message and "'rollout_batchsize'" in message
     assert "rollout_batch_size" in message and "'not_a_thing'" in message
+
+
+def test_a_config_file_that_is_no_text_is_named(tmp_path, capsys):
+    (tmp_path / "binary.yaml").write_bytes(b"lr: 0.1\n\xff\xfe\x00")
+    (tmp_path / "folder.yaml").mkdir()
+    for name, message in (("binary.yaml", "is not UTF-8 text"), ("folder.yaml", "cannot be read")):
+        code, _, err = _relax(capsys, "train", "--config", str(tmp_path / name))
+        assert code == 2 and f"--config: {tmp_path / name}" in err and message in err, err
+        assert "Traceback" not in err
 
 
 def test_a_bad_value_is_one_line_not_the_usage(capsys):

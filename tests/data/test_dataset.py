@@ -1,10 +1,13 @@
 """Prompt datasets: formats, slices, chat templates, filtering, and errors that name file/row/field."""
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.rollout.generation.data_source import PromptDataSource
@@ -100,3 +103,32 @@ def test_data_source_epochs_and_seeded_shuffle(tmp_path, tokenizer):
     # steps hand out copies: filling one in does not touch the dataset
     shuffled.prompts_for_step(0)[0].tokens.append(99)
     assert 99 not in prompts[0].tokens
+
+
+_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                       max_size=3), max_leaves=6)
+_LINES = st.one_of(
+    st.builds(lambda text: json.dumps({"input": text, "label": "1"}).encode(), st.text(min_size=1, max_size=20)),
+    st.builds(lambda value: json.dumps({"input": value}).encode(), _JSON_VALUES),
+    st.builds(lambda value: json.dumps(value).encode(), _JSON_VALUES),
+    st.binary(max_size=24).filter(lambda raw: b"\n" not in raw and b"\r" not in raw),
+    st.just(b""),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_LINES, min_size=1, max_size=6))
+def test_any_jsonl_file_loads_or_is_refused_naming_the_file(tmp_path, tokenizer, lines):
+    """Whatever bytes a .jsonl holds (text that is not UTF-8, JSON that is not an object, a prompt that is a number
+    or null), loading it gives samples or a DatasetError that names the file and the row or line: never another
+    exception, which would end a run with a traceback instead of the place to fix."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    try:
+        samples = load_prompt_samples(str(path), tokenizer, PromptFormat(input_key="input", label_key=None))
+    except DatasetError as err:
+        assert str(err).startswith(f"{path}:"), err
+        assert re.search(r": (line|row) \d+: |: the file holds no rows", str(err)), err
+    else:
+        assert samples and all(isinstance(sample.prompt, str) for sample in samples)

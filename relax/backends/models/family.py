@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -21,7 +22,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 # The names the model families give the same input; the forward takes whichever its signature has.
 _INPUT_ALIASES = {
@@ -54,7 +61,7 @@ def model_folder_problem(path: str | Path, needs_tokenizer: bool = True) -> str 
 
 
 def model_config_problem(path: str | Path) -> str | None:
-    """`model_folder_problem`'s first half: the folder exists and holds config.json."""
+    """`model_folder_problem`'s first half: the folder exists and holds a config.json transformers can read."""
     folder = Path(path)
     if not folder.exists():
         if _HUB_ID.match(str(path)):
@@ -66,17 +73,59 @@ def model_config_problem(path: str | Path) -> str | None:
         return f"{path}: not a folder (give the Hugging Face model folder, not a file in it)"
     if not (folder / "config.json").is_file():
         return f"{path}: not a Hugging Face model folder (no config.json)"
+    try:
+        AutoConfig.from_pretrained(folder)
+    except Exception as err:  # transformers raises OSError, ValueError or a JSON error for one damaged file
+        return f"{path}: its config.json cannot be read ({_reason(err)})"
     return None
 
 
 def model_files_problem(path: str | Path, needs_tokenizer: bool = True) -> str | None:
-    """`model_folder_problem`'s second half: weights and (``needs_tokenizer``) a tokenizer."""
+    """`model_folder_problem`'s second half: weights whose safetensors headers read (and every shard an index
+    names), and (``needs_tokenizer``) a tokenizer that loads."""
     folder = Path(path)
     if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
         return f"{path}: holds no weights (no *.safetensors or pytorch_model*.bin files)"
     if needs_tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return f"{path}: holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}; save it with tokenizer.save_pretrained)"
+    problem = _safetensors_problem(folder)
+    if problem is None and needs_tokenizer:
+        try:
+            AutoTokenizer.from_pretrained(folder)
+        except Exception as err:  # a damaged tokenizer.json fails inside tokenizers, sentencepiece or json
+            problem = f"{path}: its tokenizer cannot be loaded ({_reason(err)})"
+    return problem
+
+
+def _safetensors_problem(folder: Path) -> str | None:
+    """A damaged or truncated weights file, or a shard the index names that is missing: found by reading each
+    file's header (safetensors checks it against the file's size), not its tensors, so a large model costs
+    milliseconds here instead of a traceback minutes into loading."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_bytes())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{index}: not a safetensors index ({_reason(err)})"
+        missing = sorted(str(shard) for shard in shards if not (folder / str(shard)).is_file())
+        if missing:
+            return f"{index}: names {len(missing)} missing weight file(s): {', '.join(missing[:3])}"
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as err:  # safetensors' own error type, or OSError for an unreadable file
+            return f"{file}: not a readable safetensors file ({_reason(err)})"
     return None
+
+
+def _reason(err: BaseException) -> str:
+    """The exception's type and the first line of its message (transformers appends paragraphs of advice)."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
 # Held while transformers builds a model. Its loading patches process-wide state (parameters are created on the meta

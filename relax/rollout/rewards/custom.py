@@ -16,6 +16,6 @@ def load_custom_reward(path: str) -> Callable[..., Any]:
     """Import the reward function named by ``path`` (``pkg.module:fn`` or ``pkg.module.fn``).
 
     The function is called as ``fn(args, sample)`` (or ``fn(args, samples)`` with ``--group-rm``)
-    and may be ``async def``. Raises ImportError or TypeError naming ``path`` and the reason.
+    and may be ``async def``. Raises ImportError or ValueError naming ``path`` and the reason.
     """
     return load_dotted_function(path, "--custom-rm-path")

@@ -32,6 +32,7 @@ import torch
 from relax.backends.inference.base import GenerationRequest, SamplingParams
 from relax.backends.inference.batcher import RequestBatcher
 from relax.backends.inference.embedded import CoreSettings, EmbeddedEngine
+from relax.backends.models.family import model_folder_problem
 from relax.rollout.rewards.boxed import last_boxed_content
 
 DEFAULT_TEMPLATE = (
@@ -88,10 +89,14 @@ class GenRMSettings:
                    device: str, dtype: str) -> GenRMSettings:
         """Checked settings (raises ValueError naming the flag and key); ``template`` is the template itself or
         the path of a file holding it."""
-        if not Path(model_path).is_dir():
-            raise ValueError(f"--genrm-model-path {model_path}: not a model folder")
+        problem = model_folder_problem(model_path)
+        if problem is not None:
+            raise ValueError(f"--genrm-model-path {problem}")
         if template is not None and Path(template).is_file():
-            template = Path(template).read_text()
+            try:
+                template = Path(template).read_text(encoding="utf-8")
+            except (OSError, UnicodeError) as err:
+                raise ValueError(f"--genrm-prompt-template {template}: unreadable ({err})") from None
         template = template or DEFAULT_TEMPLATE
         try:
             template.format(prompt="", response="", label="")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK
+from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK, model_folder_problem
 
 # Padded tokens of one scoring forward (rows x longest row): bounds its activation memory.
 MAX_BATCH_TOKENS = 16384
@@ -57,9 +57,9 @@ class RewardModelScorer:
     def __init__(self, path: str | Path, device: torch.device | str, dtype: torch.dtype,
                  policy_tokenizer: Any | None = None) -> None:
         self.path = Path(path)
-        config_file = self.path / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"--rm-path {path}: not a model folder (no config.json)")
+        problem = model_folder_problem(self.path, needs_tokenizer=policy_tokenizer is not None)
+        if problem is not None:
+            raise ValueError(f"--rm-path {problem}")
         config = AutoConfig.from_pretrained(self.path)
         if getattr(config, "num_labels", None) != 1:
             raise ValueError(f"--rm-path {path}: a reward model has one label (a scalar score); this config has "

@@ -95,7 +95,7 @@ def test_a_sample_that_cannot_be_scored_fails_alone(reward_model_dir, monkeypatc
 
 
 def test_what_is_not_a_reward_model_of_the_policy_is_refused(reward_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="--rm-path .*not a model folder"):
+    with pytest.raises(ValueError, match="--rm-path .*not a Hugging Face model folder"):
         RewardModelScorer(tmp_path, "cpu", torch.float32)
     classifier = AutoModelForSequenceClassification.from_pretrained(reward_model_dir / "policy", num_labels=3)
     classifier.save_pretrained(tmp_path / "three")
