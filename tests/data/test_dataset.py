@@ -105,9 +105,9 @@ def test_data_source_epochs_and_seeded_shuffle(tmp_path, tokenizer):
     assert 99 not in prompts[0].tokens
 
 
-_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                                       max_size=3), max_leaves=6)
+_JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_JSON_VALUES = st.recursive(_JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                            | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
 _LINES = st.one_of(
     st.builds(lambda text: json.dumps({"input": text, "label": "1"}).encode(), st.text(min_size=1, max_size=20)),
     st.builds(lambda value: json.dumps({"input": value}).encode(), _JSON_VALUES),
