@@ -41,7 +41,7 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
     """Every setting of a run (the sections' classes), checked by their own rules and then by the cross-section
     rules."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
     @property
     def _embedded_rollout(self) -> bool:

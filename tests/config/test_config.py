@@ -92,3 +92,35 @@ def test_lengths_beyond_the_models_positions_are_refused_before_anything_loads(t
     assert main(["train", *args]) == 2
     assert "--rollout-max-response-len 300: the model at" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def _float_fields() -> list[str]:
+    """Every setting whose value is (or may be) a float, found from the annotations rather than listed."""
+    import typing
+
+    names = []
+    for name, field in RelaxConfig.model_fields.items():
+        annotation = field.annotation
+        kinds = typing.get_args(annotation) if typing.get_args(annotation) else (annotation,)
+        if float in kinds:
+            names.append(name)
+    return names
+
+
+YAML_SPELLING = {"inf": ".inf", "-inf": "-.inf", "nan": ".nan"}
+
+
+@pytest.mark.parametrize("value", list(YAML_SPELLING))
+def test_no_float_setting_takes_an_infinity_or_a_nan(value, tmp_path):
+    """`--lr inf` trained (every weight NaN after the first step); no setting gives a meaning to a non-finite value,
+    so every float setting refuses one, from the command line and from a --config file alike, naming its flag."""
+    names = _float_fields()
+    assert {"lr", "eps_clip", "kl_coef", "rollout_temperature"} <= set(names)
+    for name in names:
+        flag_name = "--" + name.replace("_", "-")
+        with pytest.raises(ConfigError, match=f"{flag_name}: Input should be a finite number"):
+            parse_config([f"{flag_name}={value}"])
+        config_file = tmp_path / f"{name}.yaml"
+        config_file.write_text(f"{name}: {YAML_SPELLING[value]}\n")
+        with pytest.raises(ConfigError, match=f"{flag_name}: Input should be a finite number"):
+            parse_config(["--config", str(config_file)])
