@@ -13,7 +13,8 @@ class DataSettings(BaseModel):
     """The prompt data and its media."""
     prompt_data: str | None = setting(
         None,
-        "Training prompts: a .jsonl or .parquet file, optionally sliced as `file.jsonl@[0:100]`.",
+        "Training prompts: a .jsonl, .json (JSON lines or one array of objects) or .parquet file, optionally sliced "
+        "as `file.jsonl@[0:100]`.",
         "data",
     )
     input_key: str = setting("input", "Row field holding the prompt (a string or a list of chat messages).", "data")

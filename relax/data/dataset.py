@@ -56,15 +56,17 @@ def read_spec_rows(spec: str) -> tuple[Path, list[tuple[int, dict[str, Any]]]]:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """All rows of a .jsonl or .parquet file, each a dict."""
+    """All rows of a .jsonl, .json (JSON lines, or one array of objects) or .parquet file, each a dict."""
     if not path.is_file():
         raise DatasetError(f"{path}: file not found")
     if path.suffix == ".parquet":
         rows = _read_parquet(path)
+    elif path.suffix == ".json" and _holds_a_json_array(path):
+        rows = _read_json_array(path)
     elif path.suffix in (".jsonl", ".json"):
         rows = _read_jsonl(path)
     else:
-        raise DatasetError(f"{path}: unsupported format {path.suffix!r}; use .jsonl or .parquet")
+        raise DatasetError(f"{path}: unsupported format {path.suffix!r}; use .jsonl, .json or .parquet")
     if not rows:
         raise DatasetError(f"{path}: the file holds no rows")
     return rows
@@ -79,7 +81,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     with handle:
         for line_number, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a BOM, as Windows tools write
             except UnicodeDecodeError as err:
                 raise DatasetError(f"{path}: line {line_number}: not UTF-8 text (byte {err.start} of the line: "
                                    f"{err.reason})") from None
@@ -92,6 +94,30 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}: line {line_number}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
+    return rows
+
+
+def _holds_a_json_array(path: Path) -> bool:
+    """A .json file is JSON lines (upstream's and most exports' meaning) unless it opens with ``[``: then it is one
+    array of row objects, as `json.dump(rows, file)` and pandas' ``to_json(orient="records")`` write it."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except OSError:
+        return False  # _read_jsonl names the error
+    return head.startswith(b"[")
+
+
+def _read_json_array(path: Path) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: line {err.lineno}: invalid JSON ({err.msg})") from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{row_label(path, index)}: expected a JSON object, got {type(row).__name__}")
     return rows
 
 

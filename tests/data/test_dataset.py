@@ -130,13 +130,13 @@ _LOADERS = {
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(_LINES | st.builds(lambda row: json.dumps(row).encode(), _ROW_FIELDS), min_size=1, max_size=6),
-       loader=st.sampled_from(sorted(_LOADERS)))
-def test_any_jsonl_file_loads_or_is_refused_naming_the_file(tmp_path, tokenizer, lines, loader):
+       loader=st.sampled_from(sorted(_LOADERS)), suffix=st.sampled_from([".jsonl", ".json"]))
+def test_any_jsonl_file_loads_or_is_refused_naming_the_file(tmp_path, tokenizer, lines, loader, suffix):
     """Whatever bytes a .jsonl holds (text that is not UTF-8, JSON that is not an object, a prompt, target or
     completion that is a number, a list or null), loading it for RL prompts, SFT or preference pairs gives samples
     or a DatasetError that names the file: never another exception, which would end a run with a traceback instead
     of the place to fix."""
-    path = tmp_path / "data.jsonl"
+    path = tmp_path / f"data{suffix}"
     path.write_bytes(b"\n".join(lines) + b"\n")
     try:
         samples = _LOADERS[loader](str(path), tokenizer)
@@ -144,3 +144,22 @@ def test_any_jsonl_file_loads_or_is_refused_naming_the_file(tmp_path, tokenizer,
         assert str(err).startswith(f"{path}"), err
     else:
         assert samples and all(isinstance(sample.prompt, str) for sample in samples)
+
+
+def test_a_json_file_may_be_one_array_of_rows_and_a_bom_is_no_error(tmp_path, tokenizer):
+    rows = [{"input": "1+1=", "label": "2"}, {"input": "2+2=", "label": "4"}]
+    array = tmp_path / "rows.json"
+    array.write_text("\ufeff" + json.dumps(rows, indent=2))
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text("\ufeff" + "".join(json.dumps(row) + "\r\n" for row in rows))
+    for path in (array, lines):
+        samples = load_prompt_samples(str(path), tokenizer, PromptFormat())
+        assert [sample.label for sample in samples] == ["2", "4"] and [s.index for s in samples] == [0, 1]
+    sliced = load_prompt_samples(f"{array}@[1:]", tokenizer, PromptFormat())
+    assert [sample.label for sample in sliced] == ["4"]
+    (tmp_path / "bad.json").write_text(json.dumps(rows[:1], indent=2)[:-2])
+    with pytest.raises(DatasetError, match=r"bad.json: line \d+: invalid JSON"):
+        load_prompt_samples(str(tmp_path / "bad.json"), tokenizer, PromptFormat())
+    (tmp_path / "scalars.json").write_text(json.dumps([rows[0], 3]))
+    with pytest.raises(DatasetError, match="scalars.json: row 2: expected a JSON object, got int"):
+        load_prompt_samples(str(tmp_path / "scalars.json"), tokenizer, PromptFormat())
