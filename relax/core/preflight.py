@@ -33,6 +33,7 @@ from relax.core.state.run_dir import loads_a_run_without_checkpoints
 from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.data.dataset import DatasetError, parse_data_spec
 from relax.telemetry.notify import invalid_url_positions, split_urls
+from relax.utils.http_server import ListenError, listening_socket
 
 logger = logging.getLogger("relax")
 
@@ -147,6 +148,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     build_dynamic_sampling(cfg)
     load_generate_function(cfg)
     check_user_tools(cfg)
+    check_ports(cfg)
     algorithm_spec(cfg)  # the custom advantage and policy-loss functions import
     custom_policy_loss(cfg)
     check_notify_urls(cfg)
@@ -186,6 +188,19 @@ def check_user_tools(cfg: RelaxConfig) -> None:
             try:
                 load_user_tool(entry)
             except (ValueError, ImportError) as err:
+                raise ConfigError(str(err)) from None
+
+
+def check_ports(cfg: RelaxConfig) -> None:
+    """The ports the run will listen on are free now (a probe: listened on and let go), so that a taken one fails
+    before the model loads rather than minutes into the run."""
+    ports = {"rollout_api_port": cfg.rollout_api_port,
+             "metrics_service_port": cfg.metrics_service_port if cfg.use_metrics_service else None}
+    for name, port in ports.items():
+        if port:  # (0: the OS picks one)
+            try:
+                listening_socket("127.0.0.1", port, flag(name)).close()
+            except ListenError as err:
                 raise ConfigError(str(err)) from None
 
 

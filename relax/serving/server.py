@@ -13,7 +13,7 @@ from relax.backends.models.family import model_folder_problem
 from relax.serving.app import create_app
 from relax.serving.limits import GenerationLimits
 from relax.utils.cpu_threads import set_cpu_threads
-from relax.utils.http_server import HTTPLimits, uvicorn_config
+from relax.utils.http_server import HTTPLimits, ListenError, listening_socket, uvicorn_config
 
 API_KEY_ENV = "RELAX_API_KEY"
 logger = logging.getLogger(__name__)
@@ -54,6 +54,10 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     torch_device = resolve_device(device)
     if not 0 < mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static {mem_fraction_static}: must be between 0 and 1")
+    try:  # before the model loads: a taken port fails in a second, naming the flag
+        listener = listening_socket(host, port, "--port")
+    except ListenError as err:
+        raise ValueError(str(err)) from None
     if torch_device.type == "cpu":
         from transformers import AutoConfig
 
@@ -67,10 +71,11 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
                      api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root,
                      generation_limits=generation_limits)
-    logger.warning("relax serve: %s on http://%s:%d (control endpoints %s; weight updates from %s)", path, host,
-                   port, "need a bearer token" if api_key else "are open: no API key set",
+    logger.warning("relax serve: %s listening on http://%s:%d (control endpoints %s; weight updates from %s)", path,
+                   host, port, "need a bearer token" if api_key else "are open: no API key set",
                    weight_update_root or "any path")
-    uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level)).run()
+    server = uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level=log_level))
+    server.run(sockets=[listener])
 
 
 def resolve_api_key(flag_value: str | None) -> str | None:

@@ -90,7 +90,7 @@ class MetricsService:
         # uvicorn with the bounds of every Relax server (prometheus_client's own server keeps a thread per connection,
         # with no read deadline and no connection limit); OSError when the port is taken.
         self._server = ThreadedServer(make_asgi_app(self.registry), "127.0.0.1", self.port, name="relax-metrics",
-                                      limits=self.http_limits)
+                                      limits=self.http_limits, where="--metrics-service-port")
         try:
             self._server.start()
         except RuntimeError as error:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -224,6 +225,32 @@ def uvicorn_config(app: Any, limits: HTTPLimits | None = None, **kwargs: Any) ->
     return config
 
 
+class ListenError(OSError):
+    """A server's address cannot be listened on; the message names the flag that chose it and the reason."""
+
+
+def listening_socket(host: str, port: int, port_flag: str, host_flag: str = "--host") -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, for uvicorn's ``serve(sockets=...)``. Bound by the caller,
+    before a model loads, so that a port another process holds or a host that is no address of this machine fails
+    at once as a `ListenError` naming the flag, not after the load in uvicorn, which logs the reason and exits with
+    status 1 or 3 from inside the server."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise ListenError(f"{host_flag} {host}: not an address this machine can listen on "
+                          f"({getattr(err, 'strerror', None) or err})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse a TIME_WAIT port
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as err:
+        sock.close()
+        raise ListenError(f"{port_flag} {port}: cannot listen on {host}:{port} ({err.strerror or err})") from None
+    return sock
+
+
 class EmbeddedServer(uvicorn.Server):
     """A uvicorn server that leaves SIGINT/SIGTERM to the run it is embedded in."""
 
@@ -237,31 +264,37 @@ class ThreadedServer:
     (a training step). ``start`` waits until it listens; ``stop`` until it has shut down."""
 
     def __init__(self, app: Any, host: str, port: int, log_level: str = "warning", name: str = "relax-http",
-                 limits: HTTPLimits | None = None) -> None:
+                 limits: HTTPLimits | None = None, where: str | None = None) -> None:
         self.server = EmbeddedServer(uvicorn_config(app, limits, host=host, port=port, log_level=log_level))
-        self.address = f"{host}:{port}"
+        self.host, self.requested_port, self.address = host, port, f"{host}:{port}"
+        self.where = where or "port"  # the flag that chose the port, for the error
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._error: BaseException | None = None
+        self._socket: socket.socket | None = None
 
     def _run(self) -> None:
         try:
-            asyncio.run(self.server.serve())
+            asyncio.run(self.server.serve(sockets=[self._socket]))
         except BaseException as error:  # noqa: BLE001 - reported by start()
             self._error = error
 
     def start(self, timeout_s: float = 30.0) -> None:
+        """Listen (a `ListenError` naming ``where`` when the port is taken) and serve from the thread."""
+        self._socket = listening_socket(self.host, self.requested_port, self.where)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 problem = self._error or ("the server stopped" if not self._thread.is_alive() else "timeout")
+                self.stop(0)
+                self._socket.close()
                 raise RuntimeError(f"the HTTP server did not start on {self.address}: {problem}")
             time.sleep(0.01)
 
     @property
     def port(self) -> int:
         """The port it listens on (the one the OS chose, when started on port 0)."""
-        return self.server.servers[0].sockets[0].getsockname()[1]
+        return self._socket.getsockname()[1] if self._socket is not None else self.requested_port
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.server.should_exit = True

@@ -95,7 +95,7 @@ async def start_scaling_server(cfg: RelaxConfig, manager: ScaleManager):
     await manager.refresh_replicas()
     api_key = resolve_api_key(cfg.rollout_api_key)
     server = ThreadedServer(create_scaling_app(manager, api_key), "127.0.0.1", cfg.rollout_api_port,
-                            name="relax-scaling-api")
+                            name="relax-scaling-api", where="--rollout-api-port")
     try:
         server.start(START_TIMEOUT_S)
     except RuntimeError as error:

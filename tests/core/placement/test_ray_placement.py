@@ -331,7 +331,12 @@ def non_loopback_listeners(pid: int) -> list[str]:
     import psutil
 
     processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    pids = {process.pid: " ".join(process.cmdline())[:120] for process in processes}
+    pids = {}
+    for process in processes:  # a child that ended and is not reaped yet (a zombie) listens on nothing
+        try:
+            pids[process.pid] = " ".join(process.cmdline())[:120]
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
     return [f"{c.pid} ({pids[c.pid]}): {c.laddr.ip}:{c.laddr.port}" for c in psutil.net_connections(kind="tcp")
             if c.status == psutil.CONN_LISTEN and c.pid in pids
             and c.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
