@@ -30,8 +30,8 @@ from relax.core.rollout_parts import (
 from relax.core.run_settings import algorithm_spec, custom_policy_loss, lora_settings
 from relax.core.state import checkpoint
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
-from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.data.dataset import DatasetError, parse_data_spec
+from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.telemetry.notify import invalid_url_positions, split_urls
 from relax.utils.http_server import ListenError, listening_socket
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -58,16 +59,22 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
         listener = listening_socket(host, port, "--port")
     except ListenError as err:
         raise ValueError(str(err)) from None
-    if torch_device.type == "cpu":
-        from transformers import AutoConfig
+    # Until uvicorn serves, a client's connection waits in the socket's backlog (a readiness poll times out and
+    # polls again) instead of being refused.
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(listener.close)
+        if torch_device.type == "cpu":
+            from transformers import AutoConfig
 
-        set_cpu_threads(AutoConfig.from_pretrained(str(path)).get_text_config().hidden_size, cpu_threads)
-    # Alone on its device, a server may take most of the free memory for its KV pool (the default); one started
-    # beside a trainer (--rollout-engine-protocol relax) gets the run's --mem-fraction-static.
-    engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device), device=torch_device,
-                                            max_batch_size=max_batch_size,
-                                            core=CoreSettings(mode=engine_core, mem_fraction_static=mem_fraction_static,
-                                                              kv_cache_dtype=kv_cache_dtype))
+            set_cpu_threads(AutoConfig.from_pretrained(str(path)).get_text_config().hidden_size, cpu_threads)
+        # Alone on its device, a server may take most of the free memory for its KV pool (the default); one
+        # started beside a trainer (--rollout-engine-protocol relax) gets the run's --mem-fraction-static.
+        engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device),
+                                                device=torch_device, max_batch_size=max_batch_size,
+                                                core=CoreSettings(mode=engine_core,
+                                                                  mem_fraction_static=mem_fraction_static,
+                                                                  kv_cache_dtype=kv_cache_dtype))
+        on_failure.pop_all()  # loaded: the socket is uvicorn's from here
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
                      api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root,
                      generation_limits=generation_limits)
