@@ -216,6 +216,14 @@ class CrossSectionRules(BaseModel):
         if self.changed("rm_ensemble_std_coef") and self.rm_ensemble_reduce != "mean_minus_std":
             raise ValueError(f"{flag('rm_ensemble_std_coef')} weighs the disagreement of {flag('rm_ensemble_reduce')} "
                              f"mean_minus_std, not {self.rm_ensemble_reduce}")
+        judge = [flag(name) for name in ("genrm_prompt_template", "genrm_sampling_config", "genrm_engine_config")
+                 if self.changed(name)]
+        if judge and self.genrm_model_path is None:
+            raise ValueError(f"{', '.join(judge)}: settings of the judge model of {flag('genrm_model_path')}, which "
+                             "is not set")
+        if self.changed("custom_rm_workers") and self.custom_rm_path is None:
+            raise ValueError(f"{flag('custom_rm_workers')}: the processes that run {flag('custom_rm_path')}'s "
+                             "function, which is not set")
         if self.eval_rm_type is not None and not self.eval_prompt_data:
             raise ValueError(f"{flag('eval_rm_type')} grades the held-out sets of {flag('eval_prompt_data')}, and "
                              "there are none")

@@ -51,6 +51,10 @@ def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
         (["--advantage-estimator", "bogus"], "--advantage-estimator: unknown estimator 'bogus'"),
         (["--rollout-temperature", "0"], "--rollout-temperature: Input should be greater than 0"),
         (["--system-prompt", "be brief"], "--system-prompt needs --apply-chat-template"),
+        (["--genrm-sampling-config", '{"temperature": 0.5}', "--genrm-prompt-template", "{prompt}"],
+         "--genrm-prompt-template, --genrm-sampling-config: settings of the judge model of --genrm-model-path, "
+         "which is not set"),
+        (["--custom-rm-workers", "2"], "--custom-rm-workers: the processes that run --custom-rm-path's function"),
     ],
 )
 def test_invalid_settings_name_the_flag(flags, message):
