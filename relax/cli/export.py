@@ -45,19 +45,28 @@ def cmd_export(argv: list[str]) -> int:
         raise CheckpointError(str(error)) from None
     if args.adapter and adapters is None:
         raise CheckpointError(f"--adapter: {args.checkpoint} is not a LoRA run's checkpoint (no {lora.METADATA_FILE})")
-    model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype),
-                                                  merge_adapters=not args.adapter)
-    # Written beside the output and renamed into place: a failed export leaves the old folder (or none).
+    # Written beside the output and renamed into place: a failed export leaves the old folder (or none). Made before
+    # the model loads, so that an output nobody can write to fails at once, naming it.
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    if args.adapter:
-        lora.save_adapter_folder(model, adapters[0], adapters[1], staging)
-    else:
-        model.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(staging)
-    for name in PROCESSOR_FILES:  # a vision-language model's processor: AutoProcessor loads the export
-        if (hf_dir / name).is_file() and not (staging / name).exists():
-            shutil.copyfile(hf_dir / name, staging / name)
+    try:
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise ConfigError(f"{output}: cannot write there ({error.strerror or error})") from None
+    try:
+        model, hf_dir = load_hf_model_from_checkpoint(args.checkpoint, args.step, dtype=getattr(torch, args.dtype),
+                                                      merge_adapters=not args.adapter)
+        if args.adapter:
+            lora.save_adapter_folder(model, adapters[0], adapters[1], staging)
+        else:
+            model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(staging)
+        for name in PROCESSOR_FILES:  # a vision-language model's processor: AutoProcessor loads the export
+            if (hf_dir / name).is_file() and not (staging / name).exists():
+                shutil.copyfile(hf_dir / name, staging / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if output.is_dir():
         shutil.rmtree(output)
     elif output.exists():

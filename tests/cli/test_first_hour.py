@@ -118,6 +118,17 @@ def test_export_refuses_a_used_folder_unless_told(lora_run, tmp_path, capsys):
     assert "torch.distributed is disabled" not in capsys.readouterr().err
 
 
+def test_export_to_where_nothing_can_be_written_is_refused_before_loading(lora_run, tmp_path, capsys):
+    """An output inside a file (or anywhere the folder cannot be made) is named with exit status 2 before the
+    checkpoint loads; it was a traceback after the load."""
+    _, run = lora_run
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "hf"
+    code, _, err = _relax(capsys, "export", str(run), str(target))
+    assert code == 2 and f"{target}: cannot write there (Not a directory)" in err and "Traceback" not in err, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_lora_adapters_refuse_a_changed_base_model(lora_run, tmp_path, capsys):
     base, run = lora_run
     moved = tmp_path / "moved"
