@@ -129,6 +129,19 @@ def test_export_to_where_nothing_can_be_written_is_refused_before_loading(lora_r
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_a_run_folder_that_cannot_be_made_is_named(tiny_workspace, tmp_path, capsys):
+    """--output-dir or --save inside a file: exit status 2 naming the flag, before training (--save failed at the
+    first checkpoint, after a step's work), and no folder left behind."""
+    (tmp_path / "a-file").write_text("")
+    cases = {"--output-dir": ["--output-dir", str(tmp_path / "a-file" / "run")],
+             "--save": ["--output-dir", str(tmp_path / "run"), "--save", str(tmp_path / "a-file" / "ck")]}
+    for name, flags in cases.items():
+        code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, tmp_path / "unused", "--num-rollout",
+                                                                "1", *flags))
+        assert code == 2 and f"{name} {tmp_path / 'a-file'}/" in err and "cannot make the folder" in err, err
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_lora_adapters_refuse_a_changed_base_model(lora_run, tmp_path, capsys):
     base, run = lora_run
     moved = tmp_path / "moved"

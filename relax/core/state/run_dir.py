@@ -65,8 +65,22 @@ def prepare_run_dir(cfg: RelaxConfig) -> bool:
                 f"or choose another {flag('output_dir')}")
         clear_run_files(directory, cfg.save_dir)
     created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
+    _make_folder(directory, "output_dir")
+    if cfg.save:  # elsewhere: made now, so that a place nobody can write to fails before the first step, not at
+        try:  # the first save
+            _make_folder(cfg.save_dir, "save")
+        except ConfigError:
+            if created:
+                directory.rmdir()
+            raise
     return created
+
+
+def _make_folder(directory: Path, name: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{flag(name)} {directory}: cannot make the folder ({error.strerror or error})") from None
 
 
 def clear_run_files(directory: Path, save_dir: Path) -> None:
