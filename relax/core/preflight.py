@@ -137,9 +137,10 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     check_data_files(cfg, training)
     if cfg.load and not loads_a_run_without_checkpoints(cfg):
         try:
-            checkpoint.resolve_checkpoint_root(cfg.load)
+            root = checkpoint.resolve_checkpoint_root(cfg.load)
         except checkpoint.CheckpointError as error:
             raise ConfigError(f"{flag('load')} {error}") from None
+        check_load_matches_model(cfg, root, config, model_path)
     if cfg.loss_type != "rm":  # (a reward model's run rewards nothing)
         build_reward_computer(cfg).close()
     eval_rewards = build_eval_reward_computer(cfg)
@@ -153,6 +154,32 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     custom_policy_loss(cfg)
     check_notify_urls(cfg)
     return model_path
+
+
+# The fields of a text config that fix the shapes of the weights a checkpoint holds.
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size",
+                "tie_word_embeddings")
+
+
+def check_load_matches_model(cfg: RelaxConfig, root: Path, config, model_path: Path) -> None:
+    """--load's checkpoints were written for a model of --hf-checkpoint's shapes (the config they keep in ``hf/``):
+    a different model failed inside torch's checkpoint reader, after the model loaded, as a size mismatch with
+    exit status 1 (which a supervised run takes for a fault and restarts)."""
+    saved_file = root / checkpoint.HF_DIR / "config.json"
+    if not saved_file.is_file():  # a checkpoint written before the folder existed: the reader checks the shapes
+        return
+    try:
+        saved = AutoConfig.from_pretrained(saved_file.parent).get_text_config()
+    except Exception as error:  # noqa: BLE001 - a damaged copy: named, as the model folder's own would be
+        raise ConfigError(f"{flag('load')} {saved_file}: cannot be read ({type(error).__name__}: {error})") from None
+    ours = config.get_text_config()
+    differ = [f"{name} {getattr(saved, name, None)} there, {getattr(ours, name, None)} here" for name in SHAPE_FIELDS
+              if getattr(saved, name, None) != getattr(ours, name, None)]
+    if differ:
+        raise ConfigError(f"{flag('load')} {cfg.load}: its checkpoints are of another model than "
+                          f"{flag('hf_checkpoint')} {model_path} ({'; '.join(differ)}); resume with the model the run "
+                          "started from")
 
 
 def check_optional_dependencies(cfg: RelaxConfig) -> None:

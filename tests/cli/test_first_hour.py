@@ -142,6 +142,22 @@ def test_a_run_folder_that_cannot_be_made_is_named(tiny_workspace, tmp_path, cap
         assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_resuming_with_another_model_is_refused_before_it_loads(lora_run, tiny_workspace, tmp_path, capsys):
+    """--load of a run whose checkpoints hold other shapes than --hf-checkpoint: exit status 2 naming both flags and
+    the fields that differ (it was torch's size-mismatch traceback after the load, exit status 1)."""
+    from tests.support.tiny_assets import build_tiny_model_dir
+
+    _, run = lora_run
+    wider = build_tiny_model_dir(tmp_path / "wider", hidden_size=96)
+    moved = tmp_path / "run"
+    shutil.copytree(run, moved)
+    args = tiny_train_args(tiny_workspace, moved, "--num-rollout", "2", "--load", str(moved))
+    args[args.index("--hf-checkpoint") + 1] = str(wider)
+    code, _, err = _relax(capsys, "train", *args)
+    assert code == 2 and f"--load {moved}: its checkpoints are of another model than --hf-checkpoint {wider}" in err
+    assert "hidden_size 64 there, 96 here" in err and "Traceback" not in err, err
+
+
 def test_lora_adapters_refuse_a_changed_base_model(lora_run, tmp_path, capsys):
     base, run = lora_run
     moved = tmp_path / "moved"
