@@ -18,6 +18,7 @@ from relax.backends.models.family import (
 )
 from relax.backends.models.registry import UnsupportedModelError, check_supported
 from relax.backends.models.routing_replay import routing_shape
+from relax.backends.training import lora
 from relax.backends.training.lora import inject
 from relax.backends.training.moe import moe_aux_loss
 from relax.config import ConfigError, RelaxConfig, flag
@@ -166,20 +167,44 @@ def check_load_matches_model(cfg: RelaxConfig, root: Path, config, model_path: P
     """--load's checkpoints were written for a model of --hf-checkpoint's shapes (the config they keep in ``hf/``):
     a different model failed inside torch's checkpoint reader, after the model loaded, as a size mismatch with
     exit status 1 (which a supervised run takes for a fault and restarts)."""
-    saved_file = root / checkpoint.HF_DIR / "config.json"
-    if not saved_file.is_file():  # a checkpoint written before the folder existed: the reader checks the shapes
-        return
     try:
-        saved = AutoConfig.from_pretrained(saved_file.parent).get_text_config()
-    except Exception as error:  # noqa: BLE001 - a damaged copy: named, as the model folder's own would be
-        raise ConfigError(f"{flag('load')} {saved_file}: cannot be read ({type(error).__name__}: {error})") from None
+        saved = AutoConfig.from_pretrained(root / checkpoint.HF_DIR).get_text_config()
+    except Exception:  # noqa: BLE001 - none yet, or a write cut short, which the next save repairs: the reader
+        saved = None  # checks the shapes then
     ours = config.get_text_config()
     differ = [f"{name} {getattr(saved, name, None)} there, {getattr(ours, name, None)} here" for name in SHAPE_FIELDS
-              if getattr(saved, name, None) != getattr(ours, name, None)]
+              if saved is not None and getattr(saved, name, None) != getattr(ours, name, None)]
     if differ:
         raise ConfigError(f"{flag('load')} {cfg.load}: its checkpoints are of another model than "
                           f"{flag('hf_checkpoint')} {model_path} ({'; '.join(differ)}); resume with the model the run "
                           "started from")
+    check_load_matches_adapters(cfg, root, model_path)
+
+
+def check_load_matches_adapters(cfg: RelaxConfig, root: Path, model_path: Path) -> None:
+    """A LoRA run resumes as a LoRA run with the same adapters, on the base model they were trained on; a full
+    fine-tune resumes without adapters (either way round, the checkpoint reader failed on missing or resized
+    weights after the model loaded)."""
+    adapters_saved = (root / lora.METADATA_FILE).is_file()
+    if not adapters_saved and not cfg.lora_rank:
+        return
+    if not adapters_saved:
+        raise ConfigError(f"{flag('lora_rank')} {cfg.lora_rank}: the checkpoints of {flag('load')} {cfg.load} hold "
+                          f"a full fine-tune, not adapters; resume without {flag('lora_rank')}")
+    try:
+        saved, _ = lora.read_metadata(root, model_path)
+    except lora.BaseModelChangedError as error:
+        raise ConfigError(f"{flag('load')} {error}") from None
+    if not cfg.lora_rank:
+        raise ConfigError(f"{flag('load')} {cfg.load}: its checkpoints hold LoRA adapters (rank {saved.rank}); resume "
+                          f"with {flag('lora_rank')} {saved.rank} and the run's other LoRA settings")
+    asked = lora_settings(cfg)
+    names = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules", "scope": "lora_scope"}
+    differ = [f"{flag(option)} {getattr(saved, field)} there, {getattr(asked, field)} here"
+              for field, option in names.items() if getattr(saved, field) != getattr(asked, field)]
+    if differ:
+        raise ConfigError(f"{flag('load')} {cfg.load}: its adapters were trained with other LoRA settings "
+                          f"({'; '.join(differ)}); resume with the run's own")
 
 
 def check_optional_dependencies(cfg: RelaxConfig) -> None:

@@ -158,6 +158,30 @@ def test_resuming_with_another_model_is_refused_before_it_loads(lora_run, tiny_w
     assert "hidden_size 64 there, 96 here" in err and "Traceback" not in err, err
 
 
+def test_resuming_with_other_adapters_or_none_is_refused_before_the_model_loads(lora_run, tiny_workspace, tmp_path,
+                                                                               capsys):
+    """A LoRA run resumed with another rank, or without LoRA, and a full fine-tune resumed with LoRA: exit status 2
+    naming the settings (each was a size-mismatch or missing-key traceback after the load), and the run's
+    config.yaml is left as it was (the failed start used to overwrite it with the refused settings)."""
+    base, run = lora_run
+    moved = tmp_path / "lora-run"
+    shutil.copytree(run, moved)
+    saved_config = (moved / "config.yaml").read_text()
+    resume = tiny_train_args(tiny_workspace, moved, "--num-rollout", "2", "--load", str(moved))
+    resume[resume.index("--hf-checkpoint") + 1] = str(base)
+    for extra, message in ((["--lora-rank", "8"], "trained with other LoRA settings (--lora-rank 4 there, 8 here)"),
+                           ([], "its checkpoints hold LoRA adapters (rank 4); resume with --lora-rank 4")):
+        code, _, err = _relax(capsys, "train", *resume, *extra)
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert (moved / "config.yaml").read_text() == saved_config
+    full = tmp_path / "full-run"
+    assert _relax(capsys, "train", *tiny_train_args(tiny_workspace, full, "--num-rollout", "1",
+                                                     "--skip-eval-before-train"))[0] == 0
+    code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, full, "--num-rollout", "2", "--load",
+                                                             str(full), "--lora-rank", "4"))
+    assert code == 2 and "hold a full fine-tune, not adapters; resume without --lora-rank" in err, err
+
+
 def test_lora_adapters_refuse_a_changed_base_model(lora_run, tmp_path, capsys):
     base, run = lora_run
     moved = tmp_path / "moved"
