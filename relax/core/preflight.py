@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from relax.backends.models.family import (
     is_qwen3_omni,
@@ -15,6 +15,7 @@ from relax.backends.models.family import (
     model_files_problem,
     model_folder_problem,
     model_from_config,
+    read_tokenizer,
 )
 from relax.backends.models.registry import UnsupportedModelError, check_supported
 from relax.backends.models.routing_replay import routing_shape
@@ -268,13 +269,17 @@ def check_notify_urls(cfg: RelaxConfig) -> None:
 
 def check_teacher_path(cfg: RelaxConfig, tokenizer) -> Path:
     path = Path(cfg.teacher_hf_checkpoint)
-    problem = model_folder_problem(path)
+    problem = model_folder_problem(path, needs_tokenizer=False)  # its tokenizer is read below, once
     if problem is not None:
         raise ConfigError(f"{flag('teacher_hf_checkpoint')} {problem}")
     teacher_vocab = AutoConfig.from_pretrained(path).vocab_size
     if teacher_vocab != AutoConfig.from_pretrained(cfg.hf_checkpoint).vocab_size:
         raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: vocabulary of {teacher_vocab} tokens differs from "
                           f"the student's; distillation compares log-probs token by token")
-    if AutoTokenizer.from_pretrained(path).get_vocab() != tokenizer.get_vocab():
+    try:
+        teacher_tokenizer = read_tokenizer(path)
+    except ValueError as error:
+        raise ConfigError(f"{flag('teacher_hf_checkpoint')} {error}") from None
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"{flag('teacher_hf_checkpoint')} {path}: its tokenizer differs from the student's")
     return path

@@ -91,10 +91,19 @@ def model_files_problem(path: str | Path, needs_tokenizer: bool = True) -> str |
     problem = _safetensors_problem(folder)
     if problem is None and needs_tokenizer:
         try:
-            AutoTokenizer.from_pretrained(folder)
-        except Exception as err:  # a damaged tokenizer.json fails inside tokenizers, sentencepiece or json
-            problem = f"{path}: its tokenizer cannot be loaded ({_reason(err)})"
+            read_tokenizer(folder)
+        except ValueError as err:
+            problem = str(err)
     return problem
+
+
+def read_tokenizer(path: str | Path):
+    """The folder's tokenizer; a ValueError naming the folder when it does not load (a damaged tokenizer.json fails
+    inside tokenizers, sentencepiece or json). For callers that use the tokenizer, so it is loaded once."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - each library raises its own kinds
+        raise ValueError(f"{path}: its tokenizer cannot be loaded ({_reason(err)})") from None
 
 
 def _safetensors_problem(folder: Path) -> str | None:

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK, model_folder_problem
+from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK, model_folder_problem, read_tokenizer
 
 # Padded tokens of one scoring forward (rows x longest row): bounds its activation memory.
 MAX_BATCH_TOKENS = 16384
@@ -57,7 +57,7 @@ class RewardModelScorer:
     def __init__(self, path: str | Path, device: torch.device | str, dtype: torch.dtype,
                  policy_tokenizer: Any | None = None) -> None:
         self.path = Path(path)
-        problem = model_folder_problem(self.path, needs_tokenizer=policy_tokenizer is not None)
+        problem = model_folder_problem(self.path, needs_tokenizer=False)  # its tokenizer is read below, once
         if problem is not None:
             raise ValueError(f"--rm-path {problem}")
         config = AutoConfig.from_pretrained(self.path)
@@ -65,7 +65,10 @@ class RewardModelScorer:
             raise ValueError(f"--rm-path {path}: a reward model has one label (a scalar score); this config has "
                              f"{getattr(config, 'num_labels', None)}")
         if policy_tokenizer is not None:
-            own = AutoTokenizer.from_pretrained(self.path)
+            try:
+                own = read_tokenizer(self.path)
+            except ValueError as error:
+                raise ValueError(f"--rm-path {error}") from None
             if own.get_vocab() != policy_tokenizer.get_vocab():
                 raise ValueError(f"--rm-path {path}: its tokenizer is not the policy's; the reward model reads the "
                                  "samples' token ids, so it must share the policy's tokenizer (train it from the "
