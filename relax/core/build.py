@@ -50,6 +50,7 @@ from relax.core.rollout_parts import (
     remote_reward,
 )
 from relax.core.run_settings import (
+    actor_train_settings,
     algorithm_spec,
     custom_policy_loss,
     eval_sampling,
@@ -144,9 +145,8 @@ def build_actor(ctx: BuildContext) -> Actor:
         loss_fn = build_reward_model_loss_fn()
     else:
         loss_fn = build_policy_loss_fn(policy_loss_settings(cfg, ctx.spec), custom=custom_policy_loss(cfg))
-    # The policy replays the rollout's routing (R3); the frozen reference routes by itself.
-    settings = replace(ctx.settings, routing_replay=cfg.use_rollout_routing_replay)
-    backend = FSDPTrainBackend(ctx.model_path, settings, score_head=cfg.loss_type == "rm")
+    backend = FSDPTrainBackend(ctx.model_path, actor_train_settings(cfg, ctx.settings),
+                               score_head=cfg.loss_type == "rm")
     return Actor(backend, loss_fn, cfg.train_batch_size,
                  routing_replay=cfg.use_rollout_routing_replay, loss_aggregation=cfg.loss_aggregation)
 

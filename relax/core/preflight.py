@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -20,16 +21,27 @@ from relax.backends.models.family import (
 from relax.backends.models.registry import UnsupportedModelError, check_supported
 from relax.backends.models.routing_replay import routing_shape
 from relax.backends.training import lora
+from relax.backends.training.layout import check_layout, trainer_uses
 from relax.backends.training.lora import inject
+from relax.backends.training.mesh import ParallelDims
 from relax.backends.training.moe import moe_aux_loss
 from relax.config import ConfigError, RelaxConfig, flag
+from relax.core.roles import roles_for_config
 from relax.core.rollout_parts import (
     build_dynamic_sampling,
     build_eval_reward_computer,
     build_reward_computer,
     load_generate_function,
 )
-from relax.core.run_settings import algorithm_spec, custom_policy_loss, lora_settings
+from relax.core.run_settings import (
+    actor_train_settings,
+    algorithm_spec,
+    custom_policy_loss,
+    lora_settings,
+    resolve_device,
+    resolve_dtype,
+    train_settings,
+)
 from relax.core.state import checkpoint
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
 from relax.data.dataset import DatasetError, parse_data_spec
@@ -120,6 +132,42 @@ def check_context_length(cfg: RelaxConfig, config, model_path: Path) -> None:
                           f"{limit} positions of the model at {model_path}")
 
 
+def trainer_processes(cfg: RelaxConfig, role: str) -> int:
+    """The processes that hold ``role``'s model together (one FSDP2 process group): its --resource replicas with
+    --placement ray (the reference of --hybrid lives in the actor's), torchrun's WORLD_SIZE in process."""
+    if cfg.placement == "ray":
+        if role == "reference" and cfg.hybrid:
+            role = "actor"
+        return int(cfg.resource.get(role, [1, 1])[0])
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_parallel_layout(cfg: RelaxConfig, config, model_path: Path) -> None:
+    """The parallel sizes fit each trainer's processes and the model (heads, key-value heads, experts, layers, a
+    tensor-parallel plan), and what each trainer does is built for its layout: the trainer's own check
+    (`layout.check_layout`) on the settings it will get, which failed after the model loaded, with a traceback and
+    exit status 1."""
+    roles = roles_for_config(cfg)
+    device = resolve_device(cfg)
+    settings = train_settings(cfg, device, resolve_dtype(cfg, device), pad_token_id=0, total_steps=1)
+    for role in ("actor", "critic", "reference"):
+        if role not in roles:
+            continue
+        trainable, value_head = role != "reference", role == "critic" or cfg.loss_type == "rm"
+        uses = trainer_uses(actor_train_settings(cfg, settings) if role == "actor" else settings, config,
+                            trainable, value_head)
+        processes = trainer_processes(cfg, role)
+        dims = ParallelDims(processes, tp=cfg.tensor_model_parallel_size, ep=cfg.expert_model_parallel_size,
+                            cp=cfg.context_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                            dp_replicate=cfg.data_parallel_replicate_size)
+        try:
+            check_layout(dims, config, uses)
+        except ValueError as error:
+            where = f"--resource {role}: {processes} processes" if cfg.placement == "ray" else \
+                f"{processes} process{'es' if processes > 1 else ''}"
+            raise ConfigError(f"{error} (the {role} of the model at {model_path}, {where})") from None
+
+
 def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     """The checks a run's settings allow without loading a model or data, done before a run directory exists:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
@@ -136,6 +184,8 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
                           "take video with its sound track here; the Qwen3-Omni thinker does (Qwen2.5-Omni "
                           "interleaves by chunks of seconds, not built yet)")
     check_context_length(cfg, config, model_path)
+    if training:
+        check_parallel_layout(cfg, config, model_path)
     check_data_files(cfg, training)
     if cfg.load and not loads_a_run_without_checkpoints(cfg):
         try:

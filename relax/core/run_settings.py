@@ -130,3 +130,8 @@ def train_settings(cfg: RelaxConfig, device: torch.device, dtype: torch.dtype, p
         "log_probs_keep_logits": cfg.log_probs_keep_logits == "on",
         "lora": lora_settings(cfg) if cfg.lora_rank else None,
     })
+
+
+def actor_train_settings(cfg: RelaxConfig, settings: TrainSettings) -> TrainSettings:
+    """The policy's settings: it replays the rollout's routing (R3); the frozen reference routes by itself."""
+    return dataclasses.replace(settings, routing_replay=cfg.use_rollout_routing_replay)

@@ -63,7 +63,8 @@ from relax.backends.training.liger import (
 from relax.backends.training.log_probs import TokenLogProbs
 from relax.backends.training.lora import inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, embed_in_compute_dtype, use_master_weight_linears
-from relax.backends.training.mesh import CP_FLAG, PP_FLAG, SP_FLAG, TP_FLAG, ParallelDims
+from relax.backends.training.layout import check_layout, trainer_uses
+from relax.backends.training.mesh import ParallelDims
 from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.optimizer import build_optimizer
 from relax.backends.training.packing import (
@@ -129,7 +130,8 @@ class FSDPTrainBackend(TrainBackend):
                                  ep=settings.expert_model_parallel_size, cp=settings.context_parallel_size,
                                  pp=settings.pipeline_model_parallel_size,
                                  dp_replicate=settings.data_parallel_replicate_size)
-        self.dims.check(hf_model.config)
+        check_layout(self.dims, hf_model.config, trainer_uses(settings, hf_model.config, trainable,
+                                                              self.value_head))
         if settings.moe_grouped_gemm and (experts := use_grouped_experts(hf_model)):
             logger.info("mixture-of-experts: %d expert layers as grouped GEMMs in %s", experts,
                         str(settings.compute_dtype).removeprefix("torch."))
@@ -151,7 +153,6 @@ class FSDPTrainBackend(TrainBackend):
         self._offloaded = False
         self._offloaded_state: list[tuple[dict, str]] = []
         media_ids = MediaTokens.of(hf_model.config).never_generated
-        self._multimodal = bool(media_ids)
         self._suppressed_ids = torch.tensor(media_ids, device=settings.device) if media_ids else None
         self._moe_aux = moe_aux_loss(hf_model, settings.moe_aux_loss_coef) if trainable and not self.value_head \
             else None
@@ -164,13 +165,6 @@ class FSDPTrainBackend(TrainBackend):
         if self._moe_aux is not None:
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
-        if self.dims.cp > 1:
-            self._refuse(f"--context-parallel-size {self.dims.cp} splits packed rows; not built yet with",
-                         padded=True, replay=True, aux_loss=True)
-        if settings.sequence_parallel:
-            self._refuse(f"{SP_FLAG}: not built with", padded=True, media=True,
-                         extra={f"{TP_FLAG} 1 (nothing to split the tokens over)": self.dims.tp == 1,
-                                PP_FLAG: self.dims.pp > 1, CP_FLAG: self.dims.cp > 1})
         self._open_step: _OpenStep | None = None
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
@@ -210,9 +204,6 @@ class FSDPTrainBackend(TrainBackend):
         """LoRA's adapters on the projections ``self.lora`` targets (none without ``--lora-rank``)."""
         if self.lora is None:
             return
-        if self.dims.tp > 1:
-            raise ValueError("--lora-rank with --tensor-model-parallel-size > 1 is not supported yet: the adapters "
-                             "would wrap the projections the plan splits")
         adapters = inject(hf_model, self.lora)
         total = sum(p.numel() for p in hf_model.parameters())
         logger.info("LoRA rank %d on %s (--lora-scope %s): %d adapter parameters, %.2f%% of %d",
@@ -264,23 +255,9 @@ class FSDPTrainBackend(TrainBackend):
             if frozen:
                 logger.info("froze %d encoder parameters (--freeze-vision-tower / --freeze-audio-tower)", frozen)
 
-    def _refuse(self, prefix: str, padded: bool = False, media: bool = False, replay: bool = False,
-                aux_loss: bool = False, extra: dict[str, bool] | None = None) -> None:
-        """ValueError ``prefix`` + what of the asked kinds this backend has (a layout not built with them yet)."""
-        reasons = {"padded micro-batches (--no-sequence-packing, or a family that cannot pack)":
-                   padded and not self.settings.sequence_packing,
-                   "images, video or audio (a multimodal family)": media and self._multimodal,
-                   "routing replay": replay and self._routing is not None,
-                   "a mixture-of-experts auxiliary loss": aux_loss and self._moe_aux is not None, **(extra or {})}
-        refused = [reason for reason, applies in reasons.items() if applies]
-        if refused:
-            raise ValueError(f"{prefix} {', '.join(refused)} (docs/parallelism.md)")
-
     def _pipeline_stage(self, hf_model) -> PipelineStageModel:
-        """This rank's stage of the model (`pipeline`), once what pipelining does not take yet is refused."""
-        self._refuse(f"{PP_FLAG} {self.dims.pp}: not built yet with", padded=True, media=True, replay=True,
-                     aux_loss=True, extra={"a critic or reward model (value head)": self.value_head,
-                                           "LoRA": self.lora is not None})
+        """This rank's stage of the model (`pipeline`); what pipelining does not take yet was refused by
+        `check_layout`."""
         self._tied_embedding = ties_embeddings(hf_model)
         stage, stages = self.dims.pp_rank, self.dims.pp
         layers = stage_layers(hf_model.config.get_text_config().num_hidden_layers, stages,

@@ -26,14 +26,22 @@ class MoeAuxLoss:
         return self.loss_fn(router_logits, self.num_experts, self.top_k, attention_mask)
 
 
+def aux_loss_coef(config, coef: float | None) -> float:
+    """The auxiliary loss's weight for a model of ``config``: ``--moe-aux-loss-coef``, or where that is None the
+    family's own (its ``router_aux_loss_coef`` when its config turns router logits on); 0: no loss."""
+    if coef is not None:
+        return coef
+    text = config.get_text_config()
+    return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if getattr(text, "output_router_logits",
+                                                                              False) else 0.0
+
+
 def moe_aux_loss(model: torch.nn.Module, coef: float | None) -> MoeAuxLoss | None:
     """The loss to add for ``model`` (None: none), ``coef`` being ``--moe-aux-loss-coef`` (None: the family's)."""
     config = model.config.get_text_config()
     loss_fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if coef is None:
-        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(
-            config, "output_router_logits", False) else 0.0
+    coef = aux_loss_coef(model.config, coef)
     if coef == 0:
         return None
     if loss_fn is None or not num_experts:

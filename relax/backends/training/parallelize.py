@@ -49,12 +49,12 @@ def _style(kind: str, name: str = "", sequence_parallel: bool = False):
     raise ValueError(f"unknown tensor-parallel style {kind!r}")
 
 
-def tensor_parallel_plan(hf_model: nn.Module):
-    """The family's plan for ``hf_model`` (refused, naming the flag, where the family has none)."""
-    family = family_of(hf_model.config.model_type)
+def tensor_parallel_plan(config):
+    """The family's plan for a model of ``config`` (refused, naming the flag, where the family has none)."""
+    family = family_of(config.model_type)
     plan = PLANS[family.parallel_plan] if family is not None else None
     if plan is None or not plan.tensor:
-        name = family.name if family is not None else f"model_type {hf_model.config.model_type!r}"
+        name = family.name if family is not None else f"model_type {config.model_type!r}"
         raise ValueError(f"{TP_FLAG}: {name} has no tensor-parallel plan (docs/parallelism.md)")
     return plan
 
@@ -99,7 +99,7 @@ def _sequence_parallel_styles(decoder: nn.Module) -> dict[str, object]:
 def apply_tensor_parallel(hf_model: nn.Module, dims: ParallelDims, sequence_parallel: bool = False) -> int:
     """Split ``hf_model``'s language model over the mesh's tensor axis (with ``sequence_parallel``, the activations
     between the blocks' projections too, by token); returns the modules split."""
-    plan = tensor_parallel_plan(hf_model)
+    plan = tensor_parallel_plan(hf_model.config)
     decoder = language_model(hf_model)
     # the plan's patterns resolved to the modules this model has (hybrid families: some layers lack attention)
     styles = {name: _style(kind, name, sequence_parallel) for name, _ in decoder.named_modules()

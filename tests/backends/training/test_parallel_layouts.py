@@ -219,7 +219,7 @@ def test_a_family_without_a_plan_is_refused_naming_the_flag(models):
 
     config = transformers.CONFIG_MAPPING["glm_moe_dsa"](num_hidden_layers=1, hidden_size=32, num_attention_heads=2)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size: GLM-5 .* has no tensor-parallel plan"):
-        tensor_parallel_plan(type("Model", (), {"config": config})())
+        tensor_parallel_plan(config)
 
 
 def test_the_flag_reaches_the_trainer_and_the_upstream_flags_left_are_refused_with_a_reason():
@@ -301,6 +301,95 @@ def test_pipeline_stages_hold_every_layer_once_in_order_or_the_split_is_refused_
 def test_pipeline_beside_context_parallel_is_refused_naming_the_flags():
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size with --context-parallel-size is not"):
         ParallelDims(4, cp=2, pp=2).check()
+
+
+# What `check_layout` refuses beyond the sizes, as docs/parallelism.md states it: (what is asked, what it is refused
+# with). Each entry is a LayoutUses field, or "multimodal" for a vision-language model.
+NOT_BUILT_WITH = {
+    "pp": {"padded", "multimodal", "routing_replay", "moe_aux_loss", "value_head", "lora"},
+    "cp": {"padded", "routing_replay", "moe_aux_loss"},
+    "sp": {"padded", "multimodal", "tp1", "pp", "cp"},
+}
+
+
+@given(tp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), sp=st.booleans(),
+       packing=st.booleans(), lora=st.booleans(), replay=st.booleans(), aux=st.booleans(), value_head=st.booleans(),
+       multimodal=st.booleans())
+def test_a_combination_is_refused_exactly_when_docs_say_it_is_not_built_naming_the_flag(tp, cp, pp, sp, packing, lora,
+                                                                                       replay, aux, value_head,
+                                                                                       multimodal):
+    from relax.backends.training.layout import LayoutUses, check_layout
+
+    config = _vl_config() if multimodal else transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2,
+                                                                        num_hidden_layers=4)
+    dims = ParallelDims(tp * cp * pp, tp=tp, cp=cp, pp=pp)
+    uses = LayoutUses(sequence_packing=packing, sequence_parallel=sp, lora=lora, routing_replay=replay,
+                      moe_aux_loss=aux, value_head=value_head)
+    has = {"padded": not packing, "multimodal": multimodal, "routing_replay": replay, "moe_aux_loss": aux,
+           "value_head": value_head, "lora": lora, "tp1": tp == 1, "pp": pp > 1, "cp": cp > 1}
+    asked = {"pp": pp > 1, "cp": cp > 1, "sp": sp}
+    refused = (pp > 1 and cp > 1) or (lora and tp > 1) or any(
+        asked[kind] and any(has[what] for what in NOT_BUILT_WITH[kind]) for kind in NOT_BUILT_WITH)
+    if not refused:
+        check_layout(dims, config, uses)
+        return
+    with pytest.raises(ValueError, match="--(pipeline-model|context|tensor-model)-parallel-size|--sequence-parallel"):
+        check_layout(dims, config, uses)
+
+
+def _vl_config():
+    return transformers.Qwen2_5_VLConfig(text_config={"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "num_hidden_layers": 4, "hidden_size": 64})
+
+
+# (WORLD_SIZE, flags, what the message names): layouts the trainer cannot build, each a different reason.
+LAYOUTS_THE_TRAINER_CANNOT_BUILD = [
+    ("1", ["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 x --context-parallel-size 1 does "
+                                                 "not divide the 1 training processes"),
+    ("2", ["--data-parallel-replicate-size", "4"], "--data-parallel-replicate-size 4"),
+    ("4", ["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide the model's "
+                                                 "num_key_value_heads (2)"),
+    ("4", ["--context-parallel-size", "4", "--tensor-model-parallel-size", "1"], None),  # 4 heads: it fits
+    ("2", ["--tensor-model-parallel-size", "2", "--lora-rank", "4"], "--lora-rank with --tensor-model-parallel-size"),
+    ("2", ["--pipeline-model-parallel-size", "2", "--lora-rank", "4"], "--pipeline-model-parallel-size 2: not built "
+                                                                        "yet with LoRA"),
+    ("4", ["--pipeline-model-parallel-size", "4"], "--pipeline-model-parallel-size 4 exceeds the model's 2 decoder"),
+    ("2", ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"],
+     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers leave 0"),
+    ("2", ["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: Qwen3Config has no experts"),
+    ("2", ["--advantage-estimator", "ppo", "--pipeline-model-parallel-size", "2"], "not built yet with a critic"),
+    ("1", ["--placement", "ray", "--resource", '{"actor": [3, 0]}', "--tensor-model-parallel-size", "2"],
+     "does not divide the 3 training processes (the actor of the model at"),
+    ("1", ["--placement", "ray", "--resource", '{"actor": [2, 0], "critic": [3, 0]}', "--advantage-estimator", "ppo",
+           "--tensor-model-parallel-size", "2"], "(the critic of the model at"),
+]
+
+
+@pytest.mark.parametrize(("world", "flags", "named"), LAYOUTS_THE_TRAINER_CANNOT_BUILD)
+def test_a_layout_the_trainer_cannot_build_is_refused_before_the_model_loads(world, flags, named, tiny_workspace,
+                                                                            tmp_path, monkeypatch, capsys):
+    """`relax train` with such a layout failed inside the trainer, after the model loaded, with a traceback and exit
+    status 1 (which a supervised run takes for a fault and restarts); preflight now runs the trainer's own check on
+    the settings each trainer will get (under torchrun its WORLD_SIZE, under Ray its --resource replicas): exit 2
+    naming the flag, no run directory, no model loaded."""
+    from relax.cli.main import main
+    from tests.support.runs import tiny_train_args
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr("relax.backends.training.fsdp.load_model", _no_model_loads)
+    argv = ["train", *tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "1", *flags)]
+    if named is None:  # a layout that fits passes preflight and reaches the trainer (which needs the real ranks)
+        with pytest.raises(RuntimeError, match="the model loaded"):
+            main(argv)
+        return
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def _no_model_loads(*args, **kwargs):
+    raise RuntimeError("the model loaded")
 
 
 @pytest.fixture(scope="module")
