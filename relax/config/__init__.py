@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, model_validator
 
 from relax.algorithms.aggregation import LossAggregation
 from relax.config.algorithm import AlgorithmSettings
@@ -42,6 +42,23 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
     rules."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_are_not_blank(cls, settings: Any) -> Any:
+        """A file or folder setting given an empty or blank string (an unset shell variable, a stray quote) meant the
+        working directory or a folder named by spaces: refused, naming the flag, before the rules that read it."""
+        if not isinstance(settings, dict):
+            return settings
+        for name, value in settings.items():
+            info = cls.model_fields.get(name)
+            if info is None or not info.json_schema_extra.get("path"):
+                continue
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            if any(isinstance(item, str) and not item.strip() for item in values):
+                unset = f" (or `{flag(name)} none`: unset)" if info.default is None else ""
+                raise ValueError(f"{flag(name)}: an empty path; give a file or folder{unset}")
+        return settings
 
     @property
     def _embedded_rollout(self) -> bool:

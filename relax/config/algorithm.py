@@ -136,7 +136,7 @@ class AlgorithmSettings(BaseModel):
     )
     teacher_hf_checkpoint: str | None = setting(
         None, "Hugging Face folder (or GGUF file) of the teacher; it must share the student's tokenizer.",
-        "distillation"
+        "distillation", path=True
     )
     opd_kl_type: Literal["reverse_kl", "forward_kl", "low_var_kl"] = setting(
         "reverse_kl",

@@ -31,7 +31,9 @@ OPD_FIELDS = ("opd_type", "teacher_hf_checkpoint", "opd_kl_type", "opd_kl_coef",
 OPD_TYPE_ALIASES = {"sglang": "engine", "megatron": "trainer"}  # upstream's names for the same placements
 
 
-def setting(default: Any, help: str, section: str, *, secret: bool = False, **kwargs: Any) -> Any:
+def setting(default: Any, help: str, section: str, *, secret: bool = False, path: bool = False, **kwargs: Any) -> Any:
     """A setting. ``secret`` marks a value that never leaves the process: it is logged as set or unset, and the saved
-    config leaves it out (`RelaxConfig.shareable_settings`)."""
-    return Field(default, description=help, json_schema_extra={"section": section, "secret": secret}, **kwargs)
+    config leaves it out (`RelaxConfig.shareable_settings`). ``path`` marks a file or folder (each value of a list
+    or mapping one): a blank one is refused (`RelaxConfig`), where it would have meant the working directory."""
+    return Field(default, description=help, json_schema_extra={"section": section, "secret": secret, "path": path},
+                 **kwargs)

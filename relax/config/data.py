@@ -15,7 +15,7 @@ class DataSettings(BaseModel):
         None,
         "Training prompts: a .jsonl, .json (JSON lines or one array of objects) or .parquet file, optionally sliced "
         "as `file.jsonl@[0:100]`.",
-        "data",
+        "data", path=True,
     )
     input_key: str = setting("input", "Row field holding the prompt (a string or a list of chat messages).", "data")
     label_key: str | None = setting("label", "Row field holding the reference answer given to the reward.", "data")

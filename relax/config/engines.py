@@ -66,7 +66,7 @@ class EngineSettings(BaseModel):
         None,
         "Where the trainer writes new weights (versioned safetensors) for the external servers to load; they "
         "must read it at the same path (a shared filesystem). Default: <output-dir>/engine_weights.",
-        "engines",
+        "engines", path=True,
     )
     rollout_weight_sync_address: str = setting(
         "127.0.0.1",

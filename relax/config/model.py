@@ -13,11 +13,11 @@ class ModelSettings(BaseModel):
     """The model a run starts from and where it runs."""
     hf_checkpoint: str | None = setting(
         None, "Hugging Face model folder (config, weights, tokenizer) that the run starts from, or a GGUF file "
-        "(model.gguf), dequantised once into a cached Hugging Face folder (docs/gguf.md).", "model"
+        "(model.gguf), dequantised once into a cached Hugging Face folder (docs/gguf.md).", "model", path=True
     )
     gguf_file: str | None = setting(
         None, "Name of a GGUF file inside the --hf-checkpoint folder (transformers' `gguf_file`): the same as giving "
-        "--hf-checkpoint FOLDER/NAME.gguf.", "model"
+        "--hf-checkpoint FOLDER/NAME.gguf.", "model", path=True
     )
     dtype: Literal["auto", "float32", "bfloat16"] = setting(
         "auto",

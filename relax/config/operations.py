@@ -10,11 +10,12 @@ from relax.config.base import setting
 class OperationsSettings(BaseModel):
     """The run: its directory, checkpoints, trackers, health and fault tolerance."""
     output_dir: str = setting(
-        "runs/latest", "Run directory: resolved config, metrics.jsonl, TensorBoard, plots, samples, run.log.", "run"
+        "runs/latest", "Run directory: resolved config, metrics.jsonl, TensorBoard, plots, samples, run.log.", "run",
+        path=True,
     )
-    save: str | None = setting(None, "Checkpoint directory (default: <output-dir>/checkpoints).", "run")
+    save: str | None = setting(None, "Checkpoint directory (default: <output-dir>/checkpoints).", "run", path=True)
     load: str | None = setting(
-        None, "Resume from the newest checkpoint in this checkpoint directory or run directory.", "run"
+        None, "Resume from the newest checkpoint in this checkpoint directory or run directory.", "run", path=True
     )
     save_interval: int | None = setting(
         None, "Save a checkpoint every this many rollout steps. The last step is always saved.", "run", ge=1)
@@ -63,7 +64,7 @@ class OperationsSettings(BaseModel):
     )
     timeline_dump_dir: str | None = setting(
         None, "Write each step's phases as a Chrome trace (timeline.json, for Perfetto or chrome://tracing) here.",
-        "run",
+        "run", path=True,
     )
     use_metrics_service: bool = setting(
         False, "Serve the run's metrics, restart count and engine health in Prometheus format on "

@@ -219,7 +219,7 @@ class RolloutSettings(BaseModel):
         "scoring process (the rollout's), concurrent samples in one batched forward, each call bounded by "
         "--reward-timeout; the score is the reward. Device and dtype: the run's. Several folders make an ensemble: "
         "each member's score is standardised by its running mean and standard deviation over the run's scores, and "
-        "--rm-ensemble-reduce combines them.", "reward",
+        "--rm-ensemble-reduce combines them.", "reward", path=True,
     )
     rm_ensemble_reduce: Literal["mean", "min", "mean_minus_std"] = setting(
         "mean", "How the standardised scores of several --rm-path models make the reward: their mean, their minimum "
@@ -233,7 +233,7 @@ class RolloutSettings(BaseModel):
     genrm_model_path: str | None = setting(
         None, "A judge model (GenRM, LLM-as-judge) folder: an embedded engine in the scoring process generates a "
         "verdict per sample from --genrm-prompt-template; the number in its last \\boxed{}, after its last "
-        "`score:`, or a leading yes/no is the reward.", "reward",
+        "`score:`, or a leading yes/no is the reward.", "reward", path=True,
     )
     genrm_prompt_template: str | None = setting(
         None, "The judge's prompt (or a file holding it), with the fields {prompt}, {response} and {label}; "
@@ -278,7 +278,7 @@ class RolloutSettings(BaseModel):
     eval_prompt_data: dict[str, str] = setting(
         {},
         "Held-out sets, as `name path` pairs on the command line or a name: path mapping in YAML.",
-        "eval",
+        "eval", path=True,
     )
     eval_interval: int | None = setting(
         None, "Evaluate every this many rollout steps. With --eval-prompt-data the run is always evaluated before "

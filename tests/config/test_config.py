@@ -1,6 +1,7 @@
 """Config: flags, YAML, precedence, validation messages that name the flag, generated docs."""
 
 import pytest
+import yaml
 
 from relax.cli.args import build_parser, parse_config, render_config_reference
 from relax.config import ConfigError, RelaxConfig
@@ -109,6 +110,40 @@ def _float_fields() -> list[str]:
         if float in kinds:
             names.append(name)
     return names
+
+
+def _path_fields() -> dict[str, type]:
+    """The settings marked as files or folders, with the kind of value each holds (str, list or dict)."""
+    import typing
+
+    fields = {}
+    for name, field in RelaxConfig.model_fields.items():
+        if field.json_schema_extra.get("path"):
+            kinds = [kind for kind in typing.get_args(field.annotation) or (field.annotation,) if kind is not type(None)]
+            fields[name] = typing.get_origin(kinds[0]) or kinds[0]
+    return fields
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t"])
+def test_no_file_or_folder_setting_takes_a_blank_path(blank, tmp_path):
+    """`--output-dir ""` (an unset shell variable) wrote the run into the working directory, `--output-dir " "` into
+    a folder named by a space: every file or folder setting refuses a blank path, a blank entry of a list or mapping
+    of paths too, from the command line and from a --config file, naming its flag."""
+    fields = _path_fields()
+    named_as_paths = {name for name in RelaxConfig.model_fields
+                      if name.endswith(("_dir", "checkpoint", "_model_path")) or name in ("save", "load")}
+    assert named_as_paths <= set(fields), named_as_paths - set(fields)  # a new path setting is marked path=True
+    assert {"hf_checkpoint", "prompt_data", "rm_path", "eval_prompt_data", "output_dir"} <= set(fields)
+    for name, kind in fields.items():
+        flag_name = "--" + name.replace("_", "-")
+        value = {list: [blank], dict: {"held_out": blank}}.get(kind, blank)
+        config_file = tmp_path / f"{name}.yaml"
+        config_file.write_text(yaml.safe_dump({name: value}))
+        with pytest.raises(ConfigError, match=f"{flag_name}: an empty path"):
+            parse_config(["--config", str(config_file)])
+        argv = {list: [flag_name, "x", blank], dict: [flag_name, "held_out", blank]}.get(kind, [f"{flag_name}={blank}"])
+        with pytest.raises(ConfigError, match=f"{flag_name}: an empty path"):
+            parse_config(argv)
 
 
 YAML_SPELLING = {"inf": ".inf", "-inf": "-.inf", "nan": ".nan"}
