@@ -18,7 +18,8 @@ from relax.backends.models.family import (
     model_from_config,
     read_tokenizer,
 )
-from relax.backends.models.registry import UnsupportedModelError, check_supported
+from relax.backends.inference.engine_core.kv_cache import kv_bytes_per_token, pool_problem
+from relax.backends.models.registry import UnsupportedModelError, check_supported, traits
 from relax.backends.models.routing_replay import routing_shape
 from relax.backends.training import lora
 from relax.backends.training.layout import check_layout, trainer_uses
@@ -102,15 +103,22 @@ def check_model_options(cfg: RelaxConfig, config, model_path: Path) -> None:
     """Options that depend on the model's modules, checked on a weightless copy of it: --target-modules and
     --lora-scope match modules, --moe-aux-loss-coef has a loss to weigh, --use-rollout-routing-replay has
     routers."""
-    with torch.device("meta"):
-        model = model_from_config(config, torch.float32)
+    with torch.device("meta"):  # the adapters too: peft makes them on the default device
+        _check_model_options(cfg, model_from_config(config, torch.float32), model_path)
+
+
+def _check_model_options(cfg: RelaxConfig, model, model_path: Path) -> None:
     try:
         if cfg.moe_aux_loss_coef:
             moe_aux_loss(model, cfg.moe_aux_loss_coef)
         if cfg.use_rollout_routing_replay:
             routing_shape(model)
         if cfg.lora_rank:
-            inject(model, lora_settings(cfg))
+            adapters = inject(model, lora_settings(cfg))
+            own = sum(parameter.numel() for name, parameter in model.named_parameters() if not lora.is_adapter(name))
+            if adapters > own:  # (a rank of 10**8 failed in the allocator once the model loaded)
+                raise ValueError(f"{flag('lora_rank')} {cfg.lora_rank}: {adapters:,} adapter parameters, more than "
+                                 f"the model's own {own:,}; a full fine-tune (no {flag('lora_rank')}) trains fewer")
     except ValueError as error:
         raise ConfigError(f"{error} (the model at {model_path})") from None
 
@@ -168,6 +176,26 @@ def check_parallel_layout(cfg: RelaxConfig, config, model_path: Path) -> None:
             raise ConfigError(f"{error} (the {role} of the model at {model_path}, {where})") from None
 
 
+def check_kv_pool(cfg: RelaxConfig, config, model_path: Path) -> None:
+    """A --max-total-tokens pool that cannot fit the device's free memory, even before anything else takes some,
+    failed inside torch's allocator with a traceback when the engine started (the engine checks again, for the
+    engines that start later). Only where the engine is this machine's embedded one: an external server or a Ray
+    cluster elsewhere sizes its own."""
+    if not cfg.max_total_tokens or cfg.loss_type == "rm" or cfg.rollout_external or cfg.ray_address \
+            or not traits(config).engine_core:
+        return
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    device = resolve_device(cfg)
+    token_bytes = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                                     resolve_dtype(cfg, device), cfg.kv_cache_dtype)
+    problem = pool_problem(cfg.max_total_tokens, token_bytes, device)
+    if problem is not None:
+        raise ConfigError(f"{flag('max_total_tokens')} {cfg.max_total_tokens}: {problem} (the model at "
+                          f"{model_path}); give a smaller pool, or leave it unset for the engine to size it "
+                          f"({flag('mem_fraction_static')} of the free memory on CUDA)")
+
+
 def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     """The checks a run's settings allow without loading a model or data, done before a run directory exists:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
@@ -186,6 +214,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     check_context_length(cfg, config, model_path)
     if training:
         check_parallel_layout(cfg, config, model_path)
+        check_kv_pool(cfg, config, model_path)
     check_data_files(cfg, training)
     if cfg.load and not loads_a_run_without_checkpoints(cfg):
         try:

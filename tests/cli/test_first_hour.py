@@ -142,6 +142,22 @@ def test_a_run_folder_that_cannot_be_made_is_named(tiny_workspace, tmp_path, cap
         assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--max-total-tokens", str(10**12)], "--max-total-tokens 1000000000000: a KV pool of 1,000,000,000,000 tokens "
+                                          "takes"),
+    (["--lora-rank", str(10**8)], "--lora-rank 100000000: 89,600,000,000 adapter parameters, more than the model's "
+                                  "own"),
+])
+def test_a_size_no_memory_can_hold_is_refused_before_the_model_loads(flags, named, tiny_workspace, tmp_path, capsys):
+    """A KV pool or LoRA adapters larger than anything could hold failed in torch's allocator once the model had
+    loaded (a 381 GiB or 95 GiB request, a traceback naming no setting, exit status 1): exit 2 naming the flag and
+    the sizes, before a run directory exists."""
+    code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "1",
+                                                            *flags))
+    assert code == 2 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_with_another_model_is_refused_before_it_loads(lora_run, tiny_workspace, tmp_path, capsys):
     """--load of a run whose checkpoints hold other shapes than --hf-checkpoint: exit status 2 naming both flags and
     the fields that differ (it was torch's size-mismatch traceback after the load, exit status 1)."""

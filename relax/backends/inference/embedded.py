@@ -55,7 +55,7 @@ from relax.backends.inference.engine_core.cache_runner import CacheRunner
 from relax.backends.inference.engine_core.core import EngineCore
 from relax.backends.inference.engine_core.decoder import TextDecoder, unsupported_reason
 from relax.backends.inference.engine_core.fp8 import Fp8Linears
-from relax.backends.inference.engine_core.kv_cache import check_kv_cache_dtype, kv_bytes_per_token
+from relax.backends.inference.engine_core.kv_cache import check_kv_cache_dtype, kv_bytes_per_token, pool_problem
 from relax.backends.inference.engine_core.media import MediaEncoder
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
 from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
@@ -227,8 +227,13 @@ class EmbeddedEngine(InferenceEngine):
         token_bytes = kv_bytes_per_token(decoder.num_layers, decoder.num_kv_heads, decoder.head_dim, dtype,
                                          settings.kv_cache_dtype)
         tokens = settings.max_total_tokens or self._default_pool_tokens(token_bytes, settings)
+        if settings.max_total_tokens and (problem := pool_problem(tokens, token_bytes, self.device)):
+            raise ValueError(f"--max-total-tokens {tokens}: {problem}")
         page = settings.page_size
         num_blocks = tokens // page + 1  # + the reserved block
+        # A running sequence holds a block at least: no more of them run than the pool has blocks, whatever
+        # --rollout-max-batch-size allows (the runner's rows and the block tables are sized by it).
+        running = min(running, num_blocks - 1)
         blocks_per_sequence = -(-max_positions // page)
         runner = PagedRunner(decoder, num_blocks, page, self.device, dtype, blocks_per_sequence,
                              cuda_graphs=settings.cuda_graphs, max_graph_batch=settings.max_graph_batch,

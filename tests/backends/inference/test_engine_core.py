@@ -315,6 +315,44 @@ def test_a_request_longer_than_the_pool_is_refused_naming_it(tokenizer):
     assert_pool_empty(engine)
 
 
+def test_a_pool_larger_than_the_free_memory_is_refused_naming_the_flag_before_allocating(tokenizer, monkeypatch):
+    """--max-total-tokens of more bytes than the device has free failed in torch's allocator (a 381 GiB request,
+    a traceback naming no setting); it is refused with the sizes, and nothing is allocated."""
+    from relax.backends.inference.engine_core import kv_cache
+
+    monkeypatch.setattr(kv_cache, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    allocations, allocate = [], kv_cache.KVPool.__init__
+
+    def recorded(pool, *args, **kwargs):
+        allocations.append(args)
+        allocate(pool, *args, **kwargs)
+
+    monkeypatch.setattr(kv_cache.KVPool, "__init__", recorded)
+    with pytest.raises(ValueError, match=r"--max-total-tokens 4096: a KV pool of 4,096 tokens takes .* GiB "
+                                         r"\(.* bytes a token\) and 0.0 GiB are free on cpu"):
+        core_engine(tokenizer, max_total_tokens=4096)
+    assert allocations == []
+    core_engine(tokenizer, max_total_tokens=64)  # 64 tokens of this model fit the MiB
+    assert len(allocations) == 1
+
+
+@settings(max_examples=6, deadline=None)
+@given(max_batch=st.integers(1, 10**9), pool_tokens=st.integers(64, 2048))
+def test_the_running_batch_and_its_host_tables_are_bounded_by_the_pool(tokenizer, max_batch, pool_tokens):
+    """--rollout-max-batch-size sized the runner's rows and block tables: 10**8 asked a 48 GiB table and failed in
+    numpy. A running sequence holds a block at least, so no more run than the pool has blocks; the engine still
+    decodes a batch larger than that, by turns."""
+    engine = EmbeddedEngine(make_model(seed=0), tokenizer, max_batch_size=max_batch,
+                            core=CoreSettings(mode="on", max_total_tokens=pool_tokens, page_size=16))
+    blocks = engine.core.blocks.num_blocks
+    assert engine.core.scheduler.max_running == min(max_batch, blocks - 1)
+    assert len(engine.core.runner._table_rows.array) <= 2 * max(blocks - 1, 256)  # 256: the largest graph batch
+    outputs = asyncio.run(engine.generate([request(f"r{i}", [3 + i, 4, 5], max_new_tokens=3, ignore_eos=True)
+                                           for i in range(6)]))
+    assert [len(output.output_ids) for output in outputs] == [3] * 6
+    assert_pool_empty(engine)
+
+
 def test_weight_update_resets_the_prefix_cache(tokenizer):
     engine = core_engine(tokenizer, page_size=4)
     prompt = list(range(3, 23))
