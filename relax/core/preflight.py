@@ -177,8 +177,8 @@ def check_parallel_layout(cfg: RelaxConfig, config, model_path: Path) -> None:
 
 
 def check_kv_pool(cfg: RelaxConfig, config, model_path: Path) -> None:
-    """A --max-total-tokens pool that cannot fit the device's free memory, even before anything else takes some,
-    failed inside torch's allocator with a traceback when the engine started (the engine checks again, for the
+    """A --max-total-tokens pool that cannot fit the device (a CUDA device's whole memory, the host's free memory),
+    even before anything else takes some, failed inside torch's allocator with a traceback when the engine started (the engine checks again, for the
     engines that start later). Only where the engine is this machine's embedded one: an external server or a Ray
     cluster elsewhere sizes its own."""
     if not cfg.max_total_tokens or cfg.loss_type == "rm" or cfg.rollout_external or cfg.ray_address \
@@ -189,7 +189,7 @@ def check_kv_pool(cfg: RelaxConfig, config, model_path: Path) -> None:
     device = resolve_device(cfg)
     token_bytes = kv_bytes_per_token(text.num_hidden_layers, text.num_key_value_heads, head_dim,
                                      resolve_dtype(cfg, device), cfg.kv_cache_dtype)
-    problem = pool_problem(cfg.max_total_tokens, token_bytes, device)
+    problem = pool_problem(cfg.max_total_tokens, token_bytes, device, whole_device=True)
     if problem is not None:
         raise ConfigError(f"{flag('max_total_tokens')} {cfg.max_total_tokens}: {problem} (the model at "
                           f"{model_path}); give a smaller pool, or leave it unset for the engine to size it "

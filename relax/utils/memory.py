@@ -10,16 +10,26 @@ import torch
 MEMINFO = Path("/proc/meminfo")
 
 
+def total_bytes(device: torch.device) -> int | None:
+    """The bytes ``device`` has in all (a CUDA device's without creating a CUDA context on it: a check made in a
+    process that will not compute there, a supervisor or a rank before its device is set, must not take any)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return _meminfo("MemTotal:") if device.type == "cpu" else None
+
+
 def free_bytes(device: torch.device) -> int | None:
     """The bytes free on ``device``: CUDA's free memory, or the host's available memory (Linux's MemAvailable: free
     pages plus the caches the kernel gives back); None where the platform does not say."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
+    return _meminfo("MemAvailable:") if device.type == "cpu" else None
+
+
+def _meminfo(field: str) -> int | None:
     try:
         for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         return None

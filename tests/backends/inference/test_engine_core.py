@@ -336,6 +336,24 @@ def test_a_pool_larger_than_the_free_memory_is_refused_naming_the_flag_before_al
     assert len(allocations) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_pool_is_checked_against_the_device(tokenizer):
+    """The engine checks a pool against the memory free now; preflight against the device's whole memory, read
+    without a CUDA context (a supervisor process must not take one on the device its child computes on)."""
+    from relax.backends.inference.engine_core.kv_cache import pool_problem
+    from relax.utils.memory import free_bytes, total_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = total_bytes(device)
+    assert total == torch.cuda.get_device_properties(device).total_memory and 0 < free_bytes(device) <= total
+    assert pool_problem(total // 1024 + 1, 1024, device, whole_device=True).endswith(f"is all on {device}")
+    assert pool_problem(1024, 1024, device, whole_device=True) is None
+    with pytest.raises(ValueError, match="--max-total-tokens"):
+        EmbeddedEngine(make_model(seed=0).to(device), tokenizer,
+                       core=CoreSettings(mode="on", max_total_tokens=total // 512))
+
+
 @settings(max_examples=6, deadline=None)
 @given(max_batch=st.integers(1, 10**9), pool_tokens=st.integers(64, 2048))
 def test_the_running_batch_and_its_host_tables_are_bounded_by_the_pool(tokenizer, max_batch, pool_tokens):

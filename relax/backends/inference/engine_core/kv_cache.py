@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from relax.backends.inference.engine_core.fp8_format import FP8, quantize_rows
-from relax.utils.memory import free_bytes
+from relax.utils.memory import free_bytes, total_bytes
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
@@ -36,14 +36,16 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.d
     return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
-def pool_problem(tokens: int, token_bytes: int, device: torch.device) -> str | None:
-    """Why a pool of ``tokens`` cannot be allocated on ``device`` as it stands (more bytes than are free), or None."""
-    free = free_bytes(device)
+def pool_problem(tokens: int, token_bytes: int, device: torch.device, whole_device: bool = False) -> str | None:
+    """Why a pool of ``tokens`` cannot be allocated on ``device`` (more bytes than are free now; with
+    ``whole_device``, than a CUDA device has at all), or None."""
+    on_whole = whole_device and device.type == "cuda"
+    room = total_bytes(device) if on_whole else free_bytes(device)
     need = tokens * token_bytes
-    if free is None or need <= free:
+    if room is None or need <= room:
         return None
     return (f"a KV pool of {tokens:,} tokens takes {need / 2**30:.1f} GiB ({token_bytes:,} bytes a token) and "
-            f"{free / 2**30:.1f} GiB are free on {device}")
+            f"{room / 2**30:.1f} GiB {'is all' if on_whole else 'are free'} on {device}")
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
