@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from relax.backends.inference.engine_core.kv_cache import kv_bytes_per_token, pool_problem
 from relax.backends.models.family import (
     is_qwen3_omni,
     model_config_problem,
@@ -18,7 +19,6 @@ from relax.backends.models.family import (
     model_from_config,
     read_tokenizer,
 )
-from relax.backends.inference.engine_core.kv_cache import kv_bytes_per_token, pool_problem
 from relax.backends.models.registry import UnsupportedModelError, check_supported, traits
 from relax.backends.models.routing_replay import routing_shape
 from relax.backends.training import lora
@@ -178,9 +178,9 @@ def check_parallel_layout(cfg: RelaxConfig, config, model_path: Path) -> None:
 
 def check_kv_pool(cfg: RelaxConfig, config, model_path: Path) -> None:
     """A --max-total-tokens pool that cannot fit the device (a CUDA device's whole memory, the host's free memory),
-    even before anything else takes some, failed inside torch's allocator with a traceback when the engine started (the engine checks again, for the
-    engines that start later). Only where the engine is this machine's embedded one: an external server or a Ray
-    cluster elsewhere sizes its own."""
+    even before anything else takes some, failed inside torch's allocator with a traceback when the engine started
+    (the engine checks again, for the engines that start later). Only where the engine is this machine's embedded
+    one: an external server or a Ray cluster elsewhere sizes its own."""
     if not cfg.max_total_tokens or cfg.loss_type == "rm" or cfg.rollout_external or cfg.ray_address \
             or not traits(config).engine_core:
         return

@@ -54,6 +54,7 @@ from relax.backends.training.compiled_norm import rms_norm_forward
 from relax.backends.training.context_parallel import ContextSlice, gather_response_outputs, split_packed
 from relax.backends.training.fused_qk_rope import fuse_qk_norm_rope
 from relax.backends.training.grouped_experts import set_master_weight_casts, use_grouped_experts
+from relax.backends.training.layout import check_layout, trainer_uses
 from relax.backends.training.liger import (
     apply_liger_kernels,
     checkpoint_context,
@@ -63,7 +64,6 @@ from relax.backends.training.liger import (
 from relax.backends.training.log_probs import TokenLogProbs
 from relax.backends.training.lora import inject, is_adapter, merged_named_weights
 from relax.backends.training.master_weights import MasterWeightCasts, embed_in_compute_dtype, use_master_weight_linears
-from relax.backends.training.layout import check_layout, trainer_uses
 from relax.backends.training.mesh import ParallelDims
 from relax.backends.training.moe import moe_aux_loss
 from relax.backends.training.optimizer import build_optimizer
