@@ -11,11 +11,10 @@ MEMINFO = Path("/proc/meminfo")
 
 
 def total_bytes(device: torch.device) -> int | None:
-    """The bytes ``device`` has in all (a CUDA device's without creating a CUDA context on it: a check made in a
-    process that will not compute there, a supervisor or a rank before its device is set, must not take any)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return _meminfo("MemTotal:") if device.type == "cpu" else None
+    """The bytes a CUDA device has in all, read without creating a CUDA context on it (a check made in a process
+    that will not compute there, a supervisor or a rank before its device is set, must not take any); None
+    elsewhere."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def free_bytes(device: torch.device) -> int | None:
