@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from relax.config.base import setting
+from relax.data.chat_template import template_kwargs_problem
 
 
 class DataSettings(BaseModel):
@@ -76,3 +77,11 @@ class DataSettings(BaseModel):
     )
     freeze_vision_tower: bool = setting(False, "Do not train the vision encoder.", "multimodal")
     freeze_audio_tower: bool = setting(False, "Do not train the audio encoder.", "multimodal")
+
+    @field_validator("apply_chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = template_kwargs_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value

@@ -4,6 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
+# Arguments of `apply_chat_template` that Relax sets for each call or that change what the call returns: given as
+# template variables (`--apply-chat-template-kwargs`, a row's ``metadata.apply_chat_template_kwargs``, a client's
+# ``chat_template_kwargs``) they would break the call or its result instead of reaching the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template refused the messages (its ``raise_exception``) or could not render them."""
+
+
+def template_kwargs_problem(kwargs: Any) -> str | None:
+    """Why ``kwargs`` cannot be a chat template's extra variables, or None when they can."""
+    if not isinstance(kwargs, dict):
+        kind = "null" if kwargs is None else type(kwargs).__name__
+        return f"must be an object of template variables (e.g. {{\"enable_thinking\": false}}), got {kind}"
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        return (f"{', '.join(map(repr, reserved))} {'is an argument' if len(reserved) == 1 else 'are arguments'} "
+                "that Relax sets for each call, not a template variable")
+    return None
+
+
+def apply_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``; what the template does with messages
+    it cannot render (a ``raise_exception`` of its own, content of a type it does not expect) becomes a
+    `ChatTemplateError` naming the reason, so a caller reports it as bad input rather than a crash."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        raise ChatTemplateError(f"the chat template cannot render the messages ({type(err).__name__}: {err})") from None
+
 
 def render_prompt(
     prompt: str | list[dict[str, Any]],
@@ -28,17 +66,19 @@ def render_prompt(
         return prompt
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     for m in prompt):
         messages = list(prompt)
     else:
-        raise ValueError("expected a string or a list of {role, content} messages")
+        raise ValueError("expected a string or a non-empty list of {role, content} messages (each role a string)")
     if system_prompt and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("--apply-chat-template is set but the tokenizer has no chat template")
     if tools and "tools" not in tokenizer.chat_template:  # it would drop them silently
         raise ValueError("the row offers tools but the tokenizer's chat template does not render `tools`")
+    problem = template_kwargs_problem(template_kwargs or {})
+    if problem:
+        raise ValueError(f"apply_chat_template_kwargs {problem}")
     tool_kwargs = {"tools": tools} if tools else {}  # calls without tools stay exactly as before
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **tool_kwargs, **(template_kwargs or {})
-    )
+    return apply_template(tokenizer, messages, add_generation_prompt=True, **tool_kwargs, **(template_kwargs or {}))

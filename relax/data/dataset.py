@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax.data.chat_template import render_prompt
+from relax.data.chat_template import render_prompt, template_kwargs_problem
 from relax.data.sample import Sample
 
 logger = logging.getLogger("relax.data")
@@ -130,6 +130,15 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: unreadable parquet file ({err})") from None
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """The prompt's token ids. A prompt of no tokens raises ValueError: the engine has nothing to continue from,
+    and a response's first token nothing it is predicted from."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ValueError("the prompt is empty: it renders to no tokens")
+    return ids
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """How rows become prompts (the data settings of `RelaxConfig`)."""
@@ -167,15 +176,17 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if not isinstance(metadata, dict):
             raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
         tools = _row_tool_specs(row, fmt, where)
+        row_kwargs = metadata.get("apply_chat_template_kwargs")
+        row_kwargs = {} if row_kwargs is None else row_kwargs  # a null column of a table export: none given
+        problem = template_kwargs_problem(row_kwargs)
+        if problem:
+            raise DatasetError(f"{where}: field {fmt.metadata_key!r}: apply_chat_template_kwargs {problem}")
         try:
-            text = render_prompt(
-                row[fmt.input_key], tokenizer, fmt.apply_chat_template, fmt.system_prompt,
-                {**(fmt.apply_chat_template_kwargs or {}), **metadata.get("apply_chat_template_kwargs", {})},
-                tools=tools,
-            )
+            text = render_prompt(row[fmt.input_key], tokenizer, fmt.apply_chat_template, fmt.system_prompt,
+                                 {**(fmt.apply_chat_template_kwargs or {}), **row_kwargs}, tools=tools)
+            tokens = encode_prompt(tokenizer, text)
         except ValueError as err:
             raise DatasetError(f"{where}: field {fmt.input_key!r}: {err}") from None
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
             too_long += 1
             continue

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from relax.data.chat_template import render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, read_spec_rows, row_label
+from relax.data.chat_template import apply_template, render_prompt
+from relax.data.dataset import DatasetError, PromptFormat, encode_prompt, read_spec_rows, row_label
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -42,10 +42,9 @@ def _completion_text(prompt: Any, completion: Any, prompt_text: str, tokenizer: 
                for m in completion):
         raise ValueError("must hold only assistant messages with non-empty content")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if fmt.system_prompt and messages[0].get("role") != "system":
+    if fmt.system_prompt and messages[0].get("role") != "system":  # render_prompt took it: non-empty, dicts
         messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
-    full = tokenizer.apply_chat_template([*messages, *completion], tokenize=False,
-                                         **(fmt.apply_chat_template_kwargs or {}))
+    full = apply_template(tokenizer, [*messages, *completion], **(fmt.apply_chat_template_kwargs or {}))
     if not full.startswith(prompt_text):
         raise ValueError("the chat template renders the prompt differently with the completion after it; the "
                          "completion's tokens cannot be told apart")
@@ -75,9 +74,9 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
         try:
             prompt_text = render_prompt(row[fmt.input_key], tokenizer, fmt.apply_chat_template, fmt.system_prompt,
                                         fmt.apply_chat_template_kwargs)
+            prompt_tokens = encode_prompt(tokenizer, prompt_text)
         except ValueError as err:
             raise DatasetError(f"{where}: field {fmt.input_key!r}: {err}") from None
-        prompt_tokens = _encode(tokenizer, prompt_text)
         completions = []
         for key in (chosen_key, rejected_key):
             value = row[key]

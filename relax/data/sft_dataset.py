@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax.data.chat_template import render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, read_spec_rows, row_label
+from relax.data.chat_template import apply_template, render_prompt
+from relax.data.dataset import DatasetError, PromptFormat, encode_prompt, read_spec_rows, row_label
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -36,9 +36,8 @@ def conversation_segments(messages: list[dict[str, Any]], tokenizer: Any,
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True,
-                                               **template_kwargs)
-        after = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False, **template_kwargs)
+        before = apply_template(tokenizer, messages[:index], add_generation_prompt=True, **template_kwargs)
+        after = apply_template(tokenizer, messages[: index + 1], **template_kwargs)
         if not before.startswith(rendered) or not after.startswith(before):
             raise ValueError(f"the chat template does not render message {index} as an extension of the "
                              "messages before it; multi-turn SFT needs a prefix-stable template")
@@ -53,11 +52,13 @@ def conversation_segments(messages: list[dict[str, Any]], tokenizer: Any,
 def _conversation_sample(messages: list[dict[str, Any]], tokenizer: Any, fmt: PromptFormat) -> Sample:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("a conversation row needs a tokenizer with a chat template")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError("a conversation is a list of {role, content} messages (each role a string)")
     if fmt.system_prompt and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
     segments = conversation_segments(messages, tokenizer, fmt.apply_chat_template_kwargs or {})
     prompt_text = segments[0][0]
-    prompt_tokens = _encode(tokenizer, prompt_text)
+    prompt_tokens = encode_prompt(tokenizer, prompt_text)
     response_tokens, loss_mask = [], []
     for text, learn in segments[1:]:
         ids = _encode(tokenizer, text)
@@ -75,7 +76,7 @@ def _target_sample(row: dict[str, Any], tokenizer: Any, fmt: PromptFormat) -> Sa
                                 fmt.apply_chat_template_kwargs)
     target = str(row[fmt.label_key])
     response_tokens = _encode(tokenizer, target) + [tokenizer.eos_token_id]
-    prompt_tokens = _encode(tokenizer, prompt_text)
+    prompt_tokens = encode_prompt(tokenizer, prompt_text)
     return Sample(prompt=prompt_text, label=row[fmt.label_key], tokens=prompt_tokens + response_tokens,
                   response=target, response_length=len(response_tokens), loss_mask=[1] * len(response_tokens))
 

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
+from relax.data.chat_template import ChatTemplateError, apply_template
 from relax.serving.limits import BadRequest
 from relax.serving.protocol import ChatCompletionRequest, CompletionRequest
 from relax.serving.responses import json_log_probs, text_tokens, token_pieces, usage
@@ -59,8 +60,10 @@ def openai_router(served: ServedModel) -> APIRouter:
             raise BadRequest("messages: the served tokenizer has no chat template; use /v1/completions", "messages")
         admission.check([1], body.n, 0, "messages")
         limits.check_text("".join(message["content"] for message in messages), "messages")
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                       tokenize=False)
+        try:
+            text = await asyncio.to_thread(apply_template, tokenizer, messages, add_generation_prompt=True)
+        except ChatTemplateError as error:  # e.g. Qwen3's template refuses messages without a user message
+            raise BadRequest(f"messages: {error}", "messages") from None
         prompt = list((await asyncio.to_thread(tokenizer, text, add_special_tokens=False))["input_ids"])
         params = body.to_engine(body.max_completion_tokens or body.max_tokens or 128)
         length_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -12,7 +12,7 @@ from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, 
 from relax.data.preference_dataset import load_preference_pairs
 from relax.data.sft_dataset import load_sft_samples
 from relax.rollout.generation.data_source import PromptDataSource
-from tests.support.tiny_assets import build_tokenizer
+from tests.support.tiny_assets import REFUSING_CHATML, build_qwen3_tokenizer, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,79 @@ def test_any_jsonl_file_loads_or_is_refused_naming_the_file(tmp_path, tokenizer,
     except DatasetError as err:
         assert str(err).startswith(f"{path}"), err
     else:
-        assert samples and all(isinstance(sample.prompt, str) for sample in samples)
+        assert samples and all(isinstance(sample.prompt, str) and sample.tokens for sample in samples)
+
+
+# Rows whose messages, per-row template variables and tools take any shape: what the chat-template path is handed.
+_MESSAGES = st.lists(_JSON_VALUES | st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool"]) | _JSON_VALUES},
+    optional={"content": st.text(max_size=5) | _JSON_VALUES}), max_size=4)
+_TEMPLATE_KWARGS = _JSON_VALUES | st.dictionaries(
+    st.sampled_from(["enable_thinking", "tokenize", "add_generation_prompt", "tools", "return_dict", "x"]),
+    _JSON_VALUES, max_size=2)
+_CHAT_ROWS = st.fixed_dictionaries({}, optional={
+    "input": st.text(max_size=5) | _MESSAGES | _JSON_VALUES, "label": _JSON_VALUES,
+    "chosen": st.text(max_size=5) | _MESSAGES | _JSON_VALUES, "rejected": st.text(max_size=5) | _MESSAGES,
+    "metadata": st.fixed_dictionaries({}, optional={"apply_chat_template_kwargs": _TEMPLATE_KWARGS}) | _JSON_VALUES,
+    "tools": _JSON_VALUES | st.lists(st.sampled_from(["calculator", "unknown"]) | _JSON_VALUES, max_size=2)})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(_CHAT_ROWS, min_size=1, max_size=3), loader=st.sampled_from(["prompts", "sft", "preference"]),
+       template=st.sampled_from(["chatml", "qwen3", "refusing"]), system_prompt=st.sampled_from([None, "be brief"]),
+       rule_reward=st.sampled_from([None, "math"]), tool_key=st.sampled_from([None, "tools"]))
+def test_any_row_through_a_chat_template_loads_or_is_refused_naming_the_row(tmp_path, rows, loader, template,
+                                                                          system_prompt, rule_reward, tool_key):
+    """With --apply-chat-template, whatever a row's messages, its metadata's apply_chat_template_kwargs and its
+    tools are, and whatever the template refuses, loading gives samples or a DatasetError naming the file: never a
+    TypeError from template variables that are not an object or that name `tokenize`, nor the template's own
+    jinja error, which would end a run with a traceback instead of the row to fix."""
+    tokenizer = build_qwen3_tokenizer() if template == "qwen3" else build_tokenizer()
+    if template == "refusing":
+        tokenizer.chat_template = REFUSING_CHATML
+    fmt = PromptFormat(apply_chat_template=True, system_prompt=system_prompt, required_label_for=rule_reward,
+                       tool_key=tool_key, tool_specs={"calculator": {"type": "function", "function": {"name": "calculator"}}})
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    try:
+        if loader == "prompts":
+            samples = load_prompt_samples(str(path), tokenizer, fmt)
+        elif loader == "sft":
+            samples = load_sft_samples(str(path), tokenizer, fmt)
+        else:
+            samples = load_preference_pairs(str(path), tokenizer, fmt, "chosen", "rejected")
+    except DatasetError as err:
+        assert str(err).startswith(f"{path}"), err
+    else:
+        assert samples and all(isinstance(sample.prompt, str) and sample.tokens for sample in samples)
+
+
+@pytest.mark.parametrize("loader", sorted(_LOADERS))
+def test_an_empty_prompt_is_refused_naming_the_row(tmp_path, tokenizer, loader):
+    """A prompt of no tokens had loaded, and the first rollout then failed in the engine, after the model loaded,
+    with a traceback: refused at load instead (SFT and preference pairs too: a first response token would have
+    nothing it is predicted from)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"input": "1+1=", "label": "2", "chosen": "2", "rejected": "3"},
+                                                 {"input": "", "label": "2", "chosen": "2", "rejected": "3"}])
+    with pytest.raises(DatasetError, match="rows.jsonl: row 2: field 'input': the prompt is empty"):
+        _LOADERS[loader](str(path), tokenizer)
+
+
+def test_template_variables_that_are_call_arguments_are_refused_naming_the_row(tmp_path, tokenizer):
+    fmt = PromptFormat(apply_chat_template=True)
+    for kwargs, named in (({"tokenize": True}, "'tokenize'"), ([1], "got list"),
+                          ({"add_generation_prompt": False, "return_dict": True}, "'add_generation_prompt', 'return_dict'")):
+        path = write_jsonl(tmp_path / "rows.jsonl", [{"input": "1+1=", "label": "2"},
+                                                     {"input": "hi", "metadata": {"apply_chat_template_kwargs": kwargs}}])
+        with pytest.raises(DatasetError, match=f"rows.jsonl: row 2: field 'metadata': apply_chat_template_kwargs .*{named}"):
+            load_prompt_samples(str(path), tokenizer, fmt)
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"input": "hi", "metadata": {"apply_chat_template_kwargs": None}}])
+    assert load_prompt_samples(str(path), tokenizer, fmt)[0].prompt.endswith("assistant\n")  # null: none given
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"input": [{"role": "system", "content": "s"}]}])
+    refusing = build_tokenizer()
+    refusing.chat_template = REFUSING_CHATML
+    with pytest.raises(DatasetError, match="rows.jsonl: row 1: field 'input': the chat template refused the "
+                                           "messages: No user query found in messages."):
+        load_prompt_samples(str(path), refusing, fmt)
 
 
 def test_a_json_file_may_be_one_array_of_rows_and_a_bom_is_no_error(tmp_path, tokenizer):

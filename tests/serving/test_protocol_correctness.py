@@ -4,6 +4,8 @@
   a stop string cut from the text ends the list there), plain and streamed, for any prompt and length;
 - a body that is not JSON names the body (and the character where parsing stopped), not a field called "12";
 - 404 and 405 are request errors, never `server_error`;
+- messages the served chat template refuses (its `raise_exception`, as Qwen3's without a user message) are a 400
+  naming `messages`, plain and streamed, and the server goes on answering;
 - a failed `/init_weights_update_group` is one line, without C++ stack frames (checked in the log of the `relax
   serve` subprocess of `tests/serving/test_serving_fuzz.py`, which calls it).
 """
@@ -17,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from relax.backends.inference.embedded import EmbeddedEngine
 from relax.serving.responses import text_tokens, token_pieces
 from tests.support.http_servers import Server
+from tests.support.tiny_assets import REFUSING_CHATML
 
 PROPERTY = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck),
@@ -107,3 +111,24 @@ def test_a_body_that_is_not_json_names_the_body(server, body):
 def test_404_and_405_are_request_errors(server, method, path, status, kind):
     response = httpx.request(method, f"{server.url}{path}", timeout=30)
     assert response.status_code == status and response.json()["error"]["type"] == kind
+
+
+def test_messages_the_chat_template_refuses_are_a_400(tiny_workspace):
+    engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
+    engine.tokenizer.chat_template = REFUSING_CHATML
+    server = Server(tiny_workspace / "model", engine=engine)
+    try:
+        url = f"{server.url}/v1/chat/completions"
+        answers = [httpx.post(url, json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": stream},
+                              timeout=30)
+                   for messages in ([{"role": "system", "content": "be brief"}], [])
+                   for stream in (False, True)]
+        answered = httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "1+1="}],
+                                         "max_tokens": 2}, timeout=30)
+    finally:
+        server.stop()
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "messages"
+    assert "No user query found in messages." in answers[0].json()["error"]["message"]
+    assert answered.status_code == 200

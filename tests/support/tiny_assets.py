@@ -18,6 +18,11 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# ChatML that refuses messages without a user message, as Qwen3's template does ("No user query found in
+# messages."): a template's `raise_exception` is bad input to report, not a crash.
+REFUSING_CHATML = ("{% if messages | selectattr('role', 'equalto', 'user') | list | length == 0 %}"
+                   "{{ raise_exception('No user query found in messages.') }}{% endif %}" + CHATML)
+
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}

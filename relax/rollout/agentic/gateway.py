@@ -40,13 +40,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
+from relax.data.chat_template import ChatTemplateError, apply_template
+from relax.rollout.agentic import messages_api, responses_api
 from relax.rollout.agentic.chat_request import (
     AgentChatRequest,
     AgentMessage,
     GatewayError,
     ToolCall,
 )
-from relax.rollout.agentic import messages_api, responses_api
 from relax.rollout.agentic.tool_parser import ToolCallParser, parse_hermes_tool_calls
 from relax.utils.http_server import EmbeddedServer, HTTPLimits, uvicorn_config, wait_unless_client_gone
 
@@ -127,8 +128,8 @@ class ChatTemplate:
         self.assistant_end = self._assistant_end_text()
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+        return apply_template(self.tokenizer, messages, tools=tools, add_generation_prompt=generation_prompt,
+                              **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -257,11 +258,14 @@ class Session:
         first_turn = self.trajectory.turns == 0
         new_start = 0 if first_turn else self._check_history(comparables)
         new = [_template_message(m, new_start + i) for i, m in enumerate(body.messages[new_start:])]
-        if first_turn:
-            inserted, context = [], template.prompt(new, body.tools)
-        else:
-            inserted = template.continuation(self._last_output_ids, new)
-            context = self.trajectory.tokens + inserted
+        try:
+            if first_turn:
+                inserted, context = [], template.prompt(new, body.tools)
+            else:
+                inserted = template.continuation(self._last_output_ids, new)
+                context = self.trajectory.tokens + inserted
+        except ChatTemplateError as error:  # the template's own refusal of these messages (or tools)
+            raise GatewayError(400, f"messages: {error}", "messages") from None
         requested = body.max_completion_tokens or body.max_tokens or self.sampling.max_new_tokens
         max_new_tokens = min(requested, self.sampling.max_new_tokens)
         if self.max_context_len is None:  # the multi-turn loop's default budget: the prompt + one response length

@@ -5,6 +5,7 @@ the real tiny embedded engine."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import sys
 import textwrap
@@ -24,17 +25,18 @@ from relax.rollout.agentic import agent_rollout
 from relax.rollout.agentic.gateway import AgentGateway, openai_tool_calls
 from relax.rollout.agentic.tool_parser import parse_hermes_tool_calls
 from relax.rollout.generation.context import PerSampleGeneration
+from tests.support.tiny_assets import REFUSING_CHATML
 
 TOOL_MESSAGE = {"role": "tool", "content": "3", "tool_call_id": "call_1"}
 
 
-def run_with_gateway(engine, scenario, max_new_tokens: int = 5, max_context_len: int | None = 200):
+def run_with_gateway(engine, scenario, max_new_tokens: int = 5, max_context_len: int | None = 200, tokenizer=None):
     """Run ``scenario(gateway, session)`` on a fresh loop beside a started gateway and batcher."""
 
     async def main():
         batcher = RequestBatcher(engine)
         batcher.start()
-        gateway = AgentGateway(engine.tokenizer)
+        gateway = AgentGateway(tokenizer or engine.tokenizer)
         await gateway.start()
         session = gateway.open_session(batcher, SamplingParams(max_new_tokens=max_new_tokens, seed=7),
                                        max_context_len=max_context_len)
@@ -162,6 +164,27 @@ def test_auth_bad_bodies_and_context_budget(engine):
     assert first.status_code == 200 and first.json()["usage"]["total_tokens"] <= budget
     assert exhausted.status_code == 400 and "context budget exhausted" in exhausted.json()["error"]["message"]
     assert trajectory.stop_reason == "budget_exhausted" and len(trajectory.tokens) <= budget
+
+
+def test_messages_the_chat_template_refuses_are_a_400_and_the_session_goes_on(engine):
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.chat_template = REFUSING_CHATML
+
+    async def scenario(gateway, session):
+        url, auth = gateway.base_url + "/chat/completions", {"Authorization": f"Bearer {session.session_id}"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            refused = await http.post(url, json={"messages": [{"role": "system", "content": "be brief"}]}, headers=auth)
+            streamed = await http.post(url, json={"messages": [{"role": "system", "content": "x"}], "stream": True},
+                                       headers=auth)
+            answered = await http.post(url, json={"messages": [{"role": "user", "content": "1+1="}]}, headers=auth)
+        return refused, streamed, answered
+
+    refused, streamed, answered = run_with_gateway(engine, scenario, tokenizer=tokenizer)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "messages"
+    assert "No user query found in messages." in error["message"]
+    assert streamed.status_code == 400 and streamed.json()["error"] == error  # before the stream opens
+    assert answered.status_code == 200 and answered.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 AGENT_SCRIPT = textwrap.dedent('''
