@@ -27,7 +27,10 @@ def parse_http_url(text: str) -> httpx.URL:
     except (httpx.InvalidURL, TypeError, ValueError):
         raise ValueError("is not a URL") from None
     if url.scheme not in ("http", "https"):
-        raise ValueError("is not an http:// or https:// URL" + (f" (scheme {url.scheme})" if url.scheme else ""))
+        # Only a real scheme is named: in "user:password@host" the parser's "scheme" is the user name.
+        named = (f" (scheme {url.scheme})" if url.scheme and f"{url.scheme}://" in text.lower()
+                 else " (no scheme://; e.g. http://HOST:PORT)" if "://" not in text else "")
+        raise ValueError("is not an http:// or https:// URL" + named)
     if not url.host:
         raise ValueError("has no host")
     if url.port is not None and not 1 <= url.port <= 65535:
@@ -38,12 +41,18 @@ def parse_http_url(text: str) -> httpx.URL:
 
 
 def redact_url(url: str | httpx.URL) -> str:
-    """``url`` without its secrets: user-info and every query value replaced by ``***`` (the names of query
-    parameters stay, so a reader sees that a token was given)."""
+    """``url`` without its secrets: user-info, every query value and the fragment replaced by ``***`` (the names of
+    query parameters stay, so a reader sees that a token was given). Text that is not ``scheme://host...`` is
+    ``***`` whole: without a host the parser cannot tell where credentials are (``user:password@host:8000`` reads
+    as scheme ``user`` and a path holding the password), so no part of it is shown."""
     try:
         parsed = httpx.URL(str(url))
     except (httpx.InvalidURL, TypeError, ValueError):
         return REDACTED
+    if not parsed.host:
+        return REDACTED
+    if parsed.fragment:
+        parsed = parsed.copy_with(fragment=REDACTED)
     if parsed.userinfo:
         parsed = parsed.copy_with(username=REDACTED, password=None)
     if parsed.query:
