@@ -172,9 +172,7 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.input_key not in row:
             raise DatasetError(f"{where}: missing prompt field {fmt.input_key!r} (set --input-key); row has {sorted(row)}")
         label = _label(row, fmt, where)
-        metadata = row.get(fmt.metadata_key) or {}
-        if not isinstance(metadata, dict):
-            raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
+        metadata = row_metadata(row, fmt, where)
         tools = _row_tool_specs(row, fmt, where)
         row_kwargs = metadata.get("apply_chat_template_kwargs")
         row_kwargs = {} if row_kwargs is None else row_kwargs  # a null column of a table export: none given
@@ -190,13 +188,25 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
             too_long += 1
             continue
-        metadata = {**metadata, "tools": tools} if tools else dict(metadata)
+        if tools:
+            metadata["tools"] = tools
         samples.append(Sample(index=row_index, prompt=text, label=label, metadata=metadata, tokens=list(tokens)))
     if too_long:
         logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, fmt.max_prompt_len)
     if not samples:
         raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
     return samples
+
+
+def row_metadata(row: dict[str, Any], fmt: PromptFormat, where: str) -> dict[str, Any]:
+    """A copy of the row's metadata object (``--metadata-key``; missing or null: empty). Anything else is refused
+    rather than dropped: the metadata carries the row's reward type and template variables."""
+    metadata = row.get(fmt.metadata_key)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise DatasetError(f"{where}: field {fmt.metadata_key!r} must be an object, got {type(metadata).__name__}")
+    return dict(metadata)
 
 
 def _label(row: dict[str, Any], fmt: PromptFormat, where: str) -> Any:
@@ -278,9 +288,8 @@ def _multimodal_prompt_samples(path: Path, indexed: list[tuple[int, dict[str, An
                 logger.warning("%s: skipped: %s", path, err)
                 continue
             raise DatasetError(f"{path}: {err}") from None
-        metadata = row.get(fmt.metadata_key) or {}
-        samples.append(Sample(index=row_index, prompt=row[fmt.input_key], label=label,
-                              metadata=dict(metadata) if isinstance(metadata, dict) else {},
+        metadata = row_metadata(row, fmt, row_label(path, row_index))
+        samples.append(Sample(index=row_index, prompt=row[fmt.input_key], label=label, metadata=metadata,
                               multimodal_inputs={kind: items for kind, items in media.items() if items}))
     if skipped:
         logger.warning("%s: skipped %d rows with bad media (--skip-bad-samples)", path, skipped)

@@ -20,7 +20,14 @@ import math
 from typing import Any
 
 from relax.data.chat_template import apply_template, render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, encode_prompt, read_spec_rows, row_label
+from relax.data.dataset import (
+    DatasetError,
+    PromptFormat,
+    encode_prompt,
+    read_spec_rows,
+    row_label,
+    row_metadata,
+)
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -96,10 +103,10 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
                                "is no preference to learn")
         if fmt.max_prompt_len is not None and len(prompt_tokens) > fmt.max_prompt_len:
             continue
-        metadata = row.get(fmt.metadata_key) or {}
+        metadata = row_metadata(row, fmt, where)
         for completion in completions:
             completion.index = row_index
-            completion.metadata = dict(metadata) if isinstance(metadata, dict) else {}
+            completion.metadata = dict(metadata)
         chosen.metadata["rejected"] = rejected
         if margin_key is not None:
             chosen.metadata["margin"] = _margin(row[margin_key], where, margin_key)

@@ -15,7 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from relax.data.chat_template import apply_template, render_prompt
-from relax.data.dataset import DatasetError, PromptFormat, encode_prompt, read_spec_rows, row_label
+from relax.data.dataset import (
+    DatasetError,
+    PromptFormat,
+    encode_prompt,
+    read_spec_rows,
+    row_label,
+    row_metadata,
+)
 from relax.data.sample import Sample, SampleStatus
 
 
@@ -104,8 +111,7 @@ def load_sft_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sampl
         if fmt.max_prompt_len is not None and sample.prompt_length > fmt.max_prompt_len:
             continue
         sample.index, sample.status = row_index, SampleStatus.COMPLETED
-        metadata = row.get(fmt.metadata_key) or {}
-        sample.metadata = dict(metadata) if isinstance(metadata, dict) else {}
+        sample.metadata = row_metadata(row, fmt, where)
         samples.append(sample)
     if not samples:
         raise DatasetError(f"{spec}: no row left after dropping prompts longer than --rollout-max-prompt-len")

@@ -200,6 +200,19 @@ def test_an_empty_prompt_is_refused_naming_the_row(tmp_path, tokenizer, loader):
         _LOADERS[loader](str(path), tokenizer)
 
 
+@pytest.mark.parametrize("loader", [*sorted(_LOADERS), "media prompts"])
+@pytest.mark.parametrize("metadata", [[1], "rm_type=math", 0])
+def test_metadata_that_is_not_an_object_is_refused_by_every_loader(tmp_path, tokenizer, loader, metadata):
+    """The metadata carries a row's reward type and template variables: SFT, preference pairs and media prompts
+    had dropped one that was not an object without a word (the prompts refused it)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"input": "1+1=", "label": "2", "chosen": "2", "rejected": "3",
+                                                  "images": [], "metadata": metadata}])
+    load = _LOADERS.get(loader) or (lambda spec, tok: load_prompt_samples(spec, tok, PromptFormat(
+        multimodal_keys={"image": "images"})))
+    with pytest.raises(DatasetError, match="rows.jsonl: row 1: field 'metadata' must be an object"):
+        load(str(path), tokenizer)
+
+
 def test_template_variables_that_are_call_arguments_are_refused_naming_the_row(tmp_path, tokenizer):
     fmt = PromptFormat(apply_chat_template=True)
     for kwargs, named in (({"tokenize": True}, "'tokenize'"), ([1], "got list"),
