@@ -9,7 +9,7 @@ from relax.backends.models.registry import models_markdown
 from relax.cli.args import CommandLineParser, render_config_reference
 from relax.cli.scale import main as scale_main
 from relax.config import ConfigError
-from relax.core.state.health import STATE_FILE, format_state, read_state
+from relax.core.state.health import STATE_FILE, HealthStateError, format_state, read_state
 
 
 def cmd_config_docs(argv: list[str]) -> int:
@@ -32,7 +32,10 @@ def cmd_health(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="the run's --output-dir")
     parser.add_argument("--json", action="store_true", help=f"print {STATE_FILE} as it is")
     args = parser.parse_args(argv)
-    state = read_state(args.run_dir)
+    try:
+        state = read_state(args.run_dir)
+    except HealthStateError as err:
+        raise ConfigError(str(err)) from None
     if state is None:
         raise ConfigError(f"{args.run_dir / STATE_FILE}: no health state (was the run started with "
                           "--use-health-check?)")

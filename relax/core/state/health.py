@@ -360,12 +360,51 @@ class RoleFailedError(RunFault):
     """A role died or hung (the health check's verdict); the message names it."""
 
 
+class HealthStateError(ValueError):
+    """A ``health.json`` that is not a run's health state (damaged, or another program's); the message names it."""
+
+
 def read_state(run_dir: str | Path) -> dict | None:
-    """``health.json`` of a run, or None where the run has none (health checks off, or not started)."""
+    """``health.json`` of a run, or None where the run has none (health checks off, or not started); a file that is
+    there but is not a health state raises `HealthStateError` naming what is wrong with it."""
+    path = Path(run_dir) / STATE_FILE
     try:
-        return json.loads((Path(run_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes().decode("utf-8")
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as err:
+        raise HealthStateError(f"{path}: cannot be read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise HealthStateError(f"{path}: not UTF-8 text, so not a health state relax wrote") from None
+    try:
+        state = json.loads(text)
+    except ValueError as err:
+        raise HealthStateError(f"{path}: not valid JSON ({err}), so not a health state relax wrote") from None
+    problem = _state_problem(state)
+    if problem:
+        raise HealthStateError(f"{path}: not a health state relax wrote: {problem}")
+    return state
+
+
+def _state_problem(state: Any) -> str | None:
+    """What keeps ``state`` from being `_write_state`'s payload (the fields `format_state` and the supervisor
+    read), or None."""
+    number = (int, float)
+    if not isinstance(state, dict):
+        return f"a JSON object was expected, got {'null' if state is None else type(state).__name__}"
+    if not isinstance(state.get("time"), number) or isinstance(state.get("time"), bool):
+        return "its 'time' is not a number"
+    if not isinstance(state.get("roles", {}), dict) or not all(
+            isinstance(role, dict) and isinstance(role.get("last_heartbeat"), (*number, type(None)))
+            for role in state.get("roles", {}).values()):
+        return "its 'roles' is not an object of role objects (each with a numeric or null 'last_heartbeat')"
+    controller = state.get("controller") or {}
+    if not isinstance(controller, dict) or not isinstance(controller.get("since"), (*number, type(None))):
+        return "its 'controller' is not an object (with a numeric or null 'since')"
+    engines = state.get("engines") or []
+    if not isinstance(engines, list) or not all(isinstance(engine, dict) and "engine" in engine for engine in engines):
+        return "its 'engines' is not a list of engine objects"
+    return None
 
 
 def format_state(state: dict, now: float | None = None) -> str:

@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from relax.core.state.health import read_state
+from relax.core.state.health import HealthStateError, read_state
 from relax.core.state.liveness import SilenceJudge
 
 logger = logging.getLogger("relax")
@@ -166,7 +166,11 @@ def _wait_or_hang(child: multiprocessing.process.BaseProcess, cfg) -> int:
         child.join(timeout=1.0)
         if child.exitcode is not None:
             return child.exitcode
-        state = read_state(cfg.output_dir)
+        try:
+            state = read_state(cfg.output_dir)
+        except HealthStateError as err:  # not the child's writing (it replaces the whole file each second)
+            logger.debug("%s", err)
+            state = None
         if state is None or state.get("pid") != child.pid or state.get("fatal") or state.get("ended"):
             continue  # not written by this child yet (start-up), or it is ending (after a fault, or done)
         silent = time.time() - state["time"]

@@ -13,8 +13,17 @@ import time
 import urllib.request
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from relax.core.state.health import HEARTBEAT_DIR, HealthMonitor, RoleFailedError, read_state
+from relax.core.state.health import (
+    HEARTBEAT_DIR,
+    HealthMonitor,
+    HealthStateError,
+    RoleFailedError,
+    format_state,
+    read_state,
+)
 from relax.telemetry.metrics_service import MetricsService
 from tests.support.runs import ROOT, run_relax
 from tests.support.waits import PROCESS_PATIENCE_S, wait_until
@@ -111,6 +120,40 @@ def test_relax_health_names_a_run_without_health_state(tmp_path):
     assert result.returncode == 2 and "health.json" in result.stderr and "--use-health-check" in result.stderr
 
 
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4)
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+# Health states with any of their fields of any shape, so the damage reaches every field format_state reads.
+_STATES = _JSON | st.fixed_dictionaries({"time": st.floats(0, 2e9) | _JSON}, optional={
+    "pid": _JSON, "fatal": _JSON, "ended": _JSON, "global_restarts": _JSON,
+    "controller": _JSON | st.fixed_dictionaries({}, optional={"step": _JSON, "phase": _JSON, "since": _JSON}),
+    "roles": _JSON | st.dictionaries(st.text(max_size=4), _JSON | st.fixed_dictionaries({}, optional={
+        "last_heartbeat": _JSON | st.floats(0, 2e9), "healthy": _JSON, "pid": _JSON, "error": _JSON}), max_size=2),
+    "engines": _JSON | st.lists(_JSON | st.fixed_dictionaries({"engine": _JSON}, optional={
+        "healthy": _JSON, "pid": _JSON, "weight_version": _JSON, "last_error": _JSON}), max_size=2)})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=_STATES)
+def test_any_health_json_is_shown_or_refused_naming_the_file(tmp_path, state):
+    """A health.json of any shape (damaged, or another program's) is shown as a table or refused with a
+    HealthStateError naming the file: `relax health` had ended in a traceback (KeyError, AttributeError)."""
+    (tmp_path / "health.json").write_text(json.dumps(state))
+    try:
+        shown = read_state(tmp_path)
+    except HealthStateError as err:
+        assert str(err).startswith(str(tmp_path / "health.json"))
+    else:
+        assert isinstance(format_state(shown), str)
+
+
+@pytest.mark.parametrize("content", [b"[]", b'{"time": 1, "roles": {"actor": 5}}', b"{", b"\xff"])
+def test_relax_health_refuses_a_damaged_state_naming_the_file(tmp_path, content):
+    (tmp_path / "health.json").write_bytes(content)
+    result = run_relax("health", str(tmp_path))
+    assert result.returncode == 2 and "health.json" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_heartbeat_timeout_needs_health_checks(tmp_path):
     from relax.cli.args import parse_config
     from relax.config import ConfigError
@@ -155,8 +198,6 @@ def test_a_verdict_ends_the_process_unless_the_run_ends_within_the_grace(ends):
 
 def test_the_state_shows_the_routers_engines(tmp_path):
     """In-process engines behind a router (`--rollout-external`): health.json and `relax health` list each one."""
-    from relax.core.state.health import format_state
-
     engines = [{"engine": "http://127.0.0.1:30000", "healthy": True, "draining": False, "relaunching": False,
                 "relaunches": 2, "outstanding": 8, "weight_version": 7, "last_error": "", "served": 99, "pid": 4242},
                {"engine": "http://127.0.0.1:30001", "healthy": False, "draining": False, "relaunching": True,
