@@ -24,7 +24,7 @@ import uuid
 import httpx
 
 from relax.cli.args import CommandLineParser
-from relax.utils.urls import redact_url
+from relax.utils.urls import parse_http_url, redact_url
 
 TERMINAL = {"ACTIVE", "COMPLETED", "NOOP", "FAILED", "CANCELLED", "REJECTED"}
 SUCCESS = {"ACTIVE", "COMPLETED", "NOOP"}
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandLineParser(prog="relax scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["out", "in", "engines", "status"])
     parser.add_argument("args", nargs="*", help="status: out|in REQUEST_ID")
-    parser.add_argument("--url", required=True, help="the scaling API, e.g. http://127.0.0.1:8100")
+    parser.add_argument("--url", required=True, type=_api_url, help="the scaling API, e.g. http://127.0.0.1:8100")
     parser.add_argument("--num-replicas", type=int, help="out: engines wanted in all; in: engines that remain")
     parser.add_argument("--engine-urls", nargs="*", default=[], help="external engines to connect or remove")
     parser.add_argument("--force", action="store_true", help="in: do not wait for the engines' requests")
@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, help="give up polling after this many seconds")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_API_KEY"), help="bearer token (default $RELAX_API_KEY)")
     return parser
+
+
+def _api_url(text: str) -> str:
+    """--url as an http(s) URL; refused at once (not retried as an unreachable API), without echoing a secret."""
+    try:
+        parse_http_url(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{redact_url(text)} {err}") from None
+    return text
 
 
 class APIUnreachable(Exception):
@@ -72,16 +81,25 @@ def _request(client: httpx.Client, method: str, path: str, body: dict | None = N
     raise AssertionError("unreachable")
 
 
-def _json(response: httpx.Response, what: str) -> dict:
+def _json(response: httpx.Response, what: str, needs: str | None = None) -> dict:
+    """The answer's JSON object (with the field ``needs``); anything else means --url is not the scaling API."""
     if response.status_code != 200:
         raise APIUnreachable(f"{what}: HTTP {response.status_code}: {response.text[:300]}")
-    return response.json()
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or (needs is not None and needs not in answer):
+        found = f"no {needs!r} in it" if isinstance(answer, dict) else "not a JSON object"
+        raise APIUnreachable(f"{what}: the answer is not the scaling API's ({found}); is --url the run's "
+                             "--rollout-api-port?")
+    return answer
 
 
 def _poll(client: httpx.Client, kind: str, request_id: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        operation = _json(_request(client, "GET", f"/{kind}/{request_id}"), f"{kind} {request_id}")
+        operation = _json(_request(client, "GET", f"/{kind}/{request_id}"), f"{kind} {request_id}", "status")
         if operation["status"] in TERMINAL:
             return operation
         if time.monotonic() > deadline:
@@ -109,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
                 print("relax scale status: give out|in and a request id", file=sys.stderr)
                 return 2
             path = f"/scale_{args.args[0]}/{args.args[1]}"
-            print(json.dumps(_json(_request(client, "GET", path, retries=GET_RETRIES), path), indent=2))
+            print(json.dumps(_json(_request(client, "GET", path, retries=GET_RETRIES), path, "status"), indent=2))
             return 0
         if args.num_replicas is None and not args.engine_urls:
             print(f"relax scale {args.action}: give --num-replicas or --engine-urls", file=sys.stderr)
@@ -129,6 +147,6 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         # the polling outlasts the operation's own bound, which then ends it FAILED with the reason
         poll_s = max(args.timeout, (operation_timeout or 0.0) + POLL_MARGIN_S)
-        operation = _poll(client, kind, response.json()["request_id"], poll_s)
+        operation = _poll(client, kind, _json(response, kind, "request_id")["request_id"], poll_s)
     print(json.dumps(operation, indent=2))
     return 0 if operation["status"] in SUCCESS else 1

@@ -353,6 +353,46 @@ def test_relax_scale_without_an_api_says_so(capsys):
         assert code == 1 and "no answer" in err and "Traceback" not in err, err
 
 
+def test_relax_scale_refuses_a_url_that_is_not_one_at_once(capsys):
+    for url in ("user:s3cret-pw@127.0.0.1:8100", "localhost:8100", "ftp://127.0.0.1/x"):
+        code, _, err = _relax(capsys, "scale", "engines", "--url", url)
+        assert code == 2 and "--url" in err and "s3cret-pw" not in err and "no answer" not in err, err
+
+
+@pytest.mark.parametrize("answer", [b"hello", b"[1, 2]", b'{"detail": "something else"}'])
+def test_relax_scale_against_a_server_that_is_not_the_api_says_so(capsys, answer):
+    """A 200 that is not the API's JSON (another server on that port) had ended in a traceback."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for argv in (("engines",), ("status", "out", "x"), ("out", "--num-replicas", "2")):
+            code, _, err = _relax(capsys, "scale", *argv, "--url", url)
+            if argv == ("engines",) and answer.startswith(b"{"):
+                assert code == 0  # /engines is any JSON object
+                continue
+            assert code == 1 and "not the scaling API's" in err and "Traceback" not in err, (argv, err)
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
 def test_a_yaml_setting_is_cleared_from_the_command_line(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("rm_type: math\n")
