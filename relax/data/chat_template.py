@@ -10,7 +10,7 @@ import jinja2
 # template variables (`--apply-chat-template-kwargs`, a row's ``metadata.apply_chat_template_kwargs``, a client's
 # ``chat_template_kwargs``) they would break the call or its result instead of reaching the template.
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 
@@ -19,12 +19,13 @@ class ChatTemplateError(ValueError):
     """The tokenizer's chat template refused the messages (its ``raise_exception``) or could not render them."""
 
 
-def template_kwargs_problem(kwargs: Any) -> str | None:
-    """Why ``kwargs`` cannot be a chat template's extra variables, or None when they can."""
+def template_kwargs_problem(kwargs: Any, reserved_too: frozenset[str] = frozenset()) -> str | None:
+    """Why ``kwargs`` cannot be a chat template's extra variables, or None when they can; ``reserved_too`` names
+    more arguments a caller does not take (a server does not run a client's own ``chat_template``)."""
     if not isinstance(kwargs, dict):
         kind = "null" if kwargs is None else type(kwargs).__name__
         return f"must be an object of template variables (e.g. {{\"enable_thinking\": false}}), got {kind}"
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    reserved = sorted((RESERVED_TEMPLATE_KWARGS | reserved_too).intersection(kwargs))
     if reserved:
         return (f"{', '.join(map(repr, reserved))} {'is an argument' if len(reserved) == 1 else 'are arguments'} "
                 "that Relax sets for each call, not a template variable")

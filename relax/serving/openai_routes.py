@@ -61,7 +61,8 @@ def openai_router(served: ServedModel) -> APIRouter:
         admission.check([1], body.n, 0, "messages")
         limits.check_text("".join(message["content"] for message in messages), "messages")
         try:
-            text = await asyncio.to_thread(apply_template, tokenizer, messages, add_generation_prompt=True)
+            text = await asyncio.to_thread(apply_template, tokenizer, messages, add_generation_prompt=True,
+                                           **(body.chat_template_kwargs or {}))
         except ChatTemplateError as error:  # e.g. Qwen3's template refuses messages without a user message
             raise BadRequest(f"messages: {error}", "messages") from None
         prompt = list((await asyncio.to_thread(tokenizer, text, add_special_tokens=False))["input_ids"])

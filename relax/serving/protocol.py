@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from relax.backends.inference.base import SamplingParams
+from relax.data.chat_template import template_kwargs_problem
 
 
 class _Body(BaseModel):
@@ -266,6 +267,17 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
+    # vLLM / SGLang extension: variables of the served chat template, e.g. {"enable_thinking": false} for Qwen3.
+    # Not the template itself: a client's `chat_template` could loop without bound in the server's thread.
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = None if value is None else template_kwargs_problem(value, frozenset({"chat_template"}))
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class InitWeightsUpdateGroupRequest(_Body):

@@ -113,22 +113,30 @@ def test_404_and_405_are_request_errors(server, method, path, status, kind):
     assert response.status_code == status and response.json()["error"]["type"] == kind
 
 
-def test_messages_the_chat_template_refuses_are_a_400(tiny_workspace):
+def test_the_chat_template_refuses_messages_with_a_400_and_takes_the_clients_variables(tiny_workspace):
     engine = EmbeddedEngine.from_pretrained(str(tiny_workspace / "model"))
-    engine.tokenizer.chat_template = REFUSING_CHATML
+    engine.tokenizer.chat_template = REFUSING_CHATML + "{% if greeting is defined %}{{ greeting }}{% endif %}"
     server = Server(tiny_workspace / "model", engine=engine)
+    url = f"{server.url}/v1/chat/completions"
+
+    def chat(messages, **extra):
+        return httpx.post(url, json={"model": "tiny", "messages": messages, "max_tokens": 2, **extra}, timeout=30)
+
+    user = [{"role": "user", "content": "1+1="}]
     try:
-        url = f"{server.url}/v1/chat/completions"
-        answers = [httpx.post(url, json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": stream},
-                              timeout=30)
-                   for messages in ([{"role": "system", "content": "be brief"}], [])
+        refused = [chat(messages, stream=stream) for messages in ([{"role": "system", "content": "be brief"}], [])
                    for stream in (False, True)]
-        answered = httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "1+1="}],
-                                         "max_tokens": 2}, timeout=30)
+        plain, greeted = chat(user), chat(user, chat_template_kwargs={"greeting": "abc"})
+        bad_variables = [chat(user, chat_template_kwargs=kwargs) for kwargs in (
+            {"tokenize": True}, {"chat_template": "{% for i in range(99999) %}x{% endfor %}"}, {"messages": []}, [1])]
+        after = chat(user)
     finally:
         server.stop()
-    for answer in answers:
-        assert answer.status_code == 400, answer.text
-        assert answer.json()["error"]["param"] == "messages"
-    assert "No user query found in messages." in answers[0].json()["error"]["message"]
-    assert answered.status_code == 200
+    for answer in refused:
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages", answer.text
+    assert "No user query found in messages." in refused[0].json()["error"]["message"]
+    # the variable reaches the template: three more prompt tokens ("abc" in the character tokenizer)
+    assert greeted.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] + 3
+    for answer in bad_variables:
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template_kwargs", answer.text
+    assert after.status_code == 200
