@@ -5,6 +5,7 @@ import asyncio
 import math
 
 import pytest
+import torch
 
 from relax.cli.args import parse_config
 from relax.config import ConfigError
@@ -325,6 +326,30 @@ def test_bad_placement_config_fails_up_front(tiny_workspace, tmp_path):
         check_ray_address(f"127.0.0.1:{free_loopback_port()}")
     with pytest.raises(ConfigError, match="--max-staleness"):
         parse_config(["--fully-async", "--max-staleness", "-1"])
+
+
+@pytest.mark.parametrize("replicas", ["10000", "1e9"])
+def test_more_role_processes_than_the_machine_holds_are_refused_before_ray_starts(tiny_workspace, tmp_path, replicas):
+    """A local Ray is given as many logical CPUs as the bundles ask: 10,000 actor replicas started 10,000 processes
+    (the run hung, then the machine ran out of memory) instead of an error naming --resource."""
+    out = tmp_path / "run"
+    result = run_relax("train", *tiny_train_args(tiny_workspace, out, "--placement", "ray", "--num-rollout", "1",
+                                                 "--resource", f'{{"actor": [{replicas}, 0], "rollout": [1, 0]}}'))
+    assert result.returncode == 2, result.stderr
+    assert "--resource:" in result.stderr and "role processes take about" in result.stderr and "GiB" in result.stderr
+    assert not out.exists() and "Traceback" not in result.stderr
+
+
+def test_more_gpus_than_the_machine_has_are_refused_with_a_share_that_fits(tiny_workspace, tmp_path):
+    """Asked of a local Ray, GPUs that are not there were waited for (300 s) before the error."""
+    from relax.core.placement.ray.service import check_machine_holds
+
+    cfg = parse_config(tiny_train_args(tiny_workspace, tmp_path, "--placement", "ray", "--num-rollout", "1",
+                                       "--resource", '{"actor": [2, 1], "rollout": [1, 0.5]}'))
+    have = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=rf"--resource: the role processes ask for 2.5 GPUs .* has {have}; give "):
+        check_machine_holds(cfg, ["actor", "rollout"], use_gpus=True)
+    check_machine_holds(cfg, ["actor", "rollout"], use_gpus=False)  # CPU bundles: three processes fit
 
 
 class LateReplyController(AsyncController):

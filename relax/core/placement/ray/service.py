@@ -16,6 +16,7 @@ docs/placement.md says what was tried).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -49,6 +50,7 @@ from relax.data_plane.tq_plane import start_local_transfer_queue, transfer_queue
 from relax.distributed.process_group import free_loopback_port
 from relax.serving.server import resolve_api_key
 from relax.utils.local_ray import set_local_ray_environment, start_local_ray
+from relax.utils.memory import free_bytes
 
 logger = logging.getLogger("relax")
 
@@ -56,6 +58,9 @@ START_TIMEOUT_S = 300.0  # Ray's reservation of the roles' resources; a call to 
 # Building a role in its process: importing torch and loading its model, minutes for a large model from network
 # storage or on a busy machine. A hang guard only: a build that fails raises at once with the worker's traceback.
 ROLE_BUILD_TIMEOUT_S = 1800.0
+# What one role process takes before its model: an interpreter that imported torch, transformers and Relax's role
+# worker (0.41 GiB resident, measured on Linux on 2026-12-07).
+ROLE_PROCESS_BYTES = 400 * 2**20
 SYNC_GROUP_TIMEOUT_S = 120.0
 
 
@@ -136,6 +141,8 @@ class RayService:
         check_resource_covers(cfg, roles)
         if cfg.ray_address:
             check_ray_address(cfg.ray_address)
+        else:
+            check_machine_holds(cfg, roles, self.use_gpus)
         try:
             self._start_ray(roles)
             self._start_workers_and_transfer_queue(roles)
@@ -358,6 +365,30 @@ def check_resource_covers(cfg: RelaxConfig, roles: list[str]) -> None:
     if cfg.resource and missing:
         raise ConfigError(f"{flag('resource')} has no entry for {missing}, which this run needs "
                           f"(its roles: {roles}); add e.g. " + ", ".join(f'"{m}": [1, 0]' for m in missing))
+
+
+def check_machine_holds(cfg: RelaxConfig, roles: list[str], use_gpus: bool) -> None:
+    """A local Ray (no --ray-address) runs every role process on this machine. Asking for more GPUs than it has
+    waited `START_TIMEOUT_S` for a reservation that never came, and more processes than its memory holds started
+    them all (a local Ray is given as many logical CPUs as the bundles ask, whatever the cores): 10,000 actor
+    replicas ran the machine out of memory instead of an error. Both are refused here, naming --resource."""
+    replicas = {name: int(cfg.resource.get(name, [1, 1])[0]) for name in roles}
+    if use_gpus:
+        asked = sum(replicas[name] * float(cfg.resource.get(name, [1, 1])[1]) for name in roles)
+        have = torch.cuda.device_count()
+        if asked > have:
+            shares = json.dumps({name: [1, round(have / len(roles), 2)] for name in roles})
+            raise ConfigError(f"{flag('resource')}: the role processes ask for {asked:g} GPUs (a role left out takes "
+                              f"1), this machine has {have}; give each a share, e.g. '{shares}', or join a larger "
+                              f"cluster with {flag('ray_address')}")
+    processes = sum(replicas.values())
+    available = free_bytes(torch.device("cpu"))
+    if available is not None and processes * ROLE_PROCESS_BYTES > available:
+        raise ConfigError(f"{flag('resource')}: {processes:,} role processes take about "
+                          f"{processes * ROLE_PROCESS_BYTES / 2**30:,.0f} GiB before their models "
+                          f"({ROLE_PROCESS_BYTES / 2**30:.1f} GiB each: an interpreter with torch and transformers), "
+                          f"more than the {available / 2**30:.1f} GiB this machine has available; ask for fewer "
+                          f"replicas, or join a larger cluster with {flag('ray_address')}")
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
