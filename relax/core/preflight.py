@@ -48,6 +48,7 @@ from relax.core.state.run_dir import loads_a_run_without_checkpoints
 from relax.data.dataset import DatasetError, parse_data_spec
 from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.telemetry.notify import invalid_url_positions, split_urls
+from relax.telemetry.tracking import wandb_credentials_problem
 from relax.utils.http_server import ListenError, listening_socket
 
 logger = logging.getLogger("relax")
@@ -234,6 +235,8 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     algorithm_spec(cfg)  # the custom advantage and policy-loss functions import
     custom_policy_loss(cfg)
     check_notify_urls(cfg)
+    if cfg.use_wandb and (problem := wandb_credentials_problem()):
+        raise ConfigError(f"{flag('use_wandb')}: {problem}")
     return model_path
 
 

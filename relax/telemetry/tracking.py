@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import netrc
 import os
 import re
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlparse
 
 from relax.telemetry.metrics_file import METRICS_FILE, read_metrics, to_json_safe
 from relax.telemetry.plots import plot_run
@@ -113,6 +115,9 @@ class Tracker:
             raise ImportError(
                 "W&B logging needs the wandb package: pip install relax-rl[wandb] (or turn W&B logging off)"
             ) from error
+        problem = wandb_credentials_problem()
+        if problem:  # wandb.init would prompt for a key, and without a terminal raise its UsageError
+            raise ValueError(f"W&B logging: {problem}")
         # wandb.init reads WANDB_MODE itself, so WANDB_MODE=offline writes run_dir/wandb/offline-run-* without network.
         run = wandb.init(
             dir=str(self.run_dir),
@@ -268,3 +273,23 @@ class NullTracker:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def wandb_credentials_problem() -> str | None:
+    """Why ``wandb.init`` would stop for want of credentials (it prompts for an API key, and without a terminal
+    raises after the run has started), or None: offline and disabled modes need none; ``WANDB_API_KEY``,
+    ``WANDB_IDENTITY_TOKEN_FILE`` or a netrc entry for the W&B host (what ``wandb login`` writes) are
+    credentials. Whether a key is valid only the server can say."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") \
+            or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):  # None: ~/.netrc
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"no W&B API key for {host}: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline to log "
+            "into the run directory only")

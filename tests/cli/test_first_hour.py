@@ -130,11 +130,14 @@ def test_export_to_where_nothing_can_be_written_is_refused_before_loading(lora_r
 
 
 def test_a_run_folder_that_cannot_be_made_is_named(tiny_workspace, tmp_path, capsys):
-    """--output-dir or --save inside a file: exit status 2 naming the flag, before training (--save failed at the
-    first checkpoint, after a step's work), and no folder left behind."""
+    """--output-dir, --save or --timeline-dump-dir inside a file: exit status 2 naming the flag, before training
+    (--save failed at the first checkpoint, after a step's work; --timeline-dump-dir at the first step, with a
+    traceback), and no folder left behind."""
     (tmp_path / "a-file").write_text("")
     cases = {"--output-dir": ["--output-dir", str(tmp_path / "a-file" / "run")],
-             "--save": ["--output-dir", str(tmp_path / "run"), "--save", str(tmp_path / "a-file" / "ck")]}
+             "--save": ["--output-dir", str(tmp_path / "run"), "--save", str(tmp_path / "a-file" / "ck")],
+             "--timeline-dump-dir": ["--output-dir", str(tmp_path / "run"), "--timeline-dump-dir",
+                                     str(tmp_path / "a-file" / "timeline")]}
     for name, flags in cases.items():
         code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, tmp_path / "unused", "--num-rollout",
                                                                 "1", *flags))

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from relax.data.sample import Sample, SampleStatus
 from relax.telemetry.metrics_file import read_metrics
 from relax.telemetry.plots import CURVE_GROUPS, plot_run
-from relax.telemetry.tracking import Tracker, redact_secrets
+from relax.telemetry.tracking import Tracker, redact_secrets, wandb_credentials_problem
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -92,6 +92,40 @@ def test_missing_wandb_tells_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(ImportError, match=r"pip install relax-rl\[wandb\]"):
         Tracker(tmp_path, use_tensorboard=False, use_wandb=True)
+
+
+def test_wandb_without_credentials_is_refused_before_the_run_starts(tmp_path, monkeypatch, capsys):
+    """wandb.init prompts for an API key and, without a terminal, raised its UsageError after the model had loaded
+    (a traceback, exit status 1); refused in the preflight instead, naming the flag and the three ways out."""
+    from relax.cli.main import main
+    from tests.support.tiny_assets import build_tiny_model_dir, write_addition_data
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine example.org login user password not-wandb\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    assert "no W&B API key for api.wandb.ai" in wandb_credentials_problem()
+    build_tiny_model_dir(tmp_path / "model")
+    write_addition_data(tmp_path / "train.jsonl", 8, seed=0)
+    code = main(["train", "--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "train.jsonl"),
+                 "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction", "--rollout-batch-size", "2",
+                 "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--micro-batch-size", "4",
+                 "--use-wandb", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--use-wandb: no W&B API key" in err and "WANDB_MODE=offline" in err, err
+    assert not (tmp_path / "run").exists()
+    # each way out is credentials enough
+    netrc_file.write_text("machine api.wandb.ai login user password k3y\n")
+    assert wandb_credentials_problem() is None
+    netrc_file.write_text("")
+    for name, value in (("WANDB_API_KEY", "k3y"), ("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled")):
+        monkeypatch.setenv(name, value)
+        assert wandb_credentials_problem() is None
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert "no W&B API key for wandb.example.org" in wandb_credentials_problem()
 
 
 def write_killed_run(run_dir, last_complete_step):

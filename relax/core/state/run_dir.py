@@ -66,9 +66,14 @@ def prepare_run_dir(cfg: RelaxConfig) -> bool:
         clear_run_files(directory, cfg.save_dir)
     created = not directory.exists()
     _make_folder(directory, "output_dir")
-    if cfg.save:  # elsewhere: made now, so that a place nobody can write to fails before the first step, not at
-        try:  # the first save
-            _make_folder(cfg.save_dir, "save")
+    # The folders elsewhere that the run writes into, made now: a place nobody can write to fails before the first
+    # step, naming its flag, not at the first save, timeline event or weight push (with a traceback).
+    elsewhere = [(cfg.save_dir, "save")] if cfg.save else []
+    elsewhere += [(Path(getattr(cfg, name)), name) for name in ("timeline_dump_dir", "rollout_weights_dir")
+                  if getattr(cfg, name)]
+    for folder, name in elsewhere:
+        try:
+            _make_folder(folder, name)
         except ConfigError:
             if created:
                 directory.rmdir()

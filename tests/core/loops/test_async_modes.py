@@ -324,6 +324,14 @@ def test_bad_placement_config_fails_up_front(tiny_workspace, tmp_path):
         check_resource_covers(cfg, ["actor", "rollout"])
     with pytest.raises(ConfigError, match="--ray-address 127.0.0.1:.*no Ray head answers"):
         check_ray_address(f"127.0.0.1:{free_loopback_port()}")
+    # not an address Ray takes: named at once (`http://[::1` had reached ray.init: a ValueError traceback); a URL's
+    # credentials are not shown
+    for address in ("http://[::1", "http://127.0.0.1:6379", ":", "host:99999", "host:port"):
+        with pytest.raises(ConfigError, match="expected HOST:PORT, ray://HOST:PORT"):
+            check_ray_address(address)
+    with pytest.raises(ConfigError, match=r"--ray-address ray://\*\*\*@127.0.0.1:.*no Ray head answers") as refused:
+        check_ray_address(f"ray://user:s3cret@127.0.0.1:{free_loopback_port()}")
+    assert "s3cret" not in str(refused.value)
     with pytest.raises(ConfigError, match="--max-staleness"):
         parse_config(["--fully-async", "--max-staleness", "-1"])
 

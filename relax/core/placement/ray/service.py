@@ -51,6 +51,7 @@ from relax.distributed.process_group import free_loopback_port
 from relax.serving.server import resolve_api_key
 from relax.utils.local_ray import set_local_ray_environment, start_local_ray
 from relax.utils.memory import free_bytes
+from relax.utils.urls import redact_url
 
 logger = logging.getLogger("relax")
 
@@ -392,13 +393,20 @@ def check_machine_holds(cfg: RelaxConfig, roles: list[str], use_gpus: bool) -> N
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, naming the flag, when --ray-address points at nothing (Ray itself retries for a minute)."""
-    if address == "auto" or "://" in address:
+    """Fail in seconds, naming the flag, when --ray-address points at nothing (Ray itself retries for a minute) or
+    is not an address Ray takes (``auto``, ``local``, ``HOST:PORT``, a Ray Client's ``ray://HOST:PORT``)."""
+    if address in ("auto", "local"):
         return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"{flag('ray_address')} {address!r}: expected HOST:PORT or auto")
+    scheme, separator, rest = address.partition("://")
+    shown = redact_url(address) if separator else address  # a URL may carry credentials
+    expected = "expected HOST:PORT, ray://HOST:PORT (a Ray Client server) or auto"
+    if separator and scheme != "ray":
+        raise ConfigError(f"{flag('ray_address')} {shown}: {expected}")
+    host, _, port = (rest if separator else address).rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{flag('ray_address')} {shown if separator else repr(address)}: {expected}")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as err:
-        raise ConfigError(f"{flag('ray_address')} {address}: no Ray head answers there ({err})") from None
+        raise ConfigError(f"{flag('ray_address')} {shown}: no Ray head answers there ({err})") from None
