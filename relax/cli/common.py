@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -75,17 +76,42 @@ def port_number(text: str) -> int:
 
 
 def positive(kind: type) -> Any:
+    """An argparse type: a finite number > 0 (an infinite timeout or size is no bound)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def in_range(kind: type, low: float, high: float) -> Any:
+    """An argparse type: a number from ``low`` to ``high`` (a finite one)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be from {low:g} to {high:g}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def nonblank(text: str) -> str:
+    """An argparse type: a string with something in it (an empty one is an unset shell variable, or a stray quote:
+    as a token it would have opened the server to anyone sending an empty one, as a folder meant the working
+    directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is blank (an unset shell variable?); leave the flag out instead")
+    return text
 
 
 def causes(err: BaseException) -> list[BaseException]:

@@ -24,6 +24,7 @@ import uuid
 import httpx
 
 from relax.cli.args import CommandLineParser
+from relax.cli.common import in_range, positive
 from relax.utils.urls import parse_http_url, redact_url
 
 TERMINAL = {"ACTIVE", "COMPLETED", "NOOP", "FAILED", "CANCELLED", "REJECTED"}
@@ -38,16 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("action", choices=["out", "in", "engines", "status"])
     parser.add_argument("args", nargs="*", help="status: out|in REQUEST_ID")
     parser.add_argument("--url", required=True, type=_api_url, help="the scaling API, e.g. http://127.0.0.1:8100")
-    parser.add_argument("--num-replicas", type=int, help="out: engines wanted in all; in: engines that remain")
+    parser.add_argument("--num-replicas", type=in_range(int, 0, 1_000_000), help="out: engines wanted in all; in: engines that remain")
     parser.add_argument("--engine-urls", nargs="*", default=[], help="external engines to connect or remove")
     parser.add_argument("--force", action="store_true", help="in: do not wait for the engines' requests")
     parser.add_argument("--dry-run", action="store_true", help="in: show what would be removed")
-    parser.add_argument("--drain-timeout", type=float, help="in: seconds to wait for the engines' requests")
-    parser.add_argument("--start-timeout", type=float,
+    parser.add_argument("--drain-timeout", type=positive(float), help="in: seconds to wait for the engines' requests")
+    parser.add_argument("--start-timeout", type=positive(float),
                         help="out: seconds the new engines may take to start, load the model and the weights (the "
                              "API's timeout_secs; default 300 for replicas); the operation fails after, removing them")
     parser.add_argument("--request-id", help="idempotency key (default: a new one)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="give up polling after this many seconds")
+    parser.add_argument("--timeout", type=positive(float), default=600.0, help="give up polling after this many seconds")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_API_KEY"), help="bearer token (default $RELAX_API_KEY)")
     return parser
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from relax.cli.common import port_number, positive, quiet_libraries, setup_logging
+from relax.cli.common import in_range, nonblank, port_number, positive, quiet_libraries, setup_logging
 
 
 def cmd_serve(argv: list[str]) -> int:
@@ -22,29 +22,29 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--gguf-file", help="name of a GGUF file inside the --hf-checkpoint folder")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=port_number, default=30000, help="port to listen on (1-65535)")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", default=None, type=nonblank,
                         help="bearer token required by the control endpoints (default: $RELAX_API_KEY; none: open)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--cpu-threads", type=int, default=0,
+    parser.add_argument("--cpu-threads", type=in_range(int, 0, 1024), default=0,
                         help="threads torch computes with on CPU (0: measured at start, as relax train does)")
-    parser.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the folder name)")
+    parser.add_argument("--served-model-name", default=None, type=nonblank, help="model id of /v1/models (default: the folder name)")
     parser.add_argument("--max-batch-size", type=positive(int), default=256,
                         help="most sequences decoded together (one decode step's rows; the rest wait their turn)")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0,
-                        help="how long the first waiting request collects others into one engine batch")
+    parser.add_argument("--batch-window-ms", type=in_range(float, 0, 10_000), default=5.0,
+                        help="how long the first waiting request collects others into one engine batch (0-10000)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--engine-core", default="auto", choices=["auto", "on", "off"],
                         help="the engine core's runner: auto = the paged one (paged KV, CUDA graphs) for the "
                         "families it runs, the model's own forward and cache for the others; on = the paged one "
                         "only; off = the model's own forward for every model")
-    parser.add_argument("--mem-fraction-static", type=float, default=0.85,
+    parser.add_argument("--mem-fraction-static", type=in_range(float, 0.001, 0.999), default=0.85,
                         help="on CUDA, the share of the free device memory (after the weights) the KV pool takes")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                         help="the KV pool's storage: auto = the model's dtype; fp8_e4m3 = one byte an entry with a "
                         "scale per head vector (paged engine core; CUDA compute capability 8.9 or newer)")
-    parser.add_argument("--weight-update-root", default=None,
+    parser.add_argument("--weight-update-root", default=None, type=nonblank,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
     limits = parser.add_argument_group("what one client may take (docs/serving.md)")

@@ -347,6 +347,20 @@ def test_serve_flags_are_checked(capsys, tiny_workspace):
     assert code == 2 and "99999" in err and "1-65535" in err
 
 
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--cpu-threads", "100000", "must be from 0 to 1024"),  # torch's thread pool had segfaulted the server
+    ("--batch-window-ms", "1e12", "must be from 0 to 10000"),  # every request would wait that long
+    ("--batch-window-ms", "-1", "must be from 0 to 10000"),  # had named an internal window_s
+    ("--header-timeout-s", "inf", "must be a finite number > 0"), ("--body-timeout-s", "nan", "finite number > 0"),
+    ("--mem-fraction-static", "2", "must be from 0.001 to 0.999"),
+    ("--api-key", "", "is blank"),  # an unset shell variable: it had served an empty bearer token
+    ("--api-key", "  ", "is blank"), ("--weight-update-root", "", "is blank"), ("--served-model-name", "", "is blank"),
+])
+def test_serve_refuses_values_that_are_no_bound_or_blank(capsys, tiny_workspace, flag, value, says):
+    code, _, err = _relax(capsys, "serve", "--hf-checkpoint", str(tiny_workspace / "model"), flag, value)
+    assert code == 2 and f"argument {flag}: " in err and says in err and "Traceback" not in err, err
+
+
 def test_relax_scale_without_an_api_says_so(capsys):
     from relax.distributed.process_group import free_loopback_port
 
