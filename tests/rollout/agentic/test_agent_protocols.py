@@ -19,7 +19,8 @@ import schemathesis
 # Imported here, not lazily by `schemathesis.openapi.from_url` while a server thread runs: pytest rewrites a
 # plugin's modules with ast.parse as they import, and CPython 3.11's AST conversion keeps its recursion depth
 # per interpreter, not per thread, so two threads parsing at once failed a CI run with "SystemError: AST
-# constructor recursion depth mismatch" (python/cpython#106905, fixed in 3.12).
+# constructor recursion depth mismatch" (python/cpython#106905, fixed in 3.12). pyproject's addopts no longer
+# autoload plugins, so pytest leaves schemathesis unrewritten; the import stays for a run that loads it (-p).
 import schemathesis.specs.openapi.schemas  # noqa: F401
 from anthropic import AsyncAnthropic
 from hypothesis import HealthCheck, given, settings
