@@ -66,7 +66,8 @@ def check_model_path(cfg: RelaxConfig) -> Path:
 def check_model_files(cfg: RelaxConfig) -> None:
     """The model folder holds weights and a tokenizer (after the family check: an unsupported family is refused
     with its own reason first)."""
-    problem = model_files_problem(cfg.hf_checkpoint)
+    load_as = "new_score_head" if cfg.loss_type == "rm" else "generation"  # (a reward model's head may be new)
+    problem = model_files_problem(cfg.hf_checkpoint, load_as=load_as)
     if problem is not None:
         raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
 

@@ -240,7 +240,8 @@ def test_model_folder_problems_are_named(tiny_workspace, tmp_path, capsys):
 
 
 def _damaged_model_folders(model, root) -> dict[str, str]:
-    """Copies of a good model folder with one file damaged as downloads and disks damage them, each with what the
+    """Copies of a good model folder with one file damaged as downloads and disks damage them (or a config edited
+    to another size, weights that lost a tensor: transformers started those at random), each with what the
     refusal must say (the damage used to surface as a library's traceback and exit status 1, which a supervised
     run takes for a machine fault and restarts)."""
     weights = (model / "model.safetensors").read_bytes()
@@ -252,6 +253,11 @@ def _damaged_model_folders(model, root) -> dict[str, str]:
         "tokenizer-not-json": ("tokenizer.json", b'{"version": ', "its tokenizer cannot be loaded"),
         "weights-truncated": ("model.safetensors", weights[:-100], "model.safetensors: not a readable safetensors"),
         "weights-garbage": ("model.safetensors", bytes(range(256)) * 4, "model.safetensors: not a readable"),
+        "config-of-another-size": ("config.json", json.dumps({**json.loads((model / "config.json").read_text()),
+                                                               "hidden_size": 128}).encode(),
+                                   "its weights do not fit its config.json: 20 tensor(s) of other shapes"),
+        "weights-lack-a-tensor": ("model.safetensors", _without(weights, "model.layers.1.mlp.down_proj.weight"),
+                                  "its weight files lack 1 tensor(s) the model needs"),
         "index-names-a-missing-shard": ("model.safetensors.index.json",
                                         json.dumps({"weight_map": {"lm_head.weight": "model-2.safetensors"}}).encode(),
                                         "names 1 missing weight file(s): model-2.safetensors"),
@@ -263,6 +269,14 @@ def _damaged_model_folders(model, root) -> dict[str, str]:
         (folder / file).write_bytes(content)
         cases[str(folder)] = message
     return cases
+
+
+def _without(weights: bytes, name: str) -> bytes:
+    from safetensors.torch import load, save
+
+    tensors = load(weights)
+    tensors.pop(name)
+    return save(tensors, metadata={"format": "pt"})
 
 
 _PLUGIN_FLAGS = ("--custom-rm-path", "--custom-advantage-function-path", "--custom-policy-loss-function-path",

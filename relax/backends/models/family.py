@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import transformers
@@ -29,6 +31,8 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
 )
+
+logger = logging.getLogger(__name__)
 
 # The names the model families give the same input; the forward takes whichever its signature has.
 _INPUT_ALIASES = {
@@ -53,11 +57,19 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def model_folder_problem(path: str | Path, needs_tokenizer: bool = True) -> str | None:
+# How a folder's weights are loaded, and so which weights they must hold: "generation" the model with its generation
+# head (`load_model`); "reward_model" a trained sequence classifier, its score head included (--rm-path);
+# "new_score_head" a sequence classifier whose one-label ``score`` head training creates when the folder lacks it
+# (`load_score_model`: --loss-type rm, the critic).
+LoadAs = Literal["generation", "reward_model", "new_score_head"]
+
+
+def model_folder_problem(path: str | Path, needs_tokenizer: bool = True,
+                         load_as: LoadAs = "generation") -> str | None:
     """What keeps ``path`` from being a Hugging Face model folder Relax can load (None: nothing): it must exist
-    (Relax never downloads: a Hub id is said to be one), hold config.json, weights and (``needs_tokenizer``) a
-    tokenizer."""
-    return model_config_problem(path) or model_files_problem(path, needs_tokenizer)
+    (Relax never downloads: a Hub id is said to be one), hold config.json, weights that fit it (``load_as``) and
+    (``needs_tokenizer``) a tokenizer."""
+    return model_config_problem(path) or model_files_problem(path, needs_tokenizer, load_as)
 
 
 def model_config_problem(path: str | Path) -> str | None:
@@ -80,15 +92,18 @@ def model_config_problem(path: str | Path) -> str | None:
     return None
 
 
-def model_files_problem(path: str | Path, needs_tokenizer: bool = True) -> str | None:
+def model_files_problem(path: str | Path, needs_tokenizer: bool = True, load_as: LoadAs = "generation") -> str | None:
     """`model_folder_problem`'s second half: weights whose safetensors headers read (and every shard an index
-    names), and (``needs_tokenizer``) a tokenizer that loads."""
+    names) and that fit the model the config describes (`weights_problem`), and (``needs_tokenizer``) a tokenizer
+    that loads."""
     folder = Path(path)
     if not any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILES):
         return f"{path}: holds no weights (no *.safetensors or pytorch_model*.bin files)"
     if needs_tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return f"{path}: holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}; save it with tokenizer.save_pretrained)"
     problem = _safetensors_problem(folder)
+    if problem is None and next(folder.glob("*.safetensors"), None) is not None:
+        problem = weights_problem(folder, load_as)  # (pytorch_model*.bin files would be read whole to be checked)
     if problem is None and needs_tokenizer:
         try:
             read_tokenizer(folder)
@@ -130,6 +145,53 @@ def _safetensors_problem(folder: Path) -> str | None:
     return None
 
 
+def weights_problem(path: str | Path, load_as: LoadAs = "generation") -> str | None:
+    """The folder's weights against the model its config.json describes, loaded the way ``load_as`` says onto the
+    meta device (tensor names and shapes from the files' headers, by transformers' own mapping of checkpoint names,
+    no tensor read): a config that builds no model, tensors of other shapes, or tensors the model needs that the
+    files lack (transformers would initialise those at random and go on: a pretrained model partly noise)."""
+    try:
+        with MODEL_CONSTRUCTION_LOCK:
+            _, info = _loader(path, load_as)(device_map="meta", ignore_mismatched_sizes=True,
+                                             output_loading_info=True)
+    except Exception as err:  # noqa: BLE001 - a config of impossible sizes fails inside torch or the family
+        return f"{path}: its config.json describes no model that can be built ({_reason(err)})"
+    return loading_problem(path, info, load_as)
+
+
+def loading_problem(path: str | Path, info: dict, load_as: LoadAs = "generation") -> str | None:
+    """What transformers' loading info (``output_loading_info``) says is wrong with the folder's weights, None if
+    nothing; tensors the files hold that the model has no place for are only logged (a checkpoint may keep heads
+    the class does not build, such as multi-token-prediction layers)."""
+    if info.get("unexpected_keys"):
+        unexpected = sorted(info["unexpected_keys"])
+        logger.warning("%s: %d tensor(s) of the weight files are not used by the model: %s", path, len(unexpected),
+                       ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else ""))
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda entry: entry[0])
+    if mismatched:
+        shown = "; ".join(f"{name} {list(stored)} in the files, {list(expected)} by the config"
+                          for name, stored, expected, *_ in mismatched[:3])
+        return (f"{path}: its weights do not fit its config.json: {len(mismatched)} tensor(s) of other shapes "
+                f"({shown}{'; ...' if len(mismatched) > 3 else ''})")
+    missing = sorted(name for name in info.get("missing_keys") or ()
+                     if not (load_as == "new_score_head" and name.split(".")[0] == "score"))
+    if missing:
+        return (f"{path}: its weight files lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}); transformers would start them at random")
+    return None
+
+
+def _loader(path: str | Path, load_as: LoadAs):
+    """``from_pretrained`` of the class ``load_as`` loads the folder with (`load_model`, `load_score_model`)."""
+    config = AutoConfig.from_pretrained(path)
+    if load_as == "generation":
+        cls = model_class(config) or AutoModelForCausalLM
+        return lambda **kwargs: cls.from_pretrained(path, config=config, **kwargs)
+    if load_as == "new_score_head":
+        config.num_labels = 1
+    return lambda **kwargs: AutoModelForSequenceClassification.from_pretrained(path, config=config, **kwargs)
+
+
 def _reason(err: BaseException) -> str:
     """The exception's type and the first line of its message (transformers appends paragraphs of advice)."""
     lines = str(err).strip().splitlines()
@@ -146,9 +208,17 @@ MODEL_CONSTRUCTION_LOCK = threading.RLock()
 
 def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """The folder's model with its generation head, by the class its config names (`model_class`)."""
-    cls = model_class(AutoConfig.from_pretrained(path)) or AutoModelForCausalLM
     with MODEL_CONSTRUCTION_LOCK:
-        return cls.from_pretrained(path, dtype=dtype)
+        model, info = _loader(path, "generation")(dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True)
+    _refuse_unfit_weights(path, info, "generation")
+    return model
+
+
+def _refuse_unfit_weights(path: str | Path, info: dict, load_as: LoadAs) -> None:
+    """A load's own check (the callers' `model_folder_problem` found it before, where they could name the flag)."""
+    problem = loading_problem(path, info, load_as)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) -> PreTrainedModel:
@@ -163,8 +233,19 @@ def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) ->
     if config.pad_token_id is None:
         config.pad_token_id = pad_token_id
     with MODEL_CONSTRUCTION_LOCK:
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True)
+    _refuse_unfit_weights(path, info, "new_score_head")
     model.config.architectures = [type(model).__name__]
+    return model
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """A trained reward model as saved (--rm-path): its sequence-classification class and its own score head."""
+    with MODEL_CONSTRUCTION_LOCK:
+        model, info = _loader(path, "reward_model")(dtype=dtype, ignore_mismatched_sizes=True,
+                                                    output_loading_info=True)
+    _refuse_unfit_weights(path, info, "reward_model")
     return model
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig
 
-from relax.backends.models.family import MODEL_CONSTRUCTION_LOCK, model_folder_problem, read_tokenizer
+from relax.backends.models.family import load_reward_model, model_folder_problem, read_tokenizer
 
 # Padded tokens of one scoring forward (rows x longest row): bounds its activation memory.
 MAX_BATCH_TOKENS = 16384
@@ -57,7 +57,8 @@ class RewardModelScorer:
     def __init__(self, path: str | Path, device: torch.device | str, dtype: torch.dtype,
                  policy_tokenizer: Any | None = None) -> None:
         self.path = Path(path)
-        problem = model_folder_problem(self.path, needs_tokenizer=False)  # its tokenizer is read below, once
+        # its tokenizer is read below, once; its score head must be in its files (a random one scores noise)
+        problem = model_folder_problem(self.path, needs_tokenizer=False, load_as="reward_model")
         if problem is not None:
             raise ValueError(f"--rm-path {problem}")
         config = AutoConfig.from_pretrained(self.path)
@@ -143,8 +144,7 @@ class RewardModelScorer:
     def _load(self) -> None:
         with self._load_lock:
             if self.model is None:
-                with MODEL_CONSTRUCTION_LOCK:  # loads in a worker thread, beside other loads (the lock's comment)
-                    model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
+                model = load_reward_model(self.path, self.dtype)  # (in a worker thread: it takes the models' lock)
                 self.model = model.to(self.device).eval()
 
     @torch.no_grad()
