@@ -22,6 +22,7 @@ from relax.config import ConfigError
 from relax.telemetry.plots import plot_run
 from relax.utils import cpu_threads
 from tests.support.runs import ROOT, run_relax, tiny_train_args
+from tests.support.tiny_assets import build_tiny_model_dir
 
 
 def _relax(capsys, *argv: str) -> tuple[int, str, str]:
@@ -164,8 +165,6 @@ def test_a_size_no_memory_can_hold_is_refused_before_the_model_loads(flags, name
 def test_resuming_with_another_model_is_refused_before_it_loads(lora_run, tiny_workspace, tmp_path, capsys):
     """--load of a run whose checkpoints hold other shapes than --hf-checkpoint: exit status 2 naming both flags and
     the fields that differ (it was torch's size-mismatch traceback after the load, exit status 1)."""
-    from tests.support.tiny_assets import build_tiny_model_dir
-
     _, run = lora_run
     wider = build_tiny_model_dir(tmp_path / "wider", hidden_size=96)
     moved = tmp_path / "run"
@@ -268,6 +267,8 @@ def _damaged_model_folders(model, root) -> dict[str, str]:
         shutil.copytree(model, folder)
         (folder / file).write_bytes(content)
         cases[str(folder)] = message
+    smaller = build_tiny_model_dir(root / "tokenizer-of-another-model", vocab_size=30)  # (the tokenizer has 43)
+    cases[str(smaller)] = "its tokenizer has 43 tokens, more than the model's 30 embedding rows"
     return cases
 
 

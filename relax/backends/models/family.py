@@ -106,10 +106,24 @@ def model_files_problem(path: str | Path, needs_tokenizer: bool = True, load_as:
         problem = weights_problem(folder, load_as)  # (pytorch_model*.bin files would be read whole to be checked)
     if problem is None and needs_tokenizer:
         try:
-            read_tokenizer(folder)
+            problem = tokenizer_fit_problem(folder, read_tokenizer(folder))
         except ValueError as err:
             problem = str(err)
     return problem
+
+
+def tokenizer_fit_problem(path: str | Path, tokenizer) -> str | None:
+    """A tokenizer with more tokens than the model has embedding rows (one taken from another model): a prompt holding
+    one of the extra tokens failed inside the embedding mid-run (IndexError), or the chat template's own special
+    tokens did at the first step. Fewer tokens than rows is common (rows padded to a multiple of 64 or 128)."""
+    rows = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
+    if rows is None or len(tokenizer) <= rows:
+        return None
+    extra = sorted((token for token, index in tokenizer.get_vocab().items() if index >= rows),
+                   key=lambda token: tokenizer.convert_tokens_to_ids(token))
+    return (f"{path}: its tokenizer has {len(tokenizer)} tokens, more than the model's {rows} embedding rows "
+            f"(config.json vocab_size): token ids {rows}-{len(tokenizer) - 1} ({', '.join(map(repr, extra[:3]))}"
+            f"{', ...' if len(extra) > 3 else ''}) would fail inside the model; is the tokenizer another model's?")
 
 
 def read_tokenizer(path: str | Path):

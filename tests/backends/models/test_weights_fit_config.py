@@ -5,7 +5,9 @@ supervised run takes for a machine fault), failed inside torch for an impossible
 lack **started them at random and went on**: a pretrained model partly noise, trained without a word.
 
 The property: for any change of the config's shape fields and any tensors dropped from or added to the files,
-`model_folder_problem` says nothing exactly when the model loads with every tensor it has taken from the files."""
+`model_folder_problem` says nothing exactly when the model loads with every tensor it has taken from the files.
+Likewise a tokenizer with more tokens than the model has embedding rows (another model's): its extra tokens had
+failed inside the embedding mid-run (IndexError), the chat template's own special tokens at the first step."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from relax.backends.models.family import (
     model_folder_problem,
     weights_problem,
 )
-from tests.support.tiny_assets import build_tiny_model_dir
+from tests.support.tiny_assets import build_tiny_model_dir, build_tokenizer
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "num_hidden_layers")
@@ -115,3 +117,18 @@ def test_a_score_head_may_be_new_only_where_training_makes_it(model_dir, tmp_pat
         assert "(model.layers.1.mlp.up_proj.weight)" in model_folder_problem(trained, False, load_as)
     with pytest.raises(ValueError, match="lack 1 tensor"):
         load_reward_model(trained, torch.float32)
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 80))
+def test_a_tokenizer_is_refused_exactly_when_one_of_its_tokens_has_no_embedding_row(rows):
+    tokenizer = build_tokenizer()
+    with tempfile.TemporaryDirectory() as root:
+        folder = build_tiny_model_dir(Path(root) / "model", tokenizer=tokenizer, vocab_size=rows)
+        problem = model_folder_problem(folder)
+        if problem is not None:
+            assert len(tokenizer) > rows and f"its tokenizer has {len(tokenizer)} tokens, more than the model's " \
+                f"{rows} embedding rows" in problem, problem
+            return
+        model = load_model(folder, torch.float32)  # every token the tokenizer can give goes through the model
+        model(torch.arange(len(tokenizer)).unsqueeze(0))
