@@ -175,12 +175,8 @@ def weights_problem(path: str | Path, load_as: LoadAs = "generation") -> str | N
 
 def loading_problem(path: str | Path, info: dict, load_as: LoadAs = "generation") -> str | None:
     """What transformers' loading info (``output_loading_info``) says is wrong with the folder's weights, None if
-    nothing; tensors the files hold that the model has no place for are only logged (a checkpoint may keep heads
-    the class does not build, such as multi-token-prediction layers)."""
-    if info.get("unexpected_keys"):
-        unexpected = sorted(info["unexpected_keys"])
-        logger.warning("%s: %d tensor(s) of the weight files are not used by the model: %s", path, len(unexpected),
-                       ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else ""))
+    nothing. Tensors the files hold that the model has no place for are no problem (a checkpoint may keep heads the
+    class does not build, such as multi-token-prediction layers): `_checked_load` logs them."""
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda entry: entry[0])
     if mismatched:
         shown = "; ".join(f"{name} {list(stored)} in the files, {list(expected)} by the config"
@@ -195,9 +191,9 @@ def loading_problem(path: str | Path, info: dict, load_as: LoadAs = "generation"
     return None
 
 
-def _loader(path: str | Path, load_as: LoadAs):
+def _loader(path: str | Path, load_as: LoadAs, config=None):
     """``from_pretrained`` of the class ``load_as`` loads the folder with (`load_model`, `load_score_model`)."""
-    config = AutoConfig.from_pretrained(path)
+    config = config or AutoConfig.from_pretrained(path)
     if load_as == "generation":
         cls = model_class(config) or AutoModelForCausalLM
         return lambda **kwargs: cls.from_pretrained(path, config=config, **kwargs)
@@ -222,17 +218,22 @@ MODEL_CONSTRUCTION_LOCK = threading.RLock()
 
 def load_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """The folder's model with its generation head, by the class its config names (`model_class`)."""
+    return _checked_load(path, "generation", dtype=dtype)
+
+
+def _checked_load(path: str | Path, load_as: LoadAs, config=None, **kwargs) -> PreTrainedModel:
+    """The folder's model loaded as ``load_as`` says, refused (ValueError) where its weights do not fill it: the
+    load's own check, for callers that did not ask `model_folder_problem` first (where they can name the flag)."""
     with MODEL_CONSTRUCTION_LOCK:
-        model, info = _loader(path, "generation")(dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True)
-    _refuse_unfit_weights(path, info, "generation")
-    return model
-
-
-def _refuse_unfit_weights(path: str | Path, info: dict, load_as: LoadAs) -> None:
-    """A load's own check (the callers' `model_folder_problem` found it before, where they could name the flag)."""
+        model, info = _loader(path, load_as, config)(ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
     problem = loading_problem(path, info, load_as)
     if problem is not None:
         raise ValueError(problem)
+    if info.get("unexpected_keys"):
+        unexpected = sorted(info["unexpected_keys"])
+        logger.warning("%s: %d tensor(s) of the weight files are not used by the model: %s", path, len(unexpected),
+                       ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else ""))
+    return model
 
 
 def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) -> PreTrainedModel:
@@ -246,21 +247,14 @@ def load_score_model(path: str | Path, dtype: torch.dtype, pad_token_id: int) ->
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = pad_token_id
-    with MODEL_CONSTRUCTION_LOCK:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True)
-    _refuse_unfit_weights(path, info, "new_score_head")
+    model = _checked_load(path, "new_score_head", config, dtype=dtype)
     model.config.architectures = [type(model).__name__]
     return model
 
 
 def load_reward_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     """A trained reward model as saved (--rm-path): its sequence-classification class and its own score head."""
-    with MODEL_CONSTRUCTION_LOCK:
-        model, info = _loader(path, "reward_model")(dtype=dtype, ignore_mismatched_sizes=True,
-                                                    output_loading_info=True)
-    _refuse_unfit_weights(path, info, "reward_model")
-    return model
+    return _checked_load(path, "reward_model", dtype=dtype)
 
 
 def _is_score_model(config) -> bool:
