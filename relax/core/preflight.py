@@ -45,6 +45,7 @@ from relax.core.run_settings import (
 )
 from relax.core.state import checkpoint
 from relax.core.state.run_dir import loads_a_run_without_checkpoints
+from relax.data.chat_template import template_syntax_problem
 from relax.data.dataset import DatasetError, parse_data_spec
 from relax.rollout.agentic.tools import BUILTIN_TOOLS, load_user_tool
 from relax.telemetry.notify import invalid_url_positions, split_urls
@@ -70,6 +71,15 @@ def check_model_files(cfg: RelaxConfig) -> None:
     problem = model_files_problem(cfg.hf_checkpoint, load_as=load_as)
     if problem is not None:
         raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
+
+
+def check_chat_template(cfg: RelaxConfig, model_path: Path) -> None:
+    """--apply-chat-template's template compiles: one that does not had been reported against the first row, as if
+    the row were wrong."""
+    if cfg.apply_chat_template:
+        problem = template_syntax_problem(read_tokenizer(model_path))
+        if problem is not None:
+            raise ConfigError(f"{flag('apply_chat_template')}: the model at {model_path}: {problem}")
 
 
 def check_data_files(cfg: RelaxConfig, training: bool = True) -> None:
@@ -207,6 +217,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     config = AutoConfig.from_pretrained(model_path)  # read once for the checks below
     check_model_family(config, model_path)
     check_model_files(cfg)
+    check_chat_template(cfg, model_path)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
     if cfg.use_audio_in_video and not is_qwen3_omni(config):

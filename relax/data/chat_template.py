@@ -32,12 +32,35 @@ def template_kwargs_problem(kwargs: Any, reserved_too: frozenset[str] = frozense
     return None
 
 
+def template_syntax_problem(tokenizer: Any) -> str | None:
+    """Why the tokenizer's chat template cannot be compiled (a syntax error of the model folder's
+    chat_template.jinja or tokenizer_config.json), None when it can or there is none. Compiled as transformers
+    compiles it (its extensions: ``{% generation %}``, loop controls), once: transformers caches the result."""
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, str):
+        templates = {"": templates}
+    if not isinstance(templates, dict):
+        return None
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    for name, template in templates.items():
+        try:
+            _compile_jinja_template(template)
+        except jinja2.TemplateSyntaxError as err:
+            which = f"chat template {name!r}" if name else "chat template"
+            return f"its {which} does not parse (line {err.lineno}: {err.message})"
+    return None
+
+
 def apply_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``; what the template does with messages
     it cannot render (a ``raise_exception`` of its own, content of a type it does not expect) becomes a
     `ChatTemplateError` naming the reason, so a caller reports it as bad input rather than a crash."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except jinja2.TemplateSyntaxError as err:  # the model's template, whatever the messages
+        raise ChatTemplateError(f"the model's chat template does not parse (line {err.lineno}: {err.message}), "
+                                "whatever the messages") from None
     except jinja2.TemplateError as err:
         raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:

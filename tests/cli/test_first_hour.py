@@ -238,6 +238,19 @@ def test_model_folder_problems_are_named(tiny_workspace, tmp_path, capsys):
         assert code == 2 and message in err, (path, err)
 
 
+def test_a_chat_template_that_does_not_parse_is_named_as_the_model_s(tiny_workspace, tmp_path, capsys):
+    """--apply-chat-template with a model whose template is broken: it had been reported against the first row."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_workspace / "model", model)
+    (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}")
+    args = tiny_train_args(tiny_workspace, tmp_path / "never", "--num-rollout", "1", "--apply-chat-template")
+    args[args.index("--hf-checkpoint") + 1] = str(model)
+    code, _, err = _relax(capsys, "train", *args)
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "never").exists(), err
+    assert f"--apply-chat-template: the model at {model}: its chat template does not parse (line 1: Unexpected " \
+           "end of template" in err, err
+
+
 def _damaged_model_folders(model, root) -> dict[str, str]:
     """Copies of a good model folder with one file damaged as downloads and disks damage them (or a config edited
     to another size, weights that lost a tensor: transformers started those at random), each with what the
