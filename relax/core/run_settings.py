@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from relax.algorithms.advantages import raw_rewards
+from relax.algorithms.advantages import AdvantageFn, AdvantageInputs, raw_rewards
 from relax.algorithms.policy_loss import PolicyLoss, PolicyLossSettings
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
@@ -75,9 +75,38 @@ def algorithm_spec(cfg: RelaxConfig) -> AlgorithmSpec:
     spec = get_algorithm(cfg.advantage_estimator)
     if cfg.custom_advantage_function_path is None:
         return spec
-    function = _custom_function(cfg, "custom_advantage_function_path")
+    name = f"{flag('custom_advantage_function_path')} {cfg.custom_advantage_function_path}"
+    function = checked_advantage_function(_custom_function(cfg, "custom_advantage_function_path"), name)
     return dataclasses.replace(spec, name=f"{spec.name} + {cfg.custom_advantage_function_path}",
                                reward_normalizer=raw_rewards, advantage_fn=function, group_local=False)
+
+
+def checked_advantage_function(function: AdvantageFn, name: str) -> AdvantageFn:
+    """``function`` whose result is checked at every call: one tensor per sample of its response's shape, finite
+    numbers (a list one short, another shape or a NaN had failed deep in the trainer, or trained the weights into
+    NaN); the tensors come back as float32. A violation is a ConfigError naming the flag (exit 2: a restart would
+    repeat it)."""
+    def advantages(inputs: AdvantageInputs) -> list[torch.Tensor]:
+        result = function(inputs)
+        masks = inputs.response_masks
+        if not isinstance(result, (list, tuple)) or len(result) != len(masks):
+            what = f"{len(result)} items" if isinstance(result, (list, tuple)) else type(result).__name__
+            raise ConfigError(f"{name}: returned {what}; expected a list of {len(masks)} tensors, one per sample")
+        checked = []
+        for index, (values, mask) in enumerate(zip(result, masks)):
+            if not isinstance(values, torch.Tensor) or values.is_complex() or values.dtype == torch.bool:
+                kind = f"a {values.dtype} tensor" if isinstance(values, torch.Tensor) else type(values).__name__
+                raise ConfigError(f"{name}: sample {index}'s advantages are {kind}, not a tensor of real numbers")
+            if values.shape != mask.shape:
+                raise ConfigError(f"{name}: sample {index}'s advantages have shape {list(values.shape)}, its "
+                                  f"response mask {list(mask.shape)}")
+            values = values.float()
+            if not torch.isfinite(values).all():
+                raise ConfigError(f"{name}: sample {index}'s advantages hold NaN or infinite values")
+            checked.append(values)
+        return checked
+
+    return advantages
 
 
 def custom_policy_loss(cfg: RelaxConfig) -> PolicyLoss | None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relax.algorithms.advantages import AdvantageInputs
 from relax.algorithms.loss import MicroBatchTensors, build_policy_loss_fn
 from relax.algorithms.policy_loss import PolicyLossSettings
 from relax.cli.args import parse_config
 from relax.config import ConfigError
-from relax.core.run_settings import algorithm_spec, custom_policy_loss
+from relax.core.run_settings import algorithm_spec, checked_advantage_function, custom_policy_loss
 from relax.telemetry.metrics_file import read_metrics
+from tests.support.custom_algorithm import sign_of_reward
 from tests.support.runs import run_relax, tiny_train_args
 
 ADVANTAGE = "tests.support.custom_algorithm:sign_of_reward"
@@ -80,3 +83,51 @@ def test_a_run_trains_with_both_hooks_and_a_bad_one_fails_before_any_output(tiny
                                               "--custom-advantage-function-path", "tests.support.custom_algorithm:x"))
     assert bad.returncode == 2 and "--custom-advantage-function-path" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# What a custom advantage function may get wrong, applied to a good answer: the estimator's output had gone into the
+# trainer unchecked (a list one short failed in an IndexError, another shape in a size mismatch, a NaN trained the
+# weights into NaN and the run failed later in sampling).
+DAMAGE = {
+    "one short": lambda out: out[:-1],
+    "one more": lambda out: [*out, out[0]],
+    "a tensor, not a list": lambda out: torch.stack([a.sum() for a in out]),
+    "None": lambda out: None,
+    "lists of numbers": lambda out: [a.tolist() for a in out],
+    "a longer sample": lambda out: [torch.cat([out[0], out[0][:1]]), *out[1:]],
+    "a [T, 1] sample": lambda out: [out[0][:, None], *out[1:]],
+    "a NaN": lambda out: [out[0].float().fill_(float("nan")), *out[1:]],
+    "an infinity": lambda out: [*out[:-1], out[-1].float().fill_(float("inf"))],
+    "booleans": lambda out: [a > 0 for a in out],
+    "complex numbers": lambda out: [a.to(torch.complex64) for a in out],
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=2, max_size=8), damage=st.sampled_from([None, *DAMAGE]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int64]))
+def test_a_custom_advantage_function_s_answer_is_checked_at_every_call(lengths, damage, dtype):
+    inputs = AdvantageInputs(rewards=torch.arange(len(lengths), dtype=torch.float32), group_size=len(lengths),
+                             response_masks=[torch.ones(n) for n in lengths])
+
+    def estimator(given: AdvantageInputs) -> list[torch.Tensor]:
+        out = [a.to(dtype) for a in sign_of_reward(given)]
+        return DAMAGE[damage](out) if damage else out
+
+    checked = checked_advantage_function(estimator, "--custom-advantage-function-path m:f")
+    if damage is None:
+        result = checked(inputs)
+        assert [a.dtype for a in result] == [torch.float32] * len(lengths)
+        assert all(torch.equal(a, b.to(dtype).float()) for a, b in zip(result, sign_of_reward(inputs)))
+        return
+    with pytest.raises(ConfigError, match=r"^--custom-advantage-function-path m:f: "):
+        checked(inputs)
+
+
+def test_a_run_whose_custom_advantages_are_nan_ends_naming_the_flag(tiny_workspace, tmp_path):
+    result = run_relax("train", *tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "2",
+                                                 "--custom-advantage-function-path",
+                                                 "tests.support.custom_algorithm:nan_advantages"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "--custom-advantage-function-path tests.support.custom_algorithm:nan_advantages: sample 0's advantages " \
+           "hold NaN or infinite values" in result.stderr

@@ -16,6 +16,11 @@ def sign_of_reward(inputs: AdvantageInputs) -> list[torch.Tensor]:
     return [0.5 * torch.sign(reward - mean) * mask.float() for reward, mask in zip(inputs.rewards, inputs.response_masks)]
 
 
+def nan_advantages(inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """An estimator with a bug: NaN on every token."""
+    return [torch.full(mask.shape, float("nan")) for mask in inputs.response_masks]
+
+
 class CountedTerms(PolicyLossTerms):
     def sample_mean_metrics(self) -> dict[str, float]:
         return {"custom_loss_calls": 1.0}  # its step mean is 1: every micro-batch went through this loss

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import ExitStack, nullcontext
@@ -95,6 +97,11 @@ from relax.distributed.weight_sync import bucketize
 
 logger = logging.getLogger("relax")
 
+# Optimizer steps in a row whose gradients held a NaN or an infinity, each skipped, before the run fails: one such
+# step is an overflow or one bad batch; several in a row mean every step's inputs are broken (rewards, advantages,
+# a custom loss) and skipping would only spend the run's time.
+MAX_NONFINITE_STEPS_IN_A_ROW = 3
+
 
 @dataclass
 class _OpenStep:
@@ -166,6 +173,7 @@ class FSDPTrainBackend(TrainBackend):
             self.model.record_router_logits = True
             logger.info("mixture-of-experts auxiliary loss: coefficient %g", self._moe_aux.coef)
         self._open_step: _OpenStep | None = None
+        self._nonfinite_steps_in_a_row = 0
         self.model.to(settings.device)
         self.world_size = dist.get_world_size()
         self.sharded = self.world_size > 1  # collectives in every step
@@ -627,16 +635,40 @@ class FSDPTrainBackend(TrainBackend):
             if parameter.grad is not None:
                 parameter.grad.div_(self.dims.ep)
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self._skip_nonfinite_step(grad_norm)
+        else:
+            self._nonfinite_steps_in_a_row = 0
+            self.optimizer.step()
+        with warnings.catch_warnings():  # (torch warns of a scheduler step before any optimizer step: a skipped one)
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()  # the schedule follows the steps taken or skipped, as a resumed run counts them
         result = self._all_reduce_sum(step.totals)  # (under a pipeline: on the last stage)
         if self.pipeline is not None:
             result = self.pipeline.broadcast_from_last(result)
         if rescale is not None:
             result = {name: value * rescale.metric(name) for name, value in result.items()}
+        if skipped:
+            result["skipped_nonfinite_grad"] = 1.0
         result["grad_norm"] = grad_norm
         result["lr"] = self.scheduler.get_last_lr()[0]
         return result
+
+    def _skip_nonfinite_step(self, grad_norm: float) -> None:
+        """A NaN or an infinity in the gradients (a loss that overflowed, NaN rewards or advantages): the optimizer
+        would write it into every weight it updates, and the engine would sample from NaN weights from then on (a
+        run had failed steps later, in sampling, on a token id past the vocabulary). Every rank sees the same global
+        norm, so all skip together; the weights and the optimizer's state stay as they were."""
+        self._nonfinite_steps_in_a_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._nonfinite_steps_in_a_row >= MAX_NONFINITE_STEPS_IN_A_ROW:
+            raise RuntimeError(f"the gradient norm was {grad_norm} at {self._nonfinite_steps_in_a_row} optimizer steps "
+                               "in a row, each skipped: every step's loss is broken (look for NaN or infinite "
+                               "rewards, advantages or a custom loss in the step's metrics); the weights were not "
+                               "changed by those steps")
+        logger.warning("optimizer step skipped: the gradient norm is %s (%d in a row; the run fails at %d); the "
+                       "weights are unchanged", grad_norm, self._nonfinite_steps_in_a_row, MAX_NONFINITE_STEPS_IN_A_ROW)
 
     def measure_step_memory(self, token_counts: tuple[int, ...]) -> list[int] | None:
         """Peak bytes a micro-batch of each of ``token_counts`` tokens (one sample) needs above what the trainer holds

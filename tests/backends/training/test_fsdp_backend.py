@@ -1,6 +1,7 @@
 """The FSDP2 training backend and in-process weight sync, on a tiny real model."""
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -98,6 +99,37 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tiny_workspace):
         assert metrics["grad_norm"] == pytest.approx(reference_metrics["grad_norm"], rel=1e-4)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, reference_grads[name], atol=1e-6, rtol=1e-4)
+
+
+def _poisoned(value: float):
+    """The policy loss with ``value`` (NaN, an infinity) added: a loss that overflowed, or NaN advantages."""
+    def loss(mb, log_probs, entropy):
+        total, metrics = LOSS(mb, log_probs, entropy)
+        return total + value * log_probs.mean(), metrics  # (a constant would add nothing to the gradients)
+    return loss
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_step_whose_gradients_are_not_finite_is_skipped_and_three_in_a_row_end_the_run(tiny_workspace, value):
+    """A NaN or an infinity in the gradients had been written into every weight by the optimizer; the engine then
+    sampled from NaN weights and the run failed steps later on a token id past the vocabulary."""
+    backend = make_backend(tiny_workspace / "model")
+    before = {name: tensor.clone() for name, tensor in backend.model.state_dict().items()}
+    optimizer_state = len(backend.optimizer.state)
+    for attempt in (1, 2):
+        metrics = backend.train_step(make_batch(seed=attempt), _poisoned(value))
+        assert metrics["skipped_nonfinite_grad"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+        assert all(torch.equal(tensor, before[name]) for name, tensor in backend.model.state_dict().items())
+        assert len(backend.optimizer.state) == optimizer_state  # no moment of Adam saw the step
+    with pytest.raises(RuntimeError, match="gradient norm was .* at 3 optimizer steps in a row, each skipped"):
+        backend.train_step(make_batch(seed=3), _poisoned(value))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in backend.model.state_dict().items())
+
+    backend = make_backend(tiny_workspace / "model")  # a finite step between two skipped ones starts the count anew
+    for poisoned in (True, True, False, True, True, False):
+        metrics = backend.train_step(make_batch(), _poisoned(value) if poisoned else LOSS)
+        assert ("skipped_nonfinite_grad" in metrics) == poisoned and math.isfinite(metrics["grad_norm"]) != poisoned
+    assert all(torch.isfinite(tensor).all() for tensor in backend.model.state_dict().values())
 
 
 def test_weight_sync_makes_engine_weights_bit_identical(tiny_workspace):
