@@ -12,7 +12,9 @@ from relax.config.base import ToolCallParserName, flag, setting
 class RolloutSettings(BaseModel):
     """Generation, rewards and evaluation."""
     rollout_max_prompt_len: int | None = setting(
-        None, "Prompts longer than this many tokens are dropped at load time (and counted).", "rollout", ge=1
+        None, "Prompts longer than this many tokens are dropped at load time (and counted). Unset or not, a "
+        "prompt that leaves no room for an answer within the model's positions (max_position_embeddings) is dropped "
+        "too (upstream's default: the context less one).", "rollout", ge=1
     )
     rollout_max_response_len: int = setting(1024, "Maximum new tokens per response.", "rollout", ge=1)
     rollout_temperature: float = setting(1.0, "Sampling temperature for training rollouts.", "rollout", gt=0)

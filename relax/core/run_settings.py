@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 import torch
+from transformers import AutoConfig
 
 from relax.algorithms.advantages import AdvantageFn, AdvantageInputs, raw_rewards
 from relax.algorithms.policy_loss import PolicyLoss, PolicyLossSettings
@@ -50,6 +51,7 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
         apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
+        generation_positions=model_positions(cfg.hf_checkpoint),
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
         # A rule reward compares every response with the row's label: a row without one is refused at load.
         required_label_for=cfg.rm_type if not cfg.trains_on_dataset and cfg.rm_type != REMOTE_RM_TYPE else None,
@@ -67,6 +69,18 @@ def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
         temperature=cfg.eval_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
         stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
+
+
+def model_positions(model_path: str | None) -> int | None:
+    """The model's positions (its text config's max_position_embeddings), None where the folder does not say."""
+    if not model_path:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
+        return None
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(positions) if isinstance(positions, int) and positions > 0 else None
 
 
 def algorithm_spec(cfg: RelaxConfig) -> AlgorithmSpec:

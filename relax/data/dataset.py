@@ -150,6 +150,10 @@ class PromptFormat:
     apply_chat_template_kwargs: dict[str, Any] | None = None
     system_prompt: str | None = None
     max_prompt_len: int | None = None
+    # The positions a prompt and its answer share (the model's max_position_embeddings): a prompt that fills them
+    # leaves no room for one answer token and is dropped (counted), as upstream's default --rollout-max-prompt-len
+    # (the context less one) drops it; the engine had refused it mid-run, ending the run.
+    generation_positions: int | None = None
     multimodal_keys: dict[str, str] | None = None  # media type -> column (--multimodal-keys)
     skip_bad_samples: bool = False
     tool_key: str | None = None  # column of the tools a row offers (--tool-key): names or OpenAI-style specs
@@ -166,7 +170,7 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.tool_key or fmt.default_tools:  # media prompts are rendered later, without tools: fail, not drop them
             raise DatasetError(f"{spec}: --tool-key and --tools do not work with --multimodal-keys yet")
         return _multimodal_prompt_samples(path, indexed, fmt)
-    samples, too_long = [], 0
+    samples, too_long, no_room = [], 0, 0
     for row_index, row in indexed:
         where = row_label(path, row_index)
         if fmt.input_key not in row:
@@ -188,13 +192,22 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
             too_long += 1
             continue
+        if fmt.generation_positions is not None and len(tokens) >= fmt.generation_positions:
+            no_room += 1
+            continue
         if tools:
             metadata["tools"] = tools
         samples.append(Sample(index=row_index, prompt=text, label=label, metadata=metadata, tokens=list(tokens)))
+    bounds = []
     if too_long:
-        logger.warning("%s: dropped %d prompts longer than %d tokens", path, too_long, fmt.max_prompt_len)
+        bounds.append(f"{too_long} longer than --rollout-max-prompt-len ({fmt.max_prompt_len} tokens)")
+    if no_room:
+        bounds.append(f"{no_room} that leave no room for an answer within the model's {fmt.generation_positions} "
+                      "positions (max_position_embeddings)")
+    if bounds and samples:
+        logger.warning("%s: dropped prompts: %s", path, " and ".join(bounds))
     if not samples:
-        raise DatasetError(f"{spec}: every prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len})")
+        raise DatasetError(f"{spec}: no prompt left after dropping {' and '.join(bounds) or 'none'}")
     return samples
 
 

@@ -251,6 +251,20 @@ def test_a_chat_template_that_does_not_parse_is_named_as_the_model_s(tiny_worksp
            "end of template" in err, err
 
 
+def test_a_prompt_that_fills_the_model_s_positions_is_dropped_at_load_not_mid_run(tiny_workspace, tmp_path, capsys):
+    """Without --rollout-max-prompt-len a prompt of 403 tokens reached the engine of a model with 256 positions,
+    which refused it mid-run ("leave no room for an answer"): the run ended with a traceback."""
+    rows = [json.loads(line) for line in (tiny_workspace / "train.jsonl").read_text().splitlines()[:15]]
+    rows.insert(7, {"input": "1" * 400 + "+1=", "label": "x"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "4", "--skip-eval-before-train")
+    args[args.index("--prompt-data") + 1] = str(data)
+    code, _, err = _relax(capsys, "train", *args)
+    assert code == 0, err[-3000:]
+    assert "dropped prompts: 1 that leave no room for an answer within the model's 256 positions" in err
+
+
 def _damaged_model_folders(model, root) -> dict[str, str]:
     """Copies of a good model folder with one file damaged as downloads and disks damage them (or a config edited
     to another size, weights that lost a tensor: transformers started those at random), each with what the

@@ -57,8 +57,28 @@ def test_long_prompts_are_dropped(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"input": "1+1="}, {"input": "123456789+1="}])
     samples = load_prompt_samples(str(path), tokenizer, PromptFormat(max_prompt_len=5))
     assert [s.prompt for s in samples] == ["1+1="]
-    with pytest.raises(DatasetError, match="every prompt is longer"):
+    with pytest.raises(DatasetError, match=r"no prompt left after dropping 2 longer than --rollout-max-prompt-len "
+                                           r"\(2 tokens\)"):
         load_prompt_samples(str(path), tokenizer, PromptFormat(max_prompt_len=2))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=8), positions=st.integers(2, 32),
+       max_prompt_len=st.one_of(st.none(), st.integers(1, 32)))
+def test_a_prompt_is_kept_exactly_when_it_fits_both_bounds_and_leaves_room_for_an_answer(tmp_path, tokenizer, lengths,
+                                                                                       positions, max_prompt_len):
+    """A prompt that fills the model's positions had been loaded and refused by the engine mid-run (a ValueError
+    that ended the run: "403 prompt tokens leave no room for an answer"); now it is dropped at load and counted,
+    as upstream's default --rollout-max-prompt-len (the context less one) drops it."""
+    rows = [{"input": "1" * length} for length in lengths]  # one token a character
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    fmt = PromptFormat(max_prompt_len=max_prompt_len, generation_positions=positions)
+    kept = [i for i, n in enumerate(lengths) if n < positions and (max_prompt_len is None or n <= max_prompt_len)]
+    if not kept:
+        with pytest.raises(DatasetError, match="no prompt left after dropping"):
+            load_prompt_samples(str(path), tokenizer, fmt)
+        return
+    assert [sample.index for sample in load_prompt_samples(str(path), tokenizer, fmt)] == kept
 
 
 def test_missing_prompt_key_names_file_row_and_field(tmp_path, tokenizer):
