@@ -118,13 +118,15 @@ def _run_command(command: str, argv: list[str]) -> int:
     from relax.config import ConfigError
     from relax.core.state.checkpoint import CheckpointError
     from relax.data.dataset import DatasetError
+    from relax.data.multimodal.errors import MediaError
     from relax.utils.heap import freeze_long_lived_objects
 
     freeze_long_lived_objects()  # the command's imports are done: later collections skip them
 
     try:
         return function(argv)
-    except (ConfigError, DatasetError, CheckpointError) as err:
+    # Bad input Relax named (a row's media too: a restart would meet the same row again): exit 2, not restarted.
+    except (ConfigError, DatasetError, CheckpointError, MediaError) as err:
         log_to_run_file(f"relax {command}: error: {err}")
         print(f"relax {command}: error: {err}", file=sys.stderr)
         return 2

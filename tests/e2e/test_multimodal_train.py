@@ -108,6 +108,30 @@ def test_bad_media_names_the_row_and_field_or_is_skipped_and_counted(tmp_path):
     assert metrics[0]["rollout/skipped_bad_samples"] == 1 and metrics[0]["rollout/num_samples"] == 7 * 4
 
 
+def test_a_prompt_whose_media_fill_the_model_s_positions_names_its_row_or_is_skipped_and_counted(tmp_path, capsys):
+    """A 1600-pixel image expands to 3,272 prompt tokens, past the tiny model's 1,024 positions: known only once the
+    media are processed, it had reached the engine, which refused it mid-run with a traceback (exit 1, which a
+    supervised run restarts into the same row)."""
+    from PIL import Image
+
+    from relax.cli.main import main
+
+    model = build_tiny_vl(tmp_path)
+    rows = make_image_rows(tmp_path, 8)
+    Image.new("RGB", (1600, 1600), "white").save(rows.parent / "large.png")
+    _rewrite_rows(rows, lambda r: r[2].__setitem__("images", ["large.png"]))
+    args = _args(model, rows, tmp_path / "run", "image", "--rollout-batch-size", "8", "--skip-eval-before-train")
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert "row 3, field 'prompt': 3272 prompt tokens with the media expanded leave no room for an answer within " \
+           "the model's 1024 positions" in err
+    cfg = parse_config(_args(model, rows, tmp_path / "run2", "image", "--rollout-batch-size", "8",
+                             "--skip-bad-samples"))
+    _, _, metrics = _train_two_steps(cfg)
+    assert metrics[0]["rollout/skipped_bad_samples"] == 1 and metrics[0]["rollout/num_samples"] == 7 * 4
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r[1].__setitem__("images", []), r"row 2.*'images'"),  # a placeholder without media
     (lambda r: r[3].__setitem__("prompt", "How many?"), r"row 4.*'images'"),  # media without a placeholder

@@ -92,6 +92,8 @@ class MultimodalPreparer:
         self.spec = vision_spec(model_path, model_config)
         self.audio_tokens = audio_token_counter(model_config)
         self.model_config = model_config
+        positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.positions = positions if isinstance(positions, int) and positions > 0 else None
         if settings.use_audio_in_video:
             self.audio_end_id = audio_end_token(tokenizer, model_config, model_path)
         self.system_prompt = system_prompt
@@ -151,7 +153,13 @@ class MultimodalPreparer:
                                          clip.grid_seconds(self.spec), self._encode_plain)
                 for i, clip in enumerate(row.videos)]
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        sample.tokens = expand_placeholders(list(token_ids), self.media_tokens, counts, video_tokens)
+        tokens = expand_placeholders(list(token_ids), self.media_tokens, counts, video_tokens)
+        if self.positions is not None and len(tokens) >= self.positions:
+            # known only now (each item's tokens follow its size); the engine had refused it mid-run, ending the run
+            raise ValueError(f"{len(tokens)} prompt tokens with the media expanded leave no room for an answer within "
+                             f"the model's {self.positions} positions (max_position_embeddings); smaller media "
+                             "(--image-max-token-num, --video-max-token-num), or --skip-bad-samples to skip such rows")
+        sample.tokens = tokens
         sample.multimodal_train_inputs = inputs
 
     def _encode_plain(self, text: str) -> list[int]:
