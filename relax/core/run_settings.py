@@ -6,12 +6,12 @@ import dataclasses
 import os
 
 import torch
-from transformers import AutoConfig
 
 from relax.algorithms.advantages import AdvantageFn, AdvantageInputs, raw_rewards
 from relax.algorithms.policy_loss import PolicyLoss, PolicyLossSettings
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
 from relax.backends.inference.base import SamplingParams
+from relax.backends.models.family import model_positions
 from relax.backends.training.liger import liger_unavailable_reason
 from relax.backends.training.lora import LoraSettings, parse_targets
 from relax.backends.training.settings import TrainSettings
@@ -69,18 +69,6 @@ def eval_sampling(cfg: RelaxConfig) -> SamplingParams:
         temperature=cfg.eval_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
         stop=list(cfg.rollout_stop), stop_token_ids=list(cfg.rollout_stop_token_ids),
     )
-
-
-def model_positions(model_path: str | None) -> int | None:
-    """The model's positions (its text config's max_position_embeddings), None where the folder does not say."""
-    if not model_path:
-        return None
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
-        return None
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return int(positions) if isinstance(positions, int) and positions > 0 else None
 
 
 def algorithm_spec(cfg: RelaxConfig) -> AlgorithmSpec:

@@ -12,6 +12,7 @@ one or several sequences, concatenated in sequence order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -124,6 +125,20 @@ def tokenizer_fit_problem(path: str | Path, tokenizer) -> str | None:
     return (f"{path}: its tokenizer has {len(tokenizer)} tokens, more than the model's {rows} embedding rows "
             f"(config.json vocab_size): token ids {rows}-{len(tokenizer) - 1} ({', '.join(map(repr, extra[:3]))}"
             f"{', ...' if len(extra) > 3 else ''}) would fail inside the model; is the tokenizer another model's?")
+
+
+@functools.lru_cache(maxsize=16)
+def model_positions(model_path: str | Path | None) -> int | None:
+    """The model's positions (its text config's max_position_embeddings), None where the folder does not say (read
+    once a folder: the multi-turn loop asks at every episode)."""
+    if not model_path:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
+        return None
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return int(positions) if isinstance(positions, int) and positions > 0 else None
 
 
 def read_tokenizer(path: str | Path):

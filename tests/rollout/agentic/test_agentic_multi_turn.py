@@ -263,6 +263,24 @@ def test_the_first_turn_is_capped_by_the_context_budget(engine, tokenizer):
     assert sample.response_length == 2 and sample.metadata["rollout_stop_reason"] == "budget_exhausted"
 
 
+def build_long_observation_env(sample, args):
+    return EchoEnv(obs_str="o" * sample.metadata["observation_chars"])
+
+
+def test_the_context_budget_never_passes_the_model_s_positions(engine, tokenizer, tiny_workspace):
+    """The default budget (prompt + --rollout-max-response-len) may pass the model's 256 positions: after a turn and
+    a long observation the next turn's prompt did, and the engine refused it ("leave no room for an answer"),
+    which ended the run. Now the episode stops there, as at any exhausted budget."""
+    samples = prompt_samples(tokenizer, 1, observation_chars=230)
+    prompt_length = len(samples[0].tokens)
+    cfg = config(rollout_interaction_env_path=f"{HERE}:build_long_observation_env", max_turns=3,
+                 rollout_max_response_len=255, hf_checkpoint=str(tiny_workspace / "model"))
+    assert multi_turn.context_budget(cfg, prompt_length) == 256 < prompt_length + 255
+    sample = run(engine, tokenizer, samples, cfg, sampling(tokenizer))[0]  # (a turn stops at a letter, <= 8 tokens)
+    assert sample.metadata["rollout_stop_reason"] == "budget_exhausted" and sample.metadata["rollout_turns"] == 1
+    assert len(sample.tokens) < 256  # the observation that passed the positions is left out, the episode ends
+
+
 @pytest.mark.parametrize("kind", ["raises", "hangs", "async_hangs", "build_raises"])
 def test_an_environment_that_raises_or_hangs_fails_its_sample(engine, tokenizer, kind):
     cfg = config(rollout_interaction_env_path=f"{HERE}:build_failing_env", env_step_timeout=0.3)
