@@ -166,6 +166,38 @@ def test_auth_bad_bodies_and_context_budget(engine):
     assert trajectory.stop_reason == "budget_exhausted" and len(trajectory.tokens) <= budget
 
 
+def test_a_session_s_default_budget_stays_within_the_model_s_positions(engine):
+    """Without --rollout-max-context-len a session's budget is its first prompt + one response length, which a long
+    prompt takes past the model's positions: the engine then refused a later turn (an error, not the session's
+    400 "context budget exhausted")."""
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
+                                                tokenize=False)
+    positions = len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]) + 5  # as if the model had so few
+
+    async def main():
+        batcher = RequestBatcher(engine)
+        batcher.start()
+        gateway = AgentGateway(engine.tokenizer)
+        await gateway.start()
+        session = gateway.open_session(batcher, SamplingParams(max_new_tokens=20, seed=7), max_positions=positions)
+        try:
+            async with httpx.AsyncClient() as http:
+                url, auth = gateway.base_url + "/chat/completions", {"Authorization": f"Bearer {session.session_id}"}
+                body = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}
+                first = await http.post(url, json=body, headers=auth)
+                history = body["messages"] + [first.json()["choices"][0]["message"], TOOL_MESSAGE]
+                second = await http.post(url, json={**body, "messages": history}, headers=auth)
+            return first, second, session.max_context_len, await gateway.close_session(session)
+        finally:
+            await gateway.close()
+            await batcher.stop()
+
+    first, second, budget, trajectory = asyncio.run(main())
+    assert budget == positions and first.status_code == 200 and first.json()["usage"]["total_tokens"] <= positions
+    assert second.status_code == 400 and "context budget exhausted" in second.json()["error"]["message"]
+    assert trajectory.stop_reason == "budget_exhausted" and len(trajectory.tokens) <= positions
+
+
 def test_messages_the_chat_template_refuses_are_a_400_and_the_session_goes_on(engine):
     tokenizer = copy.deepcopy(engine.tokenizer)
     tokenizer.chat_template = REFUSING_CHATML
