@@ -207,7 +207,8 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
     if bounds and samples:
         logger.warning("%s: dropped prompts: %s", path, " and ".join(bounds))
     if not samples:
-        raise DatasetError(f"{spec}: no prompt left after dropping {' and '.join(bounds) or 'none'}")
+        left = f"no prompt left after dropping {' and '.join(bounds)}" if bounds else "no prompt"
+        raise DatasetError(f"{spec}: {left}")
     return samples
 
 
