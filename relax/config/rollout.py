@@ -309,6 +309,24 @@ class RolloutSettings(BaseModel):
             return {value[i]: value[i + 1] for i in range(0, len(value), 2)}
         return value
 
+    @field_validator("rollout_stop")
+    @classmethod
+    def _no_empty_stop_string(cls, value: list[str]) -> list[str]:
+        """An empty stop string would end every response after its first token (the engine drops it, so the flag
+        would do nothing): refused."""
+        if any(stop == "" for stop in value):
+            raise ValueError("an empty stop string matches after any token; give the text that ends a response")
+        return value
+
+    @field_validator("rollout_stop_token_ids")
+    @classmethod
+    def _token_ids(cls, value: list[int]) -> list[int]:
+        """Ids below 0 are no token (ids past the vocabulary are refused once the model is known, in preflight)."""
+        negative = [token for token in value if token < 0]
+        if negative:
+            raise ValueError(f"{negative[0]} is no token id (ids start at 0)")
+        return value
+
     @field_validator("rm_path", mode="before")
     @classmethod
     def _one_or_more_folders(cls, value: Any) -> Any:

@@ -73,6 +73,16 @@ def check_model_files(cfg: RelaxConfig) -> None:
         raise ConfigError(f"{flag('hf_checkpoint')} {problem}")
 
 
+def check_stop_token_ids(cfg: RelaxConfig, config, model_path: Path) -> None:
+    """--rollout-stop-token-ids name tokens the model can sample: an id past its embedding rows could never match
+    (a typo, or another model's id), so the flag had done nothing."""
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    beyond = [token for token in cfg.rollout_stop_token_ids if rows is not None and token >= rows]
+    if beyond:
+        raise ConfigError(f"{flag('rollout_stop_token_ids')} {beyond[0]}: the model at {model_path} has {rows} "
+                          f"tokens (ids 0 to {rows - 1}); no response could ever end with it")
+
+
 def check_chat_template(cfg: RelaxConfig, model_path: Path) -> None:
     """--apply-chat-template's template compiles: one that does not had been reported against the first row, as if
     the row were wrong."""
@@ -218,6 +228,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     check_model_family(config, model_path)
     check_model_files(cfg)
     check_chat_template(cfg, model_path)
+    check_stop_token_ids(cfg, config, model_path)
     if training and (cfg.lora_rank or cfg.moe_aux_loss_coef or cfg.use_rollout_routing_replay):
         check_model_options(cfg, config, model_path)
     if cfg.use_audio_in_video and not is_qwen3_omni(config):

@@ -265,6 +265,24 @@ def test_a_prompt_that_fills_the_model_s_positions_is_dropped_at_load_not_mid_ru
     assert "dropped prompts: 1 that leave no room for an answer within the model's 256 positions" in err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--rollout-stop-token-ids", "42", "43"], "--rollout-stop-token-ids 43: the model at {model} has 43 tokens "
+                                               "(ids 0 to 42); no response could ever end with it"),
+    (["--rollout-stop-token-ids", "-1"], "--rollout-stop-token-ids: -1 is no token id"),
+    (["--rollout-stop", "="], None),  # a real stop string is taken
+    (["--rollout-stop", "=", ""], "--rollout-stop: an empty stop string matches after any token"),
+])
+def test_stops_that_could_never_match_or_match_anywhere_are_refused(tiny_workspace, tmp_path, capsys, flags, says):
+    """They had been taken, and did nothing (an id past the vocabulary, or below 0; an empty string, which the
+    engine drops as one that would end every response at its first token)."""
+    args = tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout", "1", "--skip-eval-before-train", *flags)
+    code, _, err = _relax(capsys, "train", *args)
+    if says is None:
+        assert code == 0, err[-2000:]
+        return
+    assert code == 2 and says.format(model=tiny_workspace / "model") in err and not (tmp_path / "run").exists(), err
+
+
 def _damaged_model_folders(model, root) -> dict[str, str]:
     """Copies of a good model folder with one file damaged as downloads and disks damage them (or a config edited
     to another size, weights that lost a tensor: transformers started those at random), each with what the
