@@ -292,6 +292,9 @@ class CrossSectionRules(BaseModel):
                 raise ValueError(f"{flag(name)} needs {flag('agentic_program_admission')}")
         if self.changed("agentic_session_idle_timeout") and not self.agentic_session_lifecycle:
             raise ValueError(f"{flag('agentic_session_idle_timeout')} needs {flag('agentic_session_lifecycle')}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"{flag('max_total_tokens')} {self.max_total_tokens} is less than one page of "
+                             f"{flag('page_size')} {self.page_size}: the engine's KV pool would hold no block")
         if self.rollout_fp8 and self.engine_core == "off":
             raise ValueError(f"{flag('rollout_fp8')} runs on the paged engine core; {flag('engine_core')} off "
                              "serves the model's own forward")

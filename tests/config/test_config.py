@@ -56,6 +56,8 @@ def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
          "--genrm-prompt-template, --genrm-sampling-config: settings of the judge model of --genrm-model-path, "
          "which is not set"),
         (["--custom-rm-workers", "2"], "--custom-rm-workers: the processes that run --custom-rm-path's function"),
+        (["--max-total-tokens", "64", "--page-size", "65"], "--max-total-tokens 64 is less than one page of "
+                                                              "--page-size 65"),
     ],
 )
 def test_invalid_settings_name_the_flag(flags, message):

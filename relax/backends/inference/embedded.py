@@ -58,7 +58,7 @@ from relax.backends.inference.engine_core.fp8 import Fp8Linears
 from relax.backends.inference.engine_core.kv_cache import check_kv_cache_dtype, kv_bytes_per_token, pool_problem
 from relax.backends.inference.engine_core.media import MediaEncoder
 from relax.backends.inference.engine_core.paged_runner import PagedRunner
-from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler
+from relax.backends.inference.engine_core.scheduler import CohortScheduler, Scheduler, pool_refusal
 from relax.backends.inference.engine_core.step_runner import triton_available
 from relax.backends.models.family import MediaTokens, load_model
 from relax.backends.models.routing_replay import RoutingRecorder, moe_routers
@@ -104,6 +104,11 @@ class CoreSettings:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens {self.max_total_tokens} holds no page of --page-size "
+                             f"{self.page_size} (a KV pool needs a block at least)")
 
 
 _ENGINE_NUMBERS = itertools.count()
@@ -330,6 +335,9 @@ class EmbeddedEngine(InferenceEngine):
                 raise ValueError(f"request {request.request_id!r}: {len(request.input_ids)} prompt tokens leave no "
                                  f"room for an answer within the model's {self.max_positions} positions "
                                  "(max_position_embeddings)")
+            pool = self.core.scheduler.max_sequence_tokens if self.core is not None else None
+            if (problem := pool_refusal(request.request_id, len(request.input_ids), pool)) is not None:
+                raise ValueError(problem)
             if request.multimodal_inputs and not self._media_tokens.ids:
                 raise ValueError(f"request {request.request_id!r} has media, and {type(self.model).__name__} "
                                  "takes none")

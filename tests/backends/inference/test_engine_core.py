@@ -310,9 +310,62 @@ def test_preemption_keeps_greedy_outputs(tokenizer):
 
 def test_a_request_longer_than_the_pool_is_refused_naming_it(tokenizer):
     engine = core_engine(tokenizer, max_total_tokens=32, page_size=4)
-    with pytest.raises(ValueError, match="'long'.*do not fit the KV pool"):
-        asyncio.run(engine.generate([request("long", list(range(3, 40)), max_new_tokens=4)]))
+    with pytest.raises(ValueError, match=r"'long': 37 prompt tokens leave no room for an answer in the engine's KV "
+                                         r"pool of 32 token slots \(--max-total-tokens\)"):
+        asyncio.run(engine.generate([request("fits", [3, 4, 5], max_new_tokens=4),
+                                     request("long", list(range(3, 40)), max_new_tokens=4)]))
     assert_pool_empty(engine)
+    assert not engine.core.scheduler.has_work  # nothing of the refused call was queued to decode for nobody
+
+
+def test_a_prompt_within_a_page_of_the_pool_s_end_runs_and_the_queue_behind_it_too(tokenizer):
+    """A new sequence was admitted only with a whole page of room to grow beyond its prompt: a 50-token prompt in a
+    64-slot pool of 16-slot pages never was, and every request queued behind it waited for good (the engine
+    stalled, with no error). The room asked is now what the sequence can still grow."""
+    engine = core_engine(tokenizer, max_total_tokens=64, page_size=16)
+
+    async def run_all():
+        return await asyncio.wait_for(engine.generate([
+            request("near-the-end", list(range(3, 53)), max_new_tokens=4, ignore_eos=True),
+            request("behind-it", [3, 4, 5], max_new_tokens=4, ignore_eos=True)]), timeout=60)
+
+    assert [len(output.output_ids) for output in asyncio.run(run_all())] == [4, 4]
+    assert_pool_empty(engine)
+
+
+@settings(max_examples=10, deadline=None)
+@given(pool=st.integers(64, 160), page=st.sampled_from([1, 4, 16, 64]),
+       calls=st.lists(st.lists(st.tuples(st.integers(1, 170), st.integers(1, 240)), min_size=1, max_size=3),
+                      min_size=1, max_size=3))
+def test_a_request_runs_within_the_pool_or_its_call_is_refused_whole(tokenizer, pool, page, calls):
+    """A prompt that fit the model's positions, with prompt + max_new_tokens past a small --max-total-tokens pool,
+    was refused by the engine and ended the rollout. The engine now ends a sequence at its pool with "length", as
+    at the model's last position (SGLang caps max_new_tokens at its pool alike), and refuses only a prompt that
+    leaves no room for one answer token: its whole call, before any of it is queued."""
+    engine = core_engine(tokenizer, max_total_tokens=pool, page_size=page)
+    slots = pool // page * page
+    assert engine.core.scheduler.max_sequence_tokens == slots
+
+    async def call(index, lengths):
+        requests = [request(f"c{index}-{i}", [3 + (i + n) % 50 for n in range(prompt)], max_new_tokens=new,
+                            temperature=1.0, ignore_eos=True) for i, (prompt, new) in enumerate(lengths)]
+        refused = [r.request_id for r in requests if len(r.input_ids) >= slots]
+        try:
+            outputs = await engine.generate(requests)
+        except ValueError as error:
+            assert refused and f"{refused[0]!r}: " in str(error) and f"pool of {slots} token slots" in str(error)
+            return
+        assert not refused
+        for (prompt, new), output in zip(lengths, outputs):
+            assert output.finish_reason == "length"
+            assert len(output.output_ids) == min(new, slots - prompt)
+
+    async def run_all():
+        await asyncio.gather(*(call(i, lengths) for i, lengths in enumerate(calls)))
+
+    asyncio.run(run_all())
+    assert_pool_empty(engine)
+    assert not engine.core.scheduler.has_work
 
 
 def test_a_pool_larger_than_the_free_memory_is_refused_naming_the_flag_before_allocating(tokenizer, monkeypatch):

@@ -95,8 +95,11 @@ class EngineCore:
         if on_output is not None:
             for position, sequence in enumerate(sequences):
                 sequence.future.add_done_callback(functools.partial(self._report, on_output, position, sequence))
+        # A call is refused whole before any of it is queued: queued requests would decode for nobody.
+        if (problem := next(filter(None, map(self.scheduler.refusal, sequences)), None)) is not None:
+            raise ValueError(problem)
         for sequence in sequences:
-            self.scheduler.add(sequence)  # too long for the pool: raises before anything is queued twice
+            self.scheduler.add(sequence)
         self._ensure_loop(loop)
         try:
             await asyncio.gather(*(s.future for s in sequences))
@@ -297,8 +300,10 @@ class EngineCore:
         sequence = Sequence(request=request, seed=seed, stop_token_ids=stop_token_ids(params, self.eos_token_ids),
                             stop_window_tokens=stop_window_tokens(params), arrival=next(self._arrivals),
                             future=loop.create_future())
-        if self.max_positions is not None:  # the model's last position ends it with "length" too
-            sequence.length_limit = min(sequence.length_limit, self.max_positions)
+        # The model's last position, and the pool's size, end it with "length" too.
+        for limit in (self.max_positions, self.scheduler.max_sequence_tokens):
+            if limit is not None:
+                sequence.length_limit = min(sequence.length_limit, limit)
         return sequence
 
     def _output(self, sequence: Sequence) -> GenerationOutput:

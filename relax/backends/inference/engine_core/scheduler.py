@@ -38,6 +38,14 @@ from relax.backends.inference.engine_core.sequence import Sequence, SequenceStat
 _arrival = operator.attrgetter("arrival")
 
 
+def pool_refusal(request_id: str, prompt_tokens: int, max_sequence_tokens: int | None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` can never run in a pool of ``max_sequence_tokens`` slots, or None."""
+    if max_sequence_tokens is not None and prompt_tokens >= max_sequence_tokens:
+        return (f"request {request_id!r}: {prompt_tokens} prompt tokens leave no room for an answer in the engine's "
+                f"KV pool of {max_sequence_tokens} token slots (--max-total-tokens)")
+    return None
+
+
 @dataclass
 class Step:
     """One step's work: ``prefill`` sequences (each computes tokens ``num_cached..len``) or ``decode`` ones."""
@@ -74,12 +82,19 @@ class Scheduler:
         self.pinned: OrderedDict[str, _Pin] = OrderedDict()  # by session id, least recently used first
         self.sessions_evicted = 0  # pins let go for room before their session ended
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one sequence can hold: the whole pool but its reserved block. The engine ends a sequence
+        there with "length", as at the model's last position (SGLang caps max_new_tokens at its pool alike)."""
+        return (self.blocks.num_blocks - 1) * self.blocks.block_size
+
+    def refusal(self, sequence: Sequence) -> str | None:
+        """Why ``sequence`` can never run here (its prompt fills the pool), or None."""
+        return pool_refusal(sequence.request_id, len(sequence), self.max_sequence_tokens)
+
     def add(self, sequence: Sequence) -> None:
-        longest = len(sequence) + sequence.params.max_new_tokens
-        if self.blocks.blocks_for(longest) > self.blocks.num_blocks - 1:
-            raise ValueError(f"request {sequence.request_id!r}: {len(sequence)} prompt tokens + "
-                             f"{sequence.params.max_new_tokens} new ones do not fit the KV pool "
-                             f"({(self.blocks.num_blocks - 1) * self.blocks.block_size} slots)")
+        if (problem := self.refusal(sequence)) is not None:
+            raise ValueError(problem)
         self.waiting.append(sequence)
 
     @property
@@ -160,19 +175,21 @@ class Scheduler:
             sequence = self.waiting[0]
             share = sequence.num_outputs == 0  # a recomputed sequence's outputs are not a prompt to share
             prompt = sequence.cache_tokens if share else sequence.token_ids
+            # Room to grow, no more than it ever will: a prompt within a reserve of its pool's end never fit with a
+            # whole reserve, and waited at the head of the queue, every request behind it too, for good.
+            reserve = min(self.reserve_tokens, max(sequence.length_limit - len(prompt), 0)) if share else 0
             leader = leaders.get(tuple(prompt)) if share else None
             if leader is not None:  # a sample of a prompt prefilled this step: its blocks and logits
-                if self.blocks.num_free < self.blocks.blocks_for(self.reserve_tokens):
+                if self.blocks.num_free < self.blocks.blocks_for(reserve):
                     break
                 self.waiting.popleft()
                 sequence.block_table, sequence.num_cached = self.blocks.fork(leader.block_table), len(prompt)
                 sequence.prefill_twin_of = leader
                 sequence.cache_generation = self.blocks.generation
             else:
-                while (not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share)
-                       and self._evict_a_session()):
+                while not self.blocks.can_allocate(prompt, reserve, share=share) and self._evict_a_session():
                     pass
-                if not self.blocks.can_allocate(prompt, self.reserve_tokens if share else 0, share=share):
+                if not self.blocks.can_allocate(prompt, reserve, share=share):
                     break
                 cached = self.blocks.cached_prefix_blocks(prompt) if share else 0
                 to_compute = len(prompt) - cached * self.blocks.block_size
@@ -199,7 +216,7 @@ class Scheduler:
             if sequence.status is not SequenceStatus.RUNNING:
                 continue  # preempted below to make room for an older one
             num_tokens = len(sequence.token_ids) + sequence.pending
-            if num_tokens >= sequence.num_prompt_tokens + sequence.params.max_new_tokens:
+            if num_tokens >= sequence.length_limit:
                 continue  # its last token is on the way: it finishes when the host reads it
             table, index = sequence.block_table, (num_tokens - 1) // page
             if index < len(table) and refcount[table[index]] == 1:
@@ -218,7 +235,7 @@ class Scheduler:
                 copies.append(copy)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         decoding = [s for s in self.running
-                    if len(s.token_ids) + s.pending < s.num_prompt_tokens + s.params.max_new_tokens]
+                    if len(s.token_ids) + s.pending < s.length_limit]
         return decoding, preempted, copies
 
     def _has_slot(self, sequence: Sequence) -> bool:
@@ -253,6 +270,11 @@ class CohortScheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
 
+    max_sequence_tokens = None  # the model's own cache grows as it needs
+
+    def refusal(self, sequence: Sequence) -> str | None:
+        return None
+
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 
@@ -269,7 +291,7 @@ class CohortScheduler:
             admitted.append(sequence)
         if admitted:
             return Step(prefill=admitted)
-        decoding = [s for s in self.running if s.num_outputs + s.pending < s.params.max_new_tokens]
+        decoding = [s for s in self.running if len(s.token_ids) + s.pending < s.length_limit]
         return Step(decode=sorted(decoding, key=lambda s: s.arrival))
 
     def finish(self, sequences: Iterable[Sequence]) -> None:
