@@ -62,7 +62,8 @@ class RolloutSettings(BaseModel):
     )
     max_total_tokens: int | None = setting(
         None, "The KV pool's size in tokens, instead of --mem-fraction-static (CPU default: 65,536 tokens, at most "
-        "256 MiB).", "rollout", ge=64,
+        "256 MiB). A sequence ends with finish reason length at the pool's end, as at the model's last position; "
+        "prompts that fill it are dropped at load.", "rollout", ge=64,
     )
     max_prefill_tokens: int = setting(
         8192, "Most prompt tokens the engine prefills in one step (a longer single prompt runs alone).", "rollout",

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from relax.backends.inference.answer_room import pool_tokens
 from relax.backends.inference.engine_core.kv_cache import kv_bytes_per_token, pool_problem
 from relax.backends.models.family import (
     is_qwen3_omni,
@@ -17,6 +18,7 @@ from relax.backends.models.family import (
     model_files_problem,
     model_folder_problem,
     model_from_config,
+    model_positions,
     read_tokenizer,
 )
 from relax.backends.models.registry import UnsupportedModelError, check_supported, traits
@@ -218,6 +220,23 @@ def check_kv_pool(cfg: RelaxConfig, config, model_path: Path) -> None:
                           f"({flag('mem_fraction_static')} of the free memory on CUDA)")
 
 
+def check_pool_holds_a_response(cfg: RelaxConfig, model_path: Path) -> None:
+    """A --max-total-tokens pool smaller than one prompt token and a whole response: the engine ends every sequence
+    at its pool with "length", so no response could reach --rollout-max-response-len (the positions bound such
+    responses anyway where they are the smaller)."""
+    pool = pool_tokens(cfg)
+    if pool is None or cfg.trains_on_dataset or cfg.loss_type == "rm":
+        return
+    responses = max(cfg.rollout_max_response_len, cfg.eval_max_response_len or 0)
+    need = min(1 + responses, model_positions(model_path) or 1 + responses)
+    if pool < need:
+        name = "rollout_max_response_len" if responses == cfg.rollout_max_response_len else "eval_max_response_len"
+        raise ConfigError(f"{flag('max_total_tokens')} {cfg.max_total_tokens}: the engine's KV pool holds {pool} "
+                          f"token slots (whole pages of {flag('page_size')} {cfg.page_size}), fewer than a prompt "
+                          f"token and a response of {flag(name)} {responses}: every response would end at the pool; "
+                          f"give at least {need}, or leave it unset for the engine to size it")
+
+
 def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     """The checks a run's settings allow without loading a model or data, done before a run directory exists:
     the model folder and its context length, the data files, the checkpoint to load, the reward and the plugin
@@ -239,6 +258,7 @@ def preflight(cfg: RelaxConfig, training: bool = True) -> Path:
     if training:
         check_parallel_layout(cfg, config, model_path)
         check_kv_pool(cfg, config, model_path)
+        check_pool_holds_a_response(cfg, model_path)
     check_data_files(cfg, training)
     if cfg.load and not loads_a_run_without_checkpoints(cfg):
         try:

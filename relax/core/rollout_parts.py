@@ -8,12 +8,13 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from relax.backends.inference.answer_room import answer_room
 from relax.components.rollout import DynamicSampling, OverlongPenalty
 from relax.config import ConfigError, RelaxConfig, flag
 from relax.core.run_settings import prompt_format, resolve_device, resolve_dtype
 from relax.data.dataset import load_prompt_samples
-from relax.data.preference_dataset import load_preference_pairs
 from relax.data.multimodal import MultimodalSettings
+from relax.data.preference_dataset import load_preference_pairs
 from relax.rollout.agentic import multi_turn
 from relax.rollout.agentic.env import load_env_builder
 from relax.rollout.agentic.env_workers import EnvWorkerPool
@@ -33,6 +34,7 @@ def build_multimodal(cfg: RelaxConfig, model_path: Path, tokenizer) -> Multimoda
         return MultimodalPreparer(
             tokenizer, AutoConfig.from_pretrained(model_path), model_path, MultimodalSettings.from_config(cfg),
             cfg.system_prompt, cfg.apply_chat_template_kwargs, cfg.mm_processor_pool_size, cfg.skip_bad_samples,
+            answer_room(cfg),
         )
     except ValueError as err:
         raise ConfigError(f"{flag('multimodal_keys')}: {err}") from None

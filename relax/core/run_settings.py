@@ -10,6 +10,7 @@ import torch
 from relax.algorithms.advantages import AdvantageFn, AdvantageInputs, raw_rewards
 from relax.algorithms.policy_loss import PolicyLoss, PolicyLossSettings
 from relax.algorithms.spec import AlgorithmSpec, get_algorithm
+from relax.backends.inference.answer_room import answer_room
 from relax.backends.inference.base import SamplingParams
 from relax.backends.models.family import model_positions
 from relax.backends.training.liger import liger_unavailable_reason
@@ -51,7 +52,7 @@ def prompt_format(cfg: RelaxConfig) -> PromptFormat:
         input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
         apply_chat_template=cfg.apply_chat_template, apply_chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt, max_prompt_len=cfg.rollout_max_prompt_len,
-        generation_positions=model_positions(cfg.hf_checkpoint),
+        answer_room=answer_room(cfg), model_positions=model_positions(cfg.hf_checkpoint),
         multimodal_keys=cfg.multimodal_keys or None, skip_bad_samples=cfg.skip_bad_samples,
         # A rule reward compares every response with the row's label: a row without one is refused at load.
         required_label_for=cfg.rm_type if not cfg.trains_on_dataset and cfg.rm_type != REMOTE_RM_TYPE else None,

@@ -140,6 +140,22 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class AnswerRoom:
+    """The token slots a prompt and its answer share (`relax.backends.inference.answer_room`)."""
+
+    tokens: int
+    bound: str  # what sets it, for messages: "the model's 256 positions (max_position_embeddings)"
+
+    @classmethod
+    def of_positions(cls, positions: int) -> AnswerRoom:
+        return cls(positions, f"the model's {positions} positions (max_position_embeddings)")
+
+    def refuses(self, prompt_tokens: int) -> bool:
+        """A prompt that leaves no room for one answer token."""
+        return prompt_tokens >= self.tokens
+
+
+@dataclass(frozen=True)
 class PromptFormat:
     """How rows become prompts (the data settings of `RelaxConfig`)."""
 
@@ -150,10 +166,14 @@ class PromptFormat:
     apply_chat_template_kwargs: dict[str, Any] | None = None
     system_prompt: str | None = None
     max_prompt_len: int | None = None
-    # The positions a prompt and its answer share (the model's max_position_embeddings): a prompt that fills them
-    # leaves no room for one answer token and is dropped (counted), as upstream's default --rollout-max-prompt-len
-    # (the context less one) drops it; the engine had refused it mid-run, ending the run.
-    generation_positions: int | None = None
+    # The token slots a prompt and its answer share on the run's engine: a prompt that fills them leaves no room for
+    # one answer token and is dropped (counted), as upstream's default --rollout-max-prompt-len (the context less
+    # one) drops it; the engine had refused it mid-run, ending the run.
+    answer_room: AnswerRoom | None = None
+    # The model's positions (max_position_embeddings): a training sequence (SFT, a preference pair's completion)
+    # longer than them is dropped (counted); it had trained on positions the model never saw (RoPE models compute
+    # them without complaint).
+    model_positions: int | None = None
     multimodal_keys: dict[str, str] | None = None  # media type -> column (--multimodal-keys)
     skip_bad_samples: bool = False
     tool_key: str | None = None  # column of the tools a row offers (--tool-key): names or OpenAI-style specs
@@ -192,24 +212,32 @@ def load_prompt_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sa
         if fmt.max_prompt_len is not None and len(tokens) > fmt.max_prompt_len:
             too_long += 1
             continue
-        if fmt.generation_positions is not None and len(tokens) >= fmt.generation_positions:
+        if fmt.answer_room is not None and fmt.answer_room.refuses(len(tokens)):
             no_room += 1
             continue
         if tools:
             metadata["tools"] = tools
         samples.append(Sample(index=row_index, prompt=text, label=label, metadata=metadata, tokens=list(tokens)))
-    bounds = []
-    if too_long:
-        bounds.append(f"{too_long} longer than --rollout-max-prompt-len ({fmt.max_prompt_len} tokens)")
-    if no_room:
-        bounds.append(f"{no_room} that leave no room for an answer within the model's {fmt.generation_positions} "
-                      "positions (max_position_embeddings)")
-    if bounds and samples:
-        logger.warning("%s: dropped prompts: %s", path, " and ".join(bounds))
-    if not samples:
-        left = f"no prompt left after dropping {' and '.join(bounds)}" if bounds else "no prompt"
+    return kept_or_refused(spec, path, samples, "prompt", [
+        (too_long, f"longer than --rollout-max-prompt-len ({fmt.max_prompt_len} tokens)"),
+        (no_room, f"that leave no room for an answer within {fmt.answer_room and fmt.answer_room.bound}")])
+
+
+def kept_or_refused(spec: str, path: Path, kept: list, noun: str, dropped: list[tuple[int, str]]) -> list:
+    """``kept``, the rows a loader kept, with a warning counting those it dropped (``dropped``: how many and why);
+    a DatasetError naming the file when none is left."""
+    bounds = [f"{count} {why}" for count, why in dropped if count]
+    if bounds and kept:
+        logger.warning("%s: dropped %ss: %s", path, noun, " and ".join(bounds))
+    if not kept:
+        left = f"no {noun} left after dropping {' and '.join(bounds)}" if bounds else f"no {noun}"
         raise DatasetError(f"{spec}: {left}")
-    return samples
+    return kept
+
+
+def past_positions(fmt: PromptFormat) -> str:
+    """Why a training sequence longer than the model's positions is dropped (`PromptFormat.model_positions`)."""
+    return f"longer than the model's {fmt.model_positions} positions (max_position_embeddings)"
 
 
 def row_metadata(row: dict[str, Any], fmt: PromptFormat, where: str) -> dict[str, Any]:

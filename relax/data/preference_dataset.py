@@ -24,6 +24,8 @@ from relax.data.dataset import (
     DatasetError,
     PromptFormat,
     encode_prompt,
+    kept_or_refused,
+    past_positions,
     read_spec_rows,
     row_label,
     row_metadata,
@@ -72,7 +74,7 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
     path, indexed = read_spec_rows(spec)
     if tokenizer.eos_token_id is None:
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the completions with")
-    pairs = []
+    pairs, too_long, too_long_for_the_model = [], 0, 0
     for row_index, row in indexed:
         where = row_label(path, row_index)
         for key in (fmt.input_key, chosen_key, rejected_key, *([margin_key] if margin_key else [])):
@@ -102,6 +104,10 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
             raise DatasetError(f"{where}: fields {chosen_key!r} and {rejected_key!r} are the same completion: there "
                                "is no preference to learn")
         if fmt.max_prompt_len is not None and len(prompt_tokens) > fmt.max_prompt_len:
+            too_long += 1
+            continue
+        if fmt.model_positions is not None and max(len(c.tokens) for c in completions) > fmt.model_positions:
+            too_long_for_the_model += 1
             continue
         metadata = row_metadata(row, fmt, where)
         for completion in completions:
@@ -111,9 +117,9 @@ def load_preference_pairs(spec: str, tokenizer: Any, fmt: PromptFormat, chosen_k
         if margin_key is not None:
             chosen.metadata["margin"] = _margin(row[margin_key], where, margin_key)
         pairs.append(chosen)
-    if not pairs:
-        raise DatasetError(f"{spec}: no pair left after dropping prompts longer than --rollout-max-prompt-len")
-    return pairs
+    return kept_or_refused(spec, path, pairs, "pair", [
+        (too_long, f"whose prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len} tokens)"),
+        (too_long_for_the_model, f"with a completion {past_positions(fmt)}")])
 
 
 def _margin(value: Any, where: str, key: str) -> float:

@@ -19,6 +19,8 @@ from relax.data.dataset import (
     DatasetError,
     PromptFormat,
     encode_prompt,
+    kept_or_refused,
+    past_positions,
     read_spec_rows,
     row_label,
     row_metadata,
@@ -93,7 +95,7 @@ def load_sft_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sampl
     path, indexed = read_spec_rows(spec)
     if tokenizer.eos_token_id is None:
         raise DatasetError(f"{spec}: the tokenizer has no EOS token to end the SFT targets with")
-    samples = []
+    samples, too_long, too_long_for_the_model = [], 0, 0
     for row_index, row in indexed:
         where = row_label(path, row_index)
         if fmt.input_key not in row:
@@ -109,10 +111,14 @@ def load_sft_samples(spec: str, tokenizer: Any, fmt: PromptFormat) -> list[Sampl
         except ValueError as err:
             raise DatasetError(f"{where}: field {fmt.input_key!r}: {err}") from None
         if fmt.max_prompt_len is not None and sample.prompt_length > fmt.max_prompt_len:
+            too_long += 1
+            continue
+        if fmt.model_positions is not None and len(sample.tokens) > fmt.model_positions:
+            too_long_for_the_model += 1
             continue
         sample.index, sample.status = row_index, SampleStatus.COMPLETED
         sample.metadata = row_metadata(row, fmt, where)
         samples.append(sample)
-    if not samples:
-        raise DatasetError(f"{spec}: no row left after dropping prompts longer than --rollout-max-prompt-len")
-    return samples
+    return kept_or_refused(spec, path, samples, "row", [
+        (too_long, f"whose prompt is longer than --rollout-max-prompt-len ({fmt.max_prompt_len} tokens)"),
+        (too_long_for_the_model, past_positions(fmt))])

@@ -162,6 +162,20 @@ def test_a_size_no_memory_can_hold_is_refused_before_the_model_loads(flags, name
     assert not (tmp_path / "run").exists()
 
 
+def test_a_pool_that_cannot_hold_a_response_is_refused_naming_both_flags(tiny_workspace, tmp_path, capsys):
+    """The engine ends a sequence at its --max-total-tokens pool with "length": a pool smaller than a prompt token and
+    one response would cut every response short of --rollout-max-response-len (or --eval-max-response-len)."""
+    for flags, named in ((["--rollout-max-response-len", "80"], "fewer than a prompt token and a response of "
+                                                                 "--rollout-max-response-len 80"),
+                         (["--eval-max-response-len", "100"], "--eval-max-response-len 100")):
+        code, _, err = _relax(capsys, "train", *tiny_train_args(tiny_workspace, tmp_path / "run", "--num-rollout",
+                                                                "1", "--max-total-tokens", "70", "--page-size", "16",
+                                                                *flags))
+        assert code == 2 and "--max-total-tokens 70: the engine's KV pool holds 64 token slots" in err, err
+        assert named in err and "give at least" in err and "Traceback" not in err, err
+        assert not (tmp_path / "run").exists()
+
+
 def test_resuming_with_another_model_is_refused_before_it_loads(lora_run, tiny_workspace, tmp_path, capsys):
     """--load of a run whose checkpoints hold other shapes than --hf-checkpoint: exit status 2 naming both flags and
     the fields that differ (it was torch's size-mismatch traceback after the load, exit status 1)."""

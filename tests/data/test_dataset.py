@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relax.data.dataset import DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
+from relax.data.dataset import AnswerRoom, DatasetError, PromptFormat, load_prompt_samples, parse_data_spec
 from relax.data.preference_dataset import load_preference_pairs
 from relax.data.sft_dataset import load_sft_samples
 from relax.rollout.generation.data_source import PromptDataSource
@@ -72,13 +72,47 @@ def test_a_prompt_is_kept_exactly_when_it_fits_both_bounds_and_leaves_room_for_a
     as upstream's default --rollout-max-prompt-len (the context less one) drops it."""
     rows = [{"input": "1" * length} for length in lengths]  # one token a character
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    fmt = PromptFormat(max_prompt_len=max_prompt_len, generation_positions=positions)
+    fmt = PromptFormat(max_prompt_len=max_prompt_len, answer_room=AnswerRoom.of_positions(positions))
     kept = [i for i, n in enumerate(lengths) if n < positions and (max_prompt_len is None or n <= max_prompt_len)]
     if not kept:
         with pytest.raises(DatasetError, match="no prompt left after dropping"):
             load_prompt_samples(str(path), tokenizer, fmt)
         return
     assert [sample.index for sample in load_prompt_samples(str(path), tokenizer, fmt)] == kept
+
+
+def test_the_dropped_prompts_name_the_room_they_did_not_fit(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input": "1" * 40}])
+    room = AnswerRoom(32, "the engine's KV pool of 32 token slots (--max-total-tokens)")
+    with pytest.raises(DatasetError, match=r"no prompt left after dropping 1 that leave no room for an answer within "
+                                           r"the engine's KV pool of 32 token slots \(--max-total-tokens\)"):
+        load_prompt_samples(str(path), tokenizer, PromptFormat(answer_room=room))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 20), st.integers(1, 20)), min_size=1, max_size=6),
+       positions=st.integers(2, 36), loader=st.sampled_from(["sft", "preference"]))
+def test_a_training_row_is_kept_exactly_when_its_sequences_fit_the_model_s_positions(tmp_path, tokenizer, rows,
+                                                                                   positions, loader):
+    """An SFT row, or a preference pair's completion, longer than the model's positions had trained on positions the
+    model never saw (RoPE models compute them without complaint): dropped at load and counted, as prompts that leave
+    no room for an answer are."""
+    data = [{"input": "1" * prompt, "label": "2" * target, "chosen": "2" * target, "rejected": "3" * other}
+            for prompt, target, other in rows]  # one token a character; each completion ends with EOS
+    path = write_jsonl(tmp_path / "rows.jsonl", data)
+    fmt = PromptFormat(model_positions=positions)
+    longest = [prompt + max(target, other if loader == "preference" else 0) + 1 for prompt, target, other in rows]
+    kept = [index for index, length in enumerate(longest) if length <= positions]
+    load = (lambda: load_sft_samples(str(path), tokenizer, fmt)) if loader == "sft" else \
+        (lambda: load_preference_pairs(str(path), tokenizer, fmt, "chosen", "rejected"))
+    if not kept:
+        with pytest.raises(DatasetError, match=f"rows.jsonl: no (row|pair) left after dropping {len(rows)} .*longer "
+                                               f"than the model's {positions} positions"):
+            load()
+        return
+    samples = load()
+    assert [sample.index for sample in samples] == kept
+    assert all(len(sample.tokens) <= positions for sample in samples)
 
 
 def test_missing_prompt_key_names_file_row_and_field(tmp_path, tokenizer):

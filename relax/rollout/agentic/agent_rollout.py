@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax.backends.inference.answer_room import answer_room
 from relax.backends.inference.base import SamplingParams
-from relax.backends.models.family import model_positions
 from relax.data.sample import Sample, SampleStatus
 from relax.rollout.agentic.admission import ProgramAdmission, kv_capacity_of
 from relax.rollout.agentic.gateway import AgentGateway, Trajectory, openai_tool_calls
@@ -78,7 +78,7 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
         async with admission.admit(reserve) as admitted:
             session = gateway.open_session(args.engine, sampling_params,
                                            max_context_len=getattr(args, "rollout_max_context_len", None),
-                                           max_positions=model_positions(getattr(args, "hf_checkpoint", None)),
+                                           answer_room=room.tokens if (room := answer_room(args)) else None,
                                            name=f"{sample.index}-{uuid.uuid4().hex[:6]}")
             try:
                 with tempfile.TemporaryDirectory(prefix="relax-agent-") as io_dir:

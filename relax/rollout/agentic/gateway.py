@@ -206,7 +206,7 @@ class Session:
     """One agent episode: its recorded trajectory and the messages that produced it."""
 
     def __init__(self, session_id: str, name: str, engine: Any, sampling: SamplingParams,
-                 max_context_len: int | None, gateway: AgentGateway, max_positions: int | None = None) -> None:
+                 max_context_len: int | None, gateway: AgentGateway, answer_room: int | None = None) -> None:
         self.session_id = session_id  # the bearer token: never logged
         self.name = name  # a public label for logs and request ids
         # The key under which the engine keeps this session's K/V between turns (--agentic-session-lifecycle); not
@@ -214,8 +214,11 @@ class Session:
         self.engine_session_id = f"agent-{uuid.uuid4().hex}" if gateway.session_lifecycle else None
         self.engine = engine
         self.sampling = sampling
-        self.max_context_len = max_context_len
-        self.max_positions = max_positions  # the model's: no budget passes them (the engine refuses such a turn)
+        # The tokens a prompt and its answer share on the engine (the model's positions, a smaller KV pool): no
+        # budget passes them (the engine refuses such a turn).
+        self.answer_room = answer_room
+        self.max_context_len = max_context_len if max_context_len is None or answer_room is None \
+            else min(max_context_len, answer_room)
         self.trajectory = Trajectory()
         self._gateway = gateway
         self._messages: list[tuple] = []  # comparable forms of the recorded messages
@@ -271,8 +274,8 @@ class Session:
         max_new_tokens = min(requested, self.sampling.max_new_tokens)
         if self.max_context_len is None:  # the multi-turn loop's default budget: the prompt + one response length
             self.max_context_len = len(context) + self.sampling.max_new_tokens
-            if self.max_positions is not None:  # (a long first prompt's would pass them, as the loop's did)
-                self.max_context_len = min(self.max_context_len, self.max_positions)
+            if self.answer_room is not None:  # (a long first prompt's would pass it, as the loop's did)
+                self.max_context_len = min(self.max_context_len, self.answer_room)
         if self.max_context_len - len(context) < 1:
             self.trajectory.stop_reason = "budget_exhausted"
             raise GatewayError(400, f"context budget exhausted: this turn would start at {len(context)} tokens of "
@@ -439,14 +442,15 @@ class AgentGateway:
             self._task = None
 
     def open_session(self, engine: Any, sampling: SamplingParams, *, max_context_len: int | None = None,
-                     name: str | None = None, max_positions: int | None = None) -> Session:
+                     name: str | None = None, answer_room: int | None = None) -> Session:
         """A new session that generates with ``engine`` (``generate(requests)`` and ``abort(ids)``; a
         `RequestBatcher` merges the concurrent turns of many sessions) and ``sampling`` (its ``max_new_tokens``
         caps every turn). ``max_context_len`` caps the session's tokens (None: the first prompt's length plus
-        ``sampling.max_new_tokens``, the multi-turn loop's default, within the model's ``max_positions``)."""
+        ``sampling.max_new_tokens``, the multi-turn loop's default, within ``answer_room`` tokens,
+        `relax.backends.inference.answer_room`)."""
         session_id = secrets.token_urlsafe(32)
         session = Session(session_id, name or uuid.uuid4().hex[:8], engine, sampling, max_context_len, self,
-                          max_positions)
+                          answer_room)
         self.sessions[session_id] = session
         return session
 

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
+from relax.backends.inference.answer_room import answer_room
 from relax.backends.inference.base import GenerationOutput, GenerationRequest, SamplingParams
-from relax.backends.models.family import concat_inputs, model_positions
+from relax.backends.models.family import concat_inputs
 from relax.data.sample import Sample, SampleStatus
 from relax.rollout.agentic.env import BaseInteractionEnv, EnvCallError, call_env, load_env_builder
 
@@ -205,11 +206,12 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
 
 def context_budget(args: Any, prompt_length: int) -> int:
     """Most tokens of the episode: ``--rollout-max-context-len``, else prompt + ``--rollout-max-response-len``; never
-    past the model's positions (a long prompt's default budget could pass them, and after a turn and an observation
-    the engine refused the next turn's prompt, ending the run)."""
+    past the room a prompt and its answer share on the engine (the model's positions, a smaller --max-total-tokens
+    pool): a long prompt's default budget could pass them, and after a turn and an observation the engine refused
+    the next turn's prompt, ending the run."""
     budget = args.rollout_max_context_len or prompt_length + args.rollout_max_response_len
-    positions = model_positions(getattr(args, "hf_checkpoint", None))
-    return budget if positions is None else min(budget, positions)
+    room = answer_room(args)
+    return budget if room is None else min(budget, room.tokens)
 
 
 async def _play(args: Any, env: BaseInteractionEnv, encoder: ObservationEncoder, trajectory: Trajectory,

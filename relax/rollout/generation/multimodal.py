@@ -27,6 +27,7 @@ from relax.backends.models.family import (
     timestamped_video_tokens,
 )
 from relax.data.chat_template import render_prompt
+from relax.data.dataset import AnswerRoom
 from relax.data.multimodal import (
     MediaError,
     MultimodalProcessor,
@@ -83,7 +84,7 @@ def audio_end_token(tokenizer: Any, model_config: Any, model_path: str | Path) -
 class MultimodalPreparer:
     def __init__(self, tokenizer: Any, model_config: Any, model_path: str | Path, settings: MultimodalSettings,
                  system_prompt: str | None, template_kwargs: dict[str, Any], pool_size: int,
-                 skip_bad_samples: bool):
+                 skip_bad_samples: bool, answer_room: AnswerRoom | None = None):
         self.tokenizer = tokenizer
         self.media_tokens = MediaTokens.of(model_config)
         if not self.media_tokens.ids:
@@ -92,8 +93,11 @@ class MultimodalPreparer:
         self.spec = vision_spec(model_path, model_config)
         self.audio_tokens = audio_token_counter(model_config)
         self.model_config = model_config
+        # The room a prompt and its answer share on the engine (`relax.backends.inference.answer_room`; default:
+        # the model's positions)
         positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-        self.positions = positions if isinstance(positions, int) and positions > 0 else None
+        self.answer_room = answer_room or (AnswerRoom.of_positions(positions)
+                                           if isinstance(positions, int) and positions > 0 else None)
         if settings.use_audio_in_video:
             self.audio_end_id = audio_end_token(tokenizer, model_config, model_path)
         self.system_prompt = system_prompt
@@ -154,11 +158,11 @@ class MultimodalPreparer:
                 for i, clip in enumerate(row.videos)]
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         tokens = expand_placeholders(list(token_ids), self.media_tokens, counts, video_tokens)
-        if self.positions is not None and len(tokens) >= self.positions:
+        if self.answer_room is not None and self.answer_room.refuses(len(tokens)):
             # known only now (each item's tokens follow its size); the engine had refused it mid-run, ending the run
             raise ValueError(f"{len(tokens)} prompt tokens with the media expanded leave no room for an answer within "
-                             f"the model's {self.positions} positions (max_position_embeddings); smaller media "
-                             "(--image-max-token-num, --video-max-token-num), or --skip-bad-samples to skip such rows")
+                             f"{self.answer_room.bound}; smaller media (--image-max-token-num, "
+                             "--video-max-token-num), or --skip-bad-samples to skip such rows")
         sample.tokens = tokens
         sample.multimodal_train_inputs = inputs
 

@@ -166,10 +166,11 @@ def test_auth_bad_bodies_and_context_budget(engine):
     assert trajectory.stop_reason == "budget_exhausted" and len(trajectory.tokens) <= budget
 
 
-def test_a_session_s_default_budget_stays_within_the_model_s_positions(engine):
+@pytest.mark.parametrize("max_context_len", [None, 10_000])
+def test_a_session_s_budget_stays_within_the_engine_s_room(engine, max_context_len):
     """Without --rollout-max-context-len a session's budget is its first prompt + one response length, which a long
-    prompt takes past the model's positions: the engine then refused a later turn (an error, not the session's
-    400 "context budget exhausted")."""
+    prompt takes past the model's positions (or a smaller KV pool); a --rollout-max-context-len can pass them too:
+    the engine then refused a later turn (an error, not the session's 400 "context budget exhausted")."""
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
                                                 tokenize=False)
     positions = len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]) + 5  # as if the model had so few
@@ -179,7 +180,8 @@ def test_a_session_s_default_budget_stays_within_the_model_s_positions(engine):
         batcher.start()
         gateway = AgentGateway(engine.tokenizer)
         await gateway.start()
-        session = gateway.open_session(batcher, SamplingParams(max_new_tokens=20, seed=7), max_positions=positions)
+        session = gateway.open_session(batcher, SamplingParams(max_new_tokens=20, seed=7),
+                                       max_context_len=max_context_len, answer_room=positions)
         try:
             async with httpx.AsyncClient() as http:
                 url, auth = gateway.base_url + "/chat/completions", {"Authorization": f"Bearer {session.session_id}"}

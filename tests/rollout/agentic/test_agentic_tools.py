@@ -249,7 +249,9 @@ def test_tool_env_runs_calls_reports_errors_and_ends_on_a_final_answer():
 
 
 def test_tool_env_caps_the_calls_of_one_turn():
-    env = ToolEnv([calculator_tool()], parse_hermes_tool_calls, timeout_s=5)
+    # (a timeout far from anything a calculator takes: under a loaded suite one of eight calls once ran past 5 s,
+    # waiting for a worker thread)
+    env = ToolEnv([calculator_tool()], parse_hermes_tool_calls, timeout_s=120)
     observation, _, info = asyncio.run(env.step(call("calculator", expression="1") * (tool_env.MAX_CALLS_PER_TURN + 2)))
     assert observation["obs_str"].count("did not run") == 2
     assert info["tool_stats"]["calls"] == tool_env.MAX_CALLS_PER_TURN + 2

@@ -1,0 +1,60 @@
+"""The token slots a prompt and its answer share on a run's own engine: the model's positions, or the embedded
+engine's KV pool where ``--max-total-tokens`` makes it the smaller.
+
+The engine ends a sequence with "length" at either bound (SGLang caps max_new_tokens at its pool alike) and refuses
+a prompt that leaves no room for one answer token, so the rollout's parts ask first: the dataset drops such prompts
+at load (counted), the multi-turn loop and the agent gateway cap an episode's context there. A prompt that passed
+the positions but not a small pool had reached the engine mid-run, which refused it and ended the run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import AutoConfig
+
+from relax.backends.models.family import model_positions
+from relax.backends.models.registry import traits
+from relax.data.dataset import AnswerRoom
+
+
+def answer_room(args: Any) -> AnswerRoom | None:
+    """The room of the run ``args`` (a `RelaxConfig`, or any object with its fields: a custom generate function's
+    ``args``); None where neither bound is known."""
+    return _answer_room(getattr(args, "hf_checkpoint", None), pool_tokens(args))
+
+
+def pool_tokens(args: Any) -> int | None:
+    """The most tokens one sequence can hold in the KV pool ``--max-total-tokens`` asks of this process's paged
+    engine (whole pages of ``--page-size``, as the engine builds it); None where the pool is sized from the device's
+    free memory, or the engine is another's (``--rollout-external``) or the model-cache runner (which has no pool)."""
+    tokens = getattr(args, "max_total_tokens", None)
+    if not tokens or getattr(args, "rollout_external", False) or getattr(args, "engine_core", "auto") == "off":
+        return None
+    if not _paged(getattr(args, "hf_checkpoint", None)):
+        return None
+    page = getattr(args, "page_size", 16)
+    return tokens // page * page
+
+
+@functools.lru_cache(maxsize=16)
+def _paged(model_path: str | None) -> bool:
+    if not model_path:
+        return False
+    try:
+        found = traits(AutoConfig.from_pretrained(model_path))
+    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
+        return False
+    return found.engine_core and not found.sliding_window
+
+
+@functools.lru_cache(maxsize=16)
+def _answer_room(model_path: str | None, pool: int | None) -> AnswerRoom | None:
+    rooms = []
+    positions = model_positions(model_path)
+    if positions is not None:
+        rooms.append(AnswerRoom.of_positions(positions))
+    if pool is not None:
+        rooms.append(AnswerRoom(pool, f"the engine's KV pool of {pool} token slots (--max-total-tokens)"))
+    return min(rooms, key=lambda room: room.tokens, default=None)
