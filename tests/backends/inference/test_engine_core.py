@@ -109,11 +109,15 @@ def assert_pool_empty(engine: EmbeddedEngine) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 20), st.booleans(), st.integers(0, 3)),
-                min_size=1, max_size=12), st.integers(0, 2**31))
-def test_random_joins_aborts_and_finishes_never_leak_blocks(tokenizer, jobs, seed):
-    """Callers join at random steps with random lengths; some are aborted mid-way. Every block comes back."""
-    engine = core_engine(tokenizer, max_total_tokens=160, page_size=4)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.booleans(), st.integers(0, 3)),
+                min_size=1, max_size=12), st.integers(0, 2**31), st.integers(64, 200), st.sampled_from([1, 4, 16, 32]))
+def test_random_joins_aborts_and_finishes_never_leak_blocks(tokenizer, jobs, seed, pool, page):
+    """Callers join at random steps with random lengths, in pools of random sizes and pages; some are aborted
+    mid-way. Every call ends (none waits on a pool it can never enter: a prompt near a pool's end once stalled the
+    queue) and every block comes back."""
+    engine = core_engine(tokenizer, max_total_tokens=pool, page_size=page)
+    slots = engine.core.scheduler.max_sequence_tokens
+    jobs = [(min(prompt, slots - 1), *rest) for prompt, *rest in jobs]  # (prompts that fill the pool: refused)
     rng = random.Random(seed)
 
     async def caller(index, prompt_len, new_tokens, abort, delay):
@@ -127,10 +131,10 @@ def test_random_joins_aborts_and_finishes_never_leak_blocks(tokenizer, jobs, see
             await engine.abort([f"j{index}"])
         (output,) = await task
         assert output.finish_reason in (("abort", "length") if abort else ("length",))
-        assert len(output.output_ids) == len(output.output_log_probs) <= new_tokens
+        assert len(output.output_ids) == len(output.output_log_probs) <= min(new_tokens, slots - prompt_len)
 
     async def run_all():
-        await asyncio.gather(*(caller(i, *job) for i, job in enumerate(jobs)))
+        await asyncio.wait_for(asyncio.gather(*(caller(i, *job) for i, job in enumerate(jobs))), timeout=120)
 
     asyncio.run(run_all())
     assert_pool_empty(engine)
