@@ -8,12 +8,51 @@ from relax.cli.common import in_range, nonblank, port_number, positive, quiet_li
 
 
 def cmd_serve(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    setup_logging(None)
+    quiet_libraries()
+    from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
+    from relax.serving.limits import GenerationLimits
+    from relax.serving.server import serve
+    from relax.utils.http_server import HTTPLimits
+
+    try:
+        http = HTTPLimits(args.max_request_bytes, args.max_connections, args.header_timeout_s, args.body_timeout_s,
+                          shutdown_grace_s=args.shutdown_grace_s)
+        work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
+                                args.max_inflight_sequences)
+        core = core_settings_of(args)
+        model = model_source(args.hf_checkpoint, args.gguf_file)
+        if is_gguf(model):  # dequantised once into a cached Hugging Face folder
+            model = str(hf_folder_of_gguf(model))
+        serve(model, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+              dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+              batch_window_ms=args.batch_window_ms, log_level=args.log_level,
+              weight_update_root=args.weight_update_root, core=core, http_limits=http, generation_limits=work,
+              cpu_threads=args.cpu_threads)
+    except ValueError as err:
+        print(f"relax serve: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def core_settings_of(args):
+    """The engine's settings `relax serve`'s flags name (a run passes its own on: `launched_relax.core_arguments`)."""
+    from relax.backends.inference.embedded import CoreSettings
+
+    return CoreSettings(mode=args.engine_core, mem_fraction_static=args.mem_fraction_static,
+                        max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                        page_size=args.page_size, cuda_graphs=not args.disable_cuda_graph,
+                        max_graph_batch=args.cuda_graph_max_bs, kv_cache_dtype=args.kv_cache_dtype)
+
+
+def serve_parser():
+    """`relax serve`'s flags."""
+    from relax.cli.args import CommandLineParser
     from relax.serving.limits import GenerationLimits
     from relax.utils.http_server import HTTPLimits
 
     http, work = HTTPLimits(), GenerationLimits()
-    from relax.cli.args import CommandLineParser
-
     parser = CommandLineParser(
         prog="relax serve", description="Serve a model folder with the embedded engine over HTTP: SGLang's native "
         "protocol (/generate, /update_weights_from_disk, ...) and the OpenAI protocol (/v1/...). See docs/serving.md.")
@@ -44,6 +83,16 @@ def cmd_serve(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                         help="the KV pool's storage: auto = the model's dtype; fp8_e4m3 = one byte an entry with a "
                         "scale per head vector (paged engine core; CUDA compute capability 8.9 or newer)")
+    parser.add_argument("--max-total-tokens", type=in_range(int, 64, 2**40), default=None,
+                        help="the KV pool's size in tokens, instead of --mem-fraction-static (CPU default: 65,536, "
+                        "at most 256 MiB); a sequence ends with finish reason length at the pool's end")
+    parser.add_argument("--page-size", type=in_range(int, 1, 256), default=16,
+                        help="token slots per block of the KV pool")
+    parser.add_argument("--max-prefill-tokens", type=in_range(int, 16, 2**31), default=8192,
+                        help="most prompt tokens one prefill step computes (a longer single prompt runs alone)")
+    parser.add_argument("--cuda-graph-max-bs", type=in_range(int, 1, 512), default=256,
+                        help="decode in CUDA graphs up to this many sequences")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--weight-update-root", default=None, type=nonblank,
                         help="/update_weights_from_disk loads only from paths inside this directory (relative "
                         "paths are taken from it); default: any path the server can read")
@@ -64,31 +113,7 @@ def cmd_serve(argv: list[str]) -> int:
                         help="prompt plus new tokens, summed over a request's sequences; more get 400")
     limits.add_argument("--max-inflight-sequences", type=positive(int), default=work.max_inflight_sequences,
                         help="sequences the server holds at once; a request past it gets 429 with Retry-After")
-    args = parser.parse_args(argv)
-    setup_logging(None)
-    quiet_libraries()
-    from relax.backends.models.gguf_source import hf_folder_of_gguf, is_gguf
-    from relax.serving.server import serve
-
-    try:
-        http = HTTPLimits(args.max_request_bytes, args.max_connections, args.header_timeout_s, args.body_timeout_s,
-                          shutdown_grace_s=args.shutdown_grace_s)
-        work = GenerationLimits(args.max_sequences_per_request, args.max_tokens_per_request,
-                                args.max_inflight_sequences)
-        model = model_source(args.hf_checkpoint, args.gguf_file)
-        if is_gguf(model):  # dequantised once into a cached Hugging Face folder
-            model = str(hf_folder_of_gguf(model))
-        serve(model, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
-              dtype=args.dtype, served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
-              batch_window_ms=args.batch_window_ms, log_level=args.log_level,
-              weight_update_root=args.weight_update_root, engine_core=args.engine_core,
-              mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
-              http_limits=http, generation_limits=work,
-              cpu_threads=args.cpu_threads)
-    except ValueError as err:
-        print(f"relax serve: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return parser
 
 
 def model_source(hf_checkpoint: str, gguf_file: str | None) -> str:

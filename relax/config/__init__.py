@@ -66,6 +66,13 @@ class RelaxConfig(CrossSectionRules, OperationsSettings, PlacementSettings, Algo
         return self.placement == "in_process" and not self.rollout_external and self.rollout_api_port is None
 
     @property
+    def builds_an_engine(self) -> bool:
+        """Whether the run builds an engine of its own from the engine settings (--engine-core, the KV pool's):
+        the embedded rollout, the `relax serve` processes of --rollout-engine-protocol relax, an engine teacher."""
+        return (not self.rollout_external or self.rollout_engine_protocol == "relax"
+                or (self.use_opd and self.opd_type == "engine"))
+
+    @property
     def resolved_offload_train(self) -> bool:
         if self.offload_train is not None:
             return self.offload_train

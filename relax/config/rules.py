@@ -10,6 +10,11 @@ from pydantic import BaseModel, model_validator
 from relax.algorithms import ALGORITHM_SPECS
 from relax.config.base import CRITIC_FIELDS, OPD_FIELDS, flag
 
+# The settings of an engine the run builds (`relax.core.engines.embedded.core_settings`): with only servers the run
+# does not start they have nothing to act on.
+ENGINE_SETTINGS = ("engine_core", "mem_fraction_static", "max_total_tokens", "max_prefill_tokens", "page_size",
+                   "cuda_graph_max_bs", "disable_cuda_graph")
+
 
 class CrossSectionRules(BaseModel):
     """Checked after every section's own rules."""
@@ -298,12 +303,17 @@ class CrossSectionRules(BaseModel):
         if self.rollout_fp8 and self.engine_core == "off":
             raise ValueError(f"{flag('rollout_fp8')} runs on the paged engine core; {flag('engine_core')} off "
                              "serves the model's own forward")
-        if self.kv_cache_dtype != "auto" and (self.engine_core == "off" or (
-                self.rollout_external and self.rollout_engine_protocol != "relax")):
+        if self.kv_cache_dtype != "auto" and (self.engine_core == "off" or not self.builds_an_engine):
             raise ValueError(f"{flag('kv_cache_dtype')} {self.kv_cache_dtype} is the paged engine core's KV pool; "
                              f"{flag('engine_core')} off, or {flag('rollout_external')} servers the run does not "
                              f"start ({flag('rollout_engine_protocol')} relax starts its own and passes it on), "
                              "roll out elsewhere (SGLang has its own --kv-cache-dtype)")
+        engine_flags = [flag(name) for name in ENGINE_SETTINGS if self.changed(name)]
+        if engine_flags and not self.builds_an_engine:
+            raise ValueError(f"{', '.join(engine_flags)}: settings of an engine the run builds; the "
+                             f"{flag('rollout_external')} servers the run does not start size their own (SGLang's "
+                             f"flags of the same names; {flag('rollout_engine_protocol')} relax starts `relax serve` "
+                             "processes and passes them on)")
         if self.rollout_fp8 and self.rollout_external:
             raise ValueError(f"{flag('rollout_fp8')} quantises the embedded engine; with {flag('rollout_external')} "
                              "the servers quantise their own weights (SGLang's --quantization fp8)")

@@ -37,12 +37,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           device: str = "auto", dtype: str = "auto", served_model_name: str | None = None,
           max_batch_size: int | None = None, batch_window_ms: float = 5.0, log_level: str = "info",
-          weight_update_root: str | None = None, engine_core: str = "auto",
-          mem_fraction_static: float = 0.85, kv_cache_dtype: str = "auto", http_limits: HTTPLimits | None = None,
-          generation_limits: GenerationLimits | None = None, cpu_threads: int = 0) -> None:
+          weight_update_root: str | None = None, core: CoreSettings | None = None,
+          http_limits: HTTPLimits | None = None, generation_limits: GenerationLimits | None = None,
+          cpu_threads: int = 0) -> None:
     """Block serving ``hf_checkpoint`` until interrupted. ``api_key`` (or $RELAX_API_KEY) guards the
-    control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load; ``http_limits``
-    and ``generation_limits`` bound what one client may take (docs/serving.md)."""
+    control endpoints; ``weight_update_root`` bounds the paths /update_weights_from_disk may load; ``core`` sizes the
+    engine (default: the KV pool takes 0.85 of the free device memory); ``http_limits`` and ``generation_limits``
+    bound what one client may take (docs/serving.md)."""
+    core = core or CoreSettings(mem_fraction_static=0.85)
     import uvicorn
 
     path = Path(hf_checkpoint)
@@ -53,8 +55,6 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
     if weight_update_root is not None and not Path(weight_update_root).is_dir():
         raise ValueError(f"--weight-update-root {weight_update_root}: not a directory")
     torch_device = resolve_device(device)
-    if not 0 < mem_fraction_static < 1:
-        raise ValueError(f"--mem-fraction-static {mem_fraction_static}: must be between 0 and 1")
     try:  # before the model loads: a taken port fails in a second, naming the flag
         listener = listening_socket(host, port, "--port")
     except ListenError as err:
@@ -70,10 +70,7 @@ def serve(hf_checkpoint: str, host: str = "127.0.0.1", port: int = 30000, api_ke
         # Alone on its device, a server may take most of the free memory for its KV pool (the default); one
         # started beside a trainer (--rollout-engine-protocol relax) gets the run's --mem-fraction-static.
         engine = EmbeddedEngine.from_pretrained(str(path), dtype=resolve_dtype(dtype, torch_device),
-                                                device=torch_device, max_batch_size=max_batch_size,
-                                                core=CoreSettings(mode=engine_core,
-                                                                  mem_fraction_static=mem_fraction_static,
-                                                                  kv_cache_dtype=kv_cache_dtype))
+                                                device=torch_device, max_batch_size=max_batch_size, core=core)
         on_failure.pop_all()  # loaded: the socket is uvicorn's from here
     app = create_app(engine, engine.tokenizer, model_name=served_model_name or path.name, model_path=str(path),
                      api_key=api_key, batch_window_s=batch_window_ms / 1000, weight_update_root=weight_update_root,

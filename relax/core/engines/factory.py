@@ -14,6 +14,7 @@ from relax.backends.inference.remote.openai import OpenAIHTTPEngine
 from relax.backends.inference.remote.sglang import SGLangHTTPEngine
 from relax.backends.inference.router import EngineRouter
 from relax.config import ConfigError, RelaxConfig, flag
+from relax.core.engines.embedded import core_settings
 from relax.core.preflight import check_model_path
 from relax.core.run_settings import resolve_device, resolve_dtype
 from relax.distributed.process_group import world_size
@@ -93,8 +94,7 @@ def build_relax_server_engine(cfg: RelaxConfig, address: str, weights_dir: Path)
     (127.0.0.1:PORT) at its first use and stops at exit, on the trainer's device and compute dtype."""
     device = resolve_device(cfg)
     settings = RelaxServerSettings(device=str(device), dtype=str(resolve_dtype(cfg, device)).removeprefix("torch."),
-                                   engine_core=cfg.engine_core, mem_fraction_static=cfg.mem_fraction_static,
-                                   kv_cache_dtype=cfg.kv_cache_dtype, max_batch_size=cfg.rollout_max_batch_size)
+                                   core=core_settings(cfg), max_batch_size=cfg.rollout_max_batch_size)
     return RelaxServerEngine(check_model_path(cfg), weights_dir, port=urlsplit(address).port,
                              log_dir=Path(cfg.output_dir) / "engines", settings=settings,
                              api_key=cfg.rollout_engine_api_key)

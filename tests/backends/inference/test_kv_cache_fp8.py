@@ -173,6 +173,6 @@ def test_relax_serve_passes_the_flag_to_its_engine(monkeypatch, tiny_workspace):
     monkeypatch.setattr(server, "serve", lambda model, **kwargs: seen.update(kwargs))
     assert serve_cli.cmd_serve(["--hf-checkpoint", str(tiny_workspace / "model"), "--device", "cpu",
                            "--kv-cache-dtype", "fp8_e4m3"]) == 0
-    assert seen["kv_cache_dtype"] == "fp8_e4m3"
+    assert seen["core"].kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ConfigError, match="--kv-cache-dtype: invalid choice: 'fp4'"):
         serve_cli.cmd_serve(["--hf-checkpoint", str(tiny_workspace / "model"), "--kv-cache-dtype", "fp4"])

@@ -15,11 +15,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relax.backends.inference.base import PAUSE_OPERATOR, GenerationOutput, GenerationRequest
+from relax.backends.inference.embedded import CoreSettings
 from relax.backends.inference.remote.server_process import ServerProcess, wait_until_free
 from relax.backends.inference.remote.sglang import SGLangHTTPEngine
 
@@ -30,15 +31,25 @@ logger = logging.getLogger("relax")
 
 @dataclass(frozen=True)
 class RelaxServerSettings:
-    """How the server is started: the trainer's device and compute dtype, so log-probs match the trainer's."""
+    """How the server is started: the trainer's device and compute dtype, so log-probs match the trainer's, and the
+    run's engine settings (its KV pool, pages, prefill budget, CUDA graphs: `relax serve`'s flags of the same
+    names)."""
 
     device: str = "cpu"
     dtype: str = "float32"
-    engine_core: str = "auto"
-    mem_fraction_static: float = 0.85
-    kv_cache_dtype: str = "auto"
+    core: CoreSettings = field(default_factory=lambda: CoreSettings(mem_fraction_static=0.85))
     max_batch_size: int | None = None
     startup_timeout_s: float = 600.0  # a cold start on a busy 2-core machine takes tens of seconds
+
+
+def core_arguments(core: CoreSettings) -> list[str]:
+    """`relax serve`'s flags for the engine settings ``core`` (the ones a server takes: no FP8 projections, no agent
+    sessions)."""
+    return ["--engine-core", core.mode, "--mem-fraction-static", str(core.mem_fraction_static),
+            "--kv-cache-dtype", core.kv_cache_dtype, "--page-size", str(core.page_size),
+            "--max-prefill-tokens", str(core.max_prefill_tokens), "--cuda-graph-max-bs", str(core.max_graph_batch),
+            *(["--max-total-tokens", str(core.max_total_tokens)] if core.max_total_tokens is not None else []),
+            *([] if core.cuda_graphs else ["--disable-cuda-graph"])]
 
 
 class RelaxServerEngine(SGLangHTTPEngine):
@@ -69,10 +80,8 @@ class RelaxServerEngine(SGLangHTTPEngine):
         s = self.settings
         weights_root = self._require_weights_dir().resolve()
         return ["serve", "--hf-checkpoint", str(self.model_dir), "--host", "127.0.0.1",
-                "--port", str(self.server.port), "--device", s.device, "--dtype", s.dtype, "--engine-core",
-                s.engine_core, "--mem-fraction-static", str(s.mem_fraction_static), "--kv-cache-dtype",
-                s.kv_cache_dtype, "--weight-update-root",
-                str(weights_root), "--log-level", "warning",
+                "--port", str(self.server.port), "--device", s.device, "--dtype", s.dtype, *core_arguments(s.core),
+                "--weight-update-root", str(weights_root), "--log-level", "warning",
                 *(["--max-batch-size", str(s.max_batch_size)] if s.max_batch_size else [])]
 
     def environment(self) -> dict[str, str]:
