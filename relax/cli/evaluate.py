@@ -11,6 +11,7 @@ from relax.cli.args import parse_config
 from relax.cli.common import quiet_libraries, setup_logging, with_model_folders
 from relax.components.rollout import Rollout
 from relax.config import ConfigError, flag
+from relax.core.engines.embedded import core_settings
 from relax.core.preflight import check_data_files, preflight
 from relax.core.rollout_parts import (
     build_eval_reward_computer,
@@ -61,7 +62,9 @@ def cmd_eval(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if device.type == "cpu":
         set_cpu_threads(model.config.get_text_config().hidden_size, cfg.cpu_threads)
-    engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size)
+    # the run's engine settings (its KV pool, pages, runner, FP8): the held-out prompts were kept for that pool
+    engine = EmbeddedEngine(model.to(device), tokenizer, max_batch_size=cfg.rollout_max_batch_size,
+                            core=core_settings(cfg))
     rollout = Rollout(engine=engine, data_source=None, rewards=rewards, eval_rewards=eval_rewards,
                       sampling=eval_sampling(cfg),
                       n_samples_per_prompt=1, seed=cfg.rollout_seed, eval_sets=load_eval_sets(cfg, tokenizer),

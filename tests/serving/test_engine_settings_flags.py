@@ -85,3 +85,25 @@ def test_relax_serve_refuses_engine_settings_it_cannot_build_before_loading(tiny
                                                                             message):
     code = main(["serve", "--hf-checkpoint", str(tiny_workspace / "model"), "--device", "cpu", *flags])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_relax_eval_builds_its_engine_with_the_engine_settings(tiny_workspace, monkeypatch, capsys):
+    """`relax eval` built its engine with the defaults whatever the flags said (its held-out prompts were kept for
+    the --max-total-tokens pool all the same)."""
+    import relax.cli.evaluate as evaluate
+
+    built = []
+
+    class Recorded(evaluate.EmbeddedEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(evaluate, "EmbeddedEngine", Recorded)
+    code = main(["eval", "--hf-checkpoint", str(tiny_workspace / "model"), "--eval-prompt-data", "held_out",
+                 str(tiny_workspace / "test.jsonl"), "--custom-rm-path", "tests.support.e2e_rewards:digit_fraction",
+                 "--rollout-max-response-len", "4", "--max-total-tokens", "96", "--page-size", "8",
+                 "--engine-core", "on"])
+    assert code == 0 and "held_out: accuracy" in capsys.readouterr().out
+    (engine,) = built
+    assert engine.core.scheduler.max_sequence_tokens == 96 and engine.core.blocks.block_size == 8
