@@ -73,12 +73,14 @@ async def generate(args: Any, sample: Sample, sampling_params: SamplingParams) -
         raise ValueError("relax.rollout.agentic.agent_rollout needs --agent-command (the agent program to run)")
     argv = shlex.split(args.agent_command)
     async with shared_gateway(args) as (gateway, admission):
-        # --agentic-program-admission: the program starts once its context budget fits the engine's KV pool
+        # --agentic-program-admission: the program starts once its context budget fits the engine's KV pool; the
+        # budget is the session's, which the room a prompt and its answer share on the engine caps
+        room = answer_room(args)
         reserve = getattr(args, "rollout_max_context_len", None) or len(sample.tokens) + args.rollout_max_response_len
-        async with admission.admit(reserve) as admitted:
+        async with admission.admit(reserve if room is None else min(reserve, room.tokens)) as admitted:
             session = gateway.open_session(args.engine, sampling_params,
                                            max_context_len=getattr(args, "rollout_max_context_len", None),
-                                           answer_room=room.tokens if (room := answer_room(args)) else None,
+                                           answer_room=None if room is None else room.tokens,
                                            name=f"{sample.index}-{uuid.uuid4().hex[:6]}")
             try:
                 with tempfile.TemporaryDirectory(prefix="relax-agent-") as io_dir:
