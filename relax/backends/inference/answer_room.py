@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from transformers import AutoConfig
 
-from relax.backends.models.family import model_positions
+from relax.backends.inference.engine_core.decoder import unsupported_reason
+from relax.backends.models.family import model_from_config, model_positions
 from relax.backends.models.registry import traits
 from relax.data.dataset import AnswerRoom
 
@@ -40,13 +42,18 @@ def pool_tokens(args: Any) -> int | None:
 
 @functools.lru_cache(maxsize=16)
 def _paged(model_path: str | None) -> bool:
+    """Whether the engine runs the folder's model on the paged runner: the engine's own test, on the model built on
+    the meta device (no memory, no weights read)."""
     if not model_path:
         return False
     try:
-        found = traits(AutoConfig.from_pretrained(model_path))
+        config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
         return False
-    return found.engine_core and not found.sliding_window
+    if not traits(config).engine_core:
+        return False
+    with torch.device("meta"):
+        return unsupported_reason(model_from_config(config, torch.bfloat16)) is None
 
 
 @functools.lru_cache(maxsize=16)

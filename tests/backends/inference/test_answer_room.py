@@ -19,6 +19,7 @@ from relax.config import RelaxConfig
 from relax.core.run_settings import prompt_format
 from relax.rollout.agentic.multi_turn import context_budget
 from tests.support.tiny_assets import build_tiny_model_dir
+from tests.support.tiny_families import TEXT_CONFIGS, build_text_family
 
 POSITIONS = 256  # the tiny model's
 
@@ -70,3 +71,19 @@ def test_the_run_settings_hand_the_room_to_the_dataset_and_the_episodes(model_di
     assert prompt_format(cfg).answer_room.tokens == 96
     assert context_budget(cfg, prompt_length=90) == 96  # prompt + response would pass the pool
     assert context_budget(run_args(model_dir, rollout_max_context_len=1000), prompt_length=10) == POSITIONS
+
+
+@pytest.mark.parametrize("family", [*TEXT_CONFIGS, "qwen3-yarn"])
+def test_a_pool_is_named_exactly_where_the_engine_runs_the_model_on_its_paged_runner(family, tmp_path):
+    """The families the paged runner does not run (experts, linear attention, MLA, sliding windows, a rope it does
+    not compute) decode on the model-cache runner, which has no pool to bound a prompt."""
+    if family == "qwen3-yarn":
+        folder = build_tiny_model_dir(tmp_path / family, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128})
+    else:
+        folder = build_text_family(family, tmp_path / family)
+    engine = EmbeddedEngine(load_model(folder, torch.float32), read_tokenizer(folder),
+                            core=CoreSettings(max_total_tokens=128))
+    paged = engine.core.blocks is not None
+    assert pool_tokens(run_args(folder, max_total_tokens=128)) == (128 if paged else None)
+    assert family in ("llama", "qwen2", "qwen3") if paged else family not in ("llama", "qwen2", "qwen3")
