@@ -10,9 +10,10 @@ keeps a FIFO ledger of token reservations instead: a program is admitted when
 
 otherwise it waits, in arrival order (a program never overtakes an earlier one). A program that waited
 ``max_wait_s`` (30 s) is admitted anyway and counted as a bypass: admission fails open, it never deadlocks a step (a
-reservation larger than the ceiling, a pool that stays full of other work). An engine whose pool cannot be read (one
-in another process) admits everything. The reservation of a program is its context budget
-(``--rollout-max-context-len``, else the prompt plus one response length).
+pool that stays full of other work). An engine whose pool cannot be read (one in another process) admits everything.
+The reservation of a program is its context budget (``--rollout-max-context-len``, else the prompt plus one response
+length), at most the ceiling: no program can hold more, and a larger reservation had never fitted, so each such
+program waited the whole ``max_wait_s`` even on an idle pool, one after the other.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class ProgramAdmission:
             self.stats.admitted += 1
             yield Admitted()
             return
+        tokens = min(tokens, int(self.headroom * self.capacity.total()))  # (the module doc)
         ticket = object()
         self._queue.append(ticket)
         started, waited, admitted = time.monotonic(), False, Admitted()
