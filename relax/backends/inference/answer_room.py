@@ -9,14 +9,14 @@ the positions but not a small pool had reached the engine mid-run, which refused
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from relax.backends.inference.engine_core.decoder import unsupported_reason
-from relax.backends.models.family import model_from_config, model_positions
+from relax.backends.models.family import cached_config, model_from_config, model_positions
 from relax.backends.models.registry import traits
 from relax.data.dataset import AnswerRoom
 
@@ -44,16 +44,11 @@ def pool_tokens(args: Any) -> int | None:
 def _paged(model_path: str | None) -> bool:
     """Whether the engine runs the folder's model on the paged runner: the engine's own test, on the model built on
     the meta device (no memory, no weights read)."""
-    if not model_path:
+    config = cached_config(model_path)
+    if config is None or not traits(config).engine_core:
         return False
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
-        return False
-    if not traits(config).engine_core:
-        return False
-    with torch.device("meta"):
-        return unsupported_reason(model_from_config(config, torch.bfloat16)) is None
+    with torch.device("meta"):  # (on a copy: building a model writes into its config)
+        return unsupported_reason(model_from_config(copy.deepcopy(config), torch.bfloat16)) is None
 
 
 @functools.lru_cache(maxsize=16)

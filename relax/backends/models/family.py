@@ -128,16 +128,21 @@ def tokenizer_fit_problem(path: str | Path, tokenizer) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def model_positions(model_path: str | Path | None) -> int | None:
-    """The model's positions (its text config's max_position_embeddings), None where the folder does not say (read
-    once a folder: the multi-turn loop asks at every episode)."""
+def cached_config(model_path: str | Path | None):
+    """The folder's config, read once a folder (the multi-turn loop asks at every episode); None where there is no
+    folder or it cannot be read (preflight names such a folder before anything calls this). Not to be changed."""
     if not model_path:
         return None
     try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError):  # (preflight names a folder that cannot be read before anything calls this)
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
         return None
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def model_positions(model_path: str | Path | None) -> int | None:
+    """The model's positions (its text config's max_position_embeddings), None where the folder does not say."""
+    config = cached_config(model_path)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
     return int(positions) if isinstance(positions, int) and positions > 0 else None
 
 
